@@ -1,0 +1,81 @@
+"""Output: rich tables for people, JSON for programs. Nothing here computes a figure.
+
+Consoles are made per call (not at import) so they write to whatever sys.stdout is
+at that moment: a terminal, a pipe, or Typer's CliRunner in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from typing import Any
+
+from rich.console import Console
+
+BAR_WIDTH = 24
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def out() -> Console:
+    """Console on stdout (tables, text)."""
+    return Console(file=sys.stdout, highlight=False, soft_wrap=False)
+
+
+def err() -> Console:
+    """Console on stderr (warnings, notices, progress)."""
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    err().print(f"[yellow]warning:[/] {message}", markup=True)
+
+
+def notice(message: str) -> None:
+    err().print(f"[dim]{message}[/]", markup=True)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else (1e308 if obj > 0 else -1e308)
+    return obj
+
+
+def print_json(doc: Any, *, lines: bool = False) -> None:
+    """One JSON document on stdout (or one line per document with ``lines``), no colour."""
+    text = json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
+                      indent=None if lines else 2)
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def bar(fraction: float, width: int = BAR_WIDTH) -> str:
+    """A horizontal bar for a fraction in [0, 1], in eighths of a cell."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    eighths = round(fraction * width * 8)
+    full, rest = divmod(eighths, 8)
+    return "█" * full + ("▏▎▍▌▋▊▉"[rest - 1] if rest else "")
+
+
+def sparkline(values: list[float]) -> str:
+    """One character per value, scaled between the values' min and max."""
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = hi - lo
+    return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
+
+
+def show_token(text: str) -> str:
+    """A token's text made visible: a leading space as '␣', newlines and tabs escaped."""
+    shown = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    if shown.startswith(" "):
+        shown = "␣" + shown[1:]
+    return shown
