@@ -1,0 +1,93 @@
+"""`lmhead inspect`: prompt -> tokens -> hidden states -> the head on the last position -> distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lmhead_cli.errors import UsageError
+from lmhead_cli.head import (TargetScore, TokenScore, check_finite, clamp_top_k, entropy, log_softmax,
+                             nats_to_bits, target_score, top_tokens)
+from lmhead_cli.sources import Loaded
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ShapeWalk:
+    """The shapes the head sees, read off the real tensors, and what the last-position head saves."""
+
+    hidden: tuple[int, ...]  # (B, T, D)
+    last: tuple[int, ...]  # (B, 1, D)
+    logits: tuple[int, ...]  # (B, 1, V)
+    head_macs_last: int  # D·V multiply-adds
+    head_macs_full: int  # T·D·V for logits at every position
+    logits_bytes_last: int  # V·4 bytes in float32
+    logits_bytes_full: int  # T·V·4
+
+
+@dataclass
+class Inspection:
+    model: str
+    random_weights: bool
+    tied: bool
+    engine: str
+    device: str
+    dtype: str
+    prompt_tokens: list[PromptToken]
+    truncated: int  # tokens dropped from the front to fit the context
+    shapes: ShapeWalk
+    top: list[TokenScore]
+    targets: list[TargetScore]
+    entropy: float  # nats
+    entropy_bits: float
+    logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for later stages
+
+
+def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
+    """Token ids of `prompt`, keeping the last n_ctx; returns (ids, number dropped from the front)."""
+    if not prompt or not prompt.strip():
+        raise UsageError("the prompt is empty; give some text, e.g. lmhead inspect \"The keys on the table\"")
+    ids = loaded.tokenizer.encode(prompt)
+    n_ctx = loaded.engine.n_ctx
+    dropped = max(0, len(ids) - n_ctx)
+    return ids[dropped:], dropped
+
+
+def last_logits(loaded: Loaded, ids: list[int]) -> tuple[torch.Tensor, ShapeWalk]:
+    """Run the body on all T positions and the head on the last one only: logits (V,) float32."""
+    eng = loaded.engine
+    x = torch.tensor([ids], device=eng.device)  # (1, T)
+    hidden = eng.body(x)  # (1, T, D)
+    last = hidden[:, -1:, :]  # (1, 1, D)
+    logits = eng.head(last)  # (1, 1, V)
+    check_finite(logits)
+    T, D, V = hidden.shape[1], hidden.shape[2], logits.shape[-1]
+    walk = ShapeWalk(hidden=tuple(hidden.shape), last=tuple(last.shape), logits=tuple(logits.shape),
+                     head_macs_last=D * V, head_macs_full=T * D * V,
+                     logits_bytes_last=V * FLOAT32_BYTES, logits_bytes_full=T * V * FLOAT32_BYTES)
+    return logits[0, 0].float(), walk
+
+
+def inspect_prompt(loaded: Loaded, prompt: str, top_k: int = 10, targets: list[str] | None = None) -> Inspection:
+    ids, dropped = encode_prompt(loaded, prompt)
+    k = clamp_top_k(top_k, loaded.engine.vocab_size)
+    logits, walk = last_logits(loaded, ids)
+    text = loaded.tokenizer.token_text
+    logprobs = log_softmax(logits)
+    nats = entropy(logprobs)
+    return Inspection(
+        model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied,
+        engine=loaded.engine.name, device=str(loaded.engine.device), dtype=str(loaded.engine.dtype).removeprefix("torch."),
+        prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
+        top=top_tokens(logits, k, text),
+        targets=[target_score(logits, t, loaded.tokenizer.encode(t), text) for t in targets or []],
+        entropy=nats, entropy_bits=nats_to_bits(nats), logits=logits,
+    )

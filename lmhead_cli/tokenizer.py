@@ -1,0 +1,83 @@
+"""GPT-2's byte-level BPE through the `tokenizers` library (fast, and no transformers import).
+
+The bundled vocab.json / merges.txt (lmhead_cli/data/gpt2-tokenizer, MIT, OpenAI 2019) serve
+`random:` models and checkpoints that ship no tokenizer files of their own.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+EOT = "<|endoftext|>"
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's map from the printable stand-in characters in its vocabulary back to raw bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class GPT2Tokenizer:
+    """encode / decode, and each token's raw bytes and readable text."""
+
+    def __init__(self, tok: Tokenizer, origin: str):
+        self.tok = tok
+        self.origin = origin  # where the files came from, for reports
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> GPT2Tokenizer | None:
+        """The tokenizer a checkpoint folder ships (tokenizer.json, else vocab.json + merges.txt), or None."""
+        if (folder / "tokenizer.json").is_file():
+            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), str(folder / "tokenizer.json"))
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            return cls(_bpe(folder / "vocab.json", folder / "merges.txt"), str(folder))
+        return None
+
+    @classmethod
+    def bundled(cls) -> GPT2Tokenizer:
+        folder = resources.files("lmhead_cli.data") / "gpt2-tokenizer"
+        with resources.as_file(folder) as path:
+            return cls(_bpe(path / "vocab.json", path / "merges.txt"), "bundled GPT-2 BPE")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode("utf-8")  # a special token such as <|endoftext|>
+
+    def token_text(self, token_id: int) -> str:
+        """The token as text; a piece of a multi-byte character shows as its bytes (e.g. '\\xe4\\xbd')."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+
+def _bpe(vocab: Path, merges: Path) -> Tokenizer:
+    tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT])
+    return tok
