@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from lmhead_cli import __version__
-from lmhead_cli.errors import LmheadError
+from lmhead_cli.errors import LmheadError, UsageError
 
 app = typer.Typer(
     name="lmhead",
@@ -109,11 +109,193 @@ def _root(
 
 
 # ==== inspect / tie (issue 2) ===================================================================
-# (commands are added above this line by the foundation work)
+
+def load(model: str, device: str = "auto", dtype: str = "float32", engine: str = "auto",
+         allow_pickle: bool = False):
+    """Load a model source (lazily importing torch); every model command goes through here."""
+    from lmhead_cli.sources import load_model
+
+    return load_model(model, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle)
+
+
+def tie_json(tie) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(tie)
+
+
+@command("inspect")
+def inspect_cmd(
+    prompt: Annotated[Optional[str], typer.Argument(help="The text whose next token to inspect.")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the best tokens to list.")] = 10,
+    target: Annotated[
+        Optional[list[str]],
+        typer.Option("--target", "-t", help="A token to follow (repeatable), e.g. --target ' are'."),
+    ] = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show how the last hidden vector becomes logits and probabilities for the next token.
+
+    Example: lmhead inspect "The keys on the table" --target " are" --target " is"
+    """
+    from lmhead_cli import render
+    from lmhead_cli.inspection import inspect_prompt
+    from lmhead_cli.render.inspect import inspection
+
+    if prompt is None:
+        raise UsageError('give a prompt, e.g. lmhead inspect "The keys on the table"')
+    if top_k < 1:
+        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    result = inspect_prompt(loaded, prompt, top_k, target)
+    if result.truncated:
+        render.warn(f"the prompt is {len(result.prompt_tokens) + result.truncated} tokens, longer than the "
+                    f"context of {loaded.engine.n_ctx}; keeping the last {len(result.prompt_tokens)}")
+    for t in result.targets:
+        if len(t.pieces) > 1:
+            render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
+    if json_out:
+        render.print_json(inspection_json(result, loaded))
+    else:
+        inspection(result, loaded.tie)
+
+
+def inspection_json(result, loaded) -> dict:
+    """The documented `inspect --json` document."""
+    from dataclasses import asdict
+
+    return {
+        "model": result.model,
+        "random_weights": result.random_weights,
+        "tied": result.tied,
+        "engine": result.engine,
+        "device": result.device,
+        "dtype": result.dtype,
+        "prompt_tokens": [asdict(t) for t in result.prompt_tokens],
+        "truncated": result.truncated,
+        "shapes": asdict(result.shapes),
+        "top": [asdict(t) for t in result.top],
+        "targets": [asdict(t) for t in result.targets],
+        "entropy": result.entropy,
+        "entropy_bits": result.entropy_bits,
+        "tie": tie_json(loaded.tie),
+    }
+
+
+@command("tie")
+def tie_cmd(
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Prove weight tying: is the output matrix the very same tensor as the embedding table?
+
+    Example: lmhead tie --model random:gpt2 --engine transformers
+    """
+    from lmhead_cli import render
+    from lmhead_cli.render.inspect import tie_report
+
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    if json_out:
+        render.print_json({"model": loaded.source, "random_weights": loaded.random_weights,
+                           "engine": loaded.engine.name, **tie_json(loaded.tie)})
+    else:
+        tie_report(loaded)
+
 
 # ==== generate / greedy / sample / softcap (issue 3) =============================================
 
 # ==== params / toy (issue 4) =====================================================================
+# Arithmetic only unless --model is given: no torch import on this path (tests/test_startup.py).
+MAX_TOY_DRAWS = 100_000
+
+
+@command()
+def params(
+    config: Annotated[
+        Optional[str],
+        typer.Option("--config", "-c", help="A bundled config, counted by arithmetic (default gpt2): "
+                     "distilgpt2, gpt2, gpt2-medium, gpt2-large, gpt2-xl."),
+    ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", "-m", help="Count a loaded model's real tensors instead: a hub id, a local "
+                     "folder, or random:NAME."),
+    ] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Batch size B for the logits memory.")] = 1,
+    seq: Annotated[
+        Optional[int], typer.Option("--seq", help="Sequence length T for the logits memory [default: n_positions].")
+    ] = None,
+    vocab: Annotated[
+        Optional[int],
+        typer.Option("--vocab", help="Vocabulary size V for the logits memory, e.g. 32000 [default: the model's]."),
+    ] = None,
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Where GPT-2's parameters live, what weight tying saves, and what the head's logits cost.
+
+    Example: lmhead params --config gpt2-xl --batch 8 --seq 2048 --vocab 32000
+    """
+    from lmhead_cli import params as count
+    from lmhead_cli.errors import UsageError
+    from lmhead_cli.model_configs import load_config
+    from lmhead_cli.render.params import render_params
+
+    if config is not None and model is not None:
+        raise UsageError("--config and --model are mutually exclusive: --config counts a bundled config by "
+                         "arithmetic, --model counts a loaded model's tensors")
+    for flag, value in (("--batch", batch), ("--seq", seq), ("--vocab", vocab)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1; got {value}")
+    if model is None:
+        name, counted_from = config or DEFAULT_MODEL, "config"
+        acc = count.account_from_config(load_config(name))
+    else:
+        from lmhead_cli.sources import load_model  # imports torch: only when real tensors are asked for
+
+        loaded = load_model(model, device="cpu", dtype="float32", engine="lean", allow_pickle=allow_pickle)
+        name, counted_from = model, "tensors"
+        acc = count.account_from_tensors(loaded.module.named_parameters(remove_duplicate=False))
+    cost = count.head_cost(acc.n_embd, acc.vocab_size)
+    memory = count.logits_memory(batch, seq or acc.n_positions, vocab or acc.vocab_size)
+    render_params(name, counted_from, acc, cost, memory, as_json=json_out)
+
+
+@command()
+def toy(
+    hidden: Annotated[
+        Optional[str], typer.Option("--hidden", help="Your own hidden vector h: 3 numbers, e.g. 0.5,1,2 [default: 1,0,1].")
+    ] = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", help="Divide the logits by T before softmax.")
+    ] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for the sampled draws.")] = 0,
+    draws: Annotated[int, typer.Option("--draws", help="How many times to choose a word.")] = 20,
+    json_out: JsonOpt = False,
+) -> None:
+    """The whole last step on four words you can check by hand: h -> logits -> softmax -> a word.
+
+    Example: lmhead toy --hidden 0.5,1,2 --temperature 0.7
+    """
+    from lmhead_cli import toy as toy_head
+    from lmhead_cli.errors import UsageError
+    from lmhead_cli.render.toy import render_toy
+
+    h = toy_head.parse_hidden(hidden) if hidden is not None else toy_head.HIDDEN
+    toy_head.check_temperature(temperature)
+    if not 1 <= draws <= MAX_TOY_DRAWS:
+        raise UsageError(f"--draws must be between 1 and {MAX_TOY_DRAWS:,}; got {draws}")
+    render_toy(toy_head.toy_example(h, temperature, seed, draws), as_json=json_out)
+
 
 # ==== lens / explore (issue 6) ===================================================================
 

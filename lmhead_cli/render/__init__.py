@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
-BAR_WIDTH = 24
+BAR_WIDTH = 16
 SPARK = "▁▂▃▄▅▆▇█"
 
 

@@ -1,0 +1,97 @@
+"""Tables for `lmhead inspect` and `lmhead tie`."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from lmhead_cli.render import bar, out, show_token
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def random_banner(model: str, random_weights: bool) -> None:
+    if random_weights:
+        out().print(f"[bold yellow]random weights[/] ({model}, seeded): the architecture and the arithmetic "
+                    "are real, the predictions are not.")
+
+
+def tie_line(tie) -> str:
+    if tie.tied:
+        return (f"tie: {tie.head_name} [bold]is[/] {tie.embedding_name} (same object, same data_ptr): "
+                f"W_out = E, so each logit z_k = e_k · h")
+    return (f"tie: [bold]untied[/]: {tie.head_name} is its own {tie.shape[0]}×{tie.shape[1]} matrix "
+            f"(tie_word_embeddings: {str(tie.config_tie_word_embeddings).lower()})")
+
+
+def inspection(result, tie) -> None:
+    con = out()
+    random_banner(result.model, result.random_weights)
+    con.print(tie_line(tie))
+    if result.truncated:
+        con.print(f"[yellow]prompt cut to its last {len(result.prompt_tokens)} tokens "
+                  f"({result.truncated} dropped from the front)[/]")
+
+    tokens = Table(title="prompt tokens", title_justify="left", show_edge=False)
+    tokens.add_column("#", justify="right", style="dim")
+    tokens.add_column("id", justify="right")
+    tokens.add_column("token")
+    for i, t in enumerate(result.prompt_tokens):
+        tokens.add_row(str(i), str(t.id), show_token(t.text))
+    con.print(tokens)
+
+    s = result.shapes
+    con.print(
+        f"shapes: hidden {_shape(s.hidden)} → last position {_shape(s.last)} → logits {_shape(s.logits)}\n"
+        f"head on the last position only: {s.head_macs_last:,} multiply-adds and {s.logits_bytes_last:,} bytes "
+        f"of float32 logits, instead of {s.head_macs_full:,} and {s.logits_bytes_full:,} for all "
+        f"{s.hidden[1]} positions ({s.head_macs_full // s.head_macs_last}× less)"
+    )
+
+    top = Table(title=f"next token: top {len(result.top)} of {s.logits[-1]:,}", title_justify="left",
+                show_edge=False)
+    for name, justify in (("rank", "right"), ("id", "right"), ("token", "left"), ("logit", "right"),
+                          ("prob", "right"), ("logprob", "right"), ("", "left")):
+        top.add_column(name, justify=justify)
+    best = result.top[0].prob if result.top else 1.0
+    for t in result.top:
+        top.add_row(str(t.rank), str(t.id), show_token(t.token), f"{t.logit:.4f}", f"{t.prob:.4%}",
+                    f"{t.logprob:.4f}", f"[cyan]{bar(t.prob / best if best else 0)}[/]")
+    con.print(top)
+    con.print(f"entropy: {result.entropy:.4f} nats = {result.entropy_bits:.4f} bits "
+              "(bars are relative to the top token)")
+
+    if result.targets:
+        tg = Table(title="targets", title_justify="left", show_edge=False)
+        for name, justify in (("target", "left"), ("id", "right"), ("rank", "right"), ("logit", "right"),
+                              ("prob", "right"), ("note", "left")):
+            tg.add_column(name, justify=justify)
+        for t in result.targets:
+            note = "" if len(t.pieces) == 1 else f"{len(t.pieces)} tokens; scored by the first"
+            tg.add_row(show_token(t.token), str(t.id), f"{t.rank:,}", f"{t.logit:.4f}", f"{t.prob:.4%}", note)
+        con.print(tg)
+
+
+def tie_report(loaded) -> None:
+    tie = loaded.tie
+    con = out()
+    random_banner(loaded.source, loaded.random_weights)
+    con.print(tie_line(tie))
+    table = Table(show_header=False, show_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+
+    def yes(v) -> str:
+        return "n/a (no file)" if v is None else ("yes" if v else "no")
+
+    table.add_row(f"{tie.head_name} is {tie.embedding_name}", yes(tie.same_object))
+    table.add_row("same data_ptr", yes(tie.same_data_ptr))
+    table.add_row("config tie_word_embeddings", str(tie.config_tie_word_embeddings).lower())
+    table.add_row("weights file stores its own lm_head.weight", yes(tie.file_has_lm_head))
+    if tie.file_has_lm_head:
+        table.add_row("  stored lm_head.weight equals wte.weight", yes(tie.file_lm_head_equals_wte))
+    table.add_row("matrix shape (V × d)", f"{tie.shape[0]:,} × {tie.shape[1]:,}")
+    table.add_row("engine", loaded.engine.name)
+    table.add_row("source", f"{loaded.kind}: {loaded.path or loaded.source}")
+    con.print(table)
