@@ -232,11 +232,11 @@ def params(
     ] = None,
     batch: Annotated[int, typer.Option("--batch", help="Batch size B for the logits memory.")] = 1,
     seq: Annotated[
-        Optional[int], typer.Option("--seq", help="Sequence length T for the logits memory [default: n_positions].")
+        Optional[int], typer.Option("--seq", help="Sequence length T for the logits memory (default: n_positions).")
     ] = None,
     vocab: Annotated[
         Optional[int],
-        typer.Option("--vocab", help="Vocabulary size V for the logits memory, e.g. 32000 [default: the model's]."),
+        typer.Option("--vocab", help="Vocabulary size V for the logits memory, e.g. 32000 (default: the model's)."),
     ] = None,
     allow_pickle: AllowPickleOpt = False,
     json_out: JsonOpt = False,
@@ -246,7 +246,6 @@ def params(
     Example: lmhead params --config gpt2-xl --batch 8 --seq 2048 --vocab 32000
     """
     from lmhead_cli import params as count
-    from lmhead_cli.errors import UsageError
     from lmhead_cli.model_configs import load_config
     from lmhead_cli.render.params import render_params
 
@@ -273,7 +272,8 @@ def params(
 @command()
 def toy(
     hidden: Annotated[
-        Optional[str], typer.Option("--hidden", help="Your own hidden vector h: 3 numbers, e.g. 0.5,1,2 [default: 1,0,1].")
+        Optional[str],
+        typer.Option("--hidden", help="Your own hidden vector h: 3 numbers, e.g. 0.5,1,2 (default 1,0,1)."),
     ] = None,
     temperature: Annotated[
         float, typer.Option("--temperature", "-t", help="Divide the logits by T before softmax.")
@@ -287,7 +287,6 @@ def toy(
     Example: lmhead toy --hidden 0.5,1,2 --temperature 0.7
     """
     from lmhead_cli import toy as toy_head
-    from lmhead_cli.errors import UsageError
     from lmhead_cli.render.toy import render_toy
 
     h = toy_head.parse_hidden(hidden) if hidden is not None else toy_head.HIDDEN

@@ -81,5 +81,5 @@ def render_toy(ex: ToyExample, *, as_json: bool = False) -> None:
     console.print(_changes(ex))
     for v in ex.variants:
         if v.scale is not None:
-            console.print(f"h × {short_number(v.scale)} against temperature {short_number(v.equivalent_temperature)}:"
-                          f" p differs by at most {v.equivalence_gap:.1e}")
+            console.print(f"h × {short_number(v.scale)} against temperature "
+                          f"{short_number(v.equivalent_temperature)}: p differs by at most {v.equivalence_gap:.1e}")

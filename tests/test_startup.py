@@ -1,0 +1,43 @@
+"""Instant start: the commands that are arithmetic never import torch or transformers.
+
+Run in a fresh interpreter, since this test session itself has long since imported both.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+LIGHT_COMMANDS = [
+    ["--help"],
+    ["--version"],
+    ["params", "--config", "gpt2-xl"],
+    ["params"],
+    ["params", "--json", "--batch", "8", "--seq", "2048", "--vocab", "32000"],
+    ["toy"],
+    ["toy", "--hidden", "0.5,1,2", "--temperature", "0.7", "--json"],
+]
+
+PROBE = """
+import json, sys
+from typer.testing import CliRunner
+from lmhead_cli.cli import app
+
+runner, report = CliRunner(), []
+for args in json.loads(sys.argv[1]):
+    result = runner.invoke(app, args)
+    heavy = [m for m in ("torch", "transformers") if m in sys.modules]
+    report.append({"args": args, "exit_code": result.exit_code, "heavy": heavy, "output": result.output[-300:]})
+print(json.dumps(report))
+"""
+
+
+def test_light_commands_never_import_torch_or_transformers():
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(LIGHT_COMMANDS)], capture_output=True,
+                          text=True, timeout=60, check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["args"] for r in report] == LIGHT_COMMANDS
+    for r in report:
+        assert r["exit_code"] == 0, r
+        assert r["heavy"] == [], f"lmhead {' '.join(r['args'])} imported {r['heavy']}"
