@@ -144,11 +144,13 @@ def inspect_cmd(
     Example: lmhead inspect "The keys on the table" --target " are" --target " is"
     """
     from lmhead_cli import render
-    from lmhead_cli.inspection import inspect_prompt
+    from lmhead_cli.inspection import check_prompt, check_targets, inspect_prompt
     from lmhead_cli.render.inspect import inspection
 
     if prompt is None:
         raise UsageError('give a prompt, e.g. lmhead inspect "The keys on the table"')
+    check_prompt(prompt)
+    check_targets(target)
     if top_k < 1:
         raise UsageError(f"--top-k must be at least 1 (got {top_k})")
     loaded = load(model, device, dtype, engine, allow_pickle)
@@ -297,6 +299,49 @@ def toy(
 
 
 # ==== lens / explore (issue 6) ===================================================================
+
+@command("lens")
+def lens_cmd(
+    prompt: Annotated[Optional[str], typer.Argument(help="The text whose next token to follow through the layers.")] = None,
+    target: Annotated[
+        Optional[list[str]],
+        typer.Option("--target", "-t", help="A token to follow (repeatable): its rank and probability per layer."),
+    ] = None,
+    heat: Annotated[
+        bool, typer.Option("--heat", help="Show a heat map (layers × top tokens, probabilities as shades) instead.")
+    ] = False,
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.")] = 8,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Logit lens: what the head would predict from the residual stream after the embeddings and each block.
+
+    Example: lmhead lens "The keys on the table" --target " are" --heat
+    """
+    from lmhead_cli import render
+    from lmhead_cli.lens import lens_prompt
+    from lmhead_cli.render.lens import lens_heat, lens_json, lens_table
+
+    if prompt is None:
+        raise UsageError('give a prompt, e.g. lmhead lens "The keys on the table"')
+    if top_k < 1:
+        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    result = lens_prompt(loaded, prompt, target, top_k)
+    if result.truncated:
+        render.warn(f"the prompt is longer than the context of {loaded.engine.n_ctx}; "
+                    f"keeping the last {len(result.prompt_tokens)} tokens")
+    if json_out:
+        render.print_json(lens_json(result))
+    elif heat:
+        lens_heat(result)
+    else:
+        lens_table(result)
+
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ Neither knows about rich or typer. Shapes: B batch, T positions, D width, V voca
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -112,8 +113,10 @@ class GPT2(nn.Module):
         d, V = config["n_embd"], config["vocab_size"]
         inner = config.get("n_inner") or 4 * d
         eps = config.get("layer_norm_epsilon", 1e-5)
-        self.wte = nn.Embedding(V, d)
-        self.wpe = nn.Embedding(config["n_positions"], d)
+        # Given an (uninitialised) weight, nn.Embedding skips its random init: the weights always come
+        # from a checkpoint or random_state, and on the meta device that init would import torch._dynamo (~1.5 s).
+        self.wte = nn.Embedding(V, d, _weight=torch.empty(V, d))
+        self.wpe = nn.Embedding(config["n_positions"], d, _weight=torch.empty(config["n_positions"], d))
         self.h = nn.ModuleList(Block(d, config["n_head"], inner, eps) for _ in range(config["n_layer"]))
         self.ln_f = nn.LayerNorm(d, eps=eps)
         self.lm_head = nn.Linear(d, V, bias=False)
@@ -239,6 +242,9 @@ class TransformersEngine(Engine):
         super().__init__(name="transformers", config=config, module=model)
         self.model = model
         self.base = model.base_model
+        # transformers 5.x renamed `past_key_values` to `cache`; accept both releases.
+        params = inspect.signature(self.base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @property
     def embedding_weight(self) -> torch.Tensor:
@@ -263,7 +269,8 @@ class TransformersEngine(Engine):
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
             kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        out = self.base(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **kwargs)
+        kwargs[self._cache_kw] = cache
+        out = self.base(input_ids=ids, use_cache=cache is not None, **kwargs)
         return out.last_hidden_state
 
     @torch.inference_mode()

@@ -51,11 +51,23 @@ class Inspection:
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for later stages
 
 
-def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
-    """Token ids of `prompt`, keeping the last n_ctx; returns (ids, number dropped from the front)."""
+def check_prompt(prompt: str | None) -> str:
+    """The prompt, or a UsageError if it is missing, empty or only white space."""
     if not prompt or not prompt.strip():
         raise UsageError("the prompt is empty; give some text, e.g. lmhead inspect \"The keys on the table\"")
-    ids = loaded.tokenizer.encode(prompt)
+    return prompt
+
+
+def check_targets(targets: list[str] | None) -> list[str]:
+    for t in targets or []:
+        if not t:
+            raise UsageError(f"--target {t!r} encodes to no tokens; give a token such as ' are'")
+    return list(targets or [])
+
+
+def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
+    """Token ids of `prompt`, keeping the last n_ctx; returns (ids, number dropped from the front)."""
+    ids = loaded.tokenizer.encode(check_prompt(prompt))
     n_ctx = loaded.engine.n_ctx
     dropped = max(0, len(ids) - n_ctx)
     return ids[dropped:], dropped

@@ -7,6 +7,7 @@ Nothing here prints: progress bars are huggingface_hub's own, on stderr.
 from __future__ import annotations
 
 import json
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,7 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
+        _choose_engine(engine, config)  # refuse a wrong engine before reading any weights
         state, files = read_weights(folder, allow_pickle)
 
     engine_name = _choose_engine(engine, config)
@@ -173,7 +175,7 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
         raise ModelNotFound(f"{repo_id!r} is neither a local folder nor a valid hub id") from None
     except Exception:  # noqa: BLE001 - not cached: fall through to the network
         pass
-    if constants.HF_HUB_OFFLINE:
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {advice}")
     if not _reachable(constants.ENDPOINT):
         raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and the hub can't be reached; {advice}")

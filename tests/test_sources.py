@@ -1,0 +1,172 @@
+"""Model sources, safe loading and the tie report, checked against transformers' own objects."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+from conftest import PROMPT_IDS, build_checkpoint
+from safetensors.torch import save_file
+
+from lmhead_cli import sources
+from lmhead_cli.errors import CorruptCheckpoint, ModelNotFound, UnsafeCheckpoint, UsageError
+from lmhead_cli.sources import load_model
+
+
+def _ref_logits(model, ids=PROMPT_IDS):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def _our_logits(loaded, ids=PROMPT_IDS):
+    from lmhead_cli.inspection import last_logits
+
+    return last_logits(loaded, ids)[0]
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_tied_checkpoint_is_tied_by_object(tiny, engine):
+    folder, ref = tiny
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    tie = loaded.tie
+    assert tie.tied and tie.same_object and tie.same_data_ptr
+    assert loaded.engine.head_weight is loaded.engine.embedding_weight
+    assert tie.config_tie_word_embeddings is True
+    assert tie.file_has_lm_head is False  # transformers does not store the tied head
+    assert tie.shape == tuple(ref.lm_head.weight.shape)
+    torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_untied_checkpoint_keeps_its_own_head(tiny_untied, engine):
+    folder, ref = tiny_untied
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    assert not loaded.tie.tied and not loaded.tie.same_object
+    assert loaded.tie.file_has_lm_head is True
+    assert not torch.equal(loaded.engine.head_weight, loaded.engine.embedding_weight)
+    torch.testing.assert_close(loaded.engine.head_weight, ref.lm_head.weight)
+    torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
+
+
+def test_tied_config_with_a_stored_head_reports_it_and_uses_wte(tmp_path, tiny):
+    folder, ref = tiny
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    state["lm_head.weight"] = torch.randn_like(state["transformer.wte.weight"])
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    save_file(state, tmp_path / "model.safetensors")
+    loaded = load_model(str(tmp_path), device="cpu")
+    assert loaded.tie.tied and loaded.tie.file_has_lm_head is True
+    assert loaded.tie.file_lm_head_equals_wte is False
+    torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
+
+
+def test_sharded_safetensors_load(tmp_path, tiny):
+    _, ref = tiny
+    ref.save_pretrained(tmp_path, max_shard_size="5MB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    loaded = load_model(str(tmp_path), device="cpu")
+    torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
+
+
+def test_pickle_only_checkpoint_is_refused_unless_allowed(tmp_path, tiny):
+    folder, ref = tiny
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    torch.save(ref.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(UnsafeCheckpoint, match="pickle.*--allow-pickle"):
+        load_model(str(tmp_path), device="cpu")
+    loaded = load_model(str(tmp_path), device="cpu", allow_pickle=True)
+    torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
+
+
+def test_truncated_safetensors_names_the_file(tmp_path, tiny):
+    folder, _ = tiny
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    data = (folder / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpoint, match="model.safetensors"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_missing_tensor_is_named(tmp_path, tiny):
+    folder, _ = tiny
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    del state["transformer.h.1.mlp.c_fc.weight"]
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(CorruptCheckpoint, match=r"h\.1\.mlp\.c_fc\.weight"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_folder_without_weights_or_config(tmp_path, tiny):
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        load_model(str(tmp_path), device="cpu")
+    (tmp_path / "config.json").write_bytes((tiny[0] / "config.json").read_bytes())
+    with pytest.raises(ModelNotFound, match="holds no weights"):
+        load_model(str(tmp_path), device="cpu")
+    with pytest.raises(ModelNotFound, match="no such folder"):
+        load_model(str(tmp_path / "nope"), device="cpu")
+
+
+def test_random_names_and_seeded_weights():
+    with pytest.raises(UsageError, match="random:gpt2.*random:gpt2-xl"):
+        load_model("random:gpt3", device="cpu")
+    a = load_model("random:distilgpt2", device="cpu")
+    b = load_model("random:distilgpt2", device="cpu", engine="transformers")
+    assert a.random_weights and a.tie.tied and b.tie.tied
+    assert a.engine.head_weight.shape == (50257, 768) and len(a.engine.gpt.h) == 6
+    ids = torch.tensor([PROMPT_IDS])
+    torch.testing.assert_close(_our_logits(a), b.module(ids).logits[0, -1], atol=1e-4, rtol=0)
+
+
+def test_uncached_hub_id_offline_fails_with_advice(monkeypatch):
+    with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE.*random:gpt2"):
+        load_model("gpt2", device="cpu")
+
+
+def test_uncached_hub_id_unreachable_fails_without_downloading(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    probed = []
+    monkeypatch.setattr(sources, "_reachable", lambda endpoint, timeout=3.0: probed.append(endpoint) or False)
+    with pytest.raises(ModelNotFound, match="can't be reached.*local folder.*random:gpt2"):
+        load_model("some-org/some-model", device="cpu")
+    assert probed, "the hub must be probed quickly before any download is tried"
+
+
+def test_bad_device_dtype_engine():
+    with pytest.raises(UsageError, match="--device"):
+        load_model("random:gpt2", device="tpu")
+    with pytest.raises(UsageError, match="--dtype"):
+        load_model("random:gpt2", dtype="float8")
+    with pytest.raises(UsageError, match="--engine"):
+        load_model("random:gpt2", engine="jax")
+
+
+def test_non_gpt2_architecture_needs_transformers_engine(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(UsageError, match="--engine transformers"):
+        load_model(str(tmp_path), device="cpu", engine="lean")
+
+
+def test_bfloat16_loads_and_head_stays_tied(tiny):
+    folder, ref = tiny
+    loaded = load_model(str(folder), device="cpu", dtype="bfloat16")
+    assert loaded.engine.dtype == torch.bfloat16 and loaded.tie.same_object
+    ours = _our_logits(loaded)
+    assert ours.dtype == torch.float32  # softmax always runs in float32
+    torch.testing.assert_close(ours, _ref_logits(ref), atol=0.1, rtol=0.05)
+
+
+def test_real_gpt2_is_tied(real_gpt2):
+    loaded = load_model(str(real_gpt2), device="cpu")
+    assert loaded.tie.same_object and loaded.tie.shape == (50257, 768)

@@ -1,0 +1,36 @@
+from conftest import PROMPT, PROMPT_IDS
+
+from lmhead_cli.tokenizer import GPT2Tokenizer
+
+
+def test_bundled_tokenizer_matches_gpt2():
+    tok = GPT2Tokenizer.bundled()
+    assert tok.encode(PROMPT) == PROMPT_IDS
+    assert tok.decode(PROMPT_IDS) == PROMPT
+    assert tok.vocab_size == 50257
+    assert tok.encode("<|endoftext|>") == [50256]
+
+
+def test_bundled_tokenizer_agrees_with_transformers_on_mixed_text():
+    import importlib.resources as r
+
+    from transformers import GPT2Tokenizer as ReferenceTokenizer
+
+    folder = r.files("lmhead_cli.data") / "gpt2-tokenizer"
+    with r.as_file(folder) as path:
+        ref = ReferenceTokenizer.from_pretrained(str(path))  # transformers' own GPT-2 tokenizer on the same files
+    tok = GPT2Tokenizer.bundled()
+    for text in [PROMPT, " leading space", "你好，世界", "日本語のテキスト 🙂🎉", "tabs\tand\nnewlines  ", "x" * 300]:
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_token_text_shows_bytes_of_partial_characters():
+    tok = GPT2Tokenizer.bundled()
+    ids = tok.encode("你")
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == "你".encode()
+    if len(ids) > 1:  # a piece of a multi-byte character shows as escaped bytes, not U+FFFD
+        assert "\ufffd" not in tok.token_text(ids[0])
+        assert tok.token_text(ids[0]).startswith("\\x")
+    assert tok.token_text(8251) == " keys"
