@@ -323,11 +323,14 @@ def lens_cmd(
     Example: lmhead lens "The keys on the table" --target " are" --heat
     """
     from lmhead_cli import render
+    from lmhead_cli.inspection import check_prompt, check_targets
     from lmhead_cli.lens import lens_prompt
     from lmhead_cli.render.lens import lens_heat, lens_json, lens_table
 
     if prompt is None:
         raise UsageError('give a prompt, e.g. lmhead lens "The keys on the table"')
+    check_prompt(prompt)
+    check_targets(target)
     if top_k < 1:
         raise UsageError(f"--top-k must be at least 1 (got {top_k})")
     loaded = load(model, device, dtype, engine, allow_pickle)

@@ -1,0 +1,91 @@
+"""`lmhead lens`: the logit lens. What would the model say if it stopped after the embeddings, or
+after block i, and went straight to the head?
+
+Each layer's residual vector at the last position goes through the final layer norm, recomputed
+for that vector (its own mean and variance, not the scale the last layer happened to have), and
+the head. The last row is then `ln_f(x_L)` through the head: exactly `inspect`'s logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lmhead_cli.head import (TargetScore, check_finite, clamp_top_k, entropy, log_softmax, target_score,
+                             top_tokens)
+from lmhead_cli.inspection import PromptToken, encode_prompt
+from lmhead_cli.sources import Loaded
+
+
+@dataclass(frozen=True)
+class LensLayer:
+    """The head's verdict on one layer's residual vector."""
+
+    layer: int  # 0 = after the embeddings, i = after block i
+    top_id: int
+    top_token: str
+    top_prob: float
+    entropy: float  # nats
+    targets: list[TargetScore]
+
+
+@dataclass
+class Lens:
+    model: str
+    random_weights: bool
+    prompt_tokens: list[PromptToken]
+    truncated: int
+    layers: list[LensLayer]  # embeddings first, the last block last
+    # The heat map: the last layer's top tokens (then any targets not among them) as columns,
+    # and every layer's probability for each, shape (layers, columns).
+    columns: list[PromptToken]
+    heat: list[list[float]]
+    top_columns: int  # how many columns are top tokens; the rest are targets
+    peak: float  # the largest probability in the heat map: the darkest shade
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, (V,) float32
+
+
+@torch.inference_mode()
+def layer_logits(loaded: Loaded, ids: list[int]) -> list[torch.Tensor]:
+    """Logits (V,) float32 at the last position for the residual stream after the embeddings and after
+    each block, each through ln_f recomputed for that vector, then the head."""
+    eng = loaded.engine
+    x = torch.tensor([ids], device=eng.device)  # (1, T)
+    out = []
+    for resid in eng.residuals(x):  # (1, T, D), raw: before ln_f
+        # ln_f on all positions then slice, as `body` does, so the last row is bit-identical to inspect's.
+        h = eng.final_norm(resid)[:, -1:, :]  # (1, 1, D)
+        logits = eng.head(h)  # (1, 1, V)
+        check_finite(logits)
+        out.append(logits[0, 0].float())
+    return out
+
+
+def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, columns: int = 8) -> Lens:
+    """Run the logit lens on `prompt`; `columns` of the last layer's top tokens go into the heat map."""
+    ids, dropped = encode_prompt(loaded, prompt)
+    k = clamp_top_k(columns, loaded.engine.vocab_size)
+    text = loaded.tokenizer.token_text
+    target_ids = [(t, loaded.tokenizer.encode(t)) for t in targets or []]
+    per_layer = layer_logits(loaded, ids)
+
+    layers = []
+    for i, logits in enumerate(per_layer):
+        logprobs = log_softmax(logits)
+        top = top_tokens(logits, 1, text)[0]
+        layers.append(LensLayer(layer=i, top_id=top.id, top_token=top.token, top_prob=top.prob,
+                                entropy=entropy(logprobs),
+                                targets=[target_score(logits, t, tid, text) for t, tid in target_ids]))
+
+    col_ids = [t.id for t in top_tokens(per_layer[-1], k, text)]
+    n_top = len(col_ids)
+    for _, tid in target_ids:
+        if tid[0] not in col_ids:
+            col_ids.append(tid[0])
+    probs = torch.stack([log_softmax(z) for z in per_layer]).exp()[:, col_ids]  # (layers, columns)
+    return Lens(model=loaded.source, random_weights=loaded.random_weights,
+                prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, layers=layers,
+                columns=[PromptToken(i, text(i)) for i in col_ids], heat=probs.tolist(), top_columns=n_top,
+                peak=float(probs.max()),
+                logits=per_layer)

@@ -1,0 +1,77 @@
+"""The logit lens as a table (one row per layer) or as a heat map (layers × tokens, shades)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.table import Table
+
+from lmhead_cli.render import out, show_token
+from lmhead_cli.render.inspect import random_banner
+
+SHADES = " ░▒▓█"
+SHADE_WIDTH = 3
+
+
+def layer_name(layer: int) -> str:
+    return "embeddings" if layer == 0 else f"block {layer}"
+
+
+def lens_json(lens) -> dict:
+    """The documented `lens --json` document: `layers`, the embeddings first and the last block last."""
+    return {
+        "model": lens.model,
+        "random_weights": lens.random_weights,
+        "prompt_tokens": [asdict(t) for t in lens.prompt_tokens],
+        "truncated": lens.truncated,
+        "layers": [asdict(layer) for layer in lens.layers],
+    }
+
+
+def _header(lens) -> None:
+    con = out()
+    random_banner(lens.model, lens.random_weights)
+    con.print("logit lens: the residual stream at the last position after each layer, through ln_f "
+              "(recomputed for that vector) and the tied head")
+    con.print("prompt: " + " ".join(f"[{show_token(t.text)}]" for t in lens.prompt_tokens), markup=False)
+
+
+def lens_table(lens) -> None:
+    _header(lens)
+    table = Table(show_edge=False)
+    for name, justify in (("layer", "left"), ("top token", "left"), ("id", "right"), ("prob", "right"),
+                          ("entropy", "right")):
+        table.add_column(name, justify=justify)
+    targets = lens.layers[0].targets if lens.layers else []
+    for t in targets:
+        table.add_column(f"{show_token(t.token)} rank", justify="right")
+        table.add_column(f"{show_token(t.token)} prob", justify="right")
+    for row in lens.layers:
+        cells = [layer_name(row.layer), show_token(row.top_token), str(row.top_id), f"{row.top_prob:.4%}",
+                 f"{row.entropy:.4f}"]
+        for t in row.targets:
+            cells += [f"{t.rank:,}", f"{t.prob:.4%}"]
+        table.add_row(*cells)
+    out().print(table)
+    out().print("entropy in nats; the last row is what `lmhead inspect` shows")
+
+
+def lens_heat(lens) -> None:
+    """Layers down, tokens across; each cell shaded by its probability relative to the largest in the map."""
+    _header(lens)
+    peak = lens.peak
+    table = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1))
+    table.add_column("layer", no_wrap=True)
+    for col in lens.columns:
+        table.add_column(show_token(col.text), justify="center", no_wrap=True)
+    for row, probs in zip(lens.layers, lens.heat):
+        cells = []
+        for p in probs:
+            level = 0 if peak == 0 else min(len(SHADES) - 1, int(p / peak * len(SHADES)))
+            cells.append(f"[cyan]{SHADES[level] * SHADE_WIDTH}[/]")
+        table.add_row(layer_name(row.layer), *cells)
+    out().print(table)
+    out().print(f"shades: {SHADES[1]} ≥ 20%, {SHADES[2]} ≥ 40%, {SHADES[3]} ≥ 60%, {SHADES[4]} ≥ 80% of the largest "
+                f"probability in the map ({peak:.4%})")
+    out().print(f"columns: the last layer's top {lens.top_columns} tokens"
+                + (", then the targets" if len(lens.columns) > lens.top_columns else ""))

@@ -1,0 +1,148 @@
+"""`lmhead lens`: every layer's row against transformers' own hidden states, ln_f and lm_head;
+the last row against `inspect`, exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import PROMPT, PROMPT_IDS, build_checkpoint
+from typer.testing import CliRunner
+
+from lmhead_cli.cli import app
+from lmhead_cli.head import log_softmax
+from lmhead_cli.inspection import inspect_prompt
+from lmhead_cli.lens import lens_prompt
+from lmhead_cli.sources import load_model
+
+runner = CliRunner()
+N_LAYER = 3
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny tied GPT-2 whose ln_f has a non-trivial gain and bias, so that normalising each layer's
+    vector with its own statistics (and ln_f's affine part) is really exercised."""
+    folder = tmp_path_factory.mktemp("lens")
+    model = build_checkpoint(folder, n_layer=N_LAYER, seed=3)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.copy_(torch.rand(64, generator=g) + 0.5)
+        model.transformer.ln_f.bias.copy_(torch.randn(64, generator=g) * 0.1)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
+    """Logits (V,) per layer the way transformers computes them: hidden_states[:-1] are the raw residual
+    stream; the last entry has ln_f applied already, so the last block's raw output comes from a hook."""
+    raw = {}
+    hook = model.transformer.h[-1].register_forward_hook(
+        lambda _m, _i, out: raw.setdefault("x", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    resid = list(out.hidden_states[:-1]) + [raw["x"]]
+    with torch.no_grad():
+        torch.testing.assert_close(model.transformer.ln_f(raw["x"]), out.hidden_states[-1])  # the hook is right
+        return [model.lm_head(model.transformer.ln_f(x[0, -1])) for x in resid]
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_every_layer_matches_transformers(ckpt, engine):
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    lens = lens_prompt(loaded, PROMPT, [" are", " is"])
+    ref = reference_rows(model)
+    assert [row.layer for row in lens.layers] == list(range(N_LAYER + 1))  # embeddings first, last block last
+    for row, ours, theirs in zip(lens.layers, lens.logits, ref):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        logprobs = log_softmax(theirs)
+        assert row.top_id == int(theirs.argmax())
+        assert row.top_prob == pytest.approx(float(logprobs.max().exp()), abs=1e-6)
+        assert row.entropy == pytest.approx(float(-(logprobs.exp() * logprobs).sum()), abs=1e-4)
+        for t in row.targets:
+            assert t.rank == 1 + int((theirs > theirs[t.id]).sum())
+            assert t.prob == pytest.approx(float(logprobs[t.id].exp()), abs=1e-7)
+
+
+def test_each_layer_is_normalised_with_its_own_statistics(ckpt):
+    """Reusing the last layer's mean and scale for an earlier vector gives other logits: the lens must not."""
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu")
+    lens = lens_prompt(loaded, PROMPT)
+    resid = [x[0, -1] for x in loaded.engine.residuals(torch.tensor([PROMPT_IDS]))]
+    ln = model.transformer.ln_f
+    mu, sigma = resid[-1].mean(), resid[-1].var(unbiased=False).add(ln.eps).sqrt()
+    with torch.no_grad():
+        cached = model.lm_head((resid[0] - mu) / sigma * ln.weight + ln.bias)
+    assert not torch.allclose(lens.logits[0], cached, atol=1e-3)
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_last_row_is_inspect_exactly(ckpt, engine):
+    folder, _ = ckpt
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    lens = lens_prompt(loaded, PROMPT, [" are"])
+    result = inspect_prompt(loaded, PROMPT, 5, [" are"])
+    assert torch.equal(lens.logits[-1], result.logits)
+    last = lens.layers[-1]
+    assert (last.top_id, last.top_prob, last.entropy) == (result.top[0].id, result.top[0].prob, result.entropy)
+    assert last.targets == result.targets
+
+
+def test_heat_map_holds_each_layers_probabilities(ckpt):
+    folder, _ = ckpt
+    loaded = load_model(str(folder), device="cpu")
+    lens = lens_prompt(loaded, PROMPT, [" are"], columns=4)
+    result = inspect_prompt(loaded, PROMPT, 4)
+    assert [c.id for c in lens.columns[:4]] == [t.id for t in result.top]
+    assert lens.top_columns == 4
+    assert lens.columns[-1].id == loaded.tokenizer.encode(" are")[0]
+    assert len(lens.heat) == N_LAYER + 1 and all(len(row) == 5 for row in lens.heat)
+    for row, logits in zip(lens.heat, lens.logits):
+        expected = log_softmax(logits).exp()[[c.id for c in lens.columns]]
+        assert row == pytest.approx(expected.tolist(), abs=1e-9)
+    assert lens.peak == max(max(row) for row in lens.heat)
+
+
+def test_cli_json_layers_and_last_row_equal_inspect(ckpt):
+    folder, _ = ckpt
+    args = [PROMPT, "--target", " are", "--model", str(folder), "--json"]
+    got = runner.invoke(app, ["lens", *args])
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    layers = doc["layers"]
+    assert [layer["layer"] for layer in layers] == list(range(N_LAYER + 1))
+    assert set(layers[0]) == {"layer", "top_id", "top_token", "top_prob", "entropy", "targets"}
+    assert layers[0]["targets"][0]["token"] == " are"
+    ins = json.loads(runner.invoke(app, ["inspect", *args]).stdout)
+    assert layers[-1]["top_id"] == ins["top"][0]["id"]
+    assert layers[-1]["top_prob"] == ins["top"][0]["prob"]
+    assert layers[-1]["entropy"] == ins["entropy"]
+    assert layers[-1]["targets"] == ins["targets"]
+
+
+def test_cli_table_and_heat_map(ckpt):
+    folder, _ = ckpt
+    table = runner.invoke(app, ["lens", PROMPT, "-t", " are", "--model", str(folder)])
+    assert table.exit_code == 0, table.output
+    assert "embeddings" in table.stdout and f"block {N_LAYER}" in table.stdout and "␣are rank" in table.stdout
+    heat = runner.invoke(app, ["lens", PROMPT, "--heat", "-k", "3", "--model", str(folder)])
+    assert heat.exit_code == 0, heat.output
+    assert "███" in heat.stdout and "shades: ░ ≥ 20%" in heat.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give a prompt"),
+    (["   "], "the prompt is empty"),
+    ([PROMPT, "-k", "0"], "--top-k must be at least 1"),
+])
+def test_cli_bad_input_exits_2(ckpt, args, message):
+    folder, _ = ckpt
+    got = runner.invoke(app, ["lens", *args, "--model", str(folder)])
+    assert got.exit_code == 2
+    assert message in got.stderr
