@@ -79,6 +79,7 @@ def render_toy(ex: ToyExample, *, as_json: bool = False) -> None:
     console.print(_choices(ex))
     console.print()
     console.print(_changes(ex))
+    console.print()
     for v in ex.variants:
         if v.scale is not None:
             console.print(f"h × {short_number(v.scale)} against temperature "
