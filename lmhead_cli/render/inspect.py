@@ -19,8 +19,8 @@ def random_banner(model: str, random_weights: bool) -> None:
 
 def tie_line(tie) -> str:
     if tie.tied:
-        return (f"tie: {tie.head_name} [bold]is[/] {tie.embedding_name} (same object, same data_ptr): "
-                f"W_out = E, so each logit z_k = e_k · h")
+        return (f"tie: {tie.head_name} [bold]is[/] {tie.embedding_name} (same object, same data_ptr)\n"
+                f"     W_out = E, so each logit is z_k = e_k · h")
     return (f"tie: [bold]untied[/]: {tie.head_name} is its own {tie.shape[0]}×{tie.shape[1]} matrix "
             f"(tie_word_embeddings: {str(tie.config_tie_word_embeddings).lower()})")
 
@@ -93,5 +93,6 @@ def tie_report(loaded) -> None:
         table.add_row("  stored lm_head.weight equals wte.weight", yes(tie.file_lm_head_equals_wte))
     table.add_row("matrix shape (V × d)", f"{tie.shape[0]:,} × {tie.shape[1]:,}")
     table.add_row("engine", loaded.engine.name)
-    table.add_row("source", f"{loaded.kind}: {loaded.path or loaded.source}")
+    table.add_row("source", f"random weights, seed {loaded.seed}" if loaded.random_weights
+                  else f"{loaded.kind}: {loaded.path}")
     con.print(table)
