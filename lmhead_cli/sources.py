@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -186,13 +187,24 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
 
 
 def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
-    """A quick TCP connect to the hub, so an offline machine fails in seconds, not after retries."""
+    """A quick TCP connect to the hub, so an offline machine fails in seconds, not after retries.
+
+    Name resolution has no timeout of its own, so the probe runs in a daemon thread we stop waiting for.
+    """
     url = urlparse(endpoint)
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+                result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
 
 
 def _read_config(folder: Path) -> dict:
