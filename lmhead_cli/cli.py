@@ -132,6 +132,13 @@ def inspect_cmd(
         Optional[list[str]],
         typer.Option("--target", "-t", help="A token to follow (repeatable), e.g. --target ' are'."),
     ] = None,
+    file: Annotated[
+        Optional[str], typer.Option("--file", "-f", help="Inspect every line of this file (- for stdin), in batches.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per forward pass with --file.")] = 32,
+    explain: Annotated[
+        Optional[str], typer.Option("--explain", help="Take one token's logit apart: z = e·h = |e|·|h|·cos θ.")
+    ] = None,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
@@ -147,6 +154,9 @@ def inspect_cmd(
     from lmhead_cli.inspection import check_prompt, check_targets, inspect_prompt
     from lmhead_cli.render.inspect import inspection
 
+    if file is not None or explain is not None:  # issue 6: batches, and one logit taken apart
+        return inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine,
+                            allow_pickle, json_out)
     if prompt is None:
         raise UsageError('give a prompt, e.g. lmhead inspect "The keys on the table"')
     check_prompt(prompt)
@@ -299,6 +309,68 @@ def toy(
 
 
 # ==== lens / explore (issue 6) ===================================================================
+
+def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine, allow_pickle,
+                 json_out) -> None:
+    """`inspect --file` (many prompts, batched) and `inspect --explain TOKEN` (one logit taken apart)."""
+    from lmhead_cli import render
+    from lmhead_cli.inspection import check_prompt, check_targets
+
+    if file is not None and explain is not None:
+        raise UsageError("--explain takes apart one prompt's logit; it cannot be combined with --file")
+    if file is not None and prompt is not None:
+        raise UsageError("give a prompt or --file, not both")
+    if top_k < 1:
+        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
+    check_targets(target)
+    if file is not None:
+        from lmhead_cli.batch import inspect_batch, read_prompts
+        from lmhead_cli.render.batch import batch_table, summary
+
+        if batch_size < 1:
+            raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
+        prompts = read_prompts(file)  # before the load: a bad file fails in an instant
+        if prompts.skipped_empty:
+            render.notice(f"skipped {prompts.skipped_empty} empty line{'s' * (prompts.skipped_empty > 1)}")
+        loaded = load(model, device, dtype, engine, allow_pickle)
+        run = inspect_batch(loaded, prompts.prompts, top_k, target, batch_size)
+        cut = [n for n, r in enumerate(run.results, 1) if r.truncated]
+        if cut:
+            render.warn(f"{len(cut)} prompts (lines {', '.join(map(str, cut[:5]))}{'…' * (len(cut) > 5)}) are "
+                        f"longer than the context of {loaded.engine.n_ctx}; each keeps its last tokens")
+        _multi_piece_notices(run.results[0].targets)
+        if json_out:
+            for result in run.results:
+                render.print_json(inspection_json(result, loaded), lines=True)
+            render.err().print(summary(run), markup=False, style="dim")
+        else:
+            batch_table(run, loaded.source, loaded.random_weights)
+        return
+
+    from lmhead_cli.explain import explain_logit
+    from lmhead_cli.render.explain import explanation, explanation_json
+
+    if prompt is None:
+        raise UsageError('give a prompt, e.g. lmhead inspect "The keys on the table" --explain " are"')
+    check_prompt(prompt)
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    result = explain_logit(loaded, prompt, explain, top_k, target)
+    if result.truncated:
+        render.warn(f"the prompt is longer than the context of {loaded.engine.n_ctx}; "
+                    f"keeping the last {len(result.prompt_tokens)} tokens")
+    if json_out:
+        render.print_json(explanation_json(result))
+    else:
+        explanation(result)
+
+
+def _multi_piece_notices(targets) -> None:
+    from lmhead_cli import render
+
+    for t in targets:
+        if len(t.pieces) > 1:
+            render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
+
 
 @command("lens")
 def lens_cmd(

@@ -20,18 +20,21 @@ runner = CliRunner()
 N_LAYER = 3
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A tiny tied GPT-2 whose ln_f has a non-trivial gain and bias, so that normalising each layer's
-    vector with its own statistics (and ln_f's affine part) is really exercised."""
-    folder = tmp_path_factory.mktemp("lens")
-    model = build_checkpoint(folder, n_layer=N_LAYER, seed=3)
-    g = torch.Generator().manual_seed(0)
+def with_ln_f(folder, *, seed: int, n_layer: int = 2):
+    """(folder, model): a tiny tied GPT-2 whose ln_f has a non-trivial gain and bias, so that normalising
+    each vector with its own statistics (and ln_f's affine part) is really exercised."""
+    model = build_checkpoint(folder, n_layer=n_layer, seed=seed)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         model.transformer.ln_f.weight.copy_(torch.rand(64, generator=g) + 0.5)
         model.transformer.ln_f.bias.copy_(torch.randn(64, generator=g) * 0.1)
     model.save_pretrained(folder)
     return folder, model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return with_ln_f(tmp_path_factory.mktemp("lens"), seed=3, n_layer=N_LAYER)
 
 
 def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from rich.markup import escape
 from rich.table import Table
 
 from lmhead_cli.render import out, show_token
@@ -11,6 +12,11 @@ from lmhead_cli.render.inspect import random_banner
 
 SHADES = " ░▒▓█"
 SHADE_WIDTH = 3
+
+
+def tok(text: str) -> str:
+    """A token for a rich cell: visible spaces, and brackets that are not taken for markup."""
+    return escape(show_token(text))
 
 
 def layer_name(layer: int) -> str:
@@ -44,10 +50,10 @@ def lens_table(lens) -> None:
         table.add_column(name, justify=justify)
     targets = lens.layers[0].targets if lens.layers else []
     for t in targets:
-        table.add_column(f"{show_token(t.token)} rank", justify="right")
-        table.add_column(f"{show_token(t.token)} prob", justify="right")
+        table.add_column(f"{tok(t.token)} rank", justify="right")
+        table.add_column(f"{tok(t.token)} prob", justify="right")
     for row in lens.layers:
-        cells = [layer_name(row.layer), show_token(row.top_token), str(row.top_id), f"{row.top_prob:.4%}",
+        cells = [layer_name(row.layer), tok(row.top_token), str(row.top_id), f"{row.top_prob:.4%}",
                  f"{row.entropy:.4f}"]
         for t in row.targets:
             cells += [f"{t.rank:,}", f"{t.prob:.4%}"]
@@ -63,7 +69,7 @@ def lens_heat(lens) -> None:
     table = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1))
     table.add_column("layer", no_wrap=True)
     for col in lens.columns:
-        table.add_column(show_token(col.text), justify="center", no_wrap=True)
+        table.add_column(tok(col.text), justify="center", no_wrap=True)
     for row, probs in zip(lens.layers, lens.heat):
         cells = []
         for p in probs:
