@@ -139,6 +139,17 @@ def inspect_cmd(
     explain: Annotated[
         Optional[str], typer.Option("--explain", help="Take one token's logit apart: z = e·h = |e|·|h|·cos θ.")
     ] = None,
+    stages: Annotated[
+        bool, typer.Option("--stages", help="Follow the top tokens through every decoding stage to the probability.")
+    ] = False,
+    temperature: TemperatureOpt = None,  # the knob options of issue 3, defined with generate below
+    filter_top_k: Annotated[
+        Optional[int], typer.Option("--filter-top-k", help="With --stages: the top-k stage (--top-k counts rows).")
+    ] = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    softcap: SoftcapOpt = None,
+    preset: PresetOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
@@ -154,6 +165,9 @@ def inspect_cmd(
     from lmhead_cli.inspection import check_prompt, check_targets, inspect_prompt
     from lmhead_cli.render.inspect import inspection
 
+    knobs = stage_knobs(stages, preset, temperature, filter_top_k, top_p, min_p, softcap)  # issue 3
+    if knobs is not None and (file is not None or explain is not None):
+        raise UsageError("--stages and its knobs take one prompt; not with --file or --explain")
     if file is not None or explain is not None:  # issue 6: batches, and one logit taken apart
         return inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine,
                             allow_pickle, json_out)
@@ -172,9 +186,10 @@ def inspect_cmd(
         if len(t.pieces) > 1:
             render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
     if json_out:
-        render.print_json(inspection_json(result, loaded))
+        render.print_json(inspection_json(result, loaded) | show_stages(knobs, result, top_k, loaded, as_json=True))
     else:
         inspection(result, loaded.tie)
+        show_stages(knobs, result, top_k, loaded)
 
 
 def inspection_json(result, loaded) -> dict:
@@ -224,6 +239,148 @@ def tie_cmd(
 
 
 # ==== generate / greedy / sample / softcap (issue 3) =============================================
+# The four decoding commands share one option list (generate's) and one body (_decode); the named
+# ones only fix the mode. The knob options are also used by `inspect --stages`.
+DEFAULT_PROMPT = "The keys on the table"
+TemperatureOpt = Annotated[
+    Optional[float], typer.Option("--temperature", help="Divide the logits by T > 0 before softmax (1 = as is).")
+]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Keep only the k most likely tokens.")]
+TopPOpt = Annotated[
+    Optional[float], typer.Option("--top-p", help="Keep the most likely tokens until their probability sums to p, in (0, 1].")
+]
+MinPOpt = Annotated[
+    Optional[float], typer.Option("--min-p", help="Drop tokens less likely than min-p × the best one's probability, in [0, 1).")
+]
+SoftcapOpt = Annotated[
+    Optional[float], typer.Option("--softcap", "--cap", help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).")
+]
+PresetOpt = Annotated[
+    Optional[str], typer.Option("--preset", help="Named settings from configs/presets.toml (creative, precise, "
+                                "gemma-softcap) or a .toml file; flags override it.")
+]
+
+
+@command("generate")
+def generate_cmd(
+    prompt: Annotated[
+        Optional[str], typer.Argument(help="The text to continue; - reads stdin.", show_default=DEFAULT_PROMPT)
+    ] = None,
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option("--max-new-tokens", "-n", help="How many tokens to make at most.", show_default="40")
+    ] = None,
+    temperature: TemperatureOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    softcap: SoftcapOpt = None,
+    preset: PresetOpt = None,
+    seed: Annotated[
+        Optional[int], typer.Option("--seed", help="Seed for the draws; without it one is drawn and reported.")
+    ] = None,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Take the most likely token every time.")] = False,
+    beams: Annotated[
+        int, typer.Option("--beams", help="Beam search over N beams, as transformers' num_beams (deterministic).")
+    ] = 1,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Go on past <|endoftext|>.")] = False,
+    show_steps: Annotated[
+        int, typer.Option("--show-steps", help="After the text, a table per step with the K most probable tokens.")
+    ] = 0,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate text token by token: soft-cap -> temperature -> top-k -> top-p -> min-p -> softmax -> choose.
+
+    Samples unless --greedy or --beams N; `greedy`, `sample` and `softcap` are the named forms.
+
+    Example: lmhead generate "The keys on the table" --temperature 0.8 --seed 1 --show-steps 5
+    """
+    _decode("generate", **locals())
+
+
+def _named(name: str, doc: str) -> None:
+    """Register `lmhead NAME` with generate's options and body, in mode NAME."""
+
+    @functools.wraps(generate_cmd)
+    def run(**options) -> None:
+        _decode(name, **options)
+
+    run.__doc__ = doc
+    command(name)(run)
+
+
+_named("greedy", """Take the most likely token every step (the same tokens as transformers' do_sample=False).
+
+    Example: lmhead greedy "The dog" --max-new-tokens 18 --show-steps 3
+    """)
+_named("sample", """Draw each token from the probabilities (seeded, so a run can be replayed).
+
+    Example: lmhead sample --temperature 0.8 --top-p 0.95 --seed 1
+    """)
+_named("softcap", """Sample after Gemma-style soft-capping z -> c·tanh(z/c) (c = 30 unless --cap says otherwise).
+
+    Example: lmhead softcap --cap 30 --seed 1
+    """)
+
+
+def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
+            model, device, dtype, engine, allow_pickle, json_out, **knobs) -> None:
+    """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
+    from lmhead_cli import render
+    from lmhead_cli.generation import generate, prompt_ids, resolve
+    from lmhead_cli.render import generate as show
+
+    settings = resolve(command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
+                       show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
+    text = sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None else prompt
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    ids, dropped = prompt_ids(loaded, text)
+    if dropped:
+        render.warn(f"the prompt is {len(ids) + dropped} tokens, longer than the context of "
+                    f"{loaded.engine.n_ctx}; keeping the newest {len(ids)}")
+    if not json_out:
+        show.begin(loaded.tokenizer.decode(ids))
+    result = generate(loaded, ids, settings, on_text=None if json_out else show.stream)
+    if not json_out:
+        show.end_text()
+    if result.stop == "context":
+        render.notice(f"stopped at the context limit: {len(ids)} prompt tokens + {len(result.generated_ids)} "
+                      f"new fill the model's {loaded.engine.n_ctx} positions")
+    if json_out:
+        render.print_json(show.generation_json(result, loaded, text, preset))
+        return
+    if settings.show_steps:
+        show.steps_table(result)
+    show.summary(result)
+
+
+def show_stages(knobs, result, rows: int, loaded, as_json: bool = False) -> dict:
+    """`inspect --stages`: print the stage table, or return {"stages": ...} for the JSON document."""
+    if knobs is None:
+        return {}
+    from lmhead_cli.decoding import stage_table
+    from lmhead_cli.render.generate import stage_report, stages_json
+
+    table = stage_table(result.logits, knobs, rows, loaded.tokenizer.token_text)
+    if as_json:
+        return {"stages": stages_json(table)}
+    stage_report(table)
+    return {}
+
+
+def stage_knobs(stages: bool, preset, temperature, top_k, top_p, min_p, softcap):
+    """The stage settings for `inspect --stages` (any knob turns the table on), or None."""
+    from lmhead_cli.presets import knobs
+
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "softcap": softcap}
+    if not stages and preset is None and all(v is None for v in given.values()):
+        return None
+    return knobs(preset, **given)
+
 
 # ==== params / toy (issue 4) =====================================================================
 # Arithmetic only unless --model is given: no torch import on this path (tests/test_startup.py).

@@ -1,0 +1,109 @@
+"""Decoding presets: named settings in configs/presets.toml (shipped as lmhead_cli.configs).
+
+`--preset NAME` picks a table from that file; `--preset path/to/file.toml` reads your own (its
+top-level keys are one preset). Every value is checked when read, with the same ranges as the
+flags; flags given on the command line override a preset. No torch here.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from lmhead_cli.decoding import Knobs, check
+from lmhead_cli.errors import UsageError
+
+BUNDLED = "presets.toml"
+# key: the type its value must have (an int is fine where a float is asked for)
+KEYS: dict[str, type] = {
+    "description": str,
+    "softcap": float,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "max_new_tokens": int,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    path: str  # the file it was read from
+    description: str
+    values: dict  # the settings it holds, without the description
+
+
+def _bundled_file():
+    return resources.files("lmhead_cli.configs") / BUNDLED
+
+
+def _read(path, text: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path} is not valid TOML: {e}") from None
+
+
+def bundled() -> dict[str, dict]:
+    """Every bundled preset's raw table, by name."""
+    f = _bundled_file()
+    return _read(f, f.read_text(encoding="utf-8"))
+
+
+def preset_names() -> list[str]:
+    return sorted(bundled())
+
+
+def validate(name: str, path, table: dict) -> Preset:
+    """Check a preset's keys, types and ranges; raise UsageError naming the file and the key."""
+    where = f"preset {name!r} in {path}"
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: must be a table of settings, not {type(table).__name__}")
+    unknown = sorted(set(table) - set(KEYS))
+    if unknown:
+        raise UsageError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(KEYS)}")
+    for key, value in table.items():
+        want = KEYS[key]
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if want is float
+              else isinstance(value, want) and not isinstance(value, bool) if want is int
+              else isinstance(value, want))
+        if not ok:
+            raise UsageError(f"{where}: {key} must be {'a number' if want is float else want.__name__}"
+                             f" (got {value!r})")
+    values = {k: (float(v) if KEYS[k] is float else v) for k, v in table.items() if k != "description"}
+    check(values, name=lambda key: f"{where}: {key}")
+    return Preset(name=name, path=str(path), description=table.get("description", ""), values=values)
+
+
+def load_preset(name: str) -> Preset:
+    """A bundled preset by name, or your own from a .toml file."""
+    if name.endswith(".toml"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise UsageError(f"--preset {name}: no such file")
+        return validate(path.stem, path, _read(path, path.read_text(encoding="utf-8")))
+    presets = bundled()
+    if name not in presets:
+        raise UsageError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(presets))} "
+                         "(or give a .toml file)")
+    return validate(name, _bundled_file(), presets[name])
+
+
+def merge(preset: str | None, defaults: dict, flags: dict) -> dict:
+    """Settings from three layers: defaults < the preset < the flags given (None = not given)."""
+    values = dict(defaults)
+    if preset is not None:
+        values.update(load_preset(preset).values)
+    values.update({k: v for k, v in flags.items() if v is not None})
+    return values
+
+
+def knobs(preset: str | None, **flags) -> Knobs:
+    """Checked stage settings from a preset and flags (a preset's max_new_tokens is not a stage)."""
+    values = merge(preset, {}, flags)
+    values = {k: v for k, v in values.items() if k in Knobs.__dataclass_fields__}
+    check(values)
+    return Knobs(**values)

@@ -1,0 +1,149 @@
+"""Output for generate / greedy / sample / softcap and `inspect --stages`.
+
+Text streams to stdout as plain writes (never through rich markup: generated text may hold
+brackets), flushed per piece so it shows token by token even through a pipe.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+
+from rich.markup import escape
+from rich.table import Table
+
+from lmhead_cli.render import bar, out, show_token, sparkline
+
+STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens reached", "context": "context limit reached"}
+
+
+def _tok(text: str) -> str:
+    return escape(show_token(text))
+
+
+def _pct(p: float) -> str:
+    """A probability as a percentage, or in scientific notation when it would round to 0.00%."""
+    return f"{p:.2%}" if p >= 1e-4 or p == 0 else f"{p:.1e}"
+
+
+def begin(prompt: str) -> None:
+    """The prompt, in bold on a terminal, before the generated text."""
+    out().print(prompt, style="bold", end="", markup=False, soft_wrap=True)
+    sys.stdout.flush()
+
+
+def stream(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _settings_line(g) -> str:
+    knobs = g.settings.knobs.active()
+    parts = [{"beam": f"beam search, {g.settings.beams} beams", "greedy": "greedy", "sample": "sampled"}[g.mode]]
+    parts += [f"{k.replace('_', '-')} {v:g}" for k, v in knobs.items()]
+    if g.mode == "sample":
+        parts.append(f"seed {g.seed} (replay with --seed {g.seed})")
+    if g.beam_score is not None:
+        parts.append(f"beam score {g.beam_score:.4f} (mean log p)")
+    return " · ".join(parts)
+
+
+def end_text() -> None:
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def summary(g) -> None:
+    """After the text: how many tokens, how fast, how uncertain, and how to replay."""
+    con = out()
+    ent = [s.entropy for s in g.steps]
+    con.print(f"[dim]──[/] {len(g.generated_ids)} tokens in {g.elapsed_s:.2f} s · {g.tokens_per_second:.1f} tokens/s "
+              f"· mean entropy {g.mean_entropy:.2f} nats · stop: {STOP[g.stop]}", soft_wrap=True)
+    if ent:
+        con.print(f"[dim]entropy per step[/] [cyan]{sparkline(ent)}[/] ({min(ent):.2f}–{max(ent):.2f} nats)",
+                  soft_wrap=True)
+    con.print(f"[dim]{_settings_line(g)}[/]", soft_wrap=True)
+
+
+def steps_table(g) -> None:
+    """One row per step: the chosen token, its probability and rank, and the best alternatives."""
+    k = g.settings.show_steps
+    table = Table(title=f"steps: the chosen token and the {k} most probable", title_justify="left", show_edge=False)
+    for name, justify in (("step", "right"), ("id", "right"), ("chosen", "left"), ("prob", "right"),
+                          ("rank", "right"), ("", "left"), ("alternatives (prob after every stage)", "left")):
+        table.add_column(name, justify=justify)
+    for i, s in enumerate(g.steps, 1):
+        alts = "  ".join(f"[bold]{_tok(a.token)} {_pct(a.prob)}[/]" if a.id == s.id else f"{_tok(a.token)} {_pct(a.prob)}"
+                         for a in s.alternatives)
+        table.add_row(str(i), str(s.id), _tok(s.token), _pct(s.prob), f"{s.rank:,}",
+                      f"[cyan]{bar(s.prob)}[/]", alts)
+    out().print(table)
+
+
+def generation_json(g, loaded, prompt: str, preset: str | None) -> dict:
+    """The documented `--json` document: enough to replay the run."""
+    s = g.settings
+    return {
+        "model": loaded.source,
+        "random_weights": loaded.random_weights,
+        "engine": loaded.engine.name,
+        "device": str(loaded.engine.device),
+        "dtype": str(loaded.engine.dtype).removeprefix("torch."),
+        "mode": g.mode,
+        "preset": preset,
+        "settings": {**asdict(s.knobs), "greedy": s.greedy, "beams": s.beams, "max_new_tokens": s.max_new_tokens,
+                     "ignore_eos": s.ignore_eos},
+        "seed": g.seed,
+        "prompt": prompt,
+        "prompt_ids": g.prompt_ids,
+        "generated_ids": g.generated_ids,
+        "text": g.text,
+        "stop": g.stop,
+        "tokens_generated": len(g.generated_ids),
+        "elapsed_s": g.elapsed_s,
+        "first_token_s": g.first_token_s,
+        "tokens_per_second": g.tokens_per_second,
+        "mean_entropy": g.mean_entropy,
+        "beam_score": g.beam_score,
+        "steps": [_step_json(st, s.show_steps) for st in g.steps],
+    }
+
+
+def _step_json(step, show_steps: int) -> dict:
+    doc = {"id": step.id, "token": step.token, "prob": step.prob, "logit": step.logit, "entropy": step.entropy,
+           "rank": step.rank}
+    if show_steps:
+        doc["alternatives"] = [asdict(a) for a in step.alternatives]
+    return doc
+
+
+# ---- inspect --stages ------------------------------------------------------------------------
+
+def stage_report(table) -> None:
+    """The top tokens followed through every stage: value and rank at each, then the probability."""
+    con = out()
+    on = " → ".join(f"{k.replace('_', '-')} {v:g}" for k, v in table.knobs.active().items()) or "none (T = 1)"
+    con.print(f"through the stages: {on} → softmax", soft_wrap=True)
+    t = Table(show_edge=False)
+    t.add_column("token")
+    for col in table.columns:
+        t.add_column(col, justify="right")
+    t.add_column("prob", justify="right")
+    for r in table.rows:
+        cells = [f"{c.value:.3f} [dim]#{c.rank}[/]" if c.value is not None else "[dim]dropped[/]" for c in r.cells]
+        t.add_row(_tok(r.token), *cells, _pct(r.prob))
+    con.print(t)
+    con.print(f"{table.kept:,} of {table.vocab:,} tokens survive the filters; entropy at the end "
+              f"{table.entropy:.4f} nats; #n is the rank at that stage", soft_wrap=True)
+
+
+def stages_json(table) -> dict:
+    return {
+        "knobs": asdict(table.knobs),
+        "columns": table.columns,
+        "kept": table.kept,
+        "vocab": table.vocab,
+        "entropy": table.entropy,
+        "rows": [{"id": r.id, "token": r.token, "prob": r.prob, "logprob": r.logprob,
+                  "stages": [asdict(c) for c in r.cells]} for r in table.rows],
+    }
