@@ -1,0 +1,312 @@
+"""`lmhead explore`: an interactive session that loads the model once.
+
+Each line is a prompt, answered at once with the top-k table after the decoding stages that are
+set (soft-cap, temperature), or a `:command` that changes a setting or runs something on the last
+prompt. Line editing and history come from `readline` when the input is a terminal; piped input is
+read a line at a time with no prompt string, for scripts and tests.
+
+The session owns the loop and the settings; the figures come from head/decoding/lens/generation
+and are shown by render.explore. A domain error (a bad value) prints one line and the session goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from lmhead_cli.errors import LmheadError, UsageError
+
+PROMPT = "lmhead> "
+HISTORY_LENGTH = 1000
+DEFAULT_GEN_SEED = 0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What shapes each answer. None = the stage is off."""
+
+    top_k: int = 10  # rows in the table
+    temperature: float | None = None
+    softcap: float | None = None
+    targets: tuple[str, ...] = ()
+    seed: int = DEFAULT_GEN_SEED  # for :gen, so a script gets the same text every run
+
+    def describe(self) -> str:
+        temp = "off" if self.temperature is None else f"{self.temperature:g}"
+        cap = "off" if self.softcap is None else f"{self.softcap:g}"
+        targets = ", ".join(repr(t) for t in self.targets) or "none"
+        return f"top-k {self.top_k}, temperature {temp}, softcap {cap}, targets {targets}, seed {self.seed}"
+
+
+@dataclass(frozen=True)
+class Row:
+    rank: int
+    id: int
+    token: str
+    logit: float  # raw, from the head
+    scaled: float  # after soft-cap and temperature (equal to logit when both are off)
+    prob: float  # softmax of the scaled logits
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One prompt's answer."""
+
+    prompt: str
+    n_tokens: int
+    truncated: int
+    rows: list[Row]
+    targets: list[Row]
+    entropy: float  # nats, of the distribution after the stages
+    stages: str  # e.g. "softcap 30 → temperature 0.8", or "none"
+    elapsed_ms: float  # tokenise, forward, head, stages and the table's figures (not the printing)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str  # canonical name, e.g. "temp"
+    args: list[str] = field(default_factory=list)
+
+
+# name -> (aliases, argument help, what it does); the order is the help's order.
+COMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "temp": (("temperature",), "T|off", "divide the logits by T before softmax (T > 0)"),
+    "softcap": ((), "C|off", "soft-cap the logits: C·tanh(z/C), before the temperature"),
+    "top-k": (("k",), "N", "how many tokens the table lists"),
+    "target": (("t",), '" are"|clear', "follow a token's rank and probability (repeatable)"),
+    "gen": (("generate",), "N", "sample N tokens after the last prompt with these settings"),
+    "seed": ((), "N", "the seed :gen samples with"),
+    "lens": ((), "", "the logit lens of the last prompt"),
+    "settings": (("set",), "", "show the settings"),
+    "help": (("h", "?"), "", "this list"),
+    "quit": (("q", "exit"), "", "leave (Ctrl-D too)"),
+}
+_ALIASES = {alias: name for name, (aliases, _, _) in COMMANDS.items() for alias in (name, *aliases)}
+
+
+def parse_command(line: str) -> Command:
+    """`:temp 0.8` -> Command("temp", ["0.8"]); quotes keep spaces: `:target " are"` -> [" are"]."""
+    try:
+        words = shlex.split(line[1:])
+    except ValueError as e:  # an unclosed quote
+        raise UsageError(f"cannot read {line.strip()!r}: {e}") from None
+    if not words:
+        return Command("help")
+    name = _ALIASES.get(words[0].lower())
+    if name is None:
+        return Command("unknown", [words[0]])
+    return Command(name, words[1:])
+
+
+def _one(cmd: Command, example: str) -> str:
+    if len(cmd.args) != 1:
+        raise UsageError(f":{cmd.name} takes one value, e.g. :{cmd.name} {example}")
+    return cmd.args[0]
+
+
+def _number(cmd: Command, example: str, kind=float):
+    text = _one(cmd, example)
+    try:
+        return kind(text)
+    except ValueError:
+        raise UsageError(f":{cmd.name} takes a{'n integer' if kind is int else ' number'}, e.g. "
+                         f":{cmd.name} {example} (got {text!r})") from None
+
+
+def apply(settings: Settings, cmd: Command) -> Settings:
+    """The settings after a setting command; UsageError (settings unchanged) for a bad value."""
+    from lmhead_cli import decoding
+
+    def checked(key: str, value):
+        decoding.check({key: value}, name=lambda _: f":{cmd.name}")
+        return value
+
+    off = len(cmd.args) == 1 and cmd.args[0].lower() in ("off", "none")
+    if cmd.name == "temp":
+        return replace(settings, temperature=None if off else checked("temperature", _number(cmd, "0.8")))
+    if cmd.name == "softcap":
+        return replace(settings, softcap=None if off else checked("softcap", _number(cmd, "30")))
+    if cmd.name == "top-k":
+        return replace(settings, top_k=checked("top_k", _number(cmd, "20", int)))
+    if cmd.name == "seed":
+        return replace(settings, seed=checked("seed", _number(cmd, "42", int)))
+    if cmd.name == "target":
+        text = _one(cmd, '" are"')
+        if text.lower() in ("clear", "off", "none"):
+            return replace(settings, targets=())
+        if not text:
+            raise UsageError(':target takes a token, e.g. :target " are" (quotes keep the space)')
+        return replace(settings, targets=settings.targets + (text,))
+    raise ValueError(f"not a setting command: {cmd.name}")
+
+
+def _knobs(settings: Settings):
+    from lmhead_cli.decoding import Knobs
+
+    return Knobs(softcap=settings.softcap, temperature=settings.temperature)
+
+
+def read(loaded, prompt: str, settings: Settings) -> Reading:
+    """The top-k table (and targets) for `prompt` after the stages that are set."""
+    import torch
+
+    from lmhead_cli import decoding
+    from lmhead_cli.head import clamp_top_k
+    from lmhead_cli.inspection import encode_prompt, last_logits
+
+    start = time.perf_counter()
+    ids, dropped = encode_prompt(loaded, prompt)
+    target_ids = [(t, loaded.tokenizer.encode(t)) for t in settings.targets]
+    logits, _ = last_logits(loaded, ids)  # (V,) float32, the head on the last position only
+    knobs = _knobs(settings)
+    scaled = decoding.process(logits, knobs.pipeline())  # (V,)
+    logprobs = decoding.log_probs(scaled)
+    k = clamp_top_k(settings.top_k, logits.shape[-1])
+    top = torch.topk(scaled, k).indices  # (k,)
+    tids = torch.tensor([tid[0] for _, tid in target_ids if tid], dtype=torch.long, device=top.device)
+    picked = torch.cat([top, tids])  # (k + targets,)
+    # Ranks in one comparison, (k + targets, V) booleans summed; the rest in one transfer each.
+    ranks = 1 + (scaled[None, :] > scaled[picked][:, None]).sum(-1)
+    text = loaded.tokenizer.token_text
+    rows = [Row(rank=int(r), id=int(i), token=text(int(i)), logit=z, scaled=zs, prob=math.exp(lp))
+            for r, i, z, zs, lp in zip(ranks.tolist(), picked.tolist(), logits[picked].tolist(),
+                                       scaled[picked].tolist(), logprobs[picked].tolist())]
+    rows, targets = rows[:k], rows[k:]
+    entropy = float(decoding.entropy(logprobs))
+    stages = " → ".join(f"{name} {value:g}" for name, value in knobs.active().items()) or "none"
+    return Reading(prompt=prompt, n_tokens=len(ids), truncated=dropped, rows=rows, targets=targets,
+                   entropy=entropy, stages=stages, elapsed_ms=(time.perf_counter() - start) * 1000)
+
+
+def generate_after(loaded, prompt: str, n: int, settings: Settings, on_text: Callable[[str], None]):
+    """Sample `n` tokens after `prompt` with the session's stages and seed (generation.generate)."""
+    from lmhead_cli.generation import generate, make_settings, prompt_ids
+
+    s = make_settings(max_new_tokens=n, seed=settings.seed, softcap=settings.softcap,
+                      temperature=settings.temperature)
+    ids, _ = prompt_ids(loaded, prompt)
+    return generate(loaded, ids, s, on_text=on_text)
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+
+def history_file() -> Path:
+    """~/.cache/lmhead/history (or under $XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lmhead" / "history"
+
+
+class History:
+    """readline's history, read at the start and written at the end; never an error if the file can't be."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            import readline  # noqa: F401 - importing it gives input() line editing and history
+        except ImportError:  # Windows without pyreadline: plain input()
+            self.readline = None
+            return
+        self.readline = readline
+        readline.set_history_length(HISTORY_LENGTH)
+        try:
+            readline.read_history_file(path)
+        except (OSError, ValueError):
+            pass
+
+    def save(self) -> None:
+        if self.readline is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.readline.write_history_file(self.path)
+        except (OSError, ValueError):
+            pass
+
+
+def terminal_lines(prompt: str = PROMPT, on_cancel: Callable[[], None] = lambda: None) -> Iterator[str]:
+    """Lines typed at a terminal: Ctrl-C cancels the line being typed, Ctrl-D ends."""
+    while True:
+        try:
+            yield input(prompt)
+        except KeyboardInterrupt:
+            on_cancel()
+        except EOFError:
+            return
+
+
+def piped_lines(stream=None) -> Iterator[str]:
+    """Lines from a pipe or file, without a prompt string."""
+    for line in stream or sys.stdin:
+        yield line.rstrip("\n").removesuffix("\r")
+
+
+class Session:
+    """The settings, the last prompt, and what to do with each line. `show` is render.explore."""
+
+    def __init__(self, loaded, settings: Settings, show):
+        self.loaded = loaded
+        self.settings = settings
+        self.show = show
+        self.last_prompt: str | None = None
+
+    def run(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            try:
+                if not self.handle(line):
+                    return
+            except KeyboardInterrupt:  # Ctrl-C while computing cancels that line only
+                self.show.cancelled()
+            except LmheadError as e:
+                self.show.error(str(e))
+
+    def handle(self, line: str) -> bool:
+        """Answer one line; False once the session should end."""
+        if not line.strip():
+            return True  # an empty line is ignored
+        if not line.startswith(":"):
+            self.show.reading(read(self.loaded, line, self.settings))
+            self.last_prompt = line
+            return True
+        cmd = parse_command(line)
+        if cmd.name == "quit":
+            return False
+        if cmd.name == "help":
+            self.show.help(COMMANDS)
+        elif cmd.name == "unknown":
+            self.show.unknown(cmd.args[0], COMMANDS)
+        elif cmd.name == "settings":
+            self.show.settings(self.settings)
+        elif cmd.name == "lens":
+            from lmhead_cli.lens import lens_prompt
+
+            self.show.lens(lens_prompt(self.loaded, self._last(cmd), list(self.settings.targets)))
+        elif cmd.name == "gen":
+            n = _number(cmd, "20", int)
+            from lmhead_cli import decoding
+
+            decoding.check({"max_new_tokens": n}, name=lambda _: ":gen")
+            prompt = self._last(cmd)
+            self.show.generation_start(prompt)
+            self.show.generation_end(generate_after(self.loaded, prompt, n, self.settings, self.show.text))
+        else:
+            self.settings = apply(self.settings, cmd)
+            self.show.settings(self.settings)
+        return True
+
+    def _last(self, cmd: Command) -> str:
+        if self.last_prompt is None:
+            raise UsageError(f":{cmd.name} works on the last prompt; type a prompt first")
+        return self.last_prompt
+
+
+def warm_up(loaded) -> None:
+    """One tiny forward after the load, so the first prompt is answered as fast as the rest."""
+    from lmhead_cli.inspection import last_logits
+
+    last_logits(loaded, [loaded.engine.eos_token_id or 0])

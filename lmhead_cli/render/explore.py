@@ -1,0 +1,101 @@
+"""What `lmhead explore` prints: a compact top-k table per prompt, settings, help, one-line errors."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.markup import escape
+from rich.table import Table
+
+from lmhead_cli.render import bar, err, out
+from lmhead_cli.render.lens import lens_table, tok
+
+
+def intro(model: str, random_weights: bool, load_s: float, settings, interactive: bool) -> None:
+    """Where the session stands; on stderr so piped output holds only the answers."""
+    con = err()
+    weights = " [bold yellow](random weights: the predictions are not real)[/]" if random_weights else ""
+    con.print(f"lmhead explore: {escape(model)} loaded in {load_s:.1f} s{weights}", markup=True)
+    con.print(f"settings: {escape(settings.describe())}", markup=True)
+    if interactive:
+        con.print("type a prompt, or :help for the commands; Ctrl-C cancels a line, Ctrl-D or :quit leaves",
+                  markup=False)
+
+
+def reading(r) -> None:
+    con = out()
+    scaled = r.stages != "none"
+    cut = f", first {r.truncated} dropped" if r.truncated else ""
+    con.print(f"» {escape(r.prompt)}  [dim]({r.n_tokens} tokens{cut}; stages: {escape(r.stages)}; "
+              f"{r.elapsed_ms:.0f} ms)[/]")
+    table = Table(show_edge=False, pad_edge=False)
+    columns = [("rank", "right"), ("id", "right"), ("token", "left"), ("logit", "right")]
+    columns += [("scaled", "right")] if scaled else []
+    columns += [("prob", "right"), ("", "left")]
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True)
+    best = r.rows[0].prob if r.rows else 1.0
+
+    def add(row, style=None):
+        cells = [f"{row.rank:,}", str(row.id), tok(row.token), f"{row.logit:.4f}"]
+        cells += [f"{row.scaled:.4f}"] if scaled else []
+        cells += [f"{row.prob:.4%}", f"[cyan]{bar(row.prob / best if best else 0)}[/]"]
+        table.add_row(*cells, style=style)
+
+    for row in r.rows:
+        add(row)
+    if r.targets:
+        table.add_section()
+        for row in r.targets:
+            add(row, style="bold")
+    con.print(table)
+    con.print(f"[dim]entropy {r.entropy:.4f} nats[/]")
+
+
+def settings(s) -> None:
+    out().print(f"settings: {escape(s.describe())}")
+
+
+def help(commands) -> None:  # noqa: A001 - the :help command
+    table = Table(show_header=False, show_edge=False, box=None, pad_edge=False)
+    for _ in range(3):
+        table.add_column(no_wrap=True)
+    for name, (aliases, args, what) in commands.items():
+        also = f" (or {', '.join(':' + a for a in aliases)})" if aliases else ""
+        table.add_row(f":{name} {escape(args)}".rstrip(), escape(what), f"[dim]{escape(also)}[/]")
+    out().print("a line without ':' is a prompt; its top tokens appear at once. Commands:")
+    out().print(table)
+
+
+def unknown(name: str, commands) -> None:
+    err().print(f"unknown command :{escape(name)}", markup=True)
+    help(commands)
+
+
+def error(message: str) -> None:
+    err().print(f"[red]error:[/] {escape(message)}", markup=True)
+
+
+def cancelled() -> None:
+    err().print("[dim]cancelled[/]", markup=True)
+
+
+def lens(result) -> None:
+    lens_table(result)
+
+
+def generation_start(prompt: str) -> None:
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+
+
+def text(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def generation_end(gen) -> None:
+    sys.stdout.write("\n")
+    out().print(f"[dim]{len(gen.generated_ids)} tokens sampled (seed {gen.seed}), stop: {gen.stop}, "
+                f"{gen.tokens_per_second:.1f} tokens/s[/]")
+

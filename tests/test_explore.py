@@ -1,0 +1,217 @@
+"""`lmhead explore`: piped sessions (one prompt a line), the commands, bad input that never ends the
+session, Ctrl-C and Ctrl-D, and the history file."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import PROMPT, PROMPT_IDS
+from typer.testing import CliRunner
+
+from lmhead_cli import explore
+from lmhead_cli.cli import app
+from lmhead_cli.errors import UsageError
+from lmhead_cli.explore import Command, Settings, apply, parse_command
+from lmhead_cli.sources import load_model
+
+runner = CliRunner()
+
+
+def session(tiny, script: str, *args):
+    return runner.invoke(app, ["explore", "--model", str(tiny[0]), *args], input=script)
+
+
+def table_probs(stdout: str, header: str) -> dict[int, float]:
+    """{id: prob} from the table printed under the line starting with `» header`."""
+    block = stdout.split(f"» {header}", 1)[1].split("entropy", 1)[0]
+    probs = {}
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and cells[0].replace(",", "").isdigit():
+            probs[int(cells[1])] = float(cells[-2].rstrip("%")) / 100
+    return probs
+
+
+def reference(tiny, ids=PROMPT_IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return tiny[1](torch.tensor([ids])).logits[0, -1].double()
+
+
+def test_piped_prompts_get_a_table_each_and_temp_applies(tiny):
+    got = session(tiny, f"{PROMPT}\n:temp 0.5\nThe key on the table\n")
+    assert got.exit_code == 0, got.output
+    assert got.stdout.count("» ") == 2 and got.stdout.count("entropy") == 2
+    assert "temperature 0.5" in got.stdout
+    first = table_probs(got.stdout, PROMPT)
+    p = torch.softmax(reference(tiny), -1)
+    assert list(first) == torch.topk(p, 10).indices.tolist()
+    for i, prob in first.items():
+        assert prob == pytest.approx(float(p[i]), abs=6e-7)  # printed to 0.0001%
+    ids = load_model(str(tiny[0]), device="cpu").tokenizer.encode("The key on the table")
+    p_half = torch.softmax(reference(tiny, ids) / 0.5, -1)  # the second prompt, at T = 0.5
+    second = table_probs(got.stdout, "The key on the table")
+    assert list(second) == torch.topk(p_half, 10).indices.tolist()
+    for i, prob in second.items():
+        assert prob == pytest.approx(float(p_half[i]), abs=6e-7)
+
+
+def test_softcap_top_k_and_target(tiny):
+    got = session(tiny, f':softcap 0.5\n:top-k 3\n:target " are"\n{PROMPT}\n')
+    assert got.exit_code == 0, got.output
+    z = reference(tiny)
+    capped = 0.5 * torch.tanh(z / 0.5)
+    p = torch.softmax(capped, -1)
+    probs = table_probs(got.stdout, PROMPT)
+    top3 = torch.topk(z, 3).indices.tolist()
+    assert list(probs)[:3] == top3 and 389 in probs  # three rows, then the target " are"
+    for i, prob in probs.items():
+        assert prob == pytest.approx(float(p[i]), abs=6e-7)  # printed to 0.0001%
+    assert f"{1 + int((z > z[389]).sum()):,}" in got.stdout  # the target's rank
+
+
+def test_read_matches_arithmetic(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu")
+    r = explore.read(loaded, PROMPT, Settings(top_k=4, temperature=2.0, softcap=3.0, targets=(" is",)))
+    z = reference(tiny)
+    scaled = 3.0 * torch.tanh(z / 3.0) / 2.0  # soft-cap first, then the temperature
+    logp = torch.log_softmax(scaled, -1)
+    assert [row.id for row in r.rows] == torch.topk(z, 4).indices.tolist()
+    for row in r.rows + r.targets:
+        assert row.logit == pytest.approx(float(z[row.id]), abs=1e-4)
+        assert row.scaled == pytest.approx(float(scaled[row.id]), abs=1e-4)
+        assert row.prob == pytest.approx(float(logp[row.id].exp()), rel=1e-4)
+        assert row.rank == 1 + int((z > z[row.id]).sum())
+    assert r.targets[0].id == 318 and r.n_tokens == 5
+    assert r.entropy == pytest.approx(float(-(logp.exp() * logp).sum()), abs=1e-4)
+    assert r.stages == "softcap 3 → temperature 2"
+
+
+def test_bad_input_never_ends_the_session(tiny):
+    script = f"\n   \n:temp abc\n:temp 0\n:top-k -1\n:target\n:nonsense\n:gen 3\n:lens\n{PROMPT}\n"
+    got = session(tiny, script)
+    assert got.exit_code == 0, got.output
+    err = got.stderr
+    assert ":temp takes a number, e.g. :temp 0.8 (got 'abc')" in err
+    assert ":temp must be a finite number greater than 0" in err
+    assert ":top-k must be at least 1" in err
+    assert ":target takes one value" in err
+    assert "unknown command :nonsense" in err and ":softcap C|off" in got.stdout  # the list
+    assert ":gen works on the last prompt; type a prompt first" in err
+    assert ":lens works on the last prompt" in err
+    assert got.stdout.count("» ") == 1  # empty lines are ignored; the prompt after the errors is answered
+    assert "temperature off" in got.stderr  # the bad :temp values changed nothing
+
+
+def test_gen_and_lens_on_the_last_prompt(tiny):
+    got = session(tiny, f"{PROMPT}\n:seed 7\n:gen 4\n:lens\n:quit\nnever read\n")
+    assert got.exit_code == 0, got.output
+    assert "4 tokens sampled (seed 7)" in got.stdout
+    loaded = load_model(str(tiny[0]), device="cpu")
+    expected = explore.generate_after(loaded, PROMPT, 4, Settings(seed=7), lambda _: None)
+    assert PROMPT + expected.text + "\n" in got.stdout  # the same tokens a script gets every run
+    assert "embeddings" in got.stdout and "block 2" in got.stdout
+    assert "never read" not in got.stdout  # :quit ends the session
+
+
+def test_start_options_are_checked_before_the_load():
+    got = runner.invoke(app, ["explore", "--temperature", "0", "--model", "random:gpt2"], input="")
+    assert got.exit_code == 2
+    assert "--temperature must be a finite number greater than 0" in got.stderr
+
+
+# ---- the pieces --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, name, args", [
+    (':target " are"', "target", [" are"]),
+    (":TEMP 0.8", "temp", ["0.8"]),
+    (":temperature off", "temp", ["off"]),
+    (":k 20", "top-k", ["20"]),
+    (":q", "quit", []),
+    (":", "help", []),
+    (":bogus 1", "unknown", ["bogus"]),
+])
+def test_parse_command(line, name, args):
+    assert parse_command(line) == Command(name, args)
+
+
+def test_parse_command_unclosed_quote():
+    with pytest.raises(UsageError, match="cannot read"):
+        parse_command(':target " are')
+
+
+def test_apply_settings_and_off():
+    s = apply(Settings(), Command("temp", ["0.8"]))
+    s = apply(s, Command("softcap", ["30"]))
+    s = apply(apply(s, Command("target", [" are"])), Command("target", [" is"]))
+    assert (s.temperature, s.softcap, s.targets) == (0.8, 30.0, (" are", " is"))
+    s = apply(apply(apply(s, Command("temp", ["off"])), Command("softcap", ["none"])), Command("target", ["clear"]))
+    assert (s.temperature, s.softcap, s.targets) == (None, None, ())
+    for bad in (Command("temp", ["nan"]), Command("softcap", ["-1"]), Command("top-k", ["2.5"]),
+                Command("seed", ["-3"]), Command("temp", ["1", "2"])):
+        with pytest.raises(UsageError):
+            apply(s, bad)
+
+
+def test_ctrl_c_cancels_the_line_and_ctrl_d_ends(monkeypatch):
+    typed = iter([KeyboardInterrupt, "a prompt", EOFError])
+
+    def fake_input(prompt):
+        assert prompt == explore.PROMPT
+        item = next(typed)
+        if isinstance(item, type):
+            raise item
+        return item
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    cancels = []
+    assert list(explore.terminal_lines(on_cancel=lambda: cancels.append(1))) == ["a prompt"]
+    assert cancels == [1]
+
+
+def test_ctrl_c_while_computing_cancels_that_line_only():
+    class Show:
+        def __init__(self):
+            self.events = []
+
+        def cancelled(self):
+            self.events.append("cancelled")
+
+        def error(self, message):
+            self.events.append(message)
+
+    class Interrupted(explore.Session):
+        def handle(self, line):
+            if line == "slow":
+                raise KeyboardInterrupt
+            self.show.events.append(line)
+            return True
+
+    show = Show()
+    Interrupted(None, Settings(), show).run(["slow", "next"])
+    assert show.events == ["cancelled", "next"]
+
+
+def test_history_is_written_and_never_fails(tmp_path, monkeypatch):
+    pytest.importorskip("readline")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = explore.history_file()
+    assert path == tmp_path / "cache" / "lmhead" / "history"
+    history = explore.History(path)
+    history.readline.add_history("The keys on the table")
+    history.save()
+    assert "The keys on the table" in path.read_text(encoding="utf-8", errors="replace")
+    (tmp_path / "file").write_text("not a folder")
+    explore.History(tmp_path / "file" / "history").save()  # cannot be written: no error
+
+
+def test_piped_lines_strip_line_ends():
+    assert list(explore.piped_lines(["a\r\n", "b\n", "c"])) == ["a", "b", "c"]
+
+
+def test_help_lists_every_command(tiny):
+    got = session(tiny, ":help\n")
+    assert got.exit_code == 0
+    for name in explore.COMMANDS:
+        assert re.search(rf":{re.escape(name)}\b", got.stdout), name
