@@ -575,6 +575,53 @@ def lens_cmd(
         lens_table(result)
 
 
+@command("explore")
+def explore_cmd(
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many tokens each table lists (:top-k).")] = 10,
+    temperature: TemperatureOpt = None,  # the start values of :temp and :softcap
+    softcap: SoftcapOpt = None,
+    target: Annotated[
+        Optional[list[str]], typer.Option("--target", "-t", help="Follow a token in every table (:target).")
+    ] = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+) -> None:
+    """An interactive session: the model loads once, each line you type is a prompt answered at once.
+
+    Commands: :temp 0.8, :softcap 30, :top-k 20, :target " are", :gen 20, :lens, :help, :quit.
+    Input can be piped, one prompt a line.
+
+    Example: printf 'The keys on the table\\n:temp 0.5\\nThe key on the table\\n' | lmhead explore
+    """
+    import time
+
+    from lmhead_cli import decoding, explore
+    from lmhead_cli.inspection import check_targets
+    from lmhead_cli.render import explore as show
+
+    decoding.check({"temperature": temperature, "softcap": softcap, "top_k": top_k})  # before the load
+    settings = explore.Settings(top_k=top_k, temperature=temperature, softcap=softcap,
+                                targets=tuple(check_targets(target)))
+    interactive = sys.stdin.isatty()
+    start = time.perf_counter()
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    explore.warm_up(loaded)
+    show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive)
+    session = explore.Session(loaded, settings, show)
+    if not interactive:
+        session.run(explore.piped_lines())
+        return
+    history = explore.History(explore.history_file())
+    try:
+        session.run(explore.terminal_lines(on_cancel=lambda: sys.stderr.write("\n")))
+    finally:
+        history.save()
+        sys.stderr.write("\n")
+
+
 
 def main() -> None:
     """Console-script entry point."""
