@@ -331,12 +331,13 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
             model, device, dtype, engine, allow_pickle, json_out, **knobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
-    from lmhead_cli.generation import generate, prompt_ids, resolve
+    from lmhead_cli.generation import check_prompt, generate, prompt_ids, resolve
     from lmhead_cli.render import generate as show
 
     settings = resolve(command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
                        show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
-    text = sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None else prompt
+    text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
+                        else prompt)
     loaded = load(model, device, dtype, engine, allow_pickle)
     ids, dropped = prompt_ids(loaded, text)
     if dropped:

@@ -175,8 +175,12 @@ def choose(logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | No
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy in nats per row, (..., V) -> (...); dropped tokens (p = 0) add nothing."""
-    return torch.special.entr(logprobs.exp()).sum(dim=-1)
+    """Shannon entropy in nats per row, (..., V) -> (...); dropped tokens (p = 0) add nothing.
+
+    -inf is clamped to the lowest finite float so 0·log 0 counts as 0 (torch.special.entr is
+    ~10x slower on CPU).
+    """
+    return -(logprobs.exp() * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(dim=-1)
 
 
 # ---- the stage table (`lmhead inspect --stages`) ---------------------------------------------

@@ -29,7 +29,6 @@ from lmhead_cli.inspection import encode_prompt
 from lmhead_cli.presets import merge
 from lmhead_cli.sources import Loaded
 
-DEFAULT_PROMPT = "The keys on the table"
 DEFAULT_MAX_NEW_TOKENS = 40
 LENGTH_PENALTY = 1.0  # transformers' default: a finished beam scores sum(log p) / length
 FINISHED = -1.0e9  # transformers' penalty that keeps a finished candidate from running on
@@ -125,11 +124,16 @@ def resolve(command: str, *, preset: str | None = None, greedy: bool = False, be
                          show_steps=show_steps, **values)
 
 
+def check_prompt(prompt: str | None) -> str:
+    """The prompt, or a UsageError if it is missing, empty or only white space."""
+    if not prompt or not prompt.strip():
+        raise UsageError('the prompt is empty; give some text, e.g. lmhead generate "The keys on the table"')
+    return prompt
+
+
 def prompt_ids(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
     """The prompt's token ids, keeping the newest n_ctx; returns (ids, number dropped from the front)."""
-    if not prompt or not prompt.strip():
-        raise UsageError(f'the prompt is empty; give some text, e.g. lmhead generate "{DEFAULT_PROMPT}"')
-    return encode_prompt(loaded, prompt)
+    return encode_prompt(loaded, check_prompt(prompt))
 
 
 def room(n_ctx: int, n_prompt: int) -> int:

@@ -1,0 +1,240 @@
+"""The decoding stages, each alone, and the draws: pure functions over small logits vectors.
+
+Every expected figure is computed here independently (by hand or with plain torch), not read back
+from the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmhead_cli import decoding
+from lmhead_cli.decoding import Knobs
+from lmhead_cli.errors import UsageError
+
+# A fixed logits vector for the draws: 12 tokens, a clear favourite and a long tail.
+LOGITS = torch.tensor([3.1, 2.6, 2.2, 1.9, 1.0, 0.7, 0.3, -0.2, -0.9, -1.5, -2.4, -3.0])
+DRAWS = 20_000
+TV_LIMIT = 0.02
+# probabilities 0.5, 0.3, 0.15, 0.05: easy to filter by hand
+HAND = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def kept(z: torch.Tensor) -> list[int]:
+    return torch.isfinite(z).nonzero().flatten().tolist()
+
+
+# ---- soft-capping ---------------------------------------------------------------------------
+
+def test_softcap_keeps_the_ranking_and_never_raises_the_top_probability():
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 10.0, 40.0):
+        z = torch.randn(2000, generator=g) * scale
+        for cap in (5.0, 30.0):
+            capped = decoding.softcap(z, cap)
+            order = torch.argsort(z, descending=True)
+            assert bool((capped[order].diff() <= 0).all())  # never reordered (float32 tanh may tie far out)
+            if scale * 4 < cap * 3:  # no saturation: the very same order
+                assert torch.equal(torch.argsort(capped, descending=True), order)
+            top = int(z.argmax())
+            assert torch.softmax(capped, -1)[top] <= torch.softmax(z, -1)[top] + 1e-7
+
+
+def test_softcap_values_lie_strictly_inside_the_cap():
+    z = torch.tensor([-float("inf"), -1e9, -1e4, -300.0, -30.0, 0.0, 29.0, 30.0, 300.0, 1e4, 1e9, float("inf")])
+    for cap in (1.0, 30.0, 50.0):
+        capped = decoding.softcap(z, cap)
+        assert bool(((capped > -cap) & (capped < cap)).all()), capped
+
+
+def test_softcap_is_the_formula_and_near_identity_for_small_logits():
+    z = torch.tensor([-5.0, -0.5, 0.0, 0.5, 5.0])
+    expected = torch.tensor([30 * math.tanh(v / 30) for v in z.tolist()])
+    torch.testing.assert_close(decoding.softcap(z, 30.0), expected)
+    torch.testing.assert_close(decoding.softcap(z * 0.01, 30.0), z * 0.01, atol=1e-6, rtol=1e-4)
+
+
+# ---- temperature ----------------------------------------------------------------------------
+
+def test_temperature_one_without_filters_is_plain_softmax():
+    z = decoding.process(LOGITS, Knobs(temperature=1.0).pipeline())
+    assert torch.equal(torch.softmax(z, -1), torch.softmax(LOGITS, -1))
+    assert torch.equal(decoding.process(LOGITS, Knobs().pipeline()), LOGITS)
+
+
+def test_temperature_towards_zero_approaches_greedy():
+    best = int(LOGITS.argmax())
+    tops = [float(decoding.log_probs(decoding.temperature(LOGITS, t))[best].exp()) for t in (1.0, 0.3, 0.1, 1e-3)]
+    assert tops == sorted(tops) and tops[-1] > 0.999999
+    g = torch.Generator().manual_seed(0)
+    lp = decoding.log_probs(decoding.temperature(LOGITS, 1e-3))[None]
+    assert all(int(decoding.choose(lp, False, g)) == best for _ in range(200))
+
+
+def test_temperature_above_one_flattens():
+    h = [float(decoding.entropy(decoding.log_probs(decoding.temperature(LOGITS, t)))) for t in (0.5, 1.0, 2.0)]
+    assert h[0] < h[1] < h[2] < math.log(len(LOGITS))
+
+
+# ---- filters --------------------------------------------------------------------------------
+
+def test_top_k_by_hand():
+    assert kept(decoding.top_k(HAND, 2)) == [0, 1]
+    assert kept(decoding.top_k(HAND, 1)) == [0]
+    assert torch.equal(decoding.top_k(HAND, 4), HAND) and torch.equal(decoding.top_k(HAND, 99), HAND)
+    assert kept(decoding.top_k(torch.tensor([1.0, 2.0, 2.0, 0.0]), 2)) == [1, 2]  # ties with the k-th stay
+
+
+def test_top_p_by_hand():
+    assert kept(decoding.top_p(HAND, 0.75)) == [0, 1]  # 0.5 < 0.75 <= 0.5 + 0.3
+    assert kept(decoding.top_p(HAND, 0.85)) == [0, 1, 2]
+    assert kept(decoding.top_p(HAND, 0.01)) == [0]  # the best token always survives
+    assert torch.equal(decoding.top_p(HAND, 1.0), HAND)
+    shuffled = HAND[[2, 0, 3, 1]]  # order in the vocabulary does not matter
+    assert kept(decoding.top_p(shuffled, 0.75)) == [1, 3]
+
+
+def test_min_p_by_hand():
+    assert kept(decoding.min_p(HAND, 0.25)) == [0, 1, 2]  # keep p >= 0.125
+    assert kept(decoding.min_p(HAND, 0.4)) == [0, 1]  # keep p >= 0.2
+    assert kept(decoding.min_p(HAND, 0.99)) == [0]
+    assert torch.equal(decoding.min_p(HAND, 0.0), HAND)
+
+
+def test_filters_work_on_rows():
+    rows = torch.stack([HAND, HAND.flip(0)])  # (2, 4)
+    for f, v in ((decoding.top_k, 2), (decoding.top_p, 0.75), (decoding.min_p, 0.4)):
+        out = f(rows, v)
+        assert kept(out[0]) == [0, 1] and kept(out[1]) == [2, 3]
+
+
+# ---- the order, and process -----------------------------------------------------------------
+
+def test_the_documented_order_of_stages():
+    assert [s.knob for s in decoding.STAGES] == ["softcap", "temperature", "top_k", "top_p", "min_p"]
+    assert [f for f in Knobs.__dataclass_fields__] == [s.knob for s in decoding.STAGES]
+
+
+def test_process_composes_the_active_stages_in_order():
+    knobs = Knobs(softcap=2.0, temperature=0.7, top_k=8, top_p=0.9, min_p=0.05)
+    by_hand = LOGITS.clone()
+    by_hand = 2.0 * torch.tanh(by_hand / 2.0)
+    by_hand = by_hand / 0.7
+    by_hand = decoding.min_p(decoding.top_p(decoding.top_k(by_hand, 8), 0.9), 0.05)
+    torch.testing.assert_close(decoding.process(LOGITS, knobs.pipeline()), by_hand)
+    assert knobs.active() == {"softcap": 2.0, "temperature": 0.7, "top_k": 8, "top_p": 0.9, "min_p": 0.05}
+
+
+# ---- choose: the draws follow exactly the processed distribution -----------------------------
+
+SETTINGS = {
+    "plain": Knobs(),
+    "temperature": Knobs(temperature=0.6),
+    "top-k": Knobs(top_k=4),
+    "top-p": Knobs(top_p=0.8),
+    "min-p": Knobs(min_p=0.1),
+    "soft-capped": Knobs(softcap=1.5),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sampling_frequencies_match_the_processed_probabilities(name):
+    logprobs = decoding.log_probs(decoding.process(LOGITS, SETTINGS[name].pipeline()))[None]  # (1, V)
+    probs = logprobs.exp()[0]
+    g = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(len(LOGITS))
+    for _ in range(DRAWS):
+        counts[int(decoding.choose(logprobs, False, g))] += 1
+    tv = 0.5 * float((counts / DRAWS - probs).abs().sum())
+    assert tv < TV_LIMIT, (name, tv)
+    assert float(counts[probs == 0].sum()) == 0  # a filtered token is never drawn
+
+
+def test_choose_is_reproducible_with_a_seed_and_greedy_is_argmax():
+    lp = decoding.log_probs(LOGITS)[None]
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [int(decoding.choose(lp, False, g1)) for _ in range(50)] == [int(decoding.choose(lp, False, g2)) for _ in range(50)]
+    assert int(decoding.choose(lp, True)) == int(LOGITS.argmax())
+    assert int(decoding.choose(torch.tensor([[0.0, 1.0, 1.0]]), True)) == 1  # the first on ties
+
+
+def test_entropy():
+    n = 50
+    assert math.isclose(float(decoding.entropy(torch.full((n,), -math.log(n)))), math.log(n), rel_tol=1e-6)
+    lp = decoding.log_probs(decoding.top_k(HAND, 2))  # dropped tokens (p = 0) add nothing
+    p = torch.tensor([0.5, 0.3]) / 0.8
+    assert math.isclose(float(decoding.entropy(lp)), float(-(p * p.log()).sum()), rel_tol=1e-6)
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value,words", [
+    ("temperature", 0.0, "lmhead greedy"), ("temperature", -1.0, "greater than 0"),
+    ("temperature", float("nan"), "finite"), ("temperature", float("inf"), "finite"),
+    ("top_k", 0, "at least 1"), ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"), ("top_p", float("nan"), "(0, 1]"),
+    ("min_p", 1.0, "[0, 1)"), ("min_p", -0.1, "[0, 1)"), ("softcap", 0.0, "greater than 0"),
+    ("softcap", float("inf"), "finite"), ("beams", 0, "at least 1"), ("max_new_tokens", 0, "at least 1"),
+])
+def test_check_names_the_flag_and_the_range(key, value, words):
+    with pytest.raises(UsageError) as e:
+        decoding.check({key: value})
+    assert str(e.value).startswith(decoding.flag(key)) and words in str(e.value)
+
+
+def test_check_accepts_the_edges():
+    decoding.check({"temperature": 1e-6, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "softcap": 1e-3, "beams": 1,
+                    "max_new_tokens": 1, "seed": 0, "top_k_unset": None})
+
+
+# ---- the stage table ------------------------------------------------------------------------
+
+def test_stage_table_follows_the_top_tokens_through_every_stage():
+    knobs = Knobs(softcap=2.0, temperature=0.5, top_k=3)
+    t = decoding.stage_table(LOGITS, knobs, 5, lambda i: f"t{i}")
+    assert t.columns == ["raw", "soft-capped", "tempered", "filtered"] and t.kept == 3 and t.vocab == 12
+    assert [r.id for r in t.rows] == [0, 1, 2, 3, 4]
+    for rank, r in enumerate(t.rows, 1):
+        raw = float(LOGITS[r.id])
+        capped = 2.0 * math.tanh(raw / 2.0)
+        assert [c.rank for c in r.cells[:3]] == [rank] * 3  # capping and temperature keep the ranking
+        assert math.isclose(r.cells[0].value, raw, rel_tol=1e-6)
+        assert math.isclose(r.cells[1].value, capped, rel_tol=1e-5)
+        assert math.isclose(r.cells[2].value, capped / 0.5, rel_tol=1e-5)
+    assert [c.value is None for c in (r.cells[3] for r in t.rows)] == [False, False, False, True, True]
+    z = torch.tensor([2.0 * math.tanh(v / 2.0) / 0.5 for v in LOGITS[:3].tolist()])
+    expected = torch.softmax(z, -1).tolist() + [0.0, 0.0]
+    assert [r.prob for r in t.rows] == pytest.approx(expected, rel=1e-5)
+
+
+# ---- soft-capping inside transformers' generate() -------------------------------------------
+
+def test_decoding_never_imports_transformers():
+    code = "import sys, lmhead_cli.decoding; print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_softcap_processor_in_transformers_generate(tiny):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from lmhead_cli.decoding import SoftCapLogitsProcessor
+
+    _, model = tiny
+    cap = 0.5  # the tiny model's logits are small; a small cap shows
+    processor = decoding.softcap_processor(cap)
+    assert isinstance(processor, LogitsProcessor) and isinstance(processor, SoftCapLogitsProcessor)
+    ids = torch.tensor([[464, 8251, 319, 262, 3084]])
+    out = model.generate(ids, do_sample=False, max_new_tokens=3, pad_token_id=50256, output_scores=True,
+                         output_logits=True, return_dict_in_generate=True,
+                         logits_processor=LogitsProcessorList([processor]))
+    for raw, scores in zip(out.logits, out.scores):
+        torch.testing.assert_close(scores, cap * torch.tanh(raw / cap))
+        assert bool((scores.abs() < cap).all())
+    plain = model.generate(ids, do_sample=False, max_new_tokens=3, pad_token_id=50256)
+    assert torch.equal(out.sequences, plain)  # capping never changes the greedy choice
+    with pytest.raises(UsageError):
+        decoding.softcap_processor(0.0)

@@ -1,0 +1,243 @@
+"""The generation loop against transformers (the oracle) on tiny checkpoints.
+
+Greedy ids equal generate(do_sample=False); beam ids equal generate(num_beams=N, do_sample=False),
+also when beams finish early at end-of-text; seeded sampling replays; the KV cache feeds one
+position per step and the head sees the last position only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import PROMPT, PROMPT_IDS, build_checkpoint
+
+from lmhead_cli import generation
+from lmhead_cli.errors import NonFiniteLogits, UsageError
+from lmhead_cli.generation import generate, make_settings, prompt_ids
+from lmhead_cli.sources import load_model
+
+EOS = 50256
+NEW = 12
+
+
+def load(folder, engine="lean"):
+    return load_model(str(folder), device="cpu", dtype="float32", engine=engine)
+
+
+def reference(model, ids, **kwargs) -> list[int]:
+    """transformers' generate: the new ids only."""
+    kwargs.setdefault("pad_token_id", kwargs.get("eos_token_id", EOS))
+    out = model.generate(torch.tensor([ids]), do_sample=False, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory):
+    """(folder, model): a tiny untied GPT-2 whose end-of-text is a strong runner-up, so beams finish early."""
+    folder = tmp_path_factory.mktemp("eos")
+    model = build_checkpoint(folder, tied=False, seed=3)
+    with torch.no_grad():
+        h = model.transformer(torch.tensor([list(range(0, 5000, 7))])).last_hidden_state[0].mean(0)
+        model.lm_head.weight[EOS] = h / h.norm() * 0.7
+    model.save_pretrained(folder)
+    return folder, model
+
+
+# ---- parity with transformers -----------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_greedy_is_token_identical_to_transformers(tiny, engine):
+    folder, model = tiny
+    loaded = load(folder, engine)
+    for prompt in (PROMPT, "你好，世界"):
+        ids, _ = prompt_ids(loaded, prompt)
+        g = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=NEW))
+        assert g.generated_ids == reference(model, ids, max_new_tokens=NEW)
+        assert g.prompt_ids == ids and g.mode == "greedy" and g.seed is None
+
+
+def test_greedy_untied(tiny_untied):
+    folder, model = tiny_untied
+    loaded = load(folder)
+    g = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=NEW))
+    assert g.generated_ids == reference(model, PROMPT_IDS, max_new_tokens=NEW)
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+@pytest.mark.parametrize("beams", [2, 4])
+def test_beam_search_is_token_identical_to_transformers(tiny, engine, beams):
+    folder, model = tiny
+    loaded = load(folder, engine)
+    g = generate(loaded, PROMPT_IDS, make_settings(beams=beams, max_new_tokens=8))
+    assert g.generated_ids == reference(model, PROMPT_IDS, num_beams=beams, max_new_tokens=8)
+    assert g.mode == "beam" and g.beam_score is not None
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "A B C", "x"])
+def test_beams_that_finish_at_end_of_text_match_transformers(eos_model, prompt):
+    folder, model = eos_model
+    loaded = load(folder)
+    ids, _ = prompt_ids(loaded, prompt)
+    lengths = set()
+    for beams in (1, 2, 3, 4):
+        s = make_settings(greedy=True, beams=beams, max_new_tokens=12)
+        g = generate(loaded, ids, s)
+        kwargs = {"num_beams": beams} if beams > 1 else {}
+        assert g.generated_ids == reference(model, ids, max_new_tokens=12, **kwargs), beams
+        assert g.stop == "eos" and g.generated_ids[-1] == EOS
+        assert "<|endoftext|>" not in g.text
+        lengths.add(len(g.generated_ids))
+    assert max(lengths) > 1  # not all trivially one token long
+
+
+def test_beam_score_is_the_mean_log_probability(tiny):
+    folder, model = tiny
+    g = generate(load(folder), PROMPT_IDS, make_settings(beams=3, max_new_tokens=6))
+    seq = torch.tensor([PROMPT_IDS + g.generated_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(seq).logits[0].float(), -1)
+    P = len(PROMPT_IDS)
+    total = sum(float(lp[P - 1 + i, t]) for i, t in enumerate(g.generated_ids))
+    assert math.isclose(g.beam_score, total / len(g.generated_ids), abs_tol=1e-4)
+
+
+# ---- the loop: cache, head, steps -------------------------------------------------------------
+
+def test_one_position_per_step_and_the_head_on_the_last_position_only(tiny):
+    folder, _ = tiny
+    loaded = load(folder)
+    eng = loaded.engine
+    bodies, heads = [], []
+    body, head = eng.body, eng.head
+    eng.body = lambda ids, cache=None, attention_mask=None: bodies.append((tuple(ids.shape), cache)) or body(ids, cache)
+    eng.head = lambda h: heads.append(tuple(h.shape)) or head(h)
+    g = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=6))
+    assert [shape for shape, _ in bodies] == [(1, len(PROMPT_IDS))] + [(1, 1)] * 5
+    assert all(cache is bodies[0][1] and cache is not None for _, cache in bodies)
+    assert heads == [(1, 1, 64)] * 6
+    assert bodies[0][1].length == len(PROMPT_IDS) + 5
+    assert len(g.generated_ids) == 6
+
+
+def test_steps_match_an_independent_computation(tiny):
+    folder, model = tiny
+    loaded = load(folder)
+    s = make_settings(temperature=0.7, top_k=50, seed=5, max_new_tokens=5, show_steps=4)
+    g = generate(loaded, PROMPT_IDS, s)
+    seq = torch.tensor([PROMPT_IDS + g.generated_ids])
+    with torch.no_grad():
+        logits = model(seq).logits[0].float()  # (T, V): every position at once, no cache
+    P = len(PROMPT_IDS)
+    for i, step in enumerate(g.steps):
+        z = logits[P - 1 + i]
+        scaled = z / 0.7
+        kth = torch.topk(scaled, 50).values[-1]
+        p = torch.softmax(scaled.masked_fill(scaled < kth, -float("inf")), -1)
+        assert math.isclose(step.logit, float(z[step.id]), abs_tol=1e-4)
+        assert math.isclose(step.prob, float(p[step.id]), rel_tol=1e-4)
+        assert step.rank == 1 + int((z > z[step.id]).sum())
+        nz = p[p > 0]
+        assert math.isclose(step.entropy, float(-(nz * nz.log()).sum()), rel_tol=1e-4)
+        assert [a.id for a in step.alternatives] == torch.topk(p, 4).indices.tolist()
+        assert step.token == loaded.tokenizer.token_text(step.id)
+    assert math.isclose(g.mean_entropy, sum(st.entropy for st in g.steps) / 5)
+
+
+def test_sampling_replays_with_its_seed_and_draws_one_when_none_is_given(tiny):
+    folder, _ = tiny
+    loaded = load(folder)
+    run = lambda seed: generate(loaded, PROMPT_IDS, make_settings(seed=seed, max_new_tokens=8))  # noqa: E731
+    first = run(None)
+    assert first.seed is not None and first.mode == "sample"
+    assert run(first.seed).generated_ids == first.generated_ids
+    assert run(1).generated_ids == run(1).generated_ids
+    assert len({tuple(run(s).generated_ids) for s in range(4)}) > 1
+
+
+def test_greedy_ignores_the_seed_and_beams_agree_with_greedy_at_one(tiny):
+    folder, _ = tiny
+    loaded = load(folder)
+    a = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=6, seed=1))
+    b = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=6, softcap=30.0, temperature=0.5))
+    assert a.generated_ids == b.generated_ids  # capping and temperature keep the ranking
+
+
+def test_end_of_text_stops_unless_ignored(eos_model):
+    folder, _ = eos_model
+    loaded = load(folder)
+    ids, _ = prompt_ids(loaded, "x")
+    stopped = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=10))
+    assert stopped.stop == "eos" and stopped.generated_ids[-1] == EOS and len(stopped.generated_ids) < 10
+    on = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=10, ignore_eos=True))
+    assert on.stop == "max_new_tokens" and len(on.generated_ids) == 10
+    assert on.generated_ids[:len(stopped.generated_ids)] == stopped.generated_ids
+    assert "<|endoftext|>" in on.text and "<|endoftext|>" not in stopped.text
+
+
+def test_the_context_limit_stops_generation(tmp_path):
+    folder = tmp_path / "short"
+    model = build_checkpoint(folder, n_positions=16)
+    loaded = load(folder)
+    ten = PROMPT_IDS * 2  # 10 tokens
+    g = generate(loaded, ten, make_settings(greedy=True, max_new_tokens=40))
+    assert g.stop == "context" and len(g.generated_ids) == 16 - 10 + 1  # the last token is never fed back
+    assert g.generated_ids == reference(model, ten, max_new_tokens=7)
+    assert generation.room(16, 10) == 7
+    long_ids, dropped = prompt_ids(loaded, PROMPT * 5)  # 25 tokens: the newest 16 are kept
+    assert dropped == 9 and len(long_ids) == 16
+    assert len(generate(loaded, long_ids, make_settings(greedy=True)).generated_ids) == 1
+
+
+def test_non_finite_logits_stop_with_a_clear_error(tmp_path):
+    folder = tmp_path / "nan"
+    build_checkpoint(folder)
+    loaded = load(folder)
+    with torch.no_grad():
+        loaded.engine.module.ln_f.weight[0] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="non-finite"):
+        generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=3))
+
+
+def test_streamed_text_is_the_whole_text_and_splits_no_character(tiny):
+    folder, _ = tiny
+    loaded = load(folder)
+    pieces = []
+    g = generate(loaded, PROMPT_IDS, make_settings(seed=3, max_new_tokens=12), on_text=pieces.append)
+    assert "".join(pieces) == g.text == loaded.tokenizer.decode(g.generated_ids)
+    # a text whose characters span several byte-level tokens arrives whole, never as halves
+    text = "你好，世界 🙂 naïve"
+    ids = loaded.tokenizer.encode(text)
+    assert len(ids) > len(text.split())
+    stream = generation._Text(loaded.tokenizer)
+    out = [stream.add(i) for i in ids] + [stream.flush()]
+    assert "".join(out) == text and not any("\ufffd" in piece for piece in out)
+
+
+def test_an_empty_prompt_is_a_usage_error(tiny):
+    folder, _ = tiny
+    with pytest.raises(UsageError, match="empty"):
+        prompt_ids(load(folder), "  ")
+
+
+def test_resolve_layers_defaults_preset_and_flags():
+    s = generation.resolve("sample", preset="creative", temperature=None, top_p=None)
+    assert (s.knobs.temperature, s.knobs.top_p, s.max_new_tokens, s.mode) == (1.1, 0.95, 40, "sample")
+    s = generation.resolve("generate", preset="creative", temperature=0.5, max_new_tokens=7)
+    assert (s.knobs.temperature, s.knobs.top_p, s.max_new_tokens) == (0.5, 0.95, 7)
+    assert generation.resolve("softcap").knobs.softcap == 30.0
+    assert generation.resolve("softcap", softcap=12.0).knobs.softcap == 12.0
+    assert generation.resolve("greedy").mode == "greedy"
+    assert generation.resolve("generate", beams=3).mode == "beam"
+    with pytest.raises(UsageError, match="lmhead greedy --beams 2"):
+        generation.resolve("sample", beams=2)
+
+
+@pytest.mark.real_weights
+def test_real_gpt2_greedy_the_dog(real_gpt2):
+    loaded = load(real_gpt2)
+    ids, _ = prompt_ids(loaded, "The dog")
+    g = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=18))
+    assert ids + g.generated_ids == [464, 3290, 373, 1043, 287, 257, 2214, 1474, 262, 16246, 286, 2688, 290, 2688,
+                                     27262, 13, 198, 198, 464, 3290]
