@@ -43,7 +43,11 @@ def assert_same_reading(batched, single, atol=1e-4):
     assert [t.id for t in batched.top] == [t.id for t in single.top]
     for a, b in zip(batched.top, single.top):
         assert a.prob == pytest.approx(b.prob, rel=1e-4)
-    assert [(t.id, t.rank) for t in batched.targets] == [(t.id, t.rank) for t in single.targets]
+    assert [t.id for t in batched.targets] == [t.id for t in single.targets]
+    for a, b in zip(batched.targets, single.targets):
+        # A deep rank may move by the tokens whose logits lie within float noise of the target's.
+        close = int(((single.logits - single.logits[b.id]).abs() <= atol).sum()) - 1
+        assert abs(a.rank - b.rank) <= close
     assert batched.entropy == pytest.approx(single.entropy, abs=1e-4)
 
 

@@ -15,6 +15,7 @@ from lmhead_cli.cli import app
 from lmhead_cli.errors import UsageError
 from lmhead_cli.explore import Command, Settings, apply, parse_command
 from lmhead_cli.sources import load_model
+from test_lens import assert_rank
 
 runner = CliRunner()
 
@@ -23,15 +24,19 @@ def session(tiny, script: str, *args):
     return runner.invoke(app, ["explore", "--model", str(tiny[0]), *args], input=script)
 
 
-def table_probs(stdout: str, header: str) -> dict[int, float]:
-    """{id: prob} from the table printed under the line starting with `» header`."""
+def table_rows(stdout: str, header: str) -> dict[int, tuple[int, float]]:
+    """{id: (rank, prob)} from the table printed under the line starting with `» header`."""
     block = stdout.split(f"» {header}", 1)[1].split("entropy", 1)[0]
     probs = {}
     for line in block.splitlines():
         cells = [c.strip() for c in line.split("│")]
         if len(cells) > 3 and cells[0].replace(",", "").isdigit():
-            probs[int(cells[1])] = float(cells[-2].rstrip("%")) / 100
+            probs[int(cells[1])] = int(cells[0].replace(",", "")), float(cells[-2].rstrip("%")) / 100
     return probs
+
+
+def table_probs(stdout: str, header: str) -> dict[int, float]:
+    return {i: prob for i, (_, prob) in table_rows(stdout, header).items()}
 
 
 def reference(tiny, ids=PROMPT_IDS) -> torch.Tensor:
@@ -68,7 +73,7 @@ def test_softcap_top_k_and_target(tiny):
     assert list(probs)[:3] == top3 and 389 in probs  # three rows, then the target " are"
     for i, prob in probs.items():
         assert prob == pytest.approx(float(p[i]), abs=6e-7)  # printed to 0.0001%
-    assert f"{1 + int((z > z[389]).sum()):,}" in got.stdout  # the target's rank
+    assert_rank(table_rows(got.stdout, PROMPT)[389][0], z, 389)  # the target's rank
 
 
 def test_read_matches_arithmetic(tiny):
@@ -82,7 +87,7 @@ def test_read_matches_arithmetic(tiny):
         assert row.logit == pytest.approx(float(z[row.id]), abs=1e-4)
         assert row.scaled == pytest.approx(float(scaled[row.id]), abs=1e-4)
         assert row.prob == pytest.approx(float(logp[row.id].exp()), rel=1e-4)
-        assert row.rank == 1 + int((z > z[row.id]).sum())
+        assert_rank(row.rank, z, row.id)
     assert r.targets[0].id == 318 and r.n_tokens == 5
     assert r.entropy == pytest.approx(float(-(logp.exp() * logp).sum()), abs=1e-4)
     assert r.stages == "softcap 3 → temperature 2"
