@@ -191,7 +191,7 @@ def test_cli_table_reads_stdin_and_counts_wins(tiny):
                         input="The keys on the table\nThe key on the table\n")
     assert got.exit_code == 0, got.output
     assert "The keys on the" in got.stdout and "p(␣are)" in got.stdout
-    assert "2 prompts, 1 forward passes" in got.stdout
+    assert "2 prompts, 1 forward pass of ≤ 2 rows" in got.stdout
     assert "targets won (the most probable of the targets): ␣are" in got.stdout.replace("\n", " ")
 
 

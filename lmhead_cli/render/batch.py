@@ -45,7 +45,8 @@ def batch_table(run, model: str, random_weights: bool) -> None:
 
 def summary(run) -> str:
     n = len(run.results)
-    lines = [f"{n} prompts, {run.batches} forward passes of ≤ {run.max_rows} rows (--batch-size {run.batch_size}; "
+    passes = "forward pass" if run.batches == 1 else "forward passes"
+    lines = [f"{n} prompts, {run.batches} {passes} of ≤ {run.max_rows} rows (--batch-size {run.batch_size}; "
              "right-padded, head at each row's last real token)"]
     if run.splits:
         lines.append(f"memory ran out: batches were halved {run.splits} times")

@@ -58,11 +58,11 @@ def settings(s) -> None:
 
 def help(commands) -> None:  # noqa: A001 - the :help command
     table = Table(show_header=False, show_edge=False, box=None, pad_edge=False)
-    for _ in range(3):
-        table.add_column(no_wrap=True)
+    table.add_column(no_wrap=True)
+    table.add_column()
     for name, (aliases, args, what) in commands.items():
-        also = f" (or {', '.join(':' + a for a in aliases)})" if aliases else ""
-        table.add_row(f":{name} {escape(args)}".rstrip(), escape(what), f"[dim]{escape(also)}[/]")
+        also = f" [dim](or {', '.join(':' + a for a in aliases)})[/]" if aliases else ""
+        table.add_row(escape(f":{name} {args}".rstrip()), escape(what) + also)
     out().print("a line without ':' is a prompt; its top tokens appear at once. Commands:")
     out().print(table)
 
