@@ -9,6 +9,13 @@ Two engines share one small interface (`Engine`):
   `--engine transformers`, so the tie can be shown on transformers' own object too.
 
 Neither knows about rich or typer. Shapes: B batch, T positions, D width, V vocabulary.
+
+The head's layout (`LeanGPT2.set_head_layout`) is a speed trade-off, measured in benchmarks/:
+a checkpoint stores W_out = E as [V, D] rows, and F.linear(h, E) on one position is MKL's
+dot-product matrix-vector product, which streams it at about half the memory bandwidth the
+h @ W form reaches with W laid out [D, V]. "columns" re-lays the one shared matrix out so (a
+transpose at load, the tie still holds by object); "copy" gives the head its own [D, V] copy
+(V·D more bytes, the tie then holds by value).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+HEAD_LAYOUTS = ("rows", "columns", "copy")
 
 
 class Conv1D(nn.Module):
@@ -43,6 +52,11 @@ class KVCache:
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.length = 0
+        self._split()
+
+    def _split(self) -> None:
+        # One view per layer, made once: indexing [layer, :, :, a:b] twice per layer per token adds up.
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # L × ((B, H, T_max, hd), same)
 
     @property
     def max_len(self) -> int:
@@ -51,14 +65,16 @@ class KVCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, H, t, hd] after the filled positions; return all keys/values so far."""
         start, end = self.length, self.length + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        keys, values = self.layers[layer]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (beam search)."""
         self.k = self.k.index_select(1, index)
         self.v = self.v.index_select(1, index)
+        self._split()
 
 
 class Attention(nn.Module):
@@ -145,6 +161,9 @@ class Engine:
     name: str
     config: dict
     module: nn.Module
+    # How the head's matrix is laid out, and the bytes that costs (see LeanGPT2.set_head_layout).
+    head_layout = "rows"
+    head_extra_bytes = 0
 
     # -- the pieces every command uses -------------------------------------------------------
     @property
@@ -169,12 +188,45 @@ class Engine:
         return eos[0] if isinstance(eos, list) else eos
 
 
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same (V, D) matrix stored column by column, strides (1, V): F.linear(h, W) then runs as
+    h @ Wᵀ with Wᵀ a contiguous [D, V], the matrix-vector form BLAS streams fastest."""
+    return t.t().contiguous().t()
+
+
 class LeanGPT2(Engine):
     """The plain-torch GPT-2 engine."""
 
     def __init__(self, config: dict, module: GPT2):
         super().__init__(name="lean", config=config, module=module)
         self.gpt = module
+        self.head_layout = "rows"
+        self.head_extra_bytes = 0  # memory the head holds beyond the model's own tensors
+
+    @torch.no_grad()
+    def set_head_layout(self, layout: str) -> int:
+        """Lay the head's matrix out for speed; returns the extra bytes that costs.
+
+        rows: as the checkpoint stores it, [V, D] row by row (no copy; tied by object).
+        columns: the head's matrix re-laid out column by column in place (one transpose, no extra
+          memory); when tied, that matrix is E itself, so the tie still holds by object and the
+          embedding lookup gathers strided columns instead of rows.
+        copy: when tied, the head gets its own column-major copy of E and E keeps its rows: V·D more
+          bytes, and the tie holds by value, not by object. Untied, it is the same as columns.
+        """
+        if layout not in HEAD_LAYOUTS:
+            raise ValueError(f"unknown head layout {layout!r}; choose one of: {', '.join(HEAD_LAYOUTS)}")
+        if self.head_layout != "rows":
+            raise ValueError(f"the head is already laid out as {self.head_layout!r}")
+        head, tied = self.gpt.lm_head, self.gpt.lm_head.weight is self.gpt.wte.weight
+        if layout == "columns" or (layout == "copy" and not tied):
+            head.weight.data = column_major(head.weight.data)
+        elif layout == "copy":
+            w = head.weight
+            head.weight = nn.Parameter(column_major(w.detach()), requires_grad=w.requires_grad)
+            self.head_extra_bytes = w.numel() * w.element_size()
+        self.head_layout = layout
+        return self.head_extra_bytes
 
     @property
     def embedding_weight(self) -> torch.Tensor:

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from lmhead_cli.engine import GPT2, Engine, LeanGPT2, TransformersEngine, init_random_
+from lmhead_cli.engine import GPT2, HEAD_LAYOUTS, Engine, LeanGPT2, TransformersEngine, init_random_
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UsageError)
 from lmhead_cli.model_configs import config_names, load_config
@@ -37,7 +37,7 @@ _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")
 class TieReport:
     """Whether the output matrix W_out is the embedding table E, and the evidence."""
 
-    tied: bool  # the head's weight is the embedding's weight object
+    tied: bool  # the head's weights are the embedding's: by object, or by value with head_layout "copy"
     same_object: bool  # lm_head.weight is wte.weight
     same_data_ptr: bool
     config_tie_word_embeddings: bool
@@ -46,6 +46,8 @@ class TieReport:
     head_name: str
     embedding_name: str
     shape: tuple[int, int]  # (V, D)
+    head_layout: str = "rows"  # rows (as stored), columns (same object, re-laid out) or copy (see engine.py)
+    head_copy_bytes: int = 0  # the head's own copy of E with head_layout "copy"; 0 otherwise
 
 
 @dataclass
@@ -90,10 +92,15 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-               allow_pickle: bool = False) -> Loaded:
-    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`."""
+               allow_pickle: bool = False, head_layout: str = "rows") -> Loaded:
+    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`.
+
+    head_layout: rows (as stored), columns or copy; a speed trade-off, see LeanGPT2.set_head_layout.
+    """
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    if head_layout not in HEAD_LAYOUTS:
+        raise UsageError(f"unknown --head-layout {head_layout!r}; choose one of: {', '.join(HEAD_LAYOUTS)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     if not source or not source.strip():
         raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, or random:gpt2")
@@ -113,6 +120,9 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         state, files = read_weights(folder, allow_pickle)
 
     engine_name = _choose_engine(engine, config)
+    if head_layout != "rows" and engine_name != "lean":
+        raise UsageError(f"--head-layout {head_layout} needs the lean engine (this load uses {engine_name}); "
+                         "use --head-layout rows")
     tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
     tied = bool(config.get("tie_word_embeddings", True))
     raw_has_head = "lm_head.weight" in state if files else None
@@ -131,9 +141,10 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         eng = TransformersEngine(config, build_transformers(config, state, tied, dev, dt))
         head_name, emb_name = "lm_head.weight", "transformer.wte.weight"
 
+    copy_bytes = eng.set_head_layout(head_layout) if head_layout != "rows" else 0
     head_w, emb_w = eng.head_weight, eng.embedding_weight
     tie = TieReport(
-        tied=head_w is emb_w,
+        tied=head_w is emb_w or (tied and copy_bytes > 0),
         same_object=head_w is emb_w,
         same_data_ptr=head_w.data_ptr() == emb_w.data_ptr(),
         config_tie_word_embeddings=tied,
@@ -142,6 +153,8 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         head_name=head_name,
         embedding_name=emb_name,
         shape=tuple(head_w.shape),
+        head_layout=head_layout,
+        head_copy_bytes=copy_bytes,
     )
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,

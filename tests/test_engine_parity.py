@@ -1,0 +1,166 @@
+"""The lean engine against transformers (the oracle), on the same checkpoints.
+
+Last-position logits agree within 1e-4 in float32; greedy ids are token-identical with
+`generate(do_sample=False)`; seeded sampling is token-identical with `generate(do_sample=True)`
+(the same global seed, one torch.multinomial per step), and every step's logits agree too.
+Prompts of 1, 17 and 1024 tokens, tied and untied heads, and every head layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmhead_cli.errors import UsageError
+from lmhead_cli.sources import load_model
+from tests.conftest import build_checkpoint
+
+NEW = 12  # new tokens per generation test
+N_POSITIONS = 1024 + NEW  # room for a 1024-token prompt and what follows it
+PROMPT_LENGTHS = (1, 17, 1024)
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def checkpoint(request, tmp_path_factory):
+    """(folder, transformers model) of a tiny GPT-2 with room for a 1024-token prompt."""
+    tied = request.param == "tied"
+    folder = tmp_path_factory.mktemp(f"parity_{request.param}")
+    return folder, build_checkpoint(folder, tied=tied, n_positions=N_POSITIONS, seed=3 if tied else 4)
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint):
+    """(lean engine, transformers model) loaded from one checkpoint folder."""
+    folder, reference = checkpoint
+    loaded = load_model(str(folder), device="cpu", dtype="float32", engine="lean")
+    assert loaded.engine.name == "lean" and loaded.tie.tied == reference.config.tie_word_embeddings
+    return loaded.engine, reference
+
+
+def prompt(n: int) -> list[int]:
+    """n token ids, fixed by a seed (the text does not matter to the engines)."""
+    return torch.randint(0, 50256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def lean_decode(engine, ids: list[int], n: int, choose) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill with a KV cache, then one position per step, the head on the last only; stops at eos
+    as generate() does. Returns the new ids and each step's logits (V,)."""
+    cache = engine.new_cache(1, len(ids) + n)
+    x = torch.tensor([ids])
+    out, steps = [], []
+    for _ in range(n):
+        logits = engine.head(engine.body(x, cache)[:, -1:])[0, 0]  # (V,)
+        steps.append(logits)
+        token = choose(logits)
+        out.append(token)
+        if token == engine.eos_token_id:
+            break
+        x = torch.tensor([[token]])
+    return out, steps
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_last_position_logits_match(pair, length):
+    engine, reference = pair
+    ids = prompt(length)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0, -1]
+    got = engine.head(engine.body(torch.tensor([ids]))[:, -1:])[0, 0]
+    assert got.shape == expected.shape == (50257,)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_greedy_ids_match_generate(pair, length):
+    engine, reference = pair
+    ids = prompt(length)
+    with torch.inference_mode():
+        expected = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
+                                      pad_token_id=engine.eos_token_id)[0, length:].tolist()
+    got, _ = lean_decode(engine, ids, NEW, lambda z: int(z.argmax()))
+    assert got == expected
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_seeded_sampling_matches_generate_step_by_step(pair, length):
+    """transformers draws with torch.multinomial(softmax(logits)) on the global generator; the same
+    draw on the lean logits gives the same tokens, and the logits agree at every step."""
+    engine, reference = pair
+    ids = prompt(length)
+    seed = 1000 + length
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([ids]), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                 max_new_tokens=NEW, pad_token_id=engine.eos_token_id,
+                                 return_dict_in_generate=True, output_logits=True)
+    expected = out.sequences[0, length:].tolist()
+
+    torch.manual_seed(seed)
+    got, steps = lean_decode(engine, ids, NEW, lambda z: int(torch.multinomial(torch.softmax(z.float(), -1), 1)))
+    assert got == expected
+    assert len(steps) == len(out.logits)
+    for mine, theirs in zip(steps, out.logits):
+        torch.testing.assert_close(mine, theirs[0], atol=ATOL, rtol=0)
+
+
+def test_prompt_longer_than_the_context_is_refused(pair):
+    engine, _ = pair
+    with pytest.raises(ValueError, match=f"exceed the context of {N_POSITIONS}"):
+        engine.body(torch.zeros(1, N_POSITIONS + 1, dtype=torch.long))
+
+
+def test_cache_reorder_keeps_the_chosen_rows(pair):
+    """Two different prompts in one batch, cache reordered to [1, 1]: both rows continue prompt 1."""
+    engine, _ = pair
+    a, b = prompt(17), prompt(16) + [7]
+    cache = engine.new_cache(2, 32)
+    engine.body(torch.tensor([a, b]), cache)
+    cache.reorder(torch.tensor([1, 1]))
+    h = engine.body(torch.tensor([[5], [5]]), cache)  # (2, 1, D)
+    alone = engine.new_cache(1, 32)
+    engine.body(torch.tensor([b]), alone)
+    expected = engine.body(torch.tensor([[5]]), alone)
+    torch.testing.assert_close(h, expected.expand(2, -1, -1), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["columns", "copy"])
+def test_head_layouts_match_transformers(checkpoint, layout):
+    folder, reference = checkpoint
+    engine = load_model(str(folder), device="cpu", engine="lean", head_layout=layout).engine
+    assert engine.head_layout == layout
+    for length in (17, 1024):
+        ids = prompt(length)
+        with torch.inference_mode():
+            expected = reference(torch.tensor([ids])).logits[0, -1]
+        got = engine.head(engine.body(torch.tensor([ids]))[:, -1:])[0, 0]
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    ids = prompt(17)
+    with torch.inference_mode():
+        greedy = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
+                                    pad_token_id=engine.eos_token_id)[0, 17:].tolist()
+    assert lean_decode(engine, ids, NEW, lambda z: int(z.argmax()))[0] == greedy
+
+
+def test_head_layouts_report_the_tie_and_the_memory(tiny, tiny_untied):
+    """columns keeps the tie by object at no memory cost; copy holds it by value and costs V·D floats."""
+    rows = load_model(str(tiny[0]), device="cpu", engine="lean").tie
+    columns = load_model(str(tiny[0]), device="cpu", engine="lean", head_layout="columns")
+    copy = load_model(str(tiny[0]), device="cpu", engine="lean", head_layout="copy")
+    V, D = rows.shape
+    assert (rows.same_object, rows.head_layout, rows.head_copy_bytes) == (True, "rows", 0)
+    assert (columns.tie.tied, columns.tie.same_object, columns.tie.head_copy_bytes) == (True, True, 0)
+    assert columns.engine.head_weight.stride() == (1, V)  # the one shared matrix, column by column
+    assert (copy.tie.tied, copy.tie.same_object, copy.tie.same_data_ptr) == (True, False, False)
+    assert copy.tie.head_copy_bytes == copy.engine.head_extra_bytes == V * D * 4
+    assert torch.equal(copy.engine.head_weight, copy.engine.embedding_weight)  # equal by value
+    assert copy.engine.embedding_weight.is_contiguous()  # E keeps its rows
+    untied = load_model(str(tiny_untied[0]), device="cpu", engine="lean", head_layout="copy").tie
+    assert (untied.tied, untied.head_copy_bytes) == (False, 0)  # its own matrix, re-laid out in place
+
+
+def test_head_layout_is_checked(tiny):
+    with pytest.raises(UsageError, match="unknown --head-layout 'diagonal'; choose one of: rows, columns, copy"):
+        load_model(str(tiny[0]), device="cpu", head_layout="diagonal")
+    with pytest.raises(UsageError, match="--head-layout columns needs the lean engine"):
+        load_model(str(tiny[0]), device="cpu", engine="transformers", head_layout="columns")
