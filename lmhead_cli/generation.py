@@ -92,6 +92,12 @@ class Generation:
         return len(self.generated_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second after the first: the steady one-position-per-step rate."""
+        rest = self.elapsed_s - self.first_token_s
+        return (len(self.generated_ids) - 1) / rest if len(self.generated_ids) > 1 and rest > 0 else 0.0
+
+    @property
     def mean_entropy(self) -> float:
         return sum(s.entropy for s in self.steps) / len(self.steps) if self.steps else 0.0
 

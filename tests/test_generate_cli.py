@@ -44,6 +44,7 @@ def test_greedy_json_matches_transformers_and_holds_what_a_replay_needs(tiny):
     assert d["mode"] == "greedy" and d["seed"] is None and d["stop"] == "max_new_tokens"
     assert d["tokens_generated"] == 10 and d["tokens_per_second"] > 0 and d["elapsed_s"] > 0
     assert d["tokens_per_second"] == pytest.approx(10 / d["elapsed_s"])
+    assert d["decode_tokens_per_second"] == pytest.approx(9 / (d["elapsed_s"] - d["first_token_s"]))
     assert [s["id"] for s in d["steps"]] == d["generated_ids"]
     assert set(d["steps"][0]) == {"id", "token", "prob", "logit", "entropy", "rank"}
     assert all(s["rank"] == 1 for s in d["steps"])
@@ -91,7 +92,7 @@ def test_transformers_engine_gives_the_same_tokens(tiny):
 def test_show_steps_table(tiny):
     got = run(tiny, "greedy", PROMPT, "-n", "3", "--show-steps", "4")
     assert got.exit_code == 0, got.output
-    assert "the chosen token and the 4 most probable" in got.stdout and "alternatives" in got.stdout
+    assert "and the 4 most probable tokens" in got.stdout and "rank" in got.stdout
     d = doc(tiny, "greedy", PROMPT, "-n", "3", "--show-steps", "4")
     for step in d["steps"]:
         alts = step["alternatives"]

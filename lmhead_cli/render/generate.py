@@ -14,7 +14,7 @@ from rich.table import Table
 
 from lmhead_cli.render import bar, out, show_token, sparkline
 
-STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens reached", "context": "context limit reached"}
+STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
 
 
 def _tok(text: str) -> str:
@@ -39,7 +39,8 @@ def stream(piece: str) -> None:
 
 def _settings_line(g) -> str:
     knobs = g.settings.knobs.active()
-    parts = [{"beam": f"beam search, {g.settings.beams} beams", "greedy": "greedy", "sample": "sampled"}[g.mode]]
+    parts = [{"beam": f"beam search, {g.settings.beams} beams (deterministic)", "greedy": "greedy (deterministic)",
+              "sample": "sampled"}[g.mode]]
     parts += [f"{k.replace('_', '-')} {v:g}" for k, v in knobs.items()]
     if g.mode == "sample":
         parts.append(f"seed {g.seed} (replay with --seed {g.seed})")
@@ -68,15 +69,16 @@ def summary(g) -> None:
 def steps_table(g) -> None:
     """One row per step: the chosen token, its probability and rank, and the best alternatives."""
     k = g.settings.show_steps
-    table = Table(title=f"steps: the chosen token and the {k} most probable", title_justify="left", show_edge=False)
-    for name, justify in (("step", "right"), ("id", "right"), ("chosen", "left"), ("prob", "right"),
-                          ("rank", "right"), ("", "left"), ("alternatives (prob after every stage)", "left")):
+    out().print(f"steps: the chosen token, its probability after every stage, its rank by raw logit, "
+                f"and the {k} most probable tokens", soft_wrap=True)
+    table = Table(show_edge=False)
+    for name, justify in (("step", "right"), ("chosen", "left"), ("prob", "right"), ("rank", "right"),
+                          ("the most probable", "left")):
         table.add_column(name, justify=justify)
     for i, s in enumerate(g.steps, 1):
         alts = "  ".join(f"[bold]{_tok(a.token)} {_pct(a.prob)}[/]" if a.id == s.id else f"{_tok(a.token)} {_pct(a.prob)}"
                          for a in s.alternatives)
-        table.add_row(str(i), str(s.id), _tok(s.token), _pct(s.prob), f"{s.rank:,}",
-                      f"[cyan]{bar(s.prob)}[/]", alts)
+        table.add_row(str(i), _tok(s.token), _pct(s.prob), f"{s.rank:,}", alts)
     out().print(table)
 
 
@@ -103,6 +105,7 @@ def generation_json(g, loaded, prompt: str, preset: str | None) -> dict:
         "elapsed_s": g.elapsed_s,
         "first_token_s": g.first_token_s,
         "tokens_per_second": g.tokens_per_second,
+        "decode_tokens_per_second": g.decode_tokens_per_second,
         "mean_entropy": g.mean_entropy,
         "beam_score": g.beam_score,
         "steps": [_step_json(st, s.show_steps) for st in g.steps],
