@@ -7,7 +7,10 @@ flags; flags given on the command line override a preset. No torch here.
 
 from __future__ import annotations
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path

@@ -73,6 +73,13 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
 
 
+def token_cell(text: str) -> str:
+    """A token for rich output: visible spaces, and markup-like text such as '[/' shown as it is."""
+    from rich.markup import escape
+
+    return escape(show_token(text))
+
+
 def show_token(text: str) -> str:
     """A token's text made visible: a leading space as '␣', newlines and tabs escaped."""
     shown = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")

@@ -9,16 +9,12 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import bar, out, show_token, sparkline
+from lmhead_cli.render import out, sparkline
+from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
-
-
-def _tok(text: str) -> str:
-    return escape(show_token(text))
 
 
 def _pct(p: float) -> str:

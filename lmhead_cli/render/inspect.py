@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from lmhead_cli.render import bar, out, show_token
+from lmhead_cli.render import bar, out
+from lmhead_cli.render import token_cell as _cell
 
 
 def _shape(shape) -> str:
@@ -38,7 +39,7 @@ def inspection(result, tie) -> None:
     tokens.add_column("id", justify="right")
     tokens.add_column("token")
     for i, t in enumerate(result.prompt_tokens):
-        tokens.add_row(str(i), str(t.id), show_token(t.text))
+        tokens.add_row(str(i), str(t.id), _cell(t.text))
     con.print(tokens)
 
     s = result.shapes
@@ -56,7 +57,7 @@ def inspection(result, tie) -> None:
         top.add_column(name, justify=justify)
     best = result.top[0].prob if result.top else 1.0
     for t in result.top:
-        top.add_row(str(t.rank), str(t.id), show_token(t.token), f"{t.logit:.4f}", f"{t.prob:.4%}",
+        top.add_row(str(t.rank), str(t.id), _cell(t.token), f"{t.logit:.4f}", f"{t.prob:.4%}",
                     f"{t.logprob:.4f}", f"[cyan]{bar(t.prob / best if best else 0)}[/]")
     con.print(top)
     con.print(f"entropy: {result.entropy:.4f} nats = {result.entropy_bits:.4f} bits "
@@ -69,7 +70,7 @@ def inspection(result, tie) -> None:
             tg.add_column(name, justify=justify)
         for t in result.targets:
             note = "" if len(t.pieces) == 1 else f"{len(t.pieces)} tokens; scored by the first"
-            tg.add_row(show_token(t.token), str(t.id), f"{t.rank:,}", f"{t.logit:.4f}", f"{t.prob:.4%}", note)
+            tg.add_row(_cell(t.token), str(t.id), f"{t.rank:,}", f"{t.logit:.4f}", f"{t.prob:.4%}", note)
         con.print(tg)
 
 
