@@ -120,10 +120,23 @@ def test_gen_and_lens_on_the_last_prompt(tiny):
     assert "never read" not in got.stdout  # :quit ends the session
 
 
-def test_start_options_are_checked_before_the_load():
-    got = runner.invoke(app, ["explore", "--temperature", "0", "--model", "random:gpt2"], input="")
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "0"], "--temperature must be a finite number greater than 0"),
+    (["--threads", "0"], "--threads must be at least 1 (got 0)"),
+])
+def test_start_options_are_checked_before_the_load(args, message):
+    got = runner.invoke(app, ["explore", *args, "--model", "random:gpt2"], input="")
     assert got.exit_code == 2
-    assert "--temperature must be a finite number greater than 0" in got.stderr
+    assert message in got.stderr
+
+
+def test_threads_and_start_settings(tiny, monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    calls = []
+    got = session(tiny, f"{PROMPT}\n", "--threads", "1", "--temperature", "0.7", "-k", "2", "-t", " are")
+    assert got.exit_code == 0, got.output
+    assert calls == [1]
+    assert "stages: temperature 0.7" in got.stdout and len(table_rows(got.stdout, PROMPT)) == 3
 
 
 # ---- the pieces --------------------------------------------------------------------------------
@@ -220,3 +233,19 @@ def test_help_lists_every_command(tiny):
     assert got.exit_code == 0
     for name in explore.COMMANDS:
         assert re.search(rf":{re.escape(name)}\b", got.stdout), name
+
+
+def test_warm_up_keeps_the_faster_thread_count(tiny, monkeypatch):
+    loaded = load_model(str(tiny[0]), device="cpu")
+    before = torch.get_num_threads()
+    try:
+        assert explore.warm_up(loaded, choose_threads=False) == before == torch.get_num_threads()
+        ticks = iter(range(0, 1000, 1))  # each forward takes 1 tick whatever the count: a tie keeps torch's
+        monkeypatch.setattr(explore.time, "perf_counter", lambda: next(ticks))
+        assert explore.warm_up(loaded) == torch.get_num_threads() == before
+        if before > 1:  # one thread twice as fast: kept
+            clock = iter([0, 2, 10, 12, 20, 21, 30, 31])
+            monkeypatch.setattr(explore.time, "perf_counter", lambda: next(clock))
+            assert explore.warm_up(loaded) == torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -11,11 +11,13 @@ from lmhead_cli.render import bar, err, out
 from lmhead_cli.render.lens import lens_table, tok
 
 
-def intro(model: str, random_weights: bool, load_s: float, settings, interactive: bool) -> None:
+def intro(model: str, random_weights: bool, load_s: float, settings, interactive: bool,
+          threads: int | None = None) -> None:
     """Where the session stands; on stderr so piped output holds only the answers."""
     con = err()
     weights = " [bold yellow](random weights: the predictions are not real)[/]" if random_weights else ""
-    con.print(f"lmhead explore: {escape(model)} loaded in {load_s:.1f} s{weights}", markup=True)
+    on = f", {threads} CPU thread{'s' * (threads != 1)}" if threads else ""
+    con.print(f"lmhead explore: {escape(model)} loaded in {load_s:.1f} s{on}{weights}", markup=True)
     con.print(f"settings: {escape(settings.describe())}", markup=True)
     if interactive:
         con.print("type a prompt, or :help for the commands; Ctrl-C cancels a line, Ctrl-D or :quit leaves",
