@@ -249,3 +249,9 @@ def test_warm_up_keeps_the_faster_thread_count(tiny, monkeypatch):
             assert explore.warm_up(loaded) == torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_markup_like_tokens_are_shown_as_they_are(tiny):
+    got = session(tiny, f':target "[/"\n{PROMPT}\n:lens\n')
+    assert got.exit_code == 0, got.output
+    assert "│ [/ " in got.stdout and "[/ rank" in got.stdout  # the explore table and the lens header

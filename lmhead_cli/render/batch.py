@@ -6,8 +6,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from lmhead_cli.render import out, show_token
+from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
-from lmhead_cli.render.lens import tok
 
 PROMPT_WIDTH = 40
 TOKEN_WIDTH = 12

@@ -8,7 +8,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from lmhead_cli.render import bar, err, out
-from lmhead_cli.render.lens import lens_table, tok
+from lmhead_cli.render import token_cell as tok
+from lmhead_cli.render.lens import lens_table
 
 
 def intro(model: str, random_weights: bool, load_s: float, settings, interactive: bool,

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from rich.markup import escape
 from rich.table import Table
 
 from lmhead_cli.render import out, show_token
+from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
 SHADES = " ░▒▓█"
 SHADE_WIDTH = 3
-
-
-def tok(text: str) -> str:
-    """A token for a rich cell: visible spaces, and brackets that are not taken for markup."""
-    return escape(show_token(text))
 
 
 def layer_name(layer: int) -> str:
