@@ -38,8 +38,43 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "
 
 # ---- running things ----------------------------------------------------------------------------
 
+class Quiet:
+    """Before each measurement, wait (up to `patience` s, `budget` s in all) until the CPUs are idle: on a
+    shared machine other work stalls multi-threaded kernels for whole scheduler slices. Counts the
+    measurements that had to go ahead anyway."""
+
+    def __init__(self, patience: float = 30.0, budget: float = 180.0, busy: float = 0.15):
+        self.patience, self.budget, self.busy = patience, budget, busy
+        self.waited_s, self.measurements, self.noisy = 0.0, 0, 0
+
+    @staticmethod
+    def _busy_fraction(window: float = 0.5) -> float | None:
+        def sample():
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+        try:
+            t0, i0 = sample()
+            time.sleep(window)
+            t1, i1 = sample()
+        except (OSError, ValueError, IndexError):
+            return None  # not Linux: no waiting
+        return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+    def __call__(self) -> None:
+        self.measurements += 1
+        start = time.perf_counter()
+        while (busy := self._busy_fraction()) is not None and busy > self.busy:
+            if time.perf_counter() - start > min(self.patience, self.budget - self.waited_s):
+                self.noisy += 1
+                break
+        self.waited_s += time.perf_counter() - start
+
+
+QUIET = Quiet()
+
 def run(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
     """Run cmd to completion: (wall seconds, peak resident MB, stdout). Raises on failure."""
+    QUIET()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env={**ENV, **(env or {})})
@@ -69,6 +104,13 @@ def has_command(name: str) -> bool:
 
 def has_option(command: str, option: str) -> bool:
     return option in run(lmhead(command, "--help"))[2]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def median(xs: list[float]) -> float:
@@ -142,7 +184,7 @@ def decode(folder: Path, repeats: int, new_tokens: int, layouts: list[str]) -> t
             rows.append({"dtype": dtype, "engine": name, "via": docs[0]["via"],
                          "tps": median([d["tokens_per_second"] for d in docs]),
                          "hf_tps": hf_tps, "bytes_per_token": bytes_per_token,
-                         "same_ids": docs[0]["generated_ids"] == reference_ids})
+                         "same_ids": _common_prefix(docs[0]["generated_ids"], reference_ids)})
         log(f"  decode {dtype}: " + ", ".join(f"{r['engine']} {r['tps']:.1f}" for r in rows if r["dtype"] == dtype))
     return rows, how
 
@@ -185,13 +227,17 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], ho
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "
         f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}",
         f"- load average (1 min) at the start / end: {loads[0]:.2f} / {loads[1]:.2f} "
-        "(other work on the machine slows both sides, and multi-threaded kernels most)",
+        "(other work on the machine slows both sides, and multi-threaded kernels most); before each of the "
+        f"{QUIET.measurements} processes the run waited for idle CPUs (at most {QUIET.patience:.0f} s each, "
+        f"{QUIET.budget:.0f} s in all; it waited {QUIET.waited_s:.0f} s); {QUIET.noisy} had to start while other "
+        "work was running",
         "- checkpoint: GPT-2 small (124M, 12 layers, D 768, V 50,257, tied), seeded random weights, "
         "saved by transformers as model.safetensors (497.8 MB)",
         f"- repeats: {args.repeats} fresh processes per start-up and inspect figure, {args.decode_repeats} per "
         f"decode figure ({args.new_tokens} new tokens); medians",
-        f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, {bw['threads']} threads): copy "
-        f"{copy_gbs:.1f} GB/s (read + write), read {bw['read_gbs']:.1f} GB/s",
+        f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers): copy {copy_gbs:.1f} GB/s (read + write, "
+        f"the better of 1 and {bw['threads']} threads; {bw['copy_gbs_1']:.1f} GB/s on 1 thread), read "
+        f"{bw['read_gbs']:.1f} GB/s ({bw['read_gbs_1']:.1f} on 1 thread)",
         "",
         "## Start-up (fresh process)",
         "",
@@ -231,7 +277,9 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], ho
         "the prefill to the last token with no warm-up, in a fresh process each. lmhead: " + how + "; "
         "transformers: benchmarks/transformers_generate.py, `generate(do_sample=False)`. The bandwidth "
         "bound is the weight bytes one step reads (every matrix once; the tied head's E once) ÷ the copy "
-        "bandwidth above: the speed if nothing but reading the weights took any time.",
+        "bandwidth above: the speed if nothing but reading the weights took any time; the fraction is given "
+        "against the best copy bandwidth and, in brackets, against the 1-thread one. Same ids: how many of "
+        "the first new tokens equal transformers' in the same dtype.",
         "",
         "| dtype | engine | head layout | tokens/s | vs transformers | weight bytes / token | bound | "
         "fraction of bound | same ids as transformers |",
@@ -239,14 +287,15 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], ho
     ]
     for r in dec:
         bound = copy_gbs * 1e9 / r["bytes_per_token"]
+        bound_1 = bw["copy_gbs_1"] * 1e9 / r["bytes_per_token"]
         engine = f"transformers, {r['via']}" if r["engine"] == "transformers" else f"lmhead, {r['via']}"
         layout = "rows" if r["engine"] == "transformers" else r["engine"]
         target = ""
         if r["engine"] != "transformers" and r["dtype"] == "float32":
             target = f" {ok(r['tps'] / r['hf_tps'] >= t['decode_ratio'])}"
         lines.append(f"| {r['dtype']} | {engine} | {layout} | {r['tps']:.1f} | {r['tps'] / r['hf_tps']:.2f}×{target} | "
-                     f"{r['bytes_per_token'] / 1e6:.0f} MB | {bound:.1f} tok/s | {r['tps'] / bound:.2f} | "
-                     f"{'yes' if r['same_ids'] else 'no'} |")
+                     f"{r['bytes_per_token'] / 1e6:.0f} MB | {bound:.1f} tok/s | {r['tps'] / bound:.2f} "
+                     f"({r['tps'] / bound_1:.2f}) | {r['same_ids']} of {args.new_tokens} |")
     lines += [
         "",
         f"Targets: lmhead float32 ≥ {t['decode_ratio']}× transformers; fraction of the bound aimed at ≥ "
@@ -256,7 +305,8 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], ho
         "",
         "The body's hidden states after ln_f for T positions are computed once; then the head on the last "
         "position (what `inspect` and every decoding step do) against the head on all T positions (the full "
-        "[1, T, V] logits). Peak memory: how far the process's resident high-water mark rises during the call.",
+        "[1, T, V] logits). Peak memory: how far the process's resident high-water mark rises during the call "
+        "(the kernel updates it in steps of up to 256 kB, so one position's 201 kB of logits can read 0).",
         "",
         "| T | last position | all positions | time ratio | logits, last | logits, all | peak rise, last | "
         "peak rise, all |",

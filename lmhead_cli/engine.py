@@ -86,8 +86,8 @@ class Attention(nn.Module):
 
     def forward(self, x, layer, cache, mask):
         B, T, D = x.shape
-        q, k, v = self.c_attn(x).split(D, dim=2)  # 3 × (B, T, D)
-        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, T, hd)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, T_past + T, hd)
         if mask is None:
