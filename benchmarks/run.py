@@ -165,6 +165,8 @@ def decode(folder: Path, repeats: int, new_tokens: int, layouts: list[str]) -> t
         bytes_per_token = probe("weight-bytes", str(folder), dtype)["bytes"]
         runs = {layout: [] for layout in layouts}
         runs["transformers"] = []
+        if dtype == "float32":
+            runs["transformers, columns"] = []  # the same layout inside transformers: what it is worth alone
         for _ in range(repeats):
             for layout in layouts:
                 if cli and (layout == "rows" or layout_flag):
@@ -176,8 +178,11 @@ def decode(folder: Path, repeats: int, new_tokens: int, layouts: list[str]) -> t
                 else:
                     doc = {**probe("decode", str(folder), PROMPT, str(new_tokens), dtype, layout), "via": "engine loop"}
                 runs[layout].append(doc)
-            hf = run([PYTHON, str(HERE / "transformers_generate.py"), str(folder), PROMPT, str(new_tokens), dtype])
-            runs["transformers"].append({**json.loads(hf[2].strip().splitlines()[-1]), "via": "generate()"})
+            for name in [k for k in runs if k.startswith("transformers")]:
+                extra = ["columns"] if name.endswith("columns") else []
+                hf = run([PYTHON, str(HERE / "transformers_generate.py"), str(folder), PROMPT, str(new_tokens), dtype,
+                          *extra])
+                runs[name].append({**json.loads(hf[2].strip().splitlines()[-1]), "via": "generate()"})
         reference_ids = runs["transformers"][0]["generated_ids"]
         hf_tps = median([d["tokens_per_second"] for d in runs["transformers"]])
         for name, docs in runs.items():
@@ -274,8 +279,9 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], ho
         "## Greedy decoding",
         "",
         f"{args.new_tokens} new tokens after the {len(PROMPT.split())}-word prompt, end-of-text ignored, timed from "
-        "the prefill to the last token with no warm-up, in a fresh process each. lmhead: " + how + "; "
-        "transformers: benchmarks/transformers_generate.py, `generate(do_sample=False)`. The bandwidth "
+        "the prefill to the last token, in a fresh process each. lmhead: " + how + ", no warm-up; "
+        "transformers: benchmarks/transformers_generate.py, `generate(do_sample=False)` after one untimed "
+        "warm-up call; `columns` there is the same in-place re-layout of its tied matrix. The bandwidth "
         "bound is the weight bytes one step reads (every matrix once; the tied head's E once) ÷ the copy "
         "bandwidth above: the speed if nothing but reading the weights took any time; the fraction is given "
         "against the best copy bandwidth and, in brackets, against the 1-thread one. Same ids: how many of "
@@ -288,10 +294,11 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], ho
     for r in dec:
         bound = copy_gbs * 1e9 / r["bytes_per_token"]
         bound_1 = bw["copy_gbs_1"] * 1e9 / r["bytes_per_token"]
-        engine = f"transformers, {r['via']}" if r["engine"] == "transformers" else f"lmhead, {r['via']}"
-        layout = "rows" if r["engine"] == "transformers" else r["engine"]
+        hf = r["engine"].startswith("transformers")
+        engine = f"transformers, {r['via']}" if hf else f"lmhead, {r['via']}"
+        layout = ("columns" if r["engine"].endswith("columns") else "rows") if hf else r["engine"]
         target = ""
-        if r["engine"] != "transformers" and r["dtype"] == "float32":
+        if not hf and r["dtype"] == "float32":
             target = f" {ok(r['tps'] / r['hf_tps'] >= t['decode_ratio'])}"
         lines.append(f"| {r['dtype']} | {engine} | {layout} | {r['tps']:.1f} | {r['tps'] / r['hf_tps']:.2f}×{target} | "
                      f"{r['bytes_per_token'] / 1e6:.0f} MB | {bound:.1f} tok/s | {r['tps'] / bound:.2f} "

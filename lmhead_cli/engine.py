@@ -10,7 +10,7 @@ Two engines share one small interface (`Engine`):
 
 Neither knows about rich or typer. Shapes: B batch, T positions, D width, V vocabulary.
 
-The head's layout (`LeanGPT2.set_head_layout`) is a speed trade-off, measured in benchmarks/:
+The head's layout (`Engine.set_head_layout`) is a speed trade-off, measured in benchmarks/:
 a checkpoint stores W_out = E as [V, D] rows, and F.linear(h, E) on one position is MKL's
 dot-product matrix-vector product, which streams it at about half the memory bandwidth the
 h @ W form reaches with W laid out [D, V]. "columns" re-lays the one shared matrix out so (a
@@ -150,6 +150,12 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same (V, D) matrix stored column by column, strides (1, V): F.linear(h, W) then runs as
+    h @ Wᵀ with Wᵀ a contiguous [D, V], the matrix-vector form BLAS streams fastest."""
+    return t.t().contiguous().t()
+
+
 @dataclass
 class Engine:
     """What the rest of lmhead needs from a model.
@@ -161,7 +167,7 @@ class Engine:
     name: str
     config: dict
     module: nn.Module
-    # How the head's matrix is laid out, and the bytes that costs (see LeanGPT2.set_head_layout).
+    # How the head's matrix is laid out, and the extra bytes that costs (see set_head_layout).
     head_layout = "rows"
     head_extra_bytes = 0
 
@@ -187,22 +193,6 @@ class Engine:
         eos = self.config.get("eos_token_id")
         return eos[0] if isinstance(eos, list) else eos
 
-
-def column_major(t: torch.Tensor) -> torch.Tensor:
-    """The same (V, D) matrix stored column by column, strides (1, V): F.linear(h, W) then runs as
-    h @ Wᵀ with Wᵀ a contiguous [D, V], the matrix-vector form BLAS streams fastest."""
-    return t.t().contiguous().t()
-
-
-class LeanGPT2(Engine):
-    """The plain-torch GPT-2 engine."""
-
-    def __init__(self, config: dict, module: GPT2):
-        super().__init__(name="lean", config=config, module=module)
-        self.gpt = module
-        self.head_layout = "rows"
-        self.head_extra_bytes = 0  # memory the head holds beyond the model's own tensors
-
     @torch.no_grad()
     def set_head_layout(self, layout: str) -> int:
         """Lay the head's matrix out for speed; returns the extra bytes that costs.
@@ -218,7 +208,8 @@ class LeanGPT2(Engine):
             raise ValueError(f"unknown head layout {layout!r}; choose one of: {', '.join(HEAD_LAYOUTS)}")
         if self.head_layout != "rows":
             raise ValueError(f"the head is already laid out as {self.head_layout!r}")
-        head, tied = self.gpt.lm_head, self.gpt.lm_head.weight is self.gpt.wte.weight
+        head = self.head_module  # a Linear holding W_out (V, D)
+        tied = head.weight is self.embedding_weight
         if layout == "columns" or (layout == "copy" and not tied):
             head.weight.data = column_major(head.weight.data)
         elif layout == "copy":
@@ -227,6 +218,14 @@ class LeanGPT2(Engine):
             self.head_extra_bytes = w.numel() * w.element_size()
         self.head_layout = layout
         return self.head_extra_bytes
+
+
+class LeanGPT2(Engine):
+    """The plain-torch GPT-2 engine."""
+
+    def __init__(self, config: dict, module: GPT2):
+        super().__init__(name="lean", config=config, module=module)
+        self.gpt = module
 
     @property
     def embedding_weight(self) -> torch.Tensor:

@@ -95,7 +95,7 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
                allow_pickle: bool = False, head_layout: str = "rows") -> Loaded:
     """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`.
 
-    head_layout: rows (as stored), columns or copy; a speed trade-off, see LeanGPT2.set_head_layout.
+    head_layout: rows (as stored), columns or copy; a speed trade-off, see Engine.set_head_layout.
     """
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
@@ -120,9 +120,6 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         state, files = read_weights(folder, allow_pickle)
 
     engine_name = _choose_engine(engine, config)
-    if head_layout != "rows" and engine_name != "lean":
-        raise UsageError(f"--head-layout {head_layout} needs the lean engine (this load uses {engine_name}); "
-                         "use --head-layout rows")
     tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
     tied = bool(config.get("tie_word_embeddings", True))
     raw_has_head = "lm_head.weight" in state if files else None

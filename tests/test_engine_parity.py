@@ -124,12 +124,13 @@ def test_cache_reorder_keeps_the_chosen_rows(pair):
     torch.testing.assert_close(h, expected.expand(2, -1, -1), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("engine_name", ["lean", "transformers"])
 @pytest.mark.parametrize("layout", ["columns", "copy"])
-def test_head_layouts_match_transformers(checkpoint, layout):
+def test_head_layouts_match_transformers(checkpoint, layout, engine_name):
     folder, reference = checkpoint
-    engine = load_model(str(folder), device="cpu", engine="lean", head_layout=layout).engine
+    engine = load_model(str(folder), device="cpu", engine=engine_name, head_layout=layout).engine
     assert engine.head_layout == layout
-    for length in (17, 1024):
+    for length in (17, 1024) if engine_name == "lean" else (17,):
         ids = prompt(length)
         with torch.inference_mode():
             expected = reference(torch.tensor([ids])).logits[0, -1]
@@ -162,5 +163,11 @@ def test_head_layouts_report_the_tie_and_the_memory(tiny, tiny_untied):
 def test_head_layout_is_checked(tiny):
     with pytest.raises(UsageError, match="unknown --head-layout 'diagonal'; choose one of: rows, columns, copy"):
         load_model(str(tiny[0]), device="cpu", head_layout="diagonal")
-    with pytest.raises(UsageError, match="--head-layout columns needs the lean engine"):
-        load_model(str(tiny[0]), device="cpu", engine="transformers", head_layout="columns")
+    engine = load_model(str(tiny[0]), device="cpu", head_layout="columns").engine
+    with pytest.raises(ValueError, match="already laid out as 'columns'"):
+        engine.set_head_layout("copy")
+
+
+def test_transformers_engine_copy_unties_by_object_only(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu", engine="transformers", head_layout="copy")
+    assert (loaded.tie.tied, loaded.tie.same_object, loaded.tie.head_copy_bytes) == (True, False, 50257 * 64 * 4)
