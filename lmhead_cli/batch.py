@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from lmhead_cli.errors import LmheadError, UsageError
-from lmhead_cli.head import (check_finite, clamp_top_k, entropy, log_softmax, nats_to_bits, target_score,
-                             top_tokens)
-from lmhead_cli.inspection import FLOAT32_BYTES, Inspection, PromptToken, ShapeWalk, check_targets, encode_prompt
+from lmhead_cli.head import check_finite, clamp_top_k
+from lmhead_cli.inspection import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
 from lmhead_cli.sources import Loaded
 
 STDIN = "-"
@@ -145,21 +144,10 @@ def inspect_batch(loaded: Loaded, prompts: list[str], top_k: int = 10, targets: 
 
 def _inspection(loaded: Loaded, ids: list[int], dropped: int, logits: torch.Tensor, k: int,
                 target_ids: list[tuple[str, list[int]]]) -> Inspection:
-    """The `inspect` reading of one prompt from its logits (V,). Shapes are the prompt's own, as a single
-    run sees them, not the padded batch's, so each document equals a one-at-a-time run."""
-    eng, text = loaded.engine, loaded.tokenizer.token_text
-    T, D, V = len(ids), eng.embedding_weight.shape[1], logits.shape[-1]
-    walk = ShapeWalk(hidden=(1, T, D), last=(1, 1, D), logits=(1, 1, V), head_macs_last=D * V,
-                     head_macs_full=T * D * V, logits_bytes_last=V * FLOAT32_BYTES,
-                     logits_bytes_full=T * V * FLOAT32_BYTES)
-    nats = entropy(log_softmax(logits))
-    return Inspection(
-        model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied, engine=eng.name,
-        device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
-        prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
-        top=top_tokens(logits, k, text), targets=[target_score(logits, t, tid, text) for t, tid in target_ids],
-        entropy=nats, entropy_bits=nats_to_bits(nats), logits=logits,
-    )
+    """The `inspect` reading of one prompt. Shapes are the prompt's own, as a single run sees them,
+    not the padded batch's, so each document equals a one-at-a-time run."""
+    walk = shape_walk(len(ids), loaded.engine.embedding_weight.shape[1], logits.shape[-1])
+    return inspection_from_logits(loaded, ids, dropped, logits, walk, k, target_ids)
 
 
 def _wins(results: list[Inspection], targets: list[str]) -> list[TargetWins]:

@@ -73,6 +73,13 @@ def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
     return ids[dropped:], dropped
 
 
+def shape_walk(T: int, D: int, V: int) -> ShapeWalk:
+    """The shapes of one prompt of T tokens through a width-D body and a V-row head, batch 1."""
+    return ShapeWalk(hidden=(1, T, D), last=(1, 1, D), logits=(1, 1, V),
+                     head_macs_last=D * V, head_macs_full=T * D * V,
+                     logits_bytes_last=V * FLOAT32_BYTES, logits_bytes_full=T * V * FLOAT32_BYTES)
+
+
 def last_logits(loaded: Loaded, ids: list[int]) -> tuple[torch.Tensor, ShapeWalk]:
     """Run the body on all T positions and the head on the last one only: logits (V,) float32."""
     eng = loaded.engine
@@ -81,25 +88,27 @@ def last_logits(loaded: Loaded, ids: list[int]) -> tuple[torch.Tensor, ShapeWalk
     last = hidden[:, -1:, :]  # (1, 1, D)
     logits = eng.head(last)  # (1, 1, V)
     check_finite(logits)
-    T, D, V = hidden.shape[1], hidden.shape[2], logits.shape[-1]
-    walk = ShapeWalk(hidden=tuple(hidden.shape), last=tuple(last.shape), logits=tuple(logits.shape),
-                     head_macs_last=D * V, head_macs_full=T * D * V,
-                     logits_bytes_last=V * FLOAT32_BYTES, logits_bytes_full=T * V * FLOAT32_BYTES)
+    walk = shape_walk(hidden.shape[1], hidden.shape[2], logits.shape[-1])  # read off the tensors that flowed
     return logits[0, 0].float(), walk
+
+
+def inspection_from_logits(loaded: Loaded, ids: list[int], dropped: int, logits: torch.Tensor,
+                           walk: ShapeWalk, k: int, target_ids: list[tuple[str, list[int]]]) -> Inspection:
+    """The `inspect` reading of one prompt from its last-position logits (V,) float32."""
+    eng, text = loaded.engine, loaded.tokenizer.token_text
+    nats = entropy(log_softmax(logits))
+    return Inspection(
+        model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied, engine=eng.name,
+        device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
+        prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
+        top=top_tokens(logits, k, text), targets=[target_score(logits, t, tid, text) for t, tid in target_ids],
+        entropy=nats, entropy_bits=nats_to_bits(nats), logits=logits,
+    )
 
 
 def inspect_prompt(loaded: Loaded, prompt: str, top_k: int = 10, targets: list[str] | None = None) -> Inspection:
     ids, dropped = encode_prompt(loaded, prompt)
     k = clamp_top_k(top_k, loaded.engine.vocab_size)
     logits, walk = last_logits(loaded, ids)
-    text = loaded.tokenizer.token_text
-    logprobs = log_softmax(logits)
-    nats = entropy(logprobs)
-    return Inspection(
-        model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied,
-        engine=loaded.engine.name, device=str(loaded.engine.device), dtype=str(loaded.engine.dtype).removeprefix("torch."),
-        prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
-        top=top_tokens(logits, k, text),
-        targets=[target_score(logits, t, loaded.tokenizer.encode(t), text) for t in targets or []],
-        entropy=nats, entropy_bits=nats_to_bits(nats), logits=logits,
-    )
+    target_ids = [(t, loaded.tokenizer.encode(t)) for t in targets or []]
+    return inspection_from_logits(loaded, ids, dropped, logits, walk, k, target_ids)
