@@ -3,8 +3,10 @@ one JSON line.
 
     python benchmarks/probes.py bandwidth
     python benchmarks/probes.py head FOLDER T REPEATS
-    python benchmarks/probes.py layouts FOLDER REPEATS
-    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE LAYOUT
+    python benchmarks/probes.py head-forms FOLDER REPEATS
+    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE blocked|plain
+    python benchmarks/probes.py weight-bytes FOLDER DTYPE
+    python benchmarks/probes.py bfloat16-error FOLDER PROMPT
     python benchmarks/probes.py imports ARGS...      (runs `lmhead ARGS`, reports heavy imports)
 """
 
@@ -92,35 +94,48 @@ def head(folder: str, T: int, repeats: int) -> dict:
     return out
 
 
-def layouts(folder: str, repeats: int) -> dict:
-    """For each head layout: the load time, the extra memory, and one position's head time and GB/s."""
+def head_forms(folder: str, repeats: int) -> dict:
+    """One position's head, three ways, on the tied E as the checkpoint stores it ([V, D] rows):
+    lmhead's blocked product over views of E; F.linear(h, E), BLAS's gemv (transformers' head); and
+    h @ Eᵀ over a [D, V] copy of E, the layout BLAS's gemv streams fastest (the copy's one-off cost,
+    its memory, and the tie then holding by value only)."""
     import torch
+    import torch.nn.functional as F
 
     from lmhead_cli.sources import load_model
 
-    rows = {}
-    for layout in ("rows", "columns", "copy"):
-        start = time.perf_counter()
-        loaded = load_model(folder, device="cpu", dtype="float32", engine="lean", head_layout=layout)
-        load_s = time.perf_counter() - start
-        eng = loaded.engine
-        h = eng.body(torch.tensor([[464, 8251, 319, 262, 3084]]))[:, -1:, :]  # (1, 1, D)
-        t = _median_time(lambda: eng.head(h), repeats)
-        w = eng.head_weight
-        rows[layout] = {"load_s": load_s, "head_s": t, "head_gbs": w.numel() * w.element_size() / t / 1e9,
-                        "extra_mb": loaded.tie.head_copy_bytes / MB, "same_object": loaded.tie.same_object}
-        del loaded, eng, w, h
-    return rows
+    eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
+    E = eng.head_weight  # (V, D), the same object as wte.weight
+    h = eng.body(torch.tensor([[464, 8251, 319, 262, 3084]]))[:, -1, :]  # (1, D)
+    start = time.perf_counter()
+    Et = E.detach().t().contiguous()  # (D, V)
+    copy_s = time.perf_counter() - start
+    nbytes = E.numel() * E.element_size()
+    forms = {"blocked": lambda: eng.head(h), "linear": lambda: F.linear(h, E), "copy": lambda: h @ Et}
+    out = {"copy_s": copy_s, "copy_mb": nbytes / MB, "tied": eng.head_weight is eng.embedding_weight}
+    times = {name: [] for name in forms}
+    with torch.inference_mode():
+        for _ in range(3):  # interleaved, so drift hits all three alike
+            for name, fn in forms.items():
+                times[name].append(_median_time(fn, repeats))
+    for name in forms:
+        t = statistics.median(times[name])
+        out[name] = {"s": t, "gbs": nbytes / t / 1e9}
+    return out
 
 
-def decode(folder: str, prompt: str, n: int, dtype: str, layout: str) -> dict:
-    """Greedy decoding straight over the engine, timed like `lmhead greedy` (prefill and every step,
-    no warm-up): a stand-in for the CLI while `lmhead greedy` does not exist."""
+def decode(folder: str, prompt: str, n: int, dtype: str, products: str) -> dict:
+    """Greedy decoding straight over the engine, timed as `lmhead greedy` times itself (prefill and
+    every step, no warm-up; and the rate after the first token). products "plain" turns the blocked
+    matrix-vector products off (the engine as it was before them), "blocked" leaves them on."""
     import torch
 
+    from lmhead_cli import engine
     from lmhead_cli.sources import load_model
 
-    loaded = load_model(folder, device="cpu", dtype=dtype, engine="lean", head_layout=layout)
+    if products == "plain":
+        engine._blocked = lambda x: False  # addmm and F.linear, as BLAS runs them
+    loaded = load_model(folder, device="cpu", dtype=dtype, engine="lean")
     eng = loaded.engine
     ids = loaded.tokenizer.encode(prompt)
     out = []
@@ -131,9 +146,12 @@ def decode(folder: str, prompt: str, n: int, dtype: str, layout: str) -> dict:
         for _ in range(n):
             token = eng.head(eng.body(x, cache)[:, -1:, :])[:, 0].argmax(-1)  # (1,)
             out.append(int(token))
+            if len(out) == 1:
+                first = time.perf_counter() - start
             x = token[:, None]
         elapsed = time.perf_counter() - start
-    return {"generated_ids": out, "elapsed_s": elapsed, "tokens_per_second": n / elapsed}
+    return {"generated_ids": out, "elapsed_s": elapsed, "first_token_s": first, "tokens_per_second": n / elapsed,
+            "decode_tokens_per_second": (n - 1) / (elapsed - first)}
 
 
 def weight_bytes_per_token(folder: str, dtype: str) -> dict:
@@ -145,6 +163,26 @@ def weight_bytes_per_token(folder: str, dtype: str) -> dict:
     lookups = {id(eng.gpt.wpe.weight)} | ({id(eng.gpt.wte.weight)} if eng.gpt.wte.weight is not eng.head_weight else set())
     read = [p for p in eng.gpt.parameters() if id(p) not in lookups]  # parameters() counts a tied one once
     return {"bytes": sum(p.numel() * p.element_size() for p in read)}
+
+
+def bfloat16_error(folder: str, prompt: str) -> dict:
+    """How far each engine's bfloat16 last-position logits lie from float32 transformers', against the
+    float32 gap between the two best tokens: why bfloat16 greedy ids part ways."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from lmhead_cli.sources import load_model
+
+    lean = load_model(folder, device="cpu", dtype="bfloat16", engine="lean")
+    ids = torch.tensor([lean.tokenizer.encode(prompt)])
+    with torch.inference_mode():
+        z = GPT2LMHeadModel.from_pretrained(folder).eval()(ids).logits[0, -1]
+        z_hf = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.bfloat16).eval()(ids).logits[0, -1].float()
+        z_lean = lean.engine.head(lean.engine.body(ids)[:, -1:])[0, 0].float()
+    top2 = z.topk(2).values
+    return {"gap": float(top2[0] - top2[1]), "hf_err": float((z_hf - z).abs().max()),
+            "lean_err": float((z_lean - z).abs().max()), "lean_vs_hf": float((z_lean - z_hf).abs().max()),
+            "top1": [int(z.argmax()), int(z_hf.argmax()), int(z_lean.argmax())]}
 
 
 IMPORT_PROBE_HEAVY = ("torch", "transformers", "torch._dynamo")
@@ -172,12 +210,14 @@ def main(argv: list[str]) -> None:
         result = bandwidth()
     elif what == "head":
         result = head(rest[0], int(rest[1]), int(rest[2]))
-    elif what == "layouts":
-        result = layouts(rest[0], int(rest[1]))
+    elif what == "head-forms":
+        result = head_forms(rest[0], int(rest[1]))
     elif what == "decode":
         result = decode(rest[0], rest[1], int(rest[2]), rest[3], rest[4])
     elif what == "weight-bytes":
         result = weight_bytes_per_token(rest[0], rest[1])
+    elif what == "bfloat16-error":
+        result = bfloat16_error(rest[0], rest[1])
     elif what == "imports":
         result = imports(rest)
     else:

@@ -9,13 +9,6 @@ Two engines share one small interface (`Engine`):
   `--engine transformers`, so the tie can be shown on transformers' own object too.
 
 Neither knows about rich or typer. Shapes: B batch, T positions, D width, V vocabulary.
-
-The head's layout (`Engine.set_head_layout`) is a speed trade-off, measured in benchmarks/:
-a checkpoint stores W_out = E as [V, D] rows, and F.linear(h, E) on one position is MKL's
-dot-product matrix-vector product, which streams it at about half the memory bandwidth the
-h @ W form reaches with W laid out [D, V]. "columns" re-lays the one shared matrix out so (a
-transpose at load, the tie still holds by object); "copy" gives the head its own [D, V] copy
-(V·D more bytes, the tie then holds by value).
 """
 
 from __future__ import annotations
@@ -28,7 +21,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HEAD_LAYOUTS = ("rows", "columns", "copy")
+# One position at a time (inspect's last position, every decoding step) the float32 body and head are
+# matrix-vector products that do nothing but stream weights. On CPU, torch hands them to BLAS as gemv,
+# which reads the tied [V, D] head at ~12 GB/s on the 2-core benchmark machine and uses one core for
+# the body. The same products written as one batched matmul over blocks of the matrix (strided views:
+# nothing is copied, the tie stays one object) read the head at ~25-30 GB/s and spread the body's
+# blocks over torch's threads. benchmarks/run.py measures both forms.
+BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
+
+
+def _blocked(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def row_vector_times(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """x @ w + b for one row x (1, K) and w (K, N), as s = torch's threads column blocks of w at once:
+    (1, N). None when the blocked form would not help (one thread, N not a multiple of s)."""
+    s = torch.get_num_threads()
+    K, N = w.shape
+    if s < 2 or N % s or not w.is_contiguous():
+        return None
+    blocks = w.view(K, s, N // s).transpose(0, 1)  # (s, K, N/s), a view
+    y = torch.baddbmm(b.view(s, 1, N // s), x.expand(s, 1, K), blocks)  # (s, 1, N/s)
+    return y.transpose(0, 1).reshape(1, N)
+
+
+def rows_times(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """h · wᵀ for a few positions h (R, D) and a row-major w (V, D): logits (R, V), computed as
+    w's rows in 2·threads blocks times h (a batched matmul over views of w) plus any last rows."""
+    V, D = w.shape
+    s = 2 * max(1, torch.get_num_threads())
+    n = V // s
+    y = torch.bmm(w[: s * n].view(s, n, D), h.t().expand(s, D, h.shape[0]))  # (s, n, R)
+    out = y.reshape(s * n, -1).t()  # (R, s·n)
+    if s * n < V:
+        out = torch.cat([out, F.linear(h, w[s * n:])], dim=1)
+    return out.contiguous()
 
 
 class Conv1D(nn.Module):
@@ -40,7 +68,21 @@ class Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
+        y = row_vector_times(x2, self.weight, self.bias) if x2.shape[0] == 1 and _blocked(x2) else None
+        if y is None:
+            y = torch.addmm(self.bias, x2, self.weight)
+        return y.view(*x.shape[:-1], -1)
+
+
+class LMHead(nn.Linear):
+    """The head z = h · W_outᵀ, W_out (V, D), no bias; a few positions stream W_out in row blocks."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h2 = h.reshape(-1, h.shape[-1])  # (R, D)
+        if h2.shape[0] <= BLOCKED_MAX_ROWS and _blocked(h2) and self.bias is None and self.weight.is_contiguous():
+            return rows_times(self.weight, h2).view(*h.shape[:-1], -1)
+        return super().forward(h)
 
 
 class KVCache:
@@ -135,7 +177,7 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config["n_positions"], d, _weight=torch.empty(config["n_positions"], d))
         self.h = nn.ModuleList(Block(d, config["n_head"], inner, eps) for _ in range(config["n_layer"]))
         self.ln_f = nn.LayerNorm(d, eps=eps)
-        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head = LMHead(d, V, bias=False)
         if tied:
             self.lm_head.weight = self.wte.weight  # weight tying: W_out is E, the very same tensor
 
@@ -150,12 +192,6 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-def column_major(t: torch.Tensor) -> torch.Tensor:
-    """The same (V, D) matrix stored column by column, strides (1, V): F.linear(h, W) then runs as
-    h @ Wᵀ with Wᵀ a contiguous [D, V], the matrix-vector form BLAS streams fastest."""
-    return t.t().contiguous().t()
-
-
 @dataclass
 class Engine:
     """What the rest of lmhead needs from a model.
@@ -167,9 +203,6 @@ class Engine:
     name: str
     config: dict
     module: nn.Module
-    # How the head's matrix is laid out, and the extra bytes that costs (see set_head_layout).
-    head_layout = "rows"
-    head_extra_bytes = 0
 
     # -- the pieces every command uses -------------------------------------------------------
     @property
@@ -192,32 +225,6 @@ class Engine:
     def eos_token_id(self) -> int | None:
         eos = self.config.get("eos_token_id")
         return eos[0] if isinstance(eos, list) else eos
-
-    @torch.no_grad()
-    def set_head_layout(self, layout: str) -> int:
-        """Lay the head's matrix out for speed; returns the extra bytes that costs.
-
-        rows: as the checkpoint stores it, [V, D] row by row (no copy; tied by object).
-        columns: the head's matrix re-laid out column by column in place (one transpose, no extra
-          memory); when tied, that matrix is E itself, so the tie still holds by object and the
-          embedding lookup gathers strided columns instead of rows.
-        copy: when tied, the head gets its own column-major copy of E and E keeps its rows: V·D more
-          bytes, and the tie holds by value, not by object. Untied, it is the same as columns.
-        """
-        if layout not in HEAD_LAYOUTS:
-            raise ValueError(f"unknown head layout {layout!r}; choose one of: {', '.join(HEAD_LAYOUTS)}")
-        if self.head_layout != "rows":
-            raise ValueError(f"the head is already laid out as {self.head_layout!r}")
-        head = self.head_module  # a Linear holding W_out (V, D)
-        tied = head.weight is self.embedding_weight
-        if layout == "columns" or (layout == "copy" and not tied):
-            head.weight.data = column_major(head.weight.data)
-        elif layout == "copy":
-            w = head.weight
-            head.weight = nn.Parameter(column_major(w.detach()), requires_grad=w.requires_grad)
-            self.head_extra_bytes = w.numel() * w.element_size()
-        self.head_layout = layout
-        return self.head_extra_bytes
 
 
 class LeanGPT2(Engine):

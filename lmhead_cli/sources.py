@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from lmhead_cli.engine import GPT2, HEAD_LAYOUTS, Engine, LeanGPT2, TransformersEngine, init_random_
+from lmhead_cli.engine import GPT2, Engine, LeanGPT2, TransformersEngine, init_random_
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UsageError)
 from lmhead_cli.model_configs import config_names, load_config
@@ -37,7 +37,7 @@ _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")
 class TieReport:
     """Whether the output matrix W_out is the embedding table E, and the evidence."""
 
-    tied: bool  # the head's weights are the embedding's: by object, or by value with head_layout "copy"
+    tied: bool  # the head's weight is the embedding's weight object
     same_object: bool  # lm_head.weight is wte.weight
     same_data_ptr: bool
     config_tie_word_embeddings: bool
@@ -46,8 +46,6 @@ class TieReport:
     head_name: str
     embedding_name: str
     shape: tuple[int, int]  # (V, D)
-    head_layout: str = "rows"  # rows (as stored), columns (same object, re-laid out) or copy (see engine.py)
-    head_copy_bytes: int = 0  # the head's own copy of E with head_layout "copy"; 0 otherwise
 
 
 @dataclass
@@ -92,15 +90,10 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-               allow_pickle: bool = False, head_layout: str = "rows") -> Loaded:
-    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`.
-
-    head_layout: rows (as stored), columns or copy; a speed trade-off, see Engine.set_head_layout.
-    """
+               allow_pickle: bool = False) -> Loaded:
+    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`."""
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
-    if head_layout not in HEAD_LAYOUTS:
-        raise UsageError(f"unknown --head-layout {head_layout!r}; choose one of: {', '.join(HEAD_LAYOUTS)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     if not source or not source.strip():
         raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, or random:gpt2")
@@ -138,10 +131,9 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         eng = TransformersEngine(config, build_transformers(config, state, tied, dev, dt))
         head_name, emb_name = "lm_head.weight", "transformer.wte.weight"
 
-    copy_bytes = eng.set_head_layout(head_layout) if head_layout != "rows" else 0
     head_w, emb_w = eng.head_weight, eng.embedding_weight
     tie = TieReport(
-        tied=head_w is emb_w or (tied and copy_bytes > 0),
+        tied=head_w is emb_w,
         same_object=head_w is emb_w,
         same_data_ptr=head_w.data_ptr() == emb_w.data_ptr(),
         config_tie_word_embeddings=tied,
@@ -150,8 +142,6 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         head_name=head_name,
         embedding_name=emb_name,
         shape=tuple(head_w.shape),
-        head_layout=head_layout,
-        head_copy_bytes=copy_bytes,
     )
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
