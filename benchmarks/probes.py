@@ -5,6 +5,7 @@ one JSON line.
     python benchmarks/probes.py head FOLDER T REPEATS
     python benchmarks/probes.py head-forms FOLDER REPEATS
     python benchmarks/probes.py decode FOLDER PROMPT N DTYPE blocked|plain
+    python benchmarks/probes.py step FOLDER STEPS
     python benchmarks/probes.py weight-bytes FOLDER DTYPE
     python benchmarks/probes.py bfloat16-error FOLDER PROMPT
     python benchmarks/probes.py imports ARGS...      (runs `lmhead ARGS`, reports heavy imports)
@@ -154,6 +155,37 @@ def decode(folder: str, prompt: str, n: int, dtype: str, products: str) -> dict:
             "decode_tokens_per_second": (n - 1) / (elapsed - first)}
 
 
+def step(folder: str, steps: int) -> dict:
+    """Where one float32 decoding step's time goes (warm, after a 64-token prefill): the body on one
+    new position, then the head on it, each with the bytes of weights it reads."""
+    import torch
+
+    from lmhead_cli.sources import load_model
+
+    eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
+    E = eng.head_weight
+    head_bytes = E.numel() * E.element_size()
+    body_bytes = sum(p.numel() * p.element_size() for name, p in eng.gpt.named_parameters()
+                     if name.startswith(("h.", "ln_f.")))
+    prompt = torch.randint(0, eng.vocab_size - 1, (1, 64), generator=torch.Generator().manual_seed(0))
+    cache = eng.new_cache(1, 64 + steps + 8)
+    h = eng.body(prompt, cache)[:, -1:]
+    token = eng.head(h)[:, 0].argmax(-1)[:, None]
+    body_t, head_t = [], []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        h = eng.body(token, cache)
+        t1 = time.perf_counter()
+        token = eng.head(h)[:, 0].argmax(-1)[:, None]
+        t2 = time.perf_counter()
+        if i >= 3:  # the first steps fault the weights' pages in
+            body_t.append(t1 - t0)
+            head_t.append(t2 - t1)
+    body, head = statistics.median(body_t), statistics.median(head_t)
+    return {"body_s": body, "head_s": head, "body_gbs": body_bytes / body / 1e9, "head_gbs": head_bytes / head / 1e9,
+            "body_mb": body_bytes / MB, "head_mb": head_bytes / MB}
+
+
 def weight_bytes_per_token(folder: str, dtype: str) -> dict:
     """Bytes of weights one decoding step reads: every matrix, bias and norm once, the head's matrix
     once (tied: E is read by the head; the embedding lookups read one row each, left out)."""
@@ -214,6 +246,8 @@ def main(argv: list[str]) -> None:
         result = head_forms(rest[0], int(rest[1]))
     elif what == "decode":
         result = decode(rest[0], rest[1], int(rest[2]), rest[3], rest[4])
+    elif what == "step":
+        result = step(rest[0], int(rest[1]))
     elif what == "weight-bytes":
         result = weight_bytes_per_token(rest[0], rest[1])
     elif what == "bfloat16-error":
