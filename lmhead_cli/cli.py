@@ -37,7 +37,7 @@ ModelOpt = Annotated[
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16 (softmax is always float32).")]
 EngineOpt = Annotated[
-    str, typer.Option("--engine", help="lean (plain-torch GPT-2, default) or transformers.")
+    str, typer.Option("--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.")
 ]
 AllowPickleOpt = Annotated[
     bool, typer.Option("--allow-pickle", help="Allow pytorch_model.bin checkpoints (loaded with weights_only=True).")
