@@ -207,3 +207,13 @@ def test_real_gpt2_prefers_are_after_plural_subject(real_gpt2):
     result = inspect_prompt(loaded, PROMPT, targets=[" are", " is"])
     are, is_ = result.targets
     assert are.logit > is_.logit
+
+
+def test_piping_into_head_ends_quietly(tiny):
+    import subprocess
+    import sys
+
+    cmd = f'"{sys.executable}" -m lmhead_cli inspect "{PROMPT}" --model "{tiny[0]}" -k 500 | head -n 2'
+    proc = subprocess.run(["bash", "-c", cmd + '; exit "${PIPESTATUS[0]}"'], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and len(proc.stdout.splitlines()) == 2

@@ -18,9 +18,16 @@ BAR_WIDTH = 16
 SPARK = "▁▂▃▄▅▆▇█"
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich would exit 1 here; the CLI's one boundary ends a closed pipe (`| head`) quietly with 0.
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def out() -> Console:
     """Console on stdout (tables, text)."""
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False)
+    return _Console(file=sys.stdout, highlight=False, soft_wrap=False)
 
 
 def err() -> Console:
