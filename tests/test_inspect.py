@@ -213,7 +213,7 @@ def test_piping_into_head_ends_quietly(tiny):
     import subprocess
     import sys
 
-    cmd = f'"{sys.executable}" -m lmhead_cli inspect "{PROMPT}" --model "{tiny[0]}" -k 500 | head -n 2'
+    cmd = f'"{sys.executable}" -m lmhead_cli inspect "{PROMPT}" --model "{tiny[0]}" -k 5000 | head -n 2'
     proc = subprocess.run(["bash", "-c", cmd + '; exit "${PIPESTATUS[0]}"'], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "" and len(proc.stdout.splitlines()) == 2
