@@ -164,7 +164,7 @@ def inspect_cmd(
     Example: lmhead inspect "The keys on the table" --target " are" --target " is"
     """
     from lmhead_cli import render
-    from lmhead_cli.inspection import check_prompt, check_targets, inspect_prompt
+    from lmhead_cli.inspection import check_request, inspect_prompt
     from lmhead_cli.render.inspect import inspection
 
     knobs = stage_knobs(stages, preset, temperature, filter_top_k, top_p, min_p, softcap)  # issue 3
@@ -173,12 +173,7 @@ def inspect_cmd(
     if file is not None or explain is not None:  # issue 6: batches, and one logit taken apart
         return inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine,
                             allow_pickle, json_out)
-    if prompt is None:
-        raise UsageError('give a prompt, e.g. lmhead inspect "The keys on the table"')
-    check_prompt(prompt)
-    check_targets(target)
-    if top_k < 1:
-        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
+    check_request(prompt, target, top_k)
     loaded = load(model, device, dtype, engine, allow_pickle)
     result = inspect_prompt(loaded, prompt, top_k, target)
     if result.truncated:
@@ -555,16 +550,11 @@ def lens_cmd(
     Example: lmhead lens "The keys on the table" --target " are" --heat
     """
     from lmhead_cli import render
-    from lmhead_cli.inspection import check_prompt, check_targets
+    from lmhead_cli.inspection import check_request
     from lmhead_cli.lens import lens_prompt
     from lmhead_cli.render.lens import lens_heat, lens_json, lens_table
 
-    if prompt is None:
-        raise UsageError('give a prompt, e.g. lmhead lens "The keys on the table"')
-    check_prompt(prompt)
-    check_targets(target)
-    if top_k < 1:
-        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
+    check_request(prompt, target, top_k, "lens")
     loaded = load(model, device, dtype, engine, allow_pickle)
     result = lens_prompt(loaded, prompt, target, top_k)
     if result.truncated:

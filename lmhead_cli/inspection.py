@@ -65,6 +65,16 @@ def check_targets(targets: list[str] | None) -> list[str]:
     return list(targets or [])
 
 
+def check_request(prompt: str | None, targets: list[str] | None, top_k: int, command: str = "inspect") -> None:
+    """Usage errors of a one-prompt command, raised before any model is loaded."""
+    if prompt is None:
+        raise UsageError(f'give a prompt, e.g. lmhead {command} "The keys on the table"')
+    check_prompt(prompt)
+    check_targets(targets)
+    if top_k < 1:
+        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
+
+
 def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
     """Token ids of `prompt`, keeping the last n_ctx; returns (ids, number dropped from the front)."""
     ids = loaded.tokenizer.encode(check_prompt(prompt))
