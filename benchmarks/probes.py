@@ -160,6 +160,7 @@ def step(folder: str, steps: int) -> dict:
     new position, then the head on it, each with the bytes of weights it reads."""
     import torch
 
+    from lmhead_cli.engine import Conv1D
     from lmhead_cli.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
@@ -182,8 +183,11 @@ def step(folder: str, steps: int) -> dict:
             body_t.append(t1 - t0)
             head_t.append(t2 - t1)
     body, head = statistics.median(body_t), statistics.median(head_t)
+    matrices = [m.weight for m in eng.gpt.h.modules() if isinstance(m, Conv1D)]
+    sizes = [w.numel() * w.element_size() / MB for w in matrices]
     return {"body_s": body, "head_s": head, "body_gbs": body_bytes / body / 1e9, "head_gbs": head_bytes / head / 1e9,
-            "body_mb": body_bytes / MB, "head_mb": head_bytes / MB}
+            "body_mb": body_bytes / MB, "head_mb": head_bytes / MB, "matrices": len(matrices),
+            "smallest_mb": min(sizes), "largest_mb": max(sizes)}
 
 
 def weight_bytes_per_token(folder: str, dtype: str) -> dict:

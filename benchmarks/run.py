@@ -231,7 +231,7 @@ def ok(passed: bool) -> str:
     return "✅" if passed else "❌"
 
 
-def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], bf16: dict, parts: dict, heads: list[dict],
+def report(m: dict, ck: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], bf16: dict, parts: dict, heads: list[dict],
            forms: dict, args, loads: tuple[float, float], elapsed: float) -> str:
     t = INSPECT_TARGETS
     copy_gbs = bw["copy_gbs"]
@@ -250,8 +250,9 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], bf
         f"each, {QUIET.budget:.0f} s in all; it waited {QUIET.waited_s:.0f} s), and took a measurement again when "
         f"other processes had kept more than {QUIET.busy:.0%} of a core busy during it: {QUIET.repeated} taken "
         f"again, {QUIET.noisy} kept although still disturbed after {QUIET.retries} retries",
-        "- checkpoint: GPT-2 small (124M, 12 layers, D 768, V 50,257, tied), seeded random weights, "
-        "saved by transformers as model.safetensors (497.8 MB)",
+        f"- checkpoint: GPT-2 small's shapes ({ck['n_layer']} layers, D {ck['n_embd']}, V {ck['vocab_size']:,}, "
+        f"tie_word_embeddings {str(ck.get('tie_word_embeddings', True)).lower()}), seeded random weights, saved by "
+        f"transformers as model.safetensors ({ck['file_mb']:.1f} MB)",
         f"- repeats: {args.repeats} fresh processes per start-up and inspect figure, {args.decode_repeats} per "
         f"decode figure ({args.new_tokens} new tokens); medians",
         f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, best of 3 measurements): copy {copy_gbs:.1f} GB/s (read + write, "
@@ -330,11 +331,11 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], bf
         f"Where a float32 step goes (the engine alone, warm, median of 60 steps after a 64-token prompt, median "
         f"of 3 processes; "
         f"benchmarks/probes.py step): the body {parts['body_s'] * 1e3:.1f} ms for {parts['body_mb']:.0f} MB of "
-        f"weights ({parts['body_gbs']:.1f} GB/s, attention, norms and some 250 small dispatched ops included), "
+        f"weights ({parts['body_gbs']:.1f} GB/s, attention, norms and every small dispatched op included), "
         f"the head {parts['head_s'] * 1e3:.1f} ms for {parts['head_mb']:.0f} MB ({parts['head_gbs']:.1f} GB/s): "
-        f"{1 / step_s:.1f} steps/s. The head streams near the copy bandwidth; the body's 48 matrices per step, "
-        "2.4 to 9.4 MB each, do not (each is too short for the two cores' streams to reach full speed), and "
-        "that is the gap to the bound.",
+        f"{1 / step_s:.1f} steps/s. The head streams near the copy bandwidth; the body's {parts['matrices']:.0f} "
+        f"matrices per step, {parts['smallest_mb']:.1f} to {parts['largest_mb']:.1f} MB each, do not (each is too "
+        "short for the two cores' streams to reach full speed), and that is the gap to the bound.",
         "",
         f"bfloat16 ids part ways because bfloat16 moves the logits more than the random model's top tokens "
         f"stand apart: on the prompt, the float32 gap between the two best logits is {bf16['gap']:.4f}, while "
@@ -348,7 +349,8 @@ def report(m: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], bf
         "The body's hidden states after ln_f for T positions are computed once; then the head on the last "
         "position (what `inspect` and every decoding step do) against the head on all T positions (the full "
         "[1, T, V] logits). Peak memory: how far the process's resident high-water mark rises during the call "
-        "(the kernel updates it in steps of up to 256 kB, so one position's 201 kB of logits can read 0).",
+        f"(the kernel updates it in steps of up to 256 kB, so one position's {heads[0]['last_logits_mb'] * 1e3:.0f} kB "
+        "of logits can read 0).",
         "",
         "| T | last position | all positions | time ratio | logits, last | logits, all | peak rise, last | "
         "peak rise, all |",
@@ -420,7 +422,9 @@ def main() -> None:
     forms = probe("head-forms", str(folder), str(max(args.repeats * 4, 10)))
     # The best of three measurements (start, middle, end): other work can only make it look lower.
     bw = {k: max(b[k] for b in bandwidths) if k.endswith("gbs") or "_gbs_" in k else v for k, v in bandwidths[0].items()}
-    text = report(machine(), bw, start, insp, dec, bf16, parts, heads, forms, args, (load0, os.getloadavg()[0]),
+    ck = {**json.loads((folder / "config.json").read_text()),
+          "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
+    text = report(machine(), ck, bw, start, insp, dec, bf16, parts, heads, forms, args, (load0, os.getloadavg()[0]),
                   time.perf_counter() - began)
     args.out.write_text(text, encoding="utf-8")
     print(text)
