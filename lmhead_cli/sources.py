@@ -170,8 +170,9 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
     patterns = HUB_FILES + (["pytorch_model.bin"] if allow_pickle else [])
     advice = ("connect once to download it, pass a local folder (--model ./my-gpt2), or use "
               "--model random:gpt2 for random weights offline")
+    cache_dir = _hub_cache()
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, cache_dir=cache_dir))
     except HFValidationError:
         raise ModelNotFound(f"{repo_id!r} is neither a local folder nor a valid hub id") from None
     except Exception:  # noqa: BLE001 - not cached: fall through to the network
@@ -181,9 +182,20 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
     if not _reachable(constants.ENDPOINT):
         raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and the hub can't be reached; {advice}")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
     except Exception as e:  # noqa: BLE001 - RepositoryNotFound, gated, network drop: one line
         raise ModelNotFound(f"could not download {repo_id!r} ({type(e).__name__}); {advice}") from None
+
+
+def _hub_cache() -> str:
+    """The HF hub cache, read from the environment now (HF_HUB_CACHE, else HF_HOME/hub)."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    return constants.HF_HUB_CACHE
 
 
 def _reachable(endpoint: str, timeout: float = 3.0) -> bool:

@@ -170,3 +170,19 @@ def test_bfloat16_loads_and_head_stays_tied(tiny):
 def test_real_gpt2_is_tied(real_gpt2):
     loaded = load_model(str(real_gpt2), device="cpu")
     assert loaded.tie.same_object and loaded.tie.shape == (50257, 768)
+
+
+def test_cached_hub_id_loads_offline(tmp_path, tiny, monkeypatch):
+    """A hub id found in the HF cache (HF_HOME/hub/models--ORG--NAME/snapshots/REV) loads with no network."""
+    folder, ref = tiny
+    repo = tmp_path / "hf" / "hub" / "models--someorg--tiny-gpt2"
+    snap = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snap.name)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    loaded = load_model("someorg/tiny-gpt2", device="cpu")
+    assert loaded.kind == "hub" and loaded.path == str(snap)
+    torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
