@@ -21,19 +21,24 @@ import time
 MB = 1e6
 
 
-def _median_time(fn, repeats: int) -> float:
+def _times(fn, repeats: int) -> list[float]:
     fn()  # warm: page faults and first-call set-up are not what is measured here
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_time(fn, repeats: int) -> float:
+    return statistics.median(_times(fn, repeats))
 
 
 def bandwidth(size_bytes: int = 256 * 2**20, repeats: int = 15) -> dict:
     """Streaming memory bandwidth with torch's own kernels, over buffers far larger than the caches,
-    on 1 thread and on all of torch's threads; the best of each is kept (a bound should not be low).
+    on 1 thread and on all of torch's threads: the fastest of `repeats` passes, since other work can
+    only slow a pass down and a bound should not be low.
 
     copy: bytes read plus bytes written per second (STREAM's convention); read: a sum, bytes read
     per second, which is what a matrix-vector product over weights has to do.
@@ -46,8 +51,8 @@ def bandwidth(size_bytes: int = 256 * 2**20, repeats: int = 15) -> dict:
     out = {"buffer_mb": size_bytes / MB, "threads": threads, "copy_gbs": 0.0, "read_gbs": 0.0}
     for t in sorted({1, threads}):
         torch.set_num_threads(t)
-        copy = 2 * size_bytes / _median_time(lambda: b.copy_(a), repeats) / 1e9
-        read = size_bytes / _median_time(lambda: a.sum(), repeats) / 1e9
+        copy = 2 * size_bytes / min(_times(lambda: b.copy_(a), repeats)) / 1e9
+        read = size_bytes / min(_times(lambda: a.sum(), repeats)) / 1e9
         out[f"copy_gbs_{t}"], out[f"read_gbs_{t}"] = copy, read
         out["copy_gbs"], out["read_gbs"] = max(out["copy_gbs"], copy), max(out["read_gbs"], read)
     torch.set_num_threads(threads)

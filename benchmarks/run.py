@@ -255,7 +255,7 @@ def report(m: dict, ck: dict, bw: dict, start: list[dict], insp: dict, dec: list
         f"transformers as model.safetensors ({ck['file_mb']:.1f} MB)",
         f"- repeats: {args.repeats} fresh processes per start-up and inspect figure, {args.decode_repeats} per "
         f"decode figure ({args.new_tokens} new tokens); medians",
-        f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, best of 3 measurements): copy {copy_gbs:.1f} GB/s (read + write, "
+        f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, the fastest of 15 passes at 3 points of the run): copy {copy_gbs:.1f} GB/s (read + write, "
         f"the better of 1 and {bw['threads']} threads; {bw['copy_gbs_1']:.1f} GB/s on 1 thread), read "
         f"{bw['read_gbs']:.1f} GB/s ({bw['read_gbs_1']:.1f} on 1 thread)",
         "",
