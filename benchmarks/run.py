@@ -169,6 +169,34 @@ def inspect(folder: Path, repeats: int) -> dict:
             "imported": imported}
 
 
+def batch(folder: Path, n: int, repeats: int) -> dict:
+    """`inspect --file` over n short prompts (one process) against n separate `inspect` processes, and
+    whether each prompt's top-10 ids and target probabilities agree between the two."""
+    subjects = ["The key", "The keys", "The author", "The authors", "The dog", "The dogs", "The box", "The boxes"]
+    places = ["on the table", "near the door", "in the drawer", "under the bed", "by the window", "of the house",
+              "from the shop", "behind the chair"]
+    prompts = [f"{s} {p}" for p in places for s in subjects][:n]
+    targets = ["--target", " is", "--target", " are"]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
+        f.write("\n".join(prompts) + "\n")
+    try:
+        file_cmd = lmhead("inspect", "--file", f.name, "--model", str(folder), "--json", *targets)
+        file_runs = [run(file_cmd) for _ in range(repeats)]
+    finally:
+        os.unlink(f.name)
+    batched = [json.loads(line) for line in file_runs[0][2].splitlines() if line.strip()]
+    separate_s, same = 0.0, 0
+    for prompt, doc in zip(prompts, batched):
+        wall, _, out = run(lmhead("inspect", prompt, "--model", str(folder), "--json", *targets))
+        separate_s += wall
+        one = json.loads(out)
+        same += ([t["id"] for t in one["top"]] == [t["id"] for t in doc["top"]]
+                 and all(abs(a["prob"] - b["prob"]) <= 1e-4 * max(a["prob"], 1e-12)
+                         for a, b in zip(one["targets"], doc["targets"])))
+    return {"n": len(prompts), "file_s": median([w for w, _, _ in file_runs]), "separate_s": separate_s,
+            "same": same, "documents": len(batched)}
+
+
 def decode(folder: Path, repeats: int, new_tokens: int) -> list[dict]:
     """Greedy tokens/s, lmhead against transformers' generate(), float32 and bfloat16, alternating; in
     float32 also the engine with its blocked products turned off (where the speed comes from)."""
@@ -231,8 +259,26 @@ def ok(passed: bool) -> str:
     return "✅" if passed else "❌"
 
 
+def report_batch(b: dict) -> list[str]:
+    ratio = b["separate_s"] / b["file_s"]
+    return [
+        "",
+        "## Many prompts: `inspect --file` against separate `inspect` runs",
+        "",
+        f"{b['n']} short prompts (\"The keys on the table\", \"The dogs near the door\", …) with `--target ' is' --target ' are' --json`: "
+        "one `lmhead inspect --file` process (padded batches of 32, the head at each row's last real token) "
+        f"against {b['n']} separate `lmhead inspect` processes, run once each. Same: prompts whose top-10 ids and target "
+        "probabilities (to a relative 1e-4) agree between the two.",
+        "",
+        "| prompts | one `inspect --file` | separate processes, total | speed-up | target | same |",
+        "|---:|---:|---:|---:|---|---|",
+        f"| {b['n']} | {b['file_s']:.2f} s | {b['separate_s']:.1f} s | {ratio:.1f}× | {ok(ratio >= 3)} ≥ 3× | "
+        f"{b['same']} of {b['documents']} |",
+    ]
+
+
 def report(m: dict, ck: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], bf16: dict, parts: dict, heads: list[dict],
-           forms: dict, args, loads: tuple[float, float], elapsed: float) -> str:
+           forms: dict, args, loads: tuple[float, float], elapsed: float, bat: dict) -> str:
     t = INSPECT_TARGETS
     copy_gbs = bw["copy_gbs"]
     lines = [
@@ -384,6 +430,7 @@ def report(m: dict, ck: dict, bw: dict, start: list[dict], insp: dict, dec: list
         f"{forms['blocked']['gbs']:.1f} | {base / forms['blocked']['s']:.2f}× | 0 MB | "
         f"{'yes' if forms['tied'] else 'no'} |",
     ]
+    lines += report_batch(bat)
     return "\n".join(lines) + "\n"
 
 
@@ -407,6 +454,8 @@ def main() -> None:
     start = startup(args.repeats)
     log("inspect ...")
     insp = inspect(folder, args.repeats)
+    log("inspect --file ...")
+    bat = batch(folder, 16 if args.quick else 64, args.repeats)
     log("decode ...")
     bandwidths.append(probe("bandwidth"))
     dec = decode(folder, args.decode_repeats, args.new_tokens)
@@ -425,7 +474,7 @@ def main() -> None:
     ck = {**json.loads((folder / "config.json").read_text()),
           "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
     text = report(machine(), ck, bw, start, insp, dec, bf16, parts, heads, forms, args, (load0, os.getloadavg()[0]),
-                  time.perf_counter() - began)
+                  time.perf_counter() - began, bat)
     args.out.write_text(text, encoding="utf-8")
     print(text)
     log(f"written to {args.out}")
