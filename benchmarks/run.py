@@ -358,7 +358,6 @@ def report(m: dict, ck: dict, bw: dict, start: list[dict], insp: dict, dec: list
     for r in dec:
         bound = copy_gbs * 1e9 / r["bytes_per_token"]
         bound_1 = bw["copy_gbs_1"] * 1e9 / r["bytes_per_token"]
-        hf = r["engine"] == "transformers"
         engine = f"{r['engine']} ({r['via']})" if r["engine"] in ("lmhead", "transformers") else r["engine"]
         if r["engine"] == "lmhead" and r["dtype"] == "float32":
             target = f" {ok(r['tps'] / r['hf_tps'] >= t['decode_ratio'])}", f" {ok(r['steady'] / r['hf_steady'] >= t['decode_ratio'])}"

@@ -176,17 +176,31 @@ def inspect_cmd(
     check_request(prompt, target, top_k)
     loaded = load(model, device, dtype, engine, allow_pickle)
     result = inspect_prompt(loaded, prompt, top_k, target)
-    if result.truncated:
-        render.warn(f"the prompt is {len(result.prompt_tokens) + result.truncated} tokens, longer than the "
-                    f"context of {loaded.engine.n_ctx}; keeping the last {len(result.prompt_tokens)}")
-    for t in result.targets:
-        if len(t.pieces) > 1:
-            render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
+    warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
+    multi_piece_notices(result.targets)
     if json_out:
         render.print_json(inspection_json(result, loaded) | show_stages(knobs, result, top_k, loaded, as_json=True))
     else:
         inspection(result, loaded.tie)
         show_stages(knobs, result, top_k, loaded)
+
+
+def warn_truncated(kept: int, dropped: int, n_ctx: int) -> None:
+    """One warning on stderr when a prompt lost its first `dropped` tokens to the context limit."""
+    if dropped:
+        from lmhead_cli import render
+
+        render.warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; "
+                    f"keeping the last {kept}")
+
+
+def multi_piece_notices(targets) -> None:
+    """A notice for each --target that is several tokens: it is scored by its first."""
+    from lmhead_cli import render
+
+    for t in targets:
+        if len(t.pieces) > 1:
+            render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
 
 
 def inspection_json(result, loaded) -> dict:
@@ -328,18 +342,17 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
             model, device, dtype, engine, allow_pickle, json_out, **knobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
-    from lmhead_cli.generation import check_prompt, generate, prompt_ids, resolve
+    from lmhead_cli.generation import generate, resolve
+    from lmhead_cli.inspection import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
     settings = resolve(command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
                        show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
-                        else prompt)
+                        else prompt, "generate")
     loaded = load(model, device, dtype, engine, allow_pickle)
-    ids, dropped = prompt_ids(loaded, text)
-    if dropped:
-        render.warn(f"the prompt is {len(ids) + dropped} tokens, longer than the context of "
-                    f"{loaded.engine.n_ctx}; keeping the newest {len(ids)}")
+    ids, dropped = encode_prompt(loaded, text)
+    warn_truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
         show.begin(loaded.tokenizer.decode(ids))
     result = generate(loaded, ids, settings, on_text=None if json_out else show.stream)
@@ -493,7 +506,7 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
         if cut:
             render.warn(f"{len(cut)} prompts (lines {', '.join(map(str, cut[:5]))}{'…' * (len(cut) > 5)}) are "
                         f"longer than the context of {loaded.engine.n_ctx}; each keeps its last tokens")
-        _multi_piece_notices(run.results[0].targets)
+        multi_piece_notices(run.results[0].targets)
         if json_out:
             for result in run.results:
                 render.print_json(inspection_json(result, loaded), lines=True)
@@ -510,21 +523,11 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
     check_prompt(prompt)
     loaded = load(model, device, dtype, engine, allow_pickle)
     result = explain_logit(loaded, prompt, explain, top_k, target)
-    if result.truncated:
-        render.warn(f"the prompt is longer than the context of {loaded.engine.n_ctx}; "
-                    f"keeping the last {len(result.prompt_tokens)} tokens")
+    warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     if json_out:
         render.print_json(explanation_json(result))
     else:
         explanation(result)
-
-
-def _multi_piece_notices(targets) -> None:
-    from lmhead_cli import render
-
-    for t in targets:
-        if len(t.pieces) > 1:
-            render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
 
 
 @command("lens")
@@ -557,9 +560,7 @@ def lens_cmd(
     check_request(prompt, target, top_k, "lens")
     loaded = load(model, device, dtype, engine, allow_pickle)
     result = lens_prompt(loaded, prompt, target, top_k)
-    if result.truncated:
-        render.warn(f"the prompt is longer than the context of {loaded.engine.n_ctx}; "
-                    f"keeping the last {len(result.prompt_tokens)} tokens")
+    warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     if json_out:
         render.print_json(lens_json(result))
     elif heat:

@@ -186,11 +186,12 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
 
 def generate_after(loaded, prompt: str, n: int, settings: Settings, on_text: Callable[[str], None]):
     """Sample `n` tokens after `prompt` with the session's stages and seed (generation.generate)."""
-    from lmhead_cli.generation import generate, make_settings, prompt_ids
+    from lmhead_cli.generation import generate, make_settings
+    from lmhead_cli.inspection import encode_prompt
 
     s = make_settings(max_new_tokens=n, seed=settings.seed, softcap=settings.softcap,
                       temperature=settings.temperature)
-    ids, _ = prompt_ids(loaded, prompt)
+    ids, _ = encode_prompt(loaded, prompt)
     return generate(loaded, ids, s, on_text=on_text)
 
 

@@ -25,7 +25,6 @@ from lmhead_cli import decoding
 from lmhead_cli.decoding import GEMMA2_CAP, Knobs
 from lmhead_cli.errors import UsageError
 from lmhead_cli.head import check_finite
-from lmhead_cli.inspection import encode_prompt
 from lmhead_cli.presets import merge
 from lmhead_cli.sources import Loaded
 
@@ -128,18 +127,6 @@ def resolve(command: str, *, preset: str | None = None, greedy: bool = False, be
     values = merge(preset, defaults, flags)
     return make_settings(greedy=greedy or command == "greedy", beams=beams, ignore_eos=ignore_eos, seed=seed,
                          show_steps=show_steps, **values)
-
-
-def check_prompt(prompt: str | None) -> str:
-    """The prompt, or a UsageError if it is missing, empty or only white space."""
-    if not prompt or not prompt.strip():
-        raise UsageError('the prompt is empty; give some text, e.g. lmhead generate "The keys on the table"')
-    return prompt
-
-
-def prompt_ids(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
-    """The prompt's token ids, keeping the newest n_ctx; returns (ids, number dropped from the front)."""
-    return encode_prompt(loaded, check_prompt(prompt))
 
 
 def room(n_ctx: int, n_prompt: int) -> int:

@@ -51,10 +51,10 @@ class Inspection:
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for later stages
 
 
-def check_prompt(prompt: str | None) -> str:
+def check_prompt(prompt: str | None, command: str = "inspect") -> str:
     """The prompt, or a UsageError if it is missing, empty or only white space."""
     if not prompt or not prompt.strip():
-        raise UsageError("the prompt is empty; give some text, e.g. lmhead inspect \"The keys on the table\"")
+        raise UsageError(f'the prompt is empty; give some text, e.g. lmhead {command} "The keys on the table"')
     return prompt
 
 
@@ -69,7 +69,7 @@ def check_request(prompt: str | None, targets: list[str] | None, top_k: int, com
     """Usage errors of a one-prompt command, raised before any model is loaded."""
     if prompt is None:
         raise UsageError(f'give a prompt, e.g. lmhead {command} "The keys on the table"')
-    check_prompt(prompt)
+    check_prompt(prompt, command)
     check_targets(targets)
     if top_k < 1:
         raise UsageError(f"--top-k must be at least 1 (got {top_k})")

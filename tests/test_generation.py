@@ -15,7 +15,8 @@ from conftest import PROMPT, PROMPT_IDS, build_checkpoint
 
 from lmhead_cli import generation
 from lmhead_cli.errors import NonFiniteLogits, UsageError
-from lmhead_cli.generation import generate, make_settings, prompt_ids
+from lmhead_cli.generation import generate, make_settings
+from lmhead_cli.inspection import encode_prompt
 from lmhead_cli.sources import load_model
 
 EOS = 50256
@@ -52,7 +53,7 @@ def test_greedy_is_token_identical_to_transformers(tiny, engine):
     folder, model = tiny
     loaded = load(folder, engine)
     for prompt in (PROMPT, "你好，世界"):
-        ids, _ = prompt_ids(loaded, prompt)
+        ids, _ = encode_prompt(loaded, prompt)
         g = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=NEW))
         assert g.generated_ids == reference(model, ids, max_new_tokens=NEW)
         assert g.prompt_ids == ids and g.mode == "greedy" and g.seed is None
@@ -79,7 +80,7 @@ def test_beam_search_is_token_identical_to_transformers(tiny, engine, beams):
 def test_beams_that_finish_at_end_of_text_match_transformers(eos_model, prompt):
     folder, model = eos_model
     loaded = load(folder)
-    ids, _ = prompt_ids(loaded, prompt)
+    ids, _ = encode_prompt(loaded, prompt)
     lengths = set()
     for beams in (1, 2, 3, 4):
         s = make_settings(greedy=True, beams=beams, max_new_tokens=12)
@@ -167,7 +168,7 @@ def test_greedy_ignores_the_seed_and_beams_agree_with_greedy_at_one(tiny):
 def test_end_of_text_stops_unless_ignored(eos_model):
     folder, _ = eos_model
     loaded = load(folder)
-    ids, _ = prompt_ids(loaded, "x")
+    ids, _ = encode_prompt(loaded, "x")
     stopped = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=10))
     assert stopped.stop == "eos" and stopped.generated_ids[-1] == EOS and len(stopped.generated_ids) < 10
     on = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=10, ignore_eos=True))
@@ -185,7 +186,7 @@ def test_the_context_limit_stops_generation(tmp_path):
     assert g.stop == "context" and len(g.generated_ids) == 16 - 10 + 1  # the last token is never fed back
     assert g.generated_ids == reference(model, ten, max_new_tokens=7)
     assert generation.room(16, 10) == 7
-    long_ids, dropped = prompt_ids(loaded, PROMPT * 5)  # 25 tokens: the newest 16 are kept
+    long_ids, dropped = encode_prompt(loaded, PROMPT * 5)  # 25 tokens: the newest 16 are kept
     assert dropped == 9 and len(long_ids) == 16
     assert len(generate(loaded, long_ids, make_settings(greedy=True)).generated_ids) == 1
 
@@ -218,7 +219,7 @@ def test_streamed_text_is_the_whole_text_and_splits_no_character(tiny):
 def test_an_empty_prompt_is_a_usage_error(tiny):
     folder, _ = tiny
     with pytest.raises(UsageError, match="empty"):
-        prompt_ids(load(folder), "  ")
+        encode_prompt(load(folder), "  ")
 
 
 def test_resolve_layers_defaults_preset_and_flags():
@@ -237,7 +238,7 @@ def test_resolve_layers_defaults_preset_and_flags():
 @pytest.mark.real_weights
 def test_real_gpt2_greedy_the_dog(real_gpt2):
     loaded = load(real_gpt2)
-    ids, _ = prompt_ids(loaded, "The dog")
+    ids, _ = encode_prompt(loaded, "The dog")
     g = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=18))
     assert ids + g.generated_ids == [464, 3290, 373, 1043, 287, 257, 2214, 1474, 262, 16246, 286, 2688, 290, 2688,
                                      27262, 13, 198, 198, 464, 3290]
