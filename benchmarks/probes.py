@@ -85,7 +85,7 @@ def head(folder: str, T: int, repeats: int) -> dict:
     """The head on the last position against the head on all T positions: time and peak memory."""
     import torch
 
-    from lmhead_cli.sources import load_model
+    from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
     ids = torch.randint(0, eng.vocab_size - 1, (1, T), generator=torch.Generator().manual_seed(T))
@@ -108,7 +108,7 @@ def head_forms(folder: str, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from lmhead_cli.sources import load_model
+    from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
     E = eng.head_weight  # (V, D), the same object as wte.weight
@@ -136,8 +136,8 @@ def decode(folder: str, prompt: str, n: int, dtype: str, products: str) -> dict:
     matrix-vector products off (the engine as it was before them), "blocked" leaves them on."""
     import torch
 
-    from lmhead_cli import engine
-    from lmhead_cli.sources import load_model
+    from lmhead_cli.engine import lean as engine
+    from lmhead_cli.loading.sources import load_model
 
     if products == "plain":
         engine._blocked = lambda x: False  # addmm and F.linear, as BLAS runs them
@@ -165,8 +165,8 @@ def step(folder: str, steps: int) -> dict:
     new position, then the head on it, each with the bytes of weights it reads."""
     import torch
 
-    from lmhead_cli.engine import Conv1D
-    from lmhead_cli.sources import load_model
+    from lmhead_cli.engine.lean import Conv1D
+    from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
     E = eng.head_weight
@@ -198,7 +198,7 @@ def step(folder: str, steps: int) -> dict:
 def weight_bytes_per_token(folder: str, dtype: str) -> dict:
     """Bytes of weights one decoding step reads: every matrix, bias and norm once, the head's matrix
     once (tied: E is read by the head; the embedding lookups read one row each, left out)."""
-    from lmhead_cli.sources import load_model
+    from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype=dtype, engine="lean").engine
     lookups = {id(eng.gpt.wpe.weight)} | ({id(eng.gpt.wte.weight)} if eng.gpt.wte.weight is not eng.head_weight else set())
@@ -212,7 +212,7 @@ def bfloat16_error(folder: str, prompt: str) -> dict:
     import torch
     from transformers import GPT2LMHeadModel
 
-    from lmhead_cli.sources import load_model
+    from lmhead_cli.loading.sources import load_model
 
     lean = load_model(folder, device="cpu", dtype="bfloat16", engine="lean")
     ids = torch.tensor([lean.tokenizer.encode(prompt)])

@@ -115,7 +115,7 @@ def _root(
 def load(model: str, device: str = "auto", dtype: str = "float32", engine: str = "auto",
          allow_pickle: bool = False):
     """Load a model source (lazily importing torch); every model command goes through here."""
-    from lmhead_cli.sources import load_model
+    from lmhead_cli.loading.sources import load_model
 
     return load_model(model, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle)
 
@@ -164,7 +164,7 @@ def inspect_cmd(
     Example: lmhead inspect "The keys on the table" --target " are" --target " is"
     """
     from lmhead_cli import render
-    from lmhead_cli.inspection import check_request, inspect_prompt
+    from lmhead_cli.readings.inspect import check_request, inspect_prompt
     from lmhead_cli.render.inspect import inspection
 
     knobs = stage_knobs(stages, preset, temperature, filter_top_k, top_p, min_p, softcap)  # issue 3
@@ -342,8 +342,8 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
             model, device, dtype, engine, allow_pickle, json_out, **knobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
-    from lmhead_cli.generation import generate, resolve
-    from lmhead_cli.inspection import check_prompt, encode_prompt
+    from lmhead_cli.decoding.generate import generate, resolve
+    from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
     settings = resolve(command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
@@ -373,7 +373,7 @@ def show_stages(knobs, result, rows: int, loaded, as_json: bool = False) -> dict
     """`inspect --stages`: print the stage table, or return {"stages": ...} for the JSON document."""
     if knobs is None:
         return {}
-    from lmhead_cli.decoding import stage_table
+    from lmhead_cli.decoding.stages import stage_table
     from lmhead_cli.render.generate import stage_report, stages_json
 
     table = stage_table(result.logits, knobs, rows, loaded.tokenizer.token_text)
@@ -385,7 +385,7 @@ def show_stages(knobs, result, rows: int, loaded, as_json: bool = False) -> dict
 
 def stage_knobs(stages: bool, preset, temperature, top_k, top_p, min_p, softcap):
     """The stage settings for `inspect --stages` (any knob turns the table on), or None."""
-    from lmhead_cli.presets import knobs
+    from lmhead_cli.decoding.presets import knobs
 
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "softcap": softcap}
     if not stages and preset is None and all(v is None for v in given.values()):
@@ -425,8 +425,8 @@ def params(
 
     Example: lmhead params --config gpt2-xl --batch 8 --seq 2048 --vocab 32000
     """
-    from lmhead_cli import params as count
-    from lmhead_cli.model_configs import load_config
+    from lmhead_cli.readings import params as count
+    from lmhead_cli.loading.model_configs import load_config
     from lmhead_cli.render.params import render_params
 
     if config is not None and model is not None:
@@ -439,7 +439,7 @@ def params(
         name, counted_from = config or DEFAULT_MODEL, "config"
         acc = count.account_from_config(load_config(name))
     else:
-        from lmhead_cli.sources import load_model  # imports torch: only when real tensors are asked for
+        from lmhead_cli.loading.sources import load_model  # imports torch: only when real tensors are asked for
 
         loaded = load_model(model, device="cpu", dtype="float32", engine="lean", allow_pickle=allow_pickle)
         name, counted_from = model, "tensors"
@@ -466,7 +466,7 @@ def toy(
 
     Example: lmhead toy --hidden 0.5,1,2 --temperature 0.7
     """
-    from lmhead_cli import toy as toy_head
+    from lmhead_cli.readings import toy as toy_head
     from lmhead_cli.render.toy import render_toy
 
     h = toy_head.parse_hidden(hidden) if hidden is not None else toy_head.HIDDEN
@@ -482,7 +482,7 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
                  json_out) -> None:
     """`inspect --file` (many prompts, batched) and `inspect --explain TOKEN` (one logit taken apart)."""
     from lmhead_cli import render
-    from lmhead_cli.inspection import check_prompt, check_targets
+    from lmhead_cli.readings.inspect import check_prompt, check_targets
 
     if file is not None and explain is not None:
         raise UsageError("--explain takes apart one prompt's logit; it cannot be combined with --file")
@@ -492,7 +492,7 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
         raise UsageError(f"--top-k must be at least 1 (got {top_k})")
     check_targets(target)
     if file is not None:
-        from lmhead_cli.batch import inspect_batch, read_prompts
+        from lmhead_cli.readings.batch import inspect_batch, read_prompts
         from lmhead_cli.render.batch import batch_table, summary
 
         if batch_size < 1:
@@ -515,7 +515,7 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
             batch_table(run, loaded.source, loaded.random_weights)
         return
 
-    from lmhead_cli.explain import explain_logit
+    from lmhead_cli.readings.explain import explain_logit
     from lmhead_cli.render.explain import explanation, explanation_json
 
     if prompt is None:
@@ -553,8 +553,8 @@ def lens_cmd(
     Example: lmhead lens "The keys on the table" --target " are" --heat
     """
     from lmhead_cli import render
-    from lmhead_cli.inspection import check_request
-    from lmhead_cli.lens import lens_prompt
+    from lmhead_cli.readings.inspect import check_request
+    from lmhead_cli.readings.lens import lens_prompt
     from lmhead_cli.render.lens import lens_heat, lens_json, lens_table
 
     check_request(prompt, target, top_k, "lens")
@@ -596,11 +596,12 @@ def explore_cmd(
     """
     import time
 
-    from lmhead_cli import decoding, explore
-    from lmhead_cli.inspection import check_targets
+    from lmhead_cli.decoding import stages
+    from lmhead_cli.readings import explore
+    from lmhead_cli.readings.inspect import check_targets
     from lmhead_cli.render import explore as show
 
-    decoding.check({"temperature": temperature, "softcap": softcap, "top_k": top_k})  # before the load
+    stages.check({"temperature": temperature, "softcap": softcap, "top_k": top_k})  # before the load
     if threads is not None:
         if threads < 1:
             raise UsageError(f"--threads must be at least 1 (got {threads})")

@@ -10,11 +10,11 @@ import torch
 from conftest import PROMPT
 from typer.testing import CliRunner
 
-from lmhead_cli.batch import batch_logits, inspect_batch, read_prompts
+from lmhead_cli.readings.batch import batch_logits, inspect_batch, read_prompts
 from lmhead_cli.cli import app
 from lmhead_cli.errors import LmheadError, UsageError
-from lmhead_cli.inspection import inspect_prompt
-from lmhead_cli.sources import load_model
+from lmhead_cli.readings.inspect import inspect_prompt
+from lmhead_cli.loading.sources import load_model
 
 runner = CliRunner()
 # Lengths from 1 token to a dozen, so every batch mixes padded and unpadded rows.

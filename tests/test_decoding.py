@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from lmhead_cli import decoding
-from lmhead_cli.decoding import Knobs
+from lmhead_cli.decoding import stages as decoding
+from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.errors import UsageError
 
 # A fixed logits vector for the draws: 12 tokens, a clear favourite and a long tail.
@@ -214,14 +214,14 @@ def test_stage_table_follows_the_top_tokens_through_every_stage():
 # ---- soft-capping inside transformers' generate() -------------------------------------------
 
 def test_decoding_never_imports_transformers():
-    code = "import sys, lmhead_cli.decoding; print('transformers' in sys.modules)"
+    code = "import sys, lmhead_cli.decoding.stages; print('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def test_softcap_processor_in_transformers_generate(tiny):
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from lmhead_cli.decoding import SoftCapLogitsProcessor
+    from lmhead_cli.decoding.stages import SoftCapLogitsProcessor
 
     _, model = tiny
     cap = 0.5  # the tiny model's logits are small; a small cap shows

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmhead_cli.sources import load_model
+from lmhead_cli.loading.sources import load_model
 from tests.conftest import build_checkpoint
 
 NEW = 12  # new tokens per generation test
@@ -128,7 +128,7 @@ def test_blocked_products_equal_the_plain_ones(threads):
     """One position's body and head products as batched matmuls over views of the weights (what makes
     them stream at full bandwidth) give what addmm and F.linear give, for any thread count, a
     vocabulary that no block count divides, and a few rows at once."""
-    from lmhead_cli.engine import row_vector_times, rows_times
+    from lmhead_cli.engine.lean import row_vector_times, rows_times
 
     g = torch.Generator().manual_seed(threads)
     before = torch.get_num_threads()

@@ -12,9 +12,9 @@ from conftest import PROMPT, PROMPT_IDS
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
-from lmhead_cli.explain import explain_logit
-from lmhead_cli.inspection import inspect_prompt
-from lmhead_cli.sources import load_model
+from lmhead_cli.readings.explain import explain_logit
+from lmhead_cli.readings.inspect import inspect_prompt
+from lmhead_cli.loading.sources import load_model
 from test_lens import with_ln_f
 
 runner = CliRunner()

@@ -10,11 +10,11 @@ import torch
 from conftest import PROMPT, PROMPT_IDS
 from typer.testing import CliRunner
 
-from lmhead_cli import explore
+from lmhead_cli.readings import explore
 from lmhead_cli.cli import app
 from lmhead_cli.errors import UsageError
-from lmhead_cli.explore import Command, Settings, apply, parse_command
-from lmhead_cli.sources import load_model
+from lmhead_cli.readings.explore import Command, Settings, apply, parse_command
+from lmhead_cli.loading.sources import load_model
 from test_lens import assert_rank
 
 runner = CliRunner()

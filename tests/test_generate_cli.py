@@ -116,7 +116,7 @@ def test_presets_apply_and_flags_override(tiny):
 
 
 def test_every_bundled_preset_is_valid():
-    from lmhead_cli.presets import load_preset, preset_names
+    from lmhead_cli.decoding.presets import load_preset, preset_names
 
     assert {"creative", "gemma-softcap", "precise"} <= set(preset_names())
     for name in preset_names():

@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import PROMPT, PROMPT_IDS, build_checkpoint
 
-from lmhead_cli import generation
+from lmhead_cli.decoding import generate as generation
 from lmhead_cli.errors import NonFiniteLogits, UsageError
-from lmhead_cli.generation import generate, make_settings
-from lmhead_cli.inspection import encode_prompt
-from lmhead_cli.sources import load_model
+from lmhead_cli.decoding.generate import generate, make_settings
+from lmhead_cli.readings.inspect import encode_prompt
+from lmhead_cli.loading.sources import load_model
 
 EOS = 50256
 NEW = 12

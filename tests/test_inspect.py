@@ -11,8 +11,8 @@ from conftest import PROMPT, PROMPT_IDS, build_checkpoint
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
-from lmhead_cli.inspection import inspect_prompt
-from lmhead_cli.sources import load_model
+from lmhead_cli.readings.inspect import inspect_prompt
+from lmhead_cli.loading.sources import load_model
 
 runner = CliRunner()
 
@@ -132,7 +132,7 @@ def test_long_prompt_keeps_the_last_tokens(tmp_path):
     folder = tmp_path / "short_ctx"
     build_checkpoint(folder, n_positions=32)
     prompt = " ".join(f"w{i}" for i in range(40))
-    from lmhead_cli.tokenizer import GPT2Tokenizer
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
     ids = GPT2Tokenizer.bundled().encode(prompt)
     assert len(ids) > 32

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
 from lmhead_cli.head import log_softmax
-from lmhead_cli.inspection import inspect_prompt
-from lmhead_cli.lens import lens_prompt
-from lmhead_cli.sources import load_model
+from lmhead_cli.readings.inspect import inspect_prompt
+from lmhead_cli.readings.lens import lens_prompt
+from lmhead_cli.loading.sources import load_model
 
 runner = CliRunner()
 N_LAYER = 3

@@ -14,8 +14,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
-from lmhead_cli.model_configs import config_names, load_config
-from lmhead_cli.params import account_from_config, account_from_tensors, head_cost, logits_memory
+from lmhead_cli.loading.model_configs import config_names, load_config
+from lmhead_cli.readings.params import account_from_config, account_from_tensors, head_cost, logits_memory
 
 runner = CliRunner()
 

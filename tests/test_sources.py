@@ -7,9 +7,9 @@ import pytest
 from conftest import PROMPT_IDS
 from safetensors.torch import save_file
 
-from lmhead_cli import sources
+from lmhead_cli.loading import sources
 from lmhead_cli.errors import CorruptCheckpoint, ModelNotFound, UnsafeCheckpoint, UsageError
-from lmhead_cli.sources import load_model
+from lmhead_cli.loading.sources import load_model
 
 
 def _ref_logits(model, ids=PROMPT_IDS):
@@ -18,7 +18,7 @@ def _ref_logits(model, ids=PROMPT_IDS):
 
 
 def _our_logits(loaded, ids=PROMPT_IDS):
-    from lmhead_cli.inspection import last_logits
+    from lmhead_cli.readings.inspect import last_logits
 
     return last_logits(loaded, ids)[0]
 

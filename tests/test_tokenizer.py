@@ -1,6 +1,6 @@
 from conftest import PROMPT, PROMPT_IDS
 
-from lmhead_cli.tokenizer import GPT2Tokenizer
+from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
 
 def test_bundled_tokenizer_matches_gpt2():

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
-from lmhead_cli.toy import (
+from lmhead_cli.readings.toy import (
     HIDDEN, ROWS, WORDS, argmax, logits, parse_hidden, repeat_argmax, sample, scale_demo, shift_demo,
     softcap_demo, softmax, toy_example,
 )

@@ -1,4 +1,4 @@
-"""`lmhead params`: the parameter account as a table. Shows what lmhead_cli.params computed, nothing more."""
+"""`lmhead params`: the parameter account as a table. Shows what lmhead_cli.readings.params computed, nothing more."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from rich import box
 from rich.table import Table
 
-from lmhead_cli.params import HeadCost, LogitsMemory, ParamAccount
+from lmhead_cli.readings.params import HeadCost, LogitsMemory, ParamAccount
 from lmhead_cli.render import out, print_json
 
 COUNTED_FROM = {

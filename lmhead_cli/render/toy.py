@@ -1,4 +1,4 @@
-"""`lmhead toy`: the four-word head as tables. Shows what lmhead_cli.toy computed, nothing more."""
+"""`lmhead toy`: the four-word head as tables. Shows what lmhead_cli.readings.toy computed, nothing more."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from rich import box
 from rich.table import Table
 
 from lmhead_cli.render import bar, out, print_json
-from lmhead_cli.toy import Sample, ToyExample, Variant, short_number
+from lmhead_cli.readings.toy import Sample, ToyExample, Variant, short_number
 
 
 def _vector(values) -> str:

@@ -15,8 +15,8 @@ import torch
 
 from lmhead_cli.errors import UsageError
 from lmhead_cli.head import check_finite, clamp_top_k, log_softmax, rank_of
-from lmhead_cli.inspection import PromptToken, check_targets, encode_prompt
-from lmhead_cli.sources import Loaded
+from lmhead_cli.readings.inspect import PromptToken, check_targets, encode_prompt
+from lmhead_cli.loading.sources import Loaded
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,23 @@
 """Engines: a forward pass that returns hidden states, and the head applied to them.
 
-Two engines share one small interface (`Engine`):
+The plain-torch engine behind the contract in engine/base.py:
 
 * `LeanGPT2`: the whole GPT-2 in plain torch, nanoGPT-style, with names that mirror the
   checkpoint keys (wte, wpe, h.{i}.attn.c_attn, ln_f, lm_head) so `model.safetensors` loads by
   name, a preallocated KV cache, and no transformers import on the hot path.
-* `TransformersEngine`: any causal LM from transformers, for other architectures and as
-  `--engine transformers`, so the tie can be shown on transformers' own object too.
 
 Neither knows about rich or typer. Shapes: B batch, T positions, D width, V vocabulary.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmhead_cli.engine.base import Engine, TieNames
 
 # One position at a time (inspect's last position, every decoding step) the float32 body and head are
 # matrix-vector products that do nothing but stream weights. On CPU, torch hands them to BLAS as gemv,
@@ -28,7 +26,6 @@ from torch import nn
 # nothing is copied, the tie stays one object) read the head at ~25-30 GB/s and spread the body's
 # blocks over torch's threads. benchmarks/run.py measures both forms.
 BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
-
 
 def _blocked(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu"
@@ -192,41 +189,6 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-@dataclass
-class Engine:
-    """What the rest of lmhead needs from a model.
-
-    body(ids, cache, attention_mask) -> hidden states after the final norm, (B, T, D)
-    head(h) -> logits, (..., V)
-    """
-
-    name: str
-    config: dict
-    module: nn.Module
-
-    # -- the pieces every command uses -------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.head_weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.head_weight.dtype
-
-    @property
-    def n_ctx(self) -> int:
-        return int(self.config.get("n_positions") or self.config.get("max_position_embeddings") or 1024)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.head_weight.shape[0])
-
-    @property
-    def eos_token_id(self) -> int | None:
-        eos = self.config.get("eos_token_id")
-        return eos[0] if isinstance(eos, list) else eos
-
-
 class LeanGPT2(Engine):
     """The plain-torch GPT-2 engine."""
 
@@ -246,10 +208,18 @@ class LeanGPT2(Engine):
     def head_module(self) -> nn.Module:
         return self.gpt.lm_head
 
+    @property
+    def tie_names(self) -> TieNames:
+        return TieNames(head="lm_head.weight", embedding="wte.weight")
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(c["n_layer"], batch, c["n_head"], min(max_len, self.n_ctx),
                        c["n_embd"] // c["n_head"], self.device, self.dtype)
+
+    def reorder_cache(self, cache: KVCache, rows: torch.Tensor) -> KVCache:
+        cache.reorder(rows)
+        return cache
 
     def embed(self, ids: torch.Tensor, past: int = 0, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token plus position embeddings, (B, T, D). Positions skip left padding when a mask is given."""
@@ -291,72 +261,6 @@ class LeanGPT2(Engine):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits z = h · W_outᵀ: (..., D) -> (..., V)."""
         return self.gpt.lm_head(h)
-
-
-class TransformersEngine(Engine):
-    """Any transformers causal LM behind the same interface (the cache is transformers' own)."""
-
-    def __init__(self, config: dict, model):
-        super().__init__(name="transformers", config=config, module=model)
-        self.model = model
-        self.base = model.base_model
-        # transformers 5.x renamed `past_key_values` to `cache`; accept both releases.
-        params = inspect.signature(self.base.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    @property
-    def embedding_weight(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
-
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight
-
-    @property
-    def head_module(self) -> nn.Module:
-        return self.model.get_output_embeddings()
-
-    def new_cache(self, batch: int, max_len: int):
-        from transformers import DynamicCache
-
-        return DynamicCache()
-
-    @torch.inference_mode()
-    def body(self, ids, cache=None, attention_mask=None):
-        kwargs = {}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        kwargs[self._cache_kw] = cache
-        out = self.base(input_ids=ids, use_cache=cache is not None, **kwargs)
-        return out.last_hidden_state
-
-    @torch.inference_mode()
-    def residuals(self, ids, attention_mask=None):
-        """The residual stream after the embeddings and each block (GPT-2 layouts: base.h, base.ln_f).
-
-        transformers' last hidden state already has ln_f applied, so the last block's raw output is
-        taken with a hook instead.
-        """
-        captured = {}
-
-        def keep(_module, _inputs, output):
-            captured["x"] = output[0] if isinstance(output, tuple) else output
-
-        handle = self.base.h[-1].register_forward_hook(keep)
-        try:
-            out = self.base(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True)
-        finally:
-            handle.remove()
-        yield from out.hidden_states[:-1]
-        yield captured["x"]
-
-    def final_norm(self, x):
-        return self.base.ln_f(x)
-
-    @torch.inference_mode()
-    def head(self, h):
-        return self.model.get_output_embeddings()(h)
 
 
 def init_random_(state: dict[str, torch.Tensor], n_layer: int, seed: int) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from lmhead_cli.decoding import Knobs, check
+from lmhead_cli.decoding.stages import Knobs, check
 from lmhead_cli.errors import UsageError
 
 BUNDLED = "presets.toml"

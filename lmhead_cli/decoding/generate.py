@@ -21,12 +21,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from lmhead_cli import decoding
-from lmhead_cli.decoding import GEMMA2_CAP, Knobs
+from lmhead_cli.decoding import stages
+from lmhead_cli.decoding.stages import GEMMA2_CAP, Knobs
 from lmhead_cli.errors import UsageError
 from lmhead_cli.head import check_finite
-from lmhead_cli.presets import merge
-from lmhead_cli.sources import Loaded
+from lmhead_cli.decoding.presets import merge
+from lmhead_cli.loading.sources import Loaded
 
 DEFAULT_MAX_NEW_TOKENS = 40
 LENGTH_PENALTY = 1.0  # transformers' default: a finished beam scores sum(log p) / length
@@ -104,7 +104,7 @@ class Generation:
 def make_settings(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, **knobs) -> Settings:
     """Checked settings: UsageError names the first value out of range."""
-    decoding.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
+    stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
                     **knobs})
     return Settings(knobs=Knobs(**knobs), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
                     ignore_eos=ignore_eos, seed=seed, show_steps=show_steps)
@@ -210,7 +210,7 @@ def _record(logits: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor, 
     idx = chosen[:, None]
     logit = logits.gather(-1, idx)  # (R, 1)
     cols = [chosen[:, None].double(), logprobs.gather(-1, idx).double(), logit.double(),
-            decoding.entropy(logprobs)[:, None].double(), (1 + (logits > logit).sum(-1, keepdim=True)).double(),
+            stages.entropy(logprobs)[:, None].double(), (1 + (logits > logit).sum(-1, keepdim=True)).double(),
             torch.isfinite(logits).all(-1, keepdim=True).double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
@@ -245,8 +245,8 @@ def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int |
     x = torch.tensor([ids], device=eng.device)  # (1, T) the prompt, then (1, 1) each step
     for _ in range(max_new):
         logits = _last_logits(eng, x, cache)  # (1, V)
-        logprobs = decoding.log_probs(decoding.process(logits, pipeline))
-        chosen = decoding.choose(logprobs, greedy, generator)  # (1,)
+        logprobs = stages.log_probs(stages.process(logits, pipeline))
+        chosen = stages.choose(logprobs, greedy, generator)  # (1,)
         row = _record(logits, logprobs, chosen, s.show_steps)[0].tolist()  # the one sync per step
         step = _step(row, token_text, logits)
         yield step
@@ -264,14 +264,6 @@ class _Beam:
     steps: tuple[Step, ...] = ()
 
 
-def _reorder(cache, rows: torch.Tensor) -> None:
-    """Keep cache rows `rows` (lean KVCache.reorder, transformers' Cache.reorder_cache)."""
-    if hasattr(cache, "reorder"):
-        cache.reorder(rows)
-    else:
-        cache.reorder_cache(rows)
-
-
 def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | None, token_text):
     """transformers' beam search for one prompt: keep 2N candidates per step, continue the N best that
     did not finish, and keep the N best finished (scored sum(log p) / length) until no running beam
@@ -284,7 +276,7 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
     finished: list[tuple[float, _Beam]] = []
     for t in range(max_new):
         logits = _last_logits(eng, x, cache)  # (R, V), R = 1 at the first step, then n
-        logprobs = decoding.log_probs(decoding.process(logits, pipeline))
+        logprobs = stages.log_probs(stages.process(logits, pipeline))
         scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]
         top, flat = scores.view(-1).topk(min(2 * n, scores.numel()))  # (2n,) best over all beams
         rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]
@@ -309,7 +301,7 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
         best_possible = running[0].score / length**LENGTH_PENALTY
         if len(finished) == n and best_possible <= finished[-1][0]:
             break
-        _reorder(cache, torch.tensor([row for _, row, _, _ in live], device=eng.device))
+        cache = eng.reorder_cache(cache, torch.tensor([row for _, row, _, _ in live], device=eng.device))
         x = torch.tensor([[b.steps[-1].id] for b in running], device=eng.device)
     score, best = finished[0]
     yield from best.steps

@@ -14,8 +14,8 @@ import torch
 
 from lmhead_cli.head import (TargetScore, check_finite, clamp_top_k, entropy, log_softmax, target_score,
                              top_tokens)
-from lmhead_cli.inspection import PromptToken, encode_prompt
-from lmhead_cli.sources import Loaded
+from lmhead_cli.readings.inspect import PromptToken, encode_prompt
+from lmhead_cli.loading.sources import Loaded
 
 
 @dataclass(frozen=True)

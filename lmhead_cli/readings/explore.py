@@ -121,10 +121,10 @@ def _number(cmd: Command, example: str, kind=float):
 
 def apply(settings: Settings, cmd: Command) -> Settings:
     """The settings after a setting command; UsageError (settings unchanged) for a bad value."""
-    from lmhead_cli import decoding
+    from lmhead_cli.decoding import stages
 
     def checked(key: str, value):
-        decoding.check({key: value}, name=lambda _: f":{cmd.name}")
+        stages.check({key: value}, name=lambda _: f":{cmd.name}")
         return value
 
     off = len(cmd.args) == 1 and cmd.args[0].lower() in ("off", "none")
@@ -147,7 +147,7 @@ def apply(settings: Settings, cmd: Command) -> Settings:
 
 
 def _knobs(settings: Settings):
-    from lmhead_cli.decoding import Knobs
+    from lmhead_cli.decoding.stages import Knobs
 
     return Knobs(softcap=settings.softcap, temperature=settings.temperature)
 
@@ -156,17 +156,17 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     """The top-k table (and targets) for `prompt` after the stages that are set."""
     import torch
 
-    from lmhead_cli import decoding
+    from lmhead_cli.decoding import stages
     from lmhead_cli.head import clamp_top_k
-    from lmhead_cli.inspection import encode_prompt, last_logits
+    from lmhead_cli.readings.inspect import encode_prompt, last_logits
 
     start = time.perf_counter()
     ids, dropped = encode_prompt(loaded, prompt)
     target_ids = [(t, loaded.tokenizer.encode(t)) for t in settings.targets]
     logits, _ = last_logits(loaded, ids)  # (V,) float32, the head on the last position only
     knobs = _knobs(settings)
-    scaled = decoding.process(logits, knobs.pipeline())  # (V,)
-    logprobs = decoding.log_probs(scaled)
+    scaled = stages.process(logits, knobs.pipeline())  # (V,)
+    logprobs = stages.log_probs(scaled)
     k = clamp_top_k(settings.top_k, logits.shape[-1])
     top = torch.topk(scaled, k).indices  # (k,)
     tids = torch.tensor([tid[0] for _, tid in target_ids if tid], dtype=torch.long, device=top.device)
@@ -178,7 +178,7 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
             for r, i, z, zs, lp in zip(ranks.tolist(), picked.tolist(), logits[picked].tolist(),
                                        scaled[picked].tolist(), logprobs[picked].tolist())]
     rows, targets = rows[:k], rows[k:]
-    entropy = float(decoding.entropy(logprobs))
+    entropy = float(stages.entropy(logprobs))
     stages = " → ".join(f"{name} {value:g}" for name, value in knobs.active().items()) or "none"
     return Reading(prompt=prompt, n_tokens=len(ids), truncated=dropped, rows=rows, targets=targets,
                    entropy=entropy, stages=stages, elapsed_ms=(time.perf_counter() - start) * 1000)
@@ -186,8 +186,8 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
 
 def generate_after(loaded, prompt: str, n: int, settings: Settings, on_text: Callable[[str], None]):
     """Sample `n` tokens after `prompt` with the session's stages and seed (generation.generate)."""
-    from lmhead_cli.generation import generate, make_settings
-    from lmhead_cli.inspection import encode_prompt
+    from lmhead_cli.decoding.generate import generate, make_settings
+    from lmhead_cli.readings.inspect import encode_prompt
 
     s = make_settings(max_new_tokens=n, seed=settings.seed, softcap=settings.softcap,
                       temperature=settings.temperature)
@@ -284,14 +284,14 @@ class Session:
         elif cmd.name == "settings":
             self.show.settings(self.settings)
         elif cmd.name == "lens":
-            from lmhead_cli.lens import lens_prompt
+            from lmhead_cli.readings.lens import lens_prompt
 
             self.show.lens(lens_prompt(self.loaded, self._last(cmd), list(self.settings.targets)))
         elif cmd.name == "gen":
             n = _number(cmd, "20", int)
-            from lmhead_cli import decoding
+            from lmhead_cli.decoding import stages
 
-            decoding.check({"max_new_tokens": n}, name=lambda _: ":gen")
+            stages.check({"max_new_tokens": n}, name=lambda _: ":gen")
             prompt = self._last(cmd)
             self.show.generation_start(prompt)
             self.show.generation_end(generate_after(self.loaded, prompt, n, self.settings, self.show.text))
@@ -317,7 +317,7 @@ def warm_up(loaded, choose_threads: bool = True) -> int:
     """
     import torch
 
-    from lmhead_cli.inspection import last_logits
+    from lmhead_cli.readings.inspect import last_logits
 
     ids = [loaded.engine.eos_token_id or 0] * 10
     last_logits(loaded, ids)

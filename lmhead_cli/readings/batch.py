@@ -15,8 +15,8 @@ import torch
 
 from lmhead_cli.errors import LmheadError, UsageError
 from lmhead_cli.head import check_finite, clamp_top_k
-from lmhead_cli.inspection import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
-from lmhead_cli.sources import Loaded
+from lmhead_cli.readings.inspect import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
+from lmhead_cli.loading.sources import Loaded
 
 STDIN = "-"
 

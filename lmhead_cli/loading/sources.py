@@ -16,11 +16,13 @@ from urllib.parse import urlparse
 
 import torch
 
-from lmhead_cli.engine import GPT2, Engine, LeanGPT2, TransformersEngine, init_random_
+from lmhead_cli.engine.base import Engine
+from lmhead_cli.engine.hf import TransformersEngine
+from lmhead_cli.engine.lean import GPT2, LeanGPT2, init_random_
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UsageError)
-from lmhead_cli.model_configs import config_names, load_config
-from lmhead_cli.tokenizer import GPT2Tokenizer
+from lmhead_cli.loading.model_configs import config_names, load_config
+from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0

@@ -9,7 +9,7 @@ import torch
 from lmhead_cli.errors import UsageError
 from lmhead_cli.head import (TargetScore, TokenScore, check_finite, clamp_top_k, entropy, log_softmax,
                              nats_to_bits, target_score, top_tokens)
-from lmhead_cli.sources import Loaded
+from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
 

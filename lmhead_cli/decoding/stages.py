@@ -262,7 +262,7 @@ def softcap_processor(cap: float = GEMMA2_CAP):
 
 
 def __getattr__(name: str):
-    # `from lmhead_cli.decoding import SoftCapLogitsProcessor` imports transformers only then.
+    # `from lmhead_cli.decoding.stages import SoftCapLogitsProcessor` imports transformers only then.
     if name == "SoftCapLogitsProcessor":
         return _softcap_processor_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
