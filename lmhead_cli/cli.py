@@ -200,7 +200,9 @@ def multi_piece_notices(targets) -> None:
 
     for t in targets:
         if len(t.pieces) > 1:
-            render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
+            pieces = ", ".join(map(render.quoted, t.pieces))
+            render.notice(f"target {render.quoted(t.token)} is {len(t.pieces)} tokens ({pieces}); using the first, "
+                          f"{render.quoted(t.pieces[0])}")
 
 
 def inspection_json(result, loaded) -> dict:
@@ -492,28 +494,7 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
         raise UsageError(f"--top-k must be at least 1 (got {top_k})")
     check_targets(target)
     if file is not None:
-        from lmhead_cli.readings.batch import inspect_batch, read_prompts
-        from lmhead_cli.render.batch import batch_table, summary
-
-        if batch_size < 1:
-            raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
-        prompts = read_prompts(file)  # before the load: a bad file fails in an instant
-        if prompts.skipped_empty:
-            render.notice(f"skipped {prompts.skipped_empty} empty line{'s' * (prompts.skipped_empty > 1)}")
-        loaded = load(model, device, dtype, engine, allow_pickle)
-        run = inspect_batch(loaded, prompts.prompts, top_k, target, batch_size)
-        cut = [n for n, r in enumerate(run.results, 1) if r.truncated]
-        if cut:
-            render.warn(f"{len(cut)} prompts (lines {', '.join(map(str, cut[:5]))}{'…' * (len(cut) > 5)}) are "
-                        f"longer than the context of {loaded.engine.n_ctx}; each keeps its last tokens")
-        multi_piece_notices(run.results[0].targets)
-        if json_out:
-            for result in run.results:
-                render.print_json(inspection_json(result, loaded), lines=True)
-            render.err().print(summary(run), markup=False, style="dim")
-        else:
-            batch_table(run, loaded.source, loaded.random_weights)
-        return
+        return inspect_file(file, batch_size, top_k, target, model, device, dtype, engine, allow_pickle, json_out)
 
     from lmhead_cli.readings.explain import explain_logit
     from lmhead_cli.render.explain import explanation, explanation_json
@@ -528,6 +509,34 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
         render.print_json(explanation_json(result))
     else:
         explanation(result)
+
+
+def inspect_file(file, batch_size, top_k, target, model, device, dtype, engine, allow_pickle, json_out) -> None:
+    """`inspect --file`: read a batch of lines, compute it, write it, forget it; counts at the end."""
+    from lmhead_cli import render
+    from lmhead_cli.readings.batch import BatchStats, PromptLines, inspect_stream
+    from lmhead_cli.render.batch import JsonLinesWriter, TableWriter
+
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
+    lines = PromptLines(file)
+    lines.first()  # before the load: a missing, empty or undecodable file fails in an instant
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    targets = list(target or [])
+    writer = (JsonLinesWriter(lambda r: inspection_json(r, loaded)) if json_out
+              else TableWriter(loaded.source, loaded.random_weights, targets))
+    stats = BatchStats(batch_size, targets)
+    for n, batch in enumerate(inspect_stream(loaded, lines, top_k, targets, batch_size, stats)):
+        if n == 0:
+            multi_piece_notices(batch[0][1].targets)
+        writer.write(batch)
+    writer.end(stats)
+    if lines.skipped_empty:
+        render.notice(f"skipped {lines.skipped_empty} empty line{'s' * (lines.skipped_empty > 1)}")
+    if stats.truncated:
+        shown = ", ".join(f"{n:,}" for n in stats.truncated_lines)
+        render.warn(f"{stats.truncated} prompts (lines {shown}{'…' * (stats.truncated > len(stats.truncated_lines))})"
+                    f" are longer than the context of {loaded.engine.n_ctx}; each keeps its last tokens")
 
 
 @command("lens")

@@ -2,6 +2,11 @@
 
 Consoles are made per call (not at import) so they write to whatever sys.stdout is
 at that moment: a terminal, a pipe, or Typer's CliRunner in tests.
+
+Data (prompts, tokens, targets, file lines, paths, generated text) is untrusted for the terminal.
+It reaches human output only through `safe_text` (control characters such as ESC, BEL, CR, DEL
+and the C1 range made visible as \\x1b, ...) and, inside rich output, only as `Text` objects
+(`data`, `token_cell`, `compose`), so markup in data is never parsed. JSON stays exact.
 """
 
 from __future__ import annotations
@@ -9,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
+from rich.text import Text
 
 BAR_WIDTH = 16
 SPARK = "▁▂▃▄▅▆▇█"
@@ -36,11 +44,59 @@ def err() -> Console:
 
 
 def warn(message: str) -> None:
-    err().print(f"[yellow]warning:[/] {message}", markup=True)
+    """A warning on stderr; `message` is plain text (it may hold data), shown terminal-safe."""
+    err().print(compose("[yellow]warning:[/] ", data(message)))
 
 
 def notice(message: str) -> None:
-    err().print(f"[dim]{message}[/]", markup=True)
+    """A dim notice on stderr; `message` is plain text, shown terminal-safe."""
+    err().print(data(message, "dim"))
+
+
+# ---- terminal-safe text --------------------------------------------------------------------------
+# C0 and C1 controls, DEL, lone surrogates (undecodable bytes), and the characters that reorder or
+# break lines (bidi overrides and isolates, line and paragraph separators).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                     "\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def safe_text(text: str, keep: str = "") -> str:
+    """`text` with every control character made visible (ESC as \\x1b, BEL as \\x07, newline as \\n),
+    except those in `keep` (streamed text keeps "\\n\\t"). Nothing else changes."""
+
+    def visible(m: re.Match) -> str:
+        ch = m.group()
+        if ch in keep:
+            return ch
+        return _NAMED.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+
+    return _UNSAFE.sub(visible, text)
+
+
+def data(text: str, style: str = "") -> Text:
+    """Data for rich output: terminal-safe and never parsed as markup."""
+    return Text(safe_text(text), style=style)
+
+
+def compose(*parts: str | Text) -> Text:
+    """One line from constant markup (str, parsed) and data (Text, as it is)."""
+    return Text.assemble(*(p if isinstance(p, Text) else Text.from_markup(p) for p in parts))
+
+
+def quoted(text: str) -> str:
+    """A token or target in quotes for a message: 'are', safe, without repr's doubled backslashes."""
+    return "'" + safe_text(text) + "'"
+
+
+def short_cell(text: str, width: int) -> str:
+    """Terminal-safe `text` cut to `width` terminal cells, with … when cut."""
+    shown = safe_text(text)
+    if cell_len(shown) <= width:
+        return shown
+    from rich.cells import set_cell_size
+
+    return set_cell_size(shown, width - 1) + "…"
 
 
 def _plain(obj: Any) -> Any:
@@ -80,16 +136,14 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
 
 
-def token_cell(text: str) -> str:
-    """A token for rich output: visible spaces, and markup-like text such as '[/' shown as it is."""
-    from rich.markup import escape
-
-    return escape(show_token(text))
+def token_cell(text: str, style: str = "") -> Text:
+    """A token for rich output: visible spaces and controls, and markup-like text such as '[/' as it is."""
+    return Text(show_token(text), style=style)
 
 
 def show_token(text: str) -> str:
-    """A token's text made visible: a leading space as '␣', newlines and tabs escaped."""
-    shown = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    """A token's text made visible: a leading space as '␣', control characters escaped."""
+    shown = safe_text(text)
     if shown.startswith(" "):
         shown = "␣" + shown[1:]
     return shown

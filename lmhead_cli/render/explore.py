@@ -7,7 +7,7 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import bar, err, out
+from lmhead_cli.render import bar, compose, data, err, out, safe_text
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.lens import lens_table
 
@@ -18,8 +18,8 @@ def intro(model: str, random_weights: bool, load_s: float, settings, interactive
     con = err()
     weights = " [bold yellow](random weights: the predictions are not real)[/]" if random_weights else ""
     on = f", {threads} CPU thread{'s' * (threads != 1)}" if threads else ""
-    con.print(f"lmhead explore: {escape(model)} loaded in {load_s:.1f} s{on}{weights}", markup=True)
-    con.print(f"settings: {escape(settings.describe())}", markup=True)
+    con.print(compose("lmhead explore: ", data(model), f" loaded in {load_s:.1f} s{on}{weights}"))
+    con.print(compose("settings: ", data(settings.describe())))
     if interactive:
         con.print("type a prompt, or :help for the commands; Ctrl-C cancels a line, Ctrl-D or :quit leaves",
                   markup=False)
@@ -29,8 +29,8 @@ def reading(r) -> None:
     con = out()
     scaled = r.stages != "none"
     cut = f", first {r.truncated} dropped" if r.truncated else ""
-    con.print(f"» {escape(r.prompt)}  [dim]({r.n_tokens} tokens{cut}; stages: {escape(r.stages)}; "
-              f"{r.elapsed_ms:.0f} ms)[/]")
+    con.print(compose("» ", data(r.prompt), f"  [dim]({r.n_tokens} tokens{cut}; stages: ", data(r.stages, "dim"),
+                      f"[dim]; {r.elapsed_ms:.0f} ms)[/]"))
     table = Table(show_edge=False, pad_edge=False)
     columns = [("rank", "right"), ("id", "right"), ("token", "left"), ("logit", "right")]
     columns += [("scaled", "right")] if scaled else []
@@ -56,7 +56,7 @@ def reading(r) -> None:
 
 
 def settings(s) -> None:
-    out().print(f"settings: {escape(s.describe())}")
+    out().print(compose("settings: ", data(s.describe())))
 
 
 def help(commands) -> None:  # noqa: A001 - the :help command
@@ -71,12 +71,12 @@ def help(commands) -> None:  # noqa: A001 - the :help command
 
 
 def unknown(name: str, commands) -> None:
-    err().print(f"unknown command :{escape(name)}", markup=True)
-    help(commands)
+    """One line: the unknown command and where the list is."""
+    err().print(compose("unknown command :", data(name), "; :help lists the commands"))
 
 
 def error(message: str) -> None:
-    err().print(f"[red]error:[/] {escape(message)}", markup=True)
+    err().print(compose("[red]error:[/] ", data(message)))
 
 
 def cancelled() -> None:
@@ -88,12 +88,12 @@ def lens(result) -> None:
 
 
 def generation_start(prompt: str) -> None:
-    sys.stdout.write(prompt)
+    sys.stdout.write(safe_text(prompt, keep="\n\t"))
     sys.stdout.flush()
 
 
 def text(piece: str) -> None:
-    sys.stdout.write(piece)
+    sys.stdout.write(safe_text(piece, keep="\n\t"))
     sys.stdout.flush()
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from lmhead_cli.render import bar, out
+from lmhead_cli.render import bar, compose, data, out
 from lmhead_cli.render import token_cell as _cell
+
+PROMPT_ROWS = 24  # prompt-token rows shown at most: the first and last halves, a count between
 
 
 def _shape(shape) -> str:
@@ -14,8 +16,8 @@ def _shape(shape) -> str:
 
 def random_banner(model: str, random_weights: bool) -> None:
     if random_weights:
-        out().print(f"[bold yellow]random weights[/] ({model}, seeded): the architecture and the arithmetic "
-                    "are real, the predictions are not.")
+        out().print(compose("[bold yellow]random weights[/] (", data(model), ", seeded): the architecture and "
+                            "the arithmetic are real, the predictions are not."))
 
 
 def tie_line(tie) -> str:
@@ -38,7 +40,12 @@ def inspection(result, tie) -> None:
     tokens.add_column("#", justify="right", style="dim")
     tokens.add_column("id", justify="right")
     tokens.add_column("token")
+    n, half = len(result.prompt_tokens), PROMPT_ROWS // 2
     for i, t in enumerate(result.prompt_tokens):
+        if n > PROMPT_ROWS and half <= i < n - half:
+            if i == half:
+                tokens.add_row("…", "", f"[dim]{n - PROMPT_ROWS:,} more tokens (--json lists them all)[/]")
+            continue
         tokens.add_row(str(i), str(t.id), _cell(t.text))
     con.print(tokens)
 
@@ -95,5 +102,5 @@ def tie_report(loaded) -> None:
     table.add_row("matrix shape (V × d)", f"{tie.shape[0]:,} × {tie.shape[1]:,}")
     table.add_row("engine", loaded.engine.name)
     table.add_row("source", f"random weights, seed {loaded.seed}" if loaded.random_weights
-                  else f"{loaded.kind}: {loaded.path}")
+                  else data(f"{loaded.kind}: {loaded.path}"))
     con.print(table)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import out, show_token
+from lmhead_cli.render import compose, out, show_token
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -45,8 +45,8 @@ def lens_table(lens) -> None:
         table.add_column(name, justify=justify)
     targets = lens.layers[0].targets if lens.layers else []
     for t in targets:
-        table.add_column(f"{tok(t.token)} rank", justify="right")
-        table.add_column(f"{tok(t.token)} prob", justify="right")
+        table.add_column(compose(tok(t.token), " rank"), justify="right")
+        table.add_column(compose(tok(t.token), " prob"), justify="right")
     for row in lens.layers:
         cells = [layer_name(row.layer), tok(row.top_token), str(row.top_id), f"{row.top_prob:.4%}",
                  f"{row.entropy:.4f}"]
