@@ -6,6 +6,7 @@ Domain errors (lmhead_cli.errors) become one line and an exit code in `_boundary
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -46,9 +47,19 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 
 
 def _fail(message: str, code: int) -> None:
-    sys.stderr.write(f"lmhead: error: {message}\n")
-    sys.stderr.flush()
+    from lmhead_cli.render import safe_text
+
+    _say(f"lmhead: error: {safe_text(message)}")  # the message may quote a prompt, a path or a file's line
     raise typer.Exit(code)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, if there is a stderr to write to."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # stderr closed too: the exit code must do
+        pass
 
 
 def _boundary(fn):
@@ -61,6 +72,9 @@ def _boundary(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            from lmhead_cli.inputs import check_args
+
+            check_args(kwargs)  # bytes that are not UTF-8 in any argument: a usage error, before anything
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
@@ -73,11 +87,11 @@ def _boundary(fn):
         except BrokenPipeError:
             # The reader went away (`lmhead ... | head`): stop quietly, and keep Python from
             # complaining when it flushes stdout at exit.
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            except (OSError, ValueError):  # stdout is not a real file (tests)
-                pass
+            _quiet_stdout()
             raise typer.Exit(0)
+        except OutputError as e:
+            _quiet_stdout()
+            _fail(e.strerror, 1)
         except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
             if os.environ.get("LMHEAD_DEBUG"):
                 raise
@@ -345,13 +359,14 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
+    from lmhead_cli.inputs import read_stdin
     from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
     settings = resolve(command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
                        show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
-    text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
-                        else prompt, "generate")
+    text = check_prompt(read_stdin("the prompt on stdin").rstrip("\n") if prompt == "-"
+                        else DEFAULT_PROMPT if prompt is None else prompt, "generate")
     loaded = load(model, device, dtype, engine, allow_pickle)
     ids, dropped = encode_prompt(loaded, text)
     warn_truncated(len(ids), dropped, loaded.engine.n_ctx)
@@ -619,6 +634,8 @@ def explore_cmd(
         torch.set_num_threads(threads)
     settings = explore.Settings(top_k=top_k, temperature=temperature, softcap=softcap,
                                 targets=tuple(check_targets(target)))
+    if sys.stdin is None or sys.stdin.closed:
+        raise UsageError("stdin is closed; explore reads its prompts from the terminal or a pipe")
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = load(model, device, dtype, engine, allow_pickle)
@@ -638,9 +655,98 @@ def explore_cmd(
 
 
 
+class OutputError(OSError):
+    """Writing to stdout failed for another reason than a closed pipe (a full disk, /dev/full)."""
+
+
+class _GuardedStdout:
+    """sys.stdout, with a failed write or flush raised as OutputError (a closed pipe stays
+    BrokenPipeError), so the boundary can tell our output's failures from a file's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.pipe_closed = False  # set on the first closed-pipe error, whoever catches it (click, rich)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _guard(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            self.pipe_closed = True
+            raise
+        except OSError as e:
+            raise OutputError(e.errno, f"cannot write the output: {e.strerror or e}") from None
+
+    def write(self, text):
+        return self._guard(self._stream.write, text)
+
+    def flush(self):
+        return self._guard(self._stream.flush)
+
+
+def _quiet_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's last flush of a dead stdout says nothing."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout is not a real file (tests)
+        pass
+
+
+def _streams_for_any_terminal() -> None:
+    """Output that any stdout can take: a stdout whose encoding is not UTF-8 (PYTHONIOENCODING=ascii,
+    a latin-1 terminal) gets non-ASCII escaped instead of a UnicodeEncodeError; stdin hands bytes
+    that are not UTF-8 over as lone surrogates, for inputs.check_text to name."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and "utf" not in (getattr(stream, "encoding", "") or "").lower():
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (AttributeError, ValueError):
+                pass
+    if sys.stdin is not None:
+        try:
+            sys.stdin.reconfigure(errors="surrogateescape")
+        except (AttributeError, ValueError):
+            pass
+
+
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: the app, and the one place where a closed or full stdout ends,
+    --help and --version included: one line on stderr and exit 1, or exit 0 for a closed pipe."""
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        _say("lmhead: error: stdout is closed; there is nowhere to write the output")
+        sys.exit(1)
+    _streams_for_any_terminal()
+    sys.stdout = guarded = _GuardedStdout(sys.stdout)
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        # click and rich (the help) end a closed pipe themselves with exit 1: a closed pipe all the same.
+        code = 0 if guarded.pipe_closed else e.code
+    except BrokenPipeError:
+        code = 0
+    except OutputError as e:  # --help or --version into a full disk: click lets it through
+        _say(f"lmhead: error: {e.strerror}")
+        code = 1
+    try:  # what is still buffered must get out too
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass
+    except OSError as e:
+        _say(f"lmhead: error: {e.strerror}")
+        code = code or 1
+    finally:
+        _quiet_stdout_if_dead()
+    sys.exit(code)
+
+
+def _quiet_stdout_if_dead() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _quiet_stdout()
 
 
 if __name__ == "__main__":

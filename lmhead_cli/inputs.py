@@ -11,16 +11,18 @@ import sys
 from lmhead_cli.errors import UsageError
 
 MAX_STDIN_BYTES = 1 << 24  # a prompt piped to `generate -` (16 MiB); it is cut to the context anyway
+MAX_LINE_BYTES = 1 << 20  # one prompt line of a file or of explore at most (1 MiB)
 
 
-def decode_utf8(data: bytes, what: str, line: int | None = None, offset: int = 0) -> str:
-    """`data` as UTF-8, or a UsageError naming `what`, the first bad byte and its position."""
+def decode_utf8(data: bytes, what: str, line: int | None = None, offset: int = 0,
+                advice: str = "save it as UTF-8") -> str:
+    """`data` as UTF-8, or a UsageError naming `what`, the first bad byte and its position (from 0)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         on = f" on line {line:,}," if line is not None else ""
         raise UsageError(f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x}{on} at byte {offset + e.start:,}); "
-                         "save it as UTF-8") from None
+                         f"{advice}") from None
 
 
 def check_text(value: str | None, what: str) -> str | None:
@@ -32,7 +34,7 @@ def check_text(value: str | None, what: str) -> str | None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        decode_utf8(value.encode("utf-8", "surrogateescape"), what)
+        decode_utf8(value.encode("utf-8", "surrogateescape"), what, advice="pass text in UTF-8")
     return value
 
 

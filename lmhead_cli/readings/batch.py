@@ -16,13 +16,12 @@ from typing import Iterable, Iterator
 import torch
 
 from lmhead_cli.errors import LmheadError, UsageError
-from lmhead_cli.inputs import decode_utf8
+from lmhead_cli.inputs import MAX_LINE_BYTES, decode_utf8
 from lmhead_cli.head import check_finite, clamp_top_k
 from lmhead_cli.readings.inspect import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
 from lmhead_cli.loading.sources import Loaded
 
 STDIN = "-"
-MAX_LINE_BYTES = 1 << 20  # one prompt line at most (1 MiB): the model keeps only its last n_ctx tokens anyway
 TRUNCATED_SHOWN = 5  # line numbers kept for the "longer than the context" warning
 
 

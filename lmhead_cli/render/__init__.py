@@ -113,7 +113,9 @@ def _plain(obj: Any) -> Any:
 
 def print_json(doc: Any, *, lines: bool = False) -> None:
     """One JSON document on stdout (or one line per document with ``lines``), no colour."""
-    text = json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
+    # Exact either way: a stdout that cannot encode UTF-8 gets JSON's own \\u escapes instead.
+    utf8 = "utf" in (getattr(sys.stdout, "encoding", None) or "utf-8").lower()
+    text = json.dumps(_plain(doc), ensure_ascii=not utf8, separators=(",", ":") if lines else None,
                       indent=None if lines else 2)
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
