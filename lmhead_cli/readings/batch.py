@@ -15,9 +15,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from lmhead_cli.errors import LmheadError, UsageError
+from lmhead_cli.errors import BadValue, LmheadError, UsageError
+from lmhead_cli.head import check_finite, clamp_top_k, encode_targets
 from lmhead_cli.inputs import MAX_LINE_BYTES, decode_utf8
-from lmhead_cli.head import check_finite, clamp_top_k
 from lmhead_cli.readings.inspect import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
 from lmhead_cli.loading.sources import Loaded
 
@@ -203,11 +203,11 @@ def inspect_stream(loaded: Loaded, lines: Iterable[PromptLine], top_k: int = 10,
     `run(loaded, rows) -> (B, V)` is the forward (a parameter so tests can make memory run out).
     Memory: one batch of token ids (<= batch_size x n_ctx) and its (B, V) logits, whatever the file."""
     if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
+        raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
     k = clamp_top_k(top_k, loaded.engine.vocab_size)
     targets = check_targets(targets)
     stats = stats if stats is not None else BatchStats(batch_size, targets)
-    target_ids = [(t, loaded.tokenizer.encode(t)) for t in targets]
+    target_ids = encode_targets(loaded.tokenizer, targets)
     lines = iter(lines)
     while batch := list(itertools.islice(lines, batch_size)):
         encoded = [encode_prompt(loaded, line.text) for line in batch]  # [(ids, dropped)]

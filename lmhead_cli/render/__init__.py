@@ -99,6 +99,21 @@ def short_cell(text: str, width: int) -> str:
     return set_cell_size(shown, width - 1) + "…"
 
 
+def truncated(kept: int, dropped: int, n_ctx: int) -> None:
+    """One warning on stderr when a prompt lost its first `dropped` tokens to the context limit."""
+    if dropped:
+        warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; keeping the last {kept}")
+
+
+def multi_piece_notices(targets) -> None:
+    """A notice for each target that is several tokens: it is scored by its first."""
+    for t in targets:
+        if len(t.pieces) > 1:
+            pieces = ", ".join(map(quoted, t.pieces))
+            notice(f"target {quoted(t.token)} is {len(t.pieces)} tokens ({pieces}); using the first, "
+                   f"{quoted(t.pieces[0])}")
+
+
 def _plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -136,6 +151,11 @@ def sparkline(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     span = hi - lo
     return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
+
+
+def knobs_text(knobs, sep: str = " → ") -> str:
+    """The stages that are on, in order, for people: "softcap 30 → temperature 0.8" ("" if none)."""
+    return sep.join(f"{key.replace('_', '-')} {value:g}" for key, value in knobs.active().items())
 
 
 def token_cell(text: str, style: str = "") -> Text:

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 from rich.cells import cell_len
 
-from lmhead_cli.render import out, print_json, short_cell, show_token
+from lmhead_cli.render import multi_piece_notices, notice, out, print_json, short_cell, show_token, warn
 from lmhead_cli.render.inspect import random_banner
 
 PROMPT_WIDTH = 40
 TOKEN_WIDTH = 12
+
+
+def file_notices(lines, stats, n_ctx: int) -> None:
+    """On stderr, after the run: empty lines skipped, prompts cut to the context."""
+    if lines.skipped_empty:
+        notice(f"skipped {lines.skipped_empty} empty line{'s' * (lines.skipped_empty > 1)}")
+    if stats.truncated:
+        shown = ", ".join(f"{n:,}" for n in stats.truncated_lines)
+        more = "…" * (stats.truncated > len(stats.truncated_lines))
+        warn(f"{stats.truncated} prompts (lines {shown}{more}) are longer than the context of {n_ctx}; "
+             "each keeps its last tokens")
 
 
 class TableWriter:
@@ -33,6 +44,8 @@ class TableWriter:
         return " " + f" {sep} ".join(padded)
 
     def write(self, batch) -> None:
+        if not self.widths:
+            multi_piece_notices(batch[0][1].targets)
         rows = [[str(line.number), line.text, show_token(r.top[0].token), f"{r.top[0].prob:.4%}", f"{r.entropy:.3f}",
                  *(f"{t.prob:.4%}" for t in r.targets)] for line, r in batch]
         lines = []
@@ -58,8 +71,12 @@ class JsonLinesWriter:
 
     def __init__(self, doc):
         self.doc = doc
+        self.started = False
 
     def write(self, batch) -> None:
+        if not self.started:
+            multi_piece_notices(batch[0][1].targets)
+            self.started = True
         for _, r in batch:
             print_json(self.doc(r), lines=True)
 

@@ -7,9 +7,17 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import bar, compose, data, err, out, safe_text
+from lmhead_cli.render import bar, compose, data, err, knobs_text, out, safe_text
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.lens import lens_table
+
+
+def describe(s) -> str:
+    """One line of an explore session's settings."""
+    temp = "off" if s.temperature is None else f"{s.temperature:g}"
+    cap = "off" if s.softcap is None else f"{s.softcap:g}"
+    targets = ", ".join(repr(t) for t in s.targets) or "none"
+    return f"top-k {s.top_k}, temperature {temp}, softcap {cap}, targets {targets}, seed {s.seed}"
 
 
 def intro(model: str, random_weights: bool, load_s: float, settings, interactive: bool,
@@ -19,7 +27,7 @@ def intro(model: str, random_weights: bool, load_s: float, settings, interactive
     weights = " [bold yellow](random weights: the predictions are not real)[/]" if random_weights else ""
     on = f", {threads} CPU thread{'s' * (threads != 1)}" if threads else ""
     con.print(compose("lmhead explore: ", data(model), f" loaded in {load_s:.1f} s{on}{weights}"))
-    con.print(compose("settings: ", data(settings.describe())))
+    con.print(compose("settings: ", data(describe(settings))))
     if interactive:
         con.print("type a prompt, or :help for the commands; Ctrl-C cancels a line, Ctrl-D or :quit leaves",
                   markup=False)
@@ -27,9 +35,10 @@ def intro(model: str, random_weights: bool, load_s: float, settings, interactive
 
 def reading(r) -> None:
     con = out()
-    scaled = r.stages != "none"
+    stages = knobs_text(r.knobs)
+    scaled = bool(stages)
     cut = f", first {r.truncated} dropped" if r.truncated else ""
-    con.print(compose("» ", data(r.prompt), f"  [dim]({r.n_tokens} tokens{cut}; stages: ", data(r.stages, "dim"),
+    con.print(compose("» ", data(r.prompt), f"  [dim]({r.n_tokens} tokens{cut}; stages: ", data(stages or "none", "dim"),
                       f"[dim]; {r.elapsed_ms:.0f} ms)[/]"))
     table = Table(show_edge=False, pad_edge=False)
     columns = [("rank", "right"), ("id", "right"), ("token", "left"), ("logit", "right")]
@@ -56,7 +65,7 @@ def reading(r) -> None:
 
 
 def settings(s) -> None:
-    out().print(compose("settings: ", data(s.describe())))
+    out().print(compose("settings: ", data(describe(s))))
 
 
 def help(commands) -> None:  # noqa: A001 - the :help command
