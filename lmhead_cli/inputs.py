@@ -46,8 +46,10 @@ def check_args(values: dict) -> None:
                 check_text(v, "the prompt" if name == "prompt" else f"--{name.replace('_', '-')}")
 
 
-def read_stdin(what: str = "stdin", limit: int = MAX_STDIN_BYTES) -> str:
-    """All of stdin as text, at most `limit` bytes (a UsageError beyond, so /dev/zero ends at once)."""
+def read_stdin(what: str = "stdin", limit: int | None = None) -> str:
+    """All of stdin as text, at most `limit` bytes (MAX_STDIN_BYTES; a UsageError beyond, so /dev/zero
+    ends at once)."""
+    limit = limit or MAX_STDIN_BYTES
     if sys.stdin is None or getattr(sys.stdin, "closed", False):
         raise UsageError(f"{what}: stdin is closed; pipe the text in, or pass it as an argument")
     stream = getattr(sys.stdin, "buffer", None)

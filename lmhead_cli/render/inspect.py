@@ -121,7 +121,7 @@ def tie_report(loaded) -> None:
     con.print(tie_line(tie))
     table = Table(show_header=False, show_edge=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # a long path wraps; it is never cut
 
     def yes(v) -> str:
         return "n/a (no file)" if v is None else ("yes" if v else "no")
