@@ -55,13 +55,15 @@ class ModelChoice:
     dtype: str = "float32"
     engine: str = "auto"
     allow_pickle: bool = False
+    ignore_memory: bool = False
 
     def load(self):
         """Load the model (importing torch only now); every model command goes through here."""
         from lmhead_cli.loading.sources import load_model
+        from lmhead_cli.render import notice
 
         return load_model(self.model, device=self.device, dtype=self.dtype, engine=self.engine,
-                          allow_pickle=self.allow_pickle)
+                          allow_pickle=self.allow_pickle, ignore_memory=self.ignore_memory, announce=notice)
 
 
 def _param(name: str, annotation, default) -> pyinspect.Parameter:
@@ -82,6 +84,8 @@ MODEL_OPTIONS = [
         "--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.")],
         "auto"),
     _param("allow_pickle", AllowPickleOpt, False),
+    _param("ignore_memory", Annotated[bool, typer.Option(
+        "--ignore-memory", help="Load even when the model's estimated memory exceeds what is available.")], False),
 ]
 
 

@@ -257,3 +257,160 @@ def test_an_output_encoding_that_is_not_utf8_still_writes():
     assert got.returncode == 0 and b"50,257 \\xd7 768" in got.stdout
     got = lmhead("toy", "--json", stdout=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
     assert got.returncode == 0 and json.loads(got.stdout)["words"] == ["cat", "dog", "fish", "run"]
+
+
+# ---- 5. checkpoints checked before anything is allocated ----------------------------------------------
+
+def _config_edit(**changes):
+    def edit(folder: Path) -> None:
+        path = folder / "config.json"
+        config = json.loads(path.read_text())
+        for key, value in changes.items():
+            if value is ...:
+                config.pop(key)
+            else:
+                config[key] = value
+        path.write_text(json.dumps(config))
+    return edit
+
+
+def _tensors_edit(fn):
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(folder / "model.safetensors"))
+        fn(state)
+        save_file(state, str(folder / "model.safetensors"))
+    return edit
+
+
+def _write(name: str, content):
+    def edit(folder: Path) -> None:
+        path = folder / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is None:
+            path.mkdir()
+        else:
+            path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return edit
+
+
+def _shards(*names):
+    def edit(folder: Path) -> None:
+        (folder / "model.safetensors").rename(folder / "shard.safetensors")
+        _write("model.safetensors.index.json", {"weight_map": {f"t{i}": n for i, n in enumerate(names)}})(folder)
+    return edit
+
+
+def _truncate(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def _extra(state):
+    import torch
+    state["transformer.h.0.attn.extra"] = torch.zeros(3)
+
+
+BAD_CHECKPOINTS = {
+    "no n_embd": (_config_edit(n_embd=...), "config.json: n_embd is missing"),
+    "no n_positions": (_config_edit(n_positions=...), "config.json: n_positions is missing"),
+    "n_head does not divide n_embd": (_config_edit(n_head=3), "n_embd 64 is not divisible by n_head 3"),
+    "negative vocabulary": (_config_edit(vocab_size=-5), "vocab_size must be at least 1, not -5"),
+    "vocabulary as text": (_config_edit(vocab_size="50257"), 'vocab_size must be a whole number, not "50257"'),
+    "eos out of range": (_config_edit(eos_token_id=99999), "eos_token_id 99999 is not a token id of its vocabulary"),
+    "bad epsilon": (_config_edit(layer_norm_epsilon="x"), "layer_norm_epsilon must be a finite number above 0"),
+    "tie as text": (_config_edit(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+    "config a list": (_write("config.json", [1, 2]), "config.json must hold a JSON object, not list"),
+    "n_layer 1 over 2 layers": (_config_edit(n_layer=1), "says n_layer 1, but"),
+    "n_layer 100000": (_config_edit(n_layer=100000), "says n_layer 100,000, but"),
+    "n_positions disagrees": (_config_edit(n_positions=512), "wpe.weight is 1,024 × 64, but"),
+    "unexpected tensor": (_tensors_edit(_extra), "holds h.0.attn.extra, which a GPT-2 of this config has no place"),
+    "missing tensor": (_tensors_edit(lambda s: s.pop("transformer.ln_f.bias")), "lacks ln_f.bias"),
+    "truncated file": (_truncate, "is not a readable safetensors file (truncated or corrupt?)"),
+    "weights a folder": (lambda f: ((f / "model.safetensors").unlink(), _write("model.safetensors", None)(f)),
+                         "is not a readable safetensors file"),
+    "index not JSON": (_write("model.safetensors.index.json", "{not json"), "index.json is not valid JSON"),
+    "index without a map": (_write("model.safetensors.index.json", {"metadata": {}}), "has no weight_map"),
+    "index names ../": (_shards("shard.safetensors", "../other/model.safetensors"), "outside its folder"),
+    "index names /": (_shards("/etc/passwd"), "outside its folder"),
+    "index names a missing shard": (_shards("shard.safetensors", "gone.safetensors"), "listed in the index but missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_a_bad_checkpoint_is_one_line_naming_the_file(tiny, tmp_path, case):
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny[0], folder)
+    edit, message = BAD_CHECKPOINTS[case]
+    edit(folder)
+    got = invoke(["inspect", "x", "--model", str(folder)])
+    assert got.exit_code == 1, got.output
+    assert message in got.stderr and str(folder) in got.stderr and len(got.stderr.splitlines()) == 1, got.stderr
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
+    build_checkpoint(tmp_path / "small", n_embd=16, n_layer=1, vocab_size=1000, eos_token_id=999, bos_token_id=999)
+    got = invoke(["inspect", "x", "--model", str(tmp_path / "small")])
+    assert got.exit_code == 1 and "vocab_size is 1,000 but the tokenizer" in got.stderr
+
+
+def test_the_hub_layout_loads(tiny, tmp_path):
+    """The real gpt2 repository's file: unprefixed names, the h.N.attn.bias mask buffers stored, no
+    lm_head.weight. It passes the header check and gives transformers' own logits."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hub"
+    shutil.copytree(tiny[0], folder)
+    _, ref = tiny
+    state = {k.removeprefix("transformer."): v.contiguous() for k, v in ref.state_dict().items()
+             if k != "lm_head.weight"}
+    for i in range(2):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 1024, 1024))
+    assert "h.0.attn.c_attn.weight" in state and "wte.weight" in state
+    save_file(state, str(folder / "model.safetensors"))
+    doc = json.loads(invoke(["inspect", "The keys on the table", "--model", str(folder), "--json", "-k", "3"]).stdout)
+    with torch.no_grad():
+        z = ref(torch.tensor([[464, 8251, 319, 262, 3084]])).logits[0, -1]
+    assert [t["id"] for t in doc["top"]] == torch.topk(z, 3).indices.tolist()
+    assert doc["top"][0]["logit"] == pytest.approx(float(z.max()), abs=1e-4)
+
+
+def test_a_malicious_pickle_gets_no_advice_to_unpickle_it(tmp_path):
+    import pickle
+    import shutil
+
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(REPO / "configs" / "distilgpt2.json", folder / "config.json")
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"wte.weight": Boom()}))
+    got = invoke(["tie", "--model", str(folder), "--allow-pickle"])
+    assert got.exit_code == 1 and "holds more than tensors, which lmhead never unpickles" in got.stderr
+    assert "weights_only=False" not in got.stderr and "likely succeed" not in got.stderr
+
+
+def test_memory_is_estimated_before_the_model_is_built(monkeypatch):
+    from lmhead_cli.loading import checks
+
+    monkeypatch.setattr(checks, "available_memory", lambda device: 100_000_000)
+    got = invoke(["tie", "--model", "random:gpt2-xl", "--dtype", "bfloat16"])
+    assert got.exit_code == 1
+    assert ("random:gpt2-xl needs about 9.3 GB at its peak (1.56 B parameters, 3.1 GB once loaded), but 100 MB "
+            "is available on cpu") in got.stderr.replace("\n", " ")
+    monkeypatch.setattr(checks, "available_memory", lambda device: 10**12)
+    monkeypatch.setattr(checks, "LARGE_BYTES", 1)
+    got = invoke(["tie", "--model", "random:distilgpt2"])
+    assert got.exit_code == 0 and "random:distilgpt2: loading needs about 328 MB" in got.stderr
+    monkeypatch.setattr(checks, "available_memory", lambda device: 1)
+    assert invoke(["tie", "--model", "random:distilgpt2", "--ignore-memory"]).exit_code == 0

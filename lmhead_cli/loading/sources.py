@@ -7,6 +7,7 @@ Nothing here prints: progress bars are huggingface_hub's own, on stderr.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ from lmhead_cli.engine.hf import TransformersEngine
 from lmhead_cli.engine.lean import GPT2, LeanGPT2, init_random_
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UsageError)
+from lmhead_cli.loading import checks
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
@@ -92,8 +94,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-               allow_pickle: bool = False) -> Loaded:
-    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`."""
+               allow_pickle: bool = False, ignore_memory: bool = False, announce=lambda line: None) -> Loaded:
+    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`.
+
+    Before any tensor is allocated the config is checked (types, ranges), a checkpoint's tensor
+    header against it, and the memory the model needs against the memory there is (loading/checks.py):
+    a large model is announced with `announce(line)`, one that cannot fit is refused unless
+    `ignore_memory`."""
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -106,16 +113,32 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
             raise UsageError(f"unknown random model {source!r}; choose one of: "
                              + ", ".join(RANDOM_PREFIX + n for n in config_names()))
         config = load_config(name)
+        n = sum(math.prod(shape) for shape in checks.gpt2_shapes(config).values())
+        checks.check_memory(checks.plan_memory(n, dtype, 4 * n, dev.type), source, ignore_memory, announce)
         state = random_state(config, RANDOM_SEED)
         kind, folder, files = "random", None, []
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
         _choose_engine(engine, config)  # refuse a wrong engine before reading any weights
-        state, files = read_weights(folder, allow_pickle)
+        files = weight_files(folder, allow_pickle)
+        header = checks.read_header(files) if files[0].suffix == ".safetensors" else None
+        if header is not None:
+            if config.get("model_type") == "gpt2":
+                checks.check_gpt2_header(config, header, files, folder / "config.json", _NOT_WEIGHTS)
+            weights = {k: t for k, t in header.items() if not k.endswith(_NOT_WEIGHTS)}
+            n, size = sum(math.prod(t.shape) for t in weights.values()), sum(t.nbytes for t in weights.values())
+        else:  # a pickle has no header: its size on disk is the estimate
+            size = sum(f.stat().st_size for f in files)
+            n = size // 4
+        checks.check_memory(checks.plan_memory(n, dtype, size, dev.type), source, ignore_memory, announce)
+        state = read_weights(files)
 
     engine_name = _choose_engine(engine, config)
     tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
+    if isinstance(config.get("vocab_size"), int):
+        checks.check_vocabularies(tokenizer.vocab_size, config["vocab_size"], tokenizer.origin,
+                                  (folder / "config.json") if folder else source)
     tied = bool(config.get("tie_word_embeddings", True))
     raw_has_head = "lm_head.weight" in state if files else None
     head_equals = (torch.equal(state["lm_head.weight"], state["wte.weight"])
@@ -226,9 +249,13 @@ def _read_config(folder: Path) -> dict:
     if not path.is_file():
         raise ModelNotFound(f"{folder} holds no config.json (expected config.json and model.safetensors)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpoint(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror or e}") from None
+    checks.check_config(config, path)
+    return config
 
 
 def _choose_engine(engine: str, config: dict) -> str:
@@ -243,27 +270,32 @@ def _choose_engine(engine: str, config: dict) -> str:
 
 # ---- weights ---------------------------------------------------------------------------------
 
-def read_weights(folder: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], list[Path]]:
-    """All tensors of a checkpoint folder, names normalised to GPT-2's (no `transformer.` prefix)."""
+def weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
+    """The weight files of a checkpoint folder: its shards (confined to the folder), its one
+    model.safetensors, or (with --allow-pickle only) its pytorch_model.bin."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = [folder / f for f in sorted(set(weight_map.values()))]
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    elif (folder / "pytorch_model.bin").is_file():
+        return checks.shard_files(index)
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    if (folder / "pytorch_model.bin").exists():
         if not allow_pickle:
             raise UnsafeCheckpoint(
                 f"{folder / 'pytorch_model.bin'} is a pickle file, and unpickling can run arbitrary code; "
                 "convert it to safetensors, or pass --allow-pickle to load it with torch.load(weights_only=True)")
-        return _normalise(_read_pickle(folder / "pytorch_model.bin")), [folder / "pytorch_model.bin"]
-    else:
-        raise ModelNotFound(f"{folder} holds no weights (looked for model.safetensors, "
-                            "model.safetensors.index.json and pytorch_model.bin)")
+        return [folder / "pytorch_model.bin"]
+    raise ModelNotFound(f"{folder} holds no weights (looked for model.safetensors, "
+                        "model.safetensors.index.json and pytorch_model.bin)")
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of `files` (weight_files), names normalised to GPT-2's (no `transformer.` prefix)."""
+    if files[0].suffix != ".safetensors":
+        return _normalise(_read_pickle(files[0]))
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(_read_safetensors(f))
-    return _normalise(state), files
+    return _normalise(state)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -274,15 +306,27 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
+    except PermissionError as e:
+        raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror}") from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CorruptCheckpoint(f"{path} cannot be read (truncated or corrupt?): {e}") from None
 
 
 def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """A pickle of tensors, with torch's weights-only unpickler. What it refuses is reported as the
+    refusal itself: torch's own advice (weights_only=False "will likely succeed") would run the code."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise CorruptCheckpoint(f"{path} cannot be read with weights_only=True: {e}") from None
+        text = str(e)
+        why = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text \
+            else text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise UnsafeCheckpoint(f"{path} holds more than tensors, which lmhead never unpickles ({why[:200]}); "
+                               "convert the weights to safetensors from a trusted copy") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CorruptCheckpoint(f"{path} does not hold a dict of named tensors")
+    return state
 
 
 def _normalise(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
