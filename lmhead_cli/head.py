@@ -55,23 +55,32 @@ def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats per distribution, (..., V) log-probabilities -> (...) float32.
 
     A dropped token (p = 0, log p = -inf) adds nothing: -inf is clamped to the lowest finite float,
-    so 0·log 0 counts as 0 (torch.special.entr is ~10x slower on CPU).
+    so 0·log 0 counts as 0 (torch.special.entr is ~10x slower on CPU). A one-hot distribution can
+    sum to a rounding speck below 0 (-0.0000 in a table): entropy is never negative, so it is 0.
     """
-    return -(logprobs.exp() * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(dim=-1)
+    return (-(logprobs.exp() * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(dim=-1)).clamp_min(0.0)
 
 
 def nats_to_bits(nats: float) -> float:
     return nats / math.log(2)
 
 
+RANKS_BY_COMPARISON = 64  # up to this many tokens, ranks compare (K, V); beyond, they sort (O(V) memory)
+
+
 def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The rank of each token in `ids` among `logits`: 1 + the tokens scored strictly higher.
 
-    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. One comparison
-    of (..., K, V) booleans, so K should be the handful of tokens a table shows, not V.
+    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. A handful of
+    tokens (a table's rows) is one comparison of (..., K, V) booleans; more (explore's :top-k 50000)
+    sort the logits once and search them, so memory stays O(V) instead of K x V.
     """
     picked = logits.gather(-1, ids)  # (..., K)
-    return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+    if ids.shape[-1] <= RANKS_BY_COMPARISON:
+        return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+    ascending = logits.sort(dim=-1).values  # (..., V)
+    not_above = torch.searchsorted(ascending.contiguous(), picked.contiguous(), right=True)  # (..., K)
+    return 1 + logits.shape[-1] - not_above
 
 
 def rank_of(logits: torch.Tensor, token_id: int) -> int:
