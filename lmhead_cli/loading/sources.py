@@ -317,14 +317,18 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CorruptCheckpoint(f"{_names(files)} lacks {', '.join(missing[:3])}{more}")
+    # Popped from `state`: once lay_out_ has put a matrix in its own layout, nothing holds the old one,
+    # so loading peaks at one matrix above the model, not at two models.
+    weights = {k: state.pop(k).to(dtype) for k in expected}
     try:
-        model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
+        model.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[-1].strip()
         raise CorruptCheckpoint(f"{_names(files)} does not fit the config: {first}") from None
+    del weights
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
-    return model.to(device).eval()
+    return model.to(device).eval().lay_out_()
 
 
 def build_transformers(config: dict, state: dict[str, torch.Tensor], tied: bool,
