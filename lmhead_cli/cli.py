@@ -43,6 +43,12 @@ AllowPickleOpt = Annotated[
     bool, typer.Option("--allow-pickle", help="Allow pytorch_model.bin checkpoints (loaded with weights_only=True).")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option("--threads", envvar="LMHEAD_THREADS", show_default="chosen by timing",
+                 help="CPU threads for torch. Default: torch's count or 1, whichever runs the work faster, "
+                 "timed on the first steps and again when speed drops."),
+]
 
 
 def _fail(message: str, code: int) -> None:
@@ -113,11 +119,14 @@ def _root(
 # ==== inspect / tie (issue 2) ===================================================================
 
 def load(model: str, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-         allow_pickle: bool = False):
+         allow_pickle: bool = False, threads: int | None = None):
     """Load a model source (lazily importing torch); every model command goes through here."""
+    from lmhead_cli.engine.threads import prepare
+
+    threads = prepare(threads)  # OpenMP's wait policy is read when torch is imported: before that
     from lmhead_cli.loading.sources import load_model
 
-    return load_model(model, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle)
+    return load_model(model, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle, threads=threads)
 
 
 def tie_json(tie) -> dict:
@@ -157,6 +166,7 @@ def inspect_cmd(
     dtype: DtypeOpt = "float32",
     engine: EngineOpt = "auto",
     allow_pickle: AllowPickleOpt = False,
+    threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show how the last hidden vector becomes logits and probabilities for the next token.
@@ -172,9 +182,9 @@ def inspect_cmd(
         raise UsageError("--stages and its knobs take one prompt; not with --file or --explain")
     if file is not None or explain is not None:  # issue 6: batches, and one logit taken apart
         return inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine,
-                            allow_pickle, json_out)
+                            allow_pickle, threads, json_out)
     check_request(prompt, target, top_k)
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = load(model, device, dtype, engine, allow_pickle, threads)
     result = inspect_prompt(loaded, prompt, top_k, target)
     warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     multi_piece_notices(result.targets)
@@ -232,6 +242,7 @@ def tie_cmd(
     dtype: DtypeOpt = "float32",
     engine: EngineOpt = "auto",
     allow_pickle: AllowPickleOpt = False,
+    threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Prove weight tying: is the output matrix the very same tensor as the embedding table?
@@ -241,7 +252,7 @@ def tie_cmd(
     from lmhead_cli import render
     from lmhead_cli.render.inspect import tie_report
 
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = load(model, device, dtype, engine, allow_pickle, threads)
     if json_out:
         render.print_json({"model": loaded.source, "random_weights": loaded.random_weights,
                            "engine": loaded.engine.name, **tie_json(loaded.tie)})
@@ -302,6 +313,7 @@ def generate_cmd(
     dtype: DtypeOpt = "float32",
     engine: EngineOpt = "auto",
     allow_pickle: AllowPickleOpt = False,
+    threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text token by token: soft-cap -> temperature -> top-k -> top-p -> min-p -> softmax -> choose.
@@ -339,7 +351,7 @@ _named("softcap", """Sample after Gemma-style soft-capping z -> c·tanh(z/c) (c 
 
 
 def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
-            model, device, dtype, engine, allow_pickle, json_out, **knobs) -> None:
+            model, device, dtype, engine, allow_pickle, threads, json_out, **knobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
@@ -350,7 +362,7 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
                        show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
                         else prompt, "generate")
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = load(model, device, dtype, engine, allow_pickle, threads)
     ids, dropped = encode_prompt(loaded, text)
     warn_truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
@@ -479,7 +491,7 @@ def toy(
 # ==== lens / explore (issue 6) ===================================================================
 
 def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine, allow_pickle,
-                 json_out) -> None:
+                 threads, json_out) -> None:
     """`inspect --file` (many prompts, batched) and `inspect --explain TOKEN` (one logit taken apart)."""
     from lmhead_cli import render
     from lmhead_cli.readings.inspect import check_prompt, check_targets
@@ -500,7 +512,7 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
         prompts = read_prompts(file)  # before the load: a bad file fails in an instant
         if prompts.skipped_empty:
             render.notice(f"skipped {prompts.skipped_empty} empty line{'s' * (prompts.skipped_empty > 1)}")
-        loaded = load(model, device, dtype, engine, allow_pickle)
+        loaded = load(model, device, dtype, engine, allow_pickle, threads)
         run = inspect_batch(loaded, prompts.prompts, top_k, target, batch_size)
         cut = [n for n, r in enumerate(run.results, 1) if r.truncated]
         if cut:
@@ -521,7 +533,7 @@ def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device
     if prompt is None:
         raise UsageError('give a prompt, e.g. lmhead inspect "The keys on the table" --explain " are"')
     check_prompt(prompt)
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = load(model, device, dtype, engine, allow_pickle, threads)
     result = explain_logit(loaded, prompt, explain, top_k, target)
     warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     if json_out:
@@ -546,6 +558,7 @@ def lens_cmd(
     dtype: DtypeOpt = "float32",
     engine: EngineOpt = "auto",
     allow_pickle: AllowPickleOpt = False,
+    threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Logit lens: what the head would predict from the residual stream after the embeddings and each block.
@@ -558,7 +571,7 @@ def lens_cmd(
     from lmhead_cli.render.lens import lens_heat, lens_json, lens_table
 
     check_request(prompt, target, top_k, "lens")
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = load(model, device, dtype, engine, allow_pickle, threads)
     result = lens_prompt(loaded, prompt, target, top_k)
     warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     if json_out:
@@ -577,15 +590,12 @@ def explore_cmd(
     target: Annotated[
         Optional[list[str]], typer.Option("--target", "-t", help="Follow a token in every table (:target).")
     ] = None,
-    threads: Annotated[
-        Optional[int], typer.Option("--threads", help="CPU threads for torch [default: torch's count or 1, "
-                                    "whichever answers a 10-token prompt faster at the start].")
-    ] = None,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "float32",
     engine: EngineOpt = "auto",
     allow_pickle: AllowPickleOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """An interactive session: the model loads once, each line you type is a prompt answered at once.
 
@@ -597,23 +607,19 @@ def explore_cmd(
     import time
 
     from lmhead_cli.decoding import stages
+    from lmhead_cli.engine.threads import check as check_threads
     from lmhead_cli.readings import explore
     from lmhead_cli.readings.inspect import check_targets
     from lmhead_cli.render import explore as show
 
     stages.check({"temperature": temperature, "softcap": softcap, "top_k": top_k})  # before the load
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be at least 1 (got {threads})")
-        import torch
-
-        torch.set_num_threads(threads)
+    check_threads(threads)
     settings = explore.Settings(top_k=top_k, temperature=temperature, softcap=softcap,
                                 targets=tuple(check_targets(target)))
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
-    loaded = load(model, device, dtype, engine, allow_pickle)
-    n_threads = explore.warm_up(loaded, choose_threads=threads is None)
+    loaded = load(model, device, dtype, engine, allow_pickle, threads)
+    n_threads = explore.warm_up(loaded)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)
     session = explore.Session(loaded, settings, show)
