@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Callable, TypeVar
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import BadValue
 
 T = TypeVar("T")
 ENV = "LMHEAD_THREADS"
@@ -34,7 +34,7 @@ WAIT_POLICY = "PASSIVE"
 def check(threads: int | None) -> int | None:
     """A thread count as given by --threads or LMHEAD_THREADS: None (choose), or at least 1."""
     if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1 (got {threads})")
+        raise BadValue("threads", f"must be at least 1 (got {threads})")
     return threads
 
 
