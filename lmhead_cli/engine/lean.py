@@ -43,17 +43,21 @@ def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) 
     in 2·threads blocks times h (one batched matmul over views of w, the bias added in the same
     call) plus any last rows."""
     V, D = w.shape
+    R = h.shape[0]
     s = 2 * max(1, torch.get_num_threads())
     n = V // s
-    hs = h.t().expand(s, D, h.shape[0])  # (s, D, R), a view
+    hs = h.t().expand(s, D, R)  # (s, D, R), a view
+    out = torch.empty(V, R, dtype=h.dtype, device=h.device)  # written in place: no concatenation
+    blocks, last = out[: s * n].view(s, n, R), out[s * n:]
     if b is None:
-        y = torch.bmm(w[: s * n].view(s, n, D), hs)  # (s, n, R)
+        torch.bmm(w[: s * n].view(s, n, D), hs, out=blocks)
+        if s * n < V:
+            torch.mm(w[s * n:], h.t(), out=last)
     else:
-        y = torch.baddbmm(b[: s * n].view(s, n, 1), w[: s * n].view(s, n, D), hs)
-    out = y.reshape(s * n, -1).t()  # (R, s·n)
-    if s * n < V:
-        out = torch.cat([out, F.linear(h, w[s * n:], None if b is None else b[s * n:])], dim=1)
-    return out.contiguous()
+        torch.baddbmm(b[: s * n].view(s, n, 1), w[: s * n].view(s, n, D), hs, out=blocks)
+        if s * n < V:
+            torch.addmm(b[s * n:, None], w[s * n:], h.t(), out=last)
+    return out.t().contiguous()  # (R, V); one row needs no copy
 
 
 def pack_for_onednn(w: torch.Tensor) -> torch.Tensor | None:
