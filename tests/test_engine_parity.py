@@ -178,3 +178,13 @@ def test_blocked_head_keeps_the_tie_and_reads_the_checkpoint_in_place(tiny):
         with torch.inference_mode():
             expected = torch.nn.functional.linear(positions, eng.head_weight)
         torch.testing.assert_close(eng.head(positions), expected, atol=1e-5, rtol=0)
+
+
+def test_other_devices_take_the_plain_products():
+    """The streaming and packed products are the CPU's; a GPU (here the meta device) runs addmm and
+    F.linear in the dtype asked for."""
+    from lmhead_cli.engine.lean import _streams, pack_for_onednn
+
+    assert pack_for_onednn(torch.empty(8, 4, dtype=torch.bfloat16, device="meta")) is None
+    assert not _streams(torch.empty(1, 4, device="meta"))
+    assert _streams(torch.empty(1, 4)) and not _streams(torch.empty(5, 4))  # a few float32 CPU rows only
