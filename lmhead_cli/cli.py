@@ -178,6 +178,7 @@ def inspect_cmd(
     result = inspect_prompt(loaded, prompt, top_k, target)
     warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     multi_piece_notices(result.targets)
+    own_softcap_notice(loaded, knobs.softcap if knobs is not None else None)
     if json_out:
         render.print_json(inspection_json(result, loaded) | show_stages(knobs, result, top_k, loaded, as_json=True))
     else:
@@ -351,6 +352,7 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
                         else prompt, "generate")
     loaded = load(model, device, dtype, engine, allow_pickle)
+    own_softcap_notice(loaded, settings.knobs.softcap)
     ids, dropped = encode_prompt(loaded, text)
     warn_truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
@@ -377,10 +379,21 @@ def show_stages(knobs, result, rows: int, loaded, as_json: bool = False) -> dict
     from lmhead_cli.render.generate import stage_report, stages_json
 
     table = stage_table(result.logits, knobs, rows, loaded.tokenizer.token_text)
+    own = loaded.engine.own_stages.get("softcap")
     if as_json:
-        return {"stages": stages_json(table)}
-    stage_report(table)
+        return {"stages": stages_json(table, own)}
+    stage_report(table, own)
     return {}
+
+
+def own_softcap_notice(loaded, softcap: float | None) -> None:
+    """One notice when a soft-cap stage is asked of a model that soft-caps its own logits (Gemma-2)."""
+    own = loaded.engine.own_stages.get("softcap")
+    if own and softcap is not None:
+        from lmhead_cli import render
+
+        render.notice(f"the model already soft-caps its own logits at c = {own:g}; the softcap stage "
+                      f"(c = {softcap:g}) caps them a second time")
 
 
 def stage_knobs(stages: bool, preset, temperature, top_k, top_p, min_p, softcap):
@@ -439,8 +452,13 @@ def params(
         name, counted_from = config or DEFAULT_MODEL, "config"
         acc = count.account_from_config(load_config(name))
     else:
-        from lmhead_cli.loading.sources import load_model  # imports torch: only when real tensors are asked for
+        from lmhead_cli.errors import UnsupportedModel
+        from lmhead_cli.loading.sources import load_model, model_type  # imports torch: only for real tensors
 
+        kind = model_type(model, allow_pickle)
+        if kind != "gpt2":
+            raise UnsupportedModel(f"params --model counts GPT-2-family tensors (wte, wpe, h.N, ln_f); "
+                                   f"{model} is a {kind!r} model")
         loaded = load_model(model, device="cpu", dtype="float32", engine="lean", allow_pickle=allow_pickle)
         name, counted_from = model, "tensors"
         acc = count.account_from_tensors(loaded.module.named_parameters(remove_duplicate=False))
@@ -613,6 +631,7 @@ def explore_cmd(
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = load(model, device, dtype, engine, allow_pickle)
+    own_softcap_notice(loaded, softcap)
     n_threads = explore.warm_up(loaded, choose_threads=threads is None)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)

@@ -257,6 +257,10 @@ class LeanGPT2(Engine):
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.gpt.ln_f(x)
 
+    @property
+    def final_norm_module(self) -> nn.Module:
+        return self.gpt.ln_f
+
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits z = h · W_outᵀ: (..., D) -> (..., V)."""
