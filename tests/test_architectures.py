@@ -179,6 +179,7 @@ def test_lens_uses_the_models_own_norm_on_its_hidden_states(arch):
     out = forward(model)
     hidden = out.hidden_states  # embeddings, after block 1, ..., the last (already through the norm)
     assert len(d["layers"]) == len(hidden) == model.config.num_hidden_layers + 1
+    assert d["norm"] == "model.norm" and d["tied"] is model.config.tie_word_embeddings
     for layer, h in zip(d["layers"][:-1], hidden[:-1]):
         z = head_of(model, model.model.norm(h[0, -1]))
         logprobs = torch.log_softmax(z.double(), -1)

@@ -26,6 +26,11 @@ class TieNames:
     embedding: str  # e.g. "transformer.wte.weight" or "model.embed_tokens.weight"
 
 
+def module_name(root: nn.Module, module: nn.Module) -> str:
+    """`module`'s path inside `root` as the model names it, e.g. "model.norm" or "lm_head"."""
+    return next(name for name, m in root.named_modules() if m is module)
+
+
 @dataclass
 class Engine(ABC):
     """What the rest of lmhead needs from a model.

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lmhead_cli.engine.base import Engine, TieNames
+from lmhead_cli.engine.base import Engine, TieNames, module_name
 from lmhead_cli.errors import UnsupportedModel
 
 
@@ -174,5 +174,4 @@ def final_norm_module(base: nn.Module, layers: nn.ModuleList | None) -> nn.Modul
 
 def _param_name(model: nn.Module, module: nn.Module) -> str:
     """`module`'s weight as the model names it, e.g. "model.embed_tokens.weight"."""
-    path = next(name for name, m in model.named_modules() if m is module)
-    return f"{path}.weight" if path else "weight"
+    return f"{module_name(model, module)}.weight"
