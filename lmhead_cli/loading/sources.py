@@ -17,9 +17,10 @@ from urllib.parse import urlparse
 
 import torch
 
-from lmhead_cli.engine.base import Engine
+from lmhead_cli.engine.base import Engine, TieNames
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
-from lmhead_cli.engine.lean import GPT2, LeanGPT2, init_random_
+from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
+from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UnsupportedModel, UsageError)
 from lmhead_cli.loading.model_configs import config_names, load_config
@@ -66,6 +67,7 @@ class Loaded:
     engine: Engine
     tokenizer: GPT2Tokenizer
     tie: TieReport
+    threads: ThreadChooser  # torch's CPU thread count for this model's work, fixed or chosen by timing it
 
     @property
     def module(self) -> torch.nn.Module:
@@ -95,11 +97,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-               allow_pickle: bool = False) -> Loaded:
-    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`."""
+               allow_pickle: bool = False, threads: int | None = None) -> Loaded:
+    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`, on `threads` CPU
+    threads (None: chosen by timing the work, see engine/threads.py)."""
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
         raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, or random:gpt2")
 
@@ -121,13 +125,16 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
     if engine_name == "lean":
         config_tied = bool(config.get("tie_word_embeddings", True))
+        stored = file_tie(state, TIE_NAMES) if files else None  # before build_lean consumes the state
         eng: Engine = LeanGPT2(config, build_lean(config, state, config_tied, files, dev, dt))
     else:
         eng, config_tied = build_transformers(config, state, files, dev, dt)
-    tie = tie_report(eng, state if files else None, config_tied)
+        stored = file_tie(state, eng.tie_names) if files else None
+    state.clear()  # the model holds what it needs
+    tie = tie_report(eng, stored, config_tied)
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
-                  config=config, engine=eng, tokenizer=tokenizer, tie=tie)
+                  config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
 
 
 def model_type(source: str, allow_pickle: bool = False) -> str | None:
@@ -307,14 +314,18 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CorruptCheckpoint(f"{_names(files)} lacks {', '.join(missing[:3])}{more}")
+    # Popped from `state`: once lay_out_ has put a matrix in its own layout, nothing holds the old one,
+    # so loading peaks at one matrix above the model, not at two models.
+    weights = {k: state.pop(k).to(dtype) for k in expected}
     try:
-        model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
+        model.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[-1].strip()
         raise CorruptCheckpoint(f"{_names(files)} does not fit the config: {first}") from None
+    del weights
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
-    return model.to(device).eval()
+    return model.to(device).eval().lay_out_()
 
 
 def build_transformers(config: dict, state: dict[str, torch.Tensor], files: list[Path],
@@ -400,21 +411,25 @@ def _few(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def tie_report(eng: Engine, state: dict[str, torch.Tensor] | None, config_tied: bool) -> TieReport:
+def file_tie(state: dict[str, torch.Tensor], names: TieNames) -> tuple[bool, bool | None]:
+    """What the checkpoint file stores: (its own head weight?, that head equal to the stored embedding?
+    None when either is absent)."""
+    head, embedding = _stored(state, names.head), _stored(state, names.embedding)
+    return head is not None, (torch.equal(head, embedding) if head is not None and embedding is not None else None)
+
+
+def tie_report(eng: Engine, stored: tuple[bool, bool | None] | None, config_tied: bool) -> TieReport:
     """Whether the engine's head weight is its embedding weight, under the model's own names, and what
-    the checkpoint file (`state`; None for random weights) stores."""
+    the checkpoint file stores (`file_tie`; None for random weights)."""
     names = eng.tie_names
     head_w, emb_w = eng.head_weight, eng.embedding_weight
-    stored_head = _stored(state, names.head) if state is not None else None
-    stored_emb = _stored(state, names.embedding) if state is not None else None
     return TieReport(
         tied=head_w is emb_w,
         same_object=head_w is emb_w,
         same_data_ptr=head_w.data_ptr() == emb_w.data_ptr(),
         config_tie_word_embeddings=config_tied,
-        file_has_lm_head=None if state is None else stored_head is not None,
-        file_lm_head_equals_wte=(torch.equal(stored_head, stored_emb)
-                                 if stored_head is not None and stored_emb is not None else None),
+        file_has_lm_head=None if stored is None else stored[0],
+        file_lm_head_equals_wte=None if stored is None else stored[1],
         head_name=names.head,
         embedding_name=names.embedding,
         shape=tuple(head_w.shape),
