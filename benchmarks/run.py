@@ -111,16 +111,6 @@ def lmhead(*args: str) -> list[str]:
     return [PYTHON, "-m", "lmhead_cli", *args]
 
 
-def has_command(name: str) -> bool:
-    from lmhead_cli.cli import app
-
-    return name in {c.name or c.callback.__name__ for c in app.registered_commands}
-
-
-def has_option(command: str, option: str) -> bool:
-    return option in run(lmhead(command, "--help"))[2]
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -200,7 +190,6 @@ def batch(folder: Path, n: int, repeats: int) -> dict:
 def decode(folder: Path, repeats: int, new_tokens: int) -> list[dict]:
     """Greedy tokens/s, lmhead against transformers' generate(), float32 and bfloat16, alternating; in
     float32 also the engine with its blocked products turned off (where the speed comes from)."""
-    cli = has_command("greedy")
     rows = []
     for dtype in ("float32", "bfloat16"):
         bytes_per_token = probe("weight-bytes", str(folder), dtype)["bytes"]
@@ -209,7 +198,7 @@ def decode(folder: Path, repeats: int, new_tokens: int) -> list[dict]:
             runs["lmhead, plain products"] = []
         for _ in range(repeats):
             for name in runs:
-                if name == "lmhead" and cli:
+                if name == "lmhead":
                     doc = json.loads(run(lmhead("greedy", PROMPT, "--model", str(folder), "--max-new-tokens",
                                                 str(new_tokens), "--ignore-eos", "--dtype", dtype, "--json"))[2])
                     doc["via"] = "`lmhead greedy`"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS
+from helpers import PROMPT, PROMPT_IDS, assert_rank
 from typer.testing import CliRunner
 
 from lmhead_cli.readings import explore
@@ -15,7 +15,6 @@ from lmhead_cli.cli import app
 from lmhead_cli.errors import UsageError
 from lmhead_cli.readings.explore import Command, Settings, apply, parse_command
 from lmhead_cli.loading.sources import load_model
-from test_lens import assert_rank
 
 runner = CliRunner()
 
