@@ -618,11 +618,13 @@ def explore_cmd(
                                     "whichever answers a 10-token prompt faster at the start].", min=1)
     ] = None,
     source: ModelChoice = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Each answer (a prompt, :lens, :gen) as one JSON line "
+                                           "on stdout; settings, help and errors on stderr.")] = False,
 ) -> None:
     """An interactive session: the model loads once, each line you type is a prompt answered at once.
 
     Commands: :temp 0.8, :softcap 30, :top-k 20, :target " are", :gen 20, :lens, :help, :quit.
-    Input can be piped, one prompt a line.
+    Input can be piped, one prompt a line; --json answers in JSON lines.
 
     Example: printf 'The keys on the table\\n:temp 0.5\\nThe key on the table\\n' | lmhead explore
     """
@@ -645,7 +647,7 @@ def explore_cmd(
     n_threads = explore.warm_up(loaded, choose_threads=threads is None)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)
-    session = explore.Session(loaded, settings, show)
+    session = explore.Session(loaded, settings, show.AsJson if json_out else show)
     if not interactive:
         session.run(explore.piped_lines())
         return
