@@ -49,20 +49,24 @@ PresetOpt = Annotated[
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """What --model, --device, --dtype, --engine and --allow-pickle asked for."""
+    """What --model, --device, --dtype, --engine, --allow-pickle and --threads asked for."""
 
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "float32"
     engine: str = "auto"
     allow_pickle: bool = False
+    threads: int | None = None
 
     def load(self):
         """Load the model (importing torch only now); every model command goes through here."""
+        from lmhead_cli.engine.threads import prepare
+
+        threads = prepare(self.threads)  # OpenMP's wait policy is read when torch is imported: before that
         from lmhead_cli.loading.sources import load_model
 
         return load_model(self.model, device=self.device, dtype=self.dtype, engine=self.engine,
-                          allow_pickle=self.allow_pickle)
+                          allow_pickle=self.allow_pickle, threads=threads)
 
 
 def _param(name: str, annotation, default) -> pyinspect.Parameter:
@@ -83,6 +87,10 @@ MODEL_OPTIONS = [
         "--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.")],
         "auto"),
     _param("allow_pickle", AllowPickleOpt, False),
+    _param("threads", Annotated[Optional[int], typer.Option(
+        "--threads", envvar="LMHEAD_THREADS", show_default="chosen by timing",
+        help="CPU threads for torch. Default: torch's count or 1, whichever runs the work faster, timed on the "
+        "first steps (batches, prompts) and again when speed drops.")], None),
 ]
 
 
@@ -613,10 +621,6 @@ def explore_cmd(
     target: Annotated[
         Optional[list[str]], typer.Option("--target", "-t", help="Follow a token in every table (:target).")
     ] = None,
-    threads: Annotated[
-        Optional[int], typer.Option("--threads", help="CPU threads for torch [default: torch's count or 1, "
-                                    "whichever answers a 10-token prompt faster at the start].", min=1)
-    ] = None,
     source: ModelChoice = None,
     json_out: Annotated[bool, typer.Option("--json", help="Each answer (a prompt, :lens, :gen) as one JSON line "
                                            "on stdout; settings, help and errors on stderr.")] = False,
@@ -631,20 +635,18 @@ def explore_cmd(
     import time
 
     from lmhead_cli.decoding import stages
+    from lmhead_cli.engine.threads import check as check_threads
     from lmhead_cli.readings import explore
     from lmhead_cli.readings.inspect import check_targets
     from lmhead_cli.render import explore as show
 
     stages.check(knobs)  # before the load
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+    check_threads(source.threads)
     settings = explore.Settings(top_k=top_k, **knobs, targets=tuple(check_targets(target)))
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = source.load()
-    n_threads = explore.warm_up(loaded, choose_threads=threads is None)
+    n_threads = explore.warm_up(loaded)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)
     session = explore.Session(loaded, settings, show.AsJson if json_out else show)

@@ -236,18 +236,18 @@ def test_help_lists_every_command(tiny):
         assert re.search(rf":{re.escape(name)}\b", got.stdout), name
 
 
-def test_warm_up_keeps_the_faster_thread_count(tiny, monkeypatch):
-    loaded = load_model(str(tiny[0]), device="cpu")
+def test_warm_up_settles_the_thread_count(tiny, monkeypatch):
+    """warm_up times 10-token forwards with each count (engine/threads.py) and keeps the faster."""
     before = torch.get_num_threads()
     try:
-        assert explore.warm_up(loaded, choose_threads=False) == before == torch.get_num_threads()
-        ticks = iter(range(0, 1000, 1))  # each forward takes 1 tick whatever the count: a tie keeps torch's
-        monkeypatch.setattr(explore.time, "perf_counter", lambda: next(ticks))
-        assert explore.warm_up(loaded) == torch.get_num_threads() == before
-        if before > 1:  # one thread twice as fast: kept
-            clock = iter([0, 2, 10, 12, 20, 21, 30, 31])
-            monkeypatch.setattr(explore.time, "perf_counter", lambda: next(clock))
+        assert explore.warm_up(load_model(str(tiny[0]), device="cpu", threads=1)) == 1 == torch.get_num_threads()
+        torch.set_num_threads(before)
+        loaded = load_model(str(tiny[0]), device="cpu")
+        if before > 1:  # trials alternate torch's count and 1: one thread twice as fast is kept
+            clock = iter([0, 2, 10, 11, 20, 22, 30, 31])
+            monkeypatch.setattr("lmhead_cli.engine.threads.time.perf_counter", lambda: next(clock))
             assert explore.warm_up(loaded) == torch.get_num_threads() == 1
+            assert loaded.threads.choices == [1]
     finally:
         torch.set_num_threads(before)
 

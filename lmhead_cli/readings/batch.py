@@ -114,7 +114,8 @@ def inspect_batch(loaded: Loaded, prompts: list[str], top_k: int = 10, targets: 
 
     def forward(indices: list[int]) -> None:
         try:
-            z = run(loaded, [encoded[i][0] for i in indices])  # (B, V)
+            rows = [encoded[i][0] for i in indices]
+            z = loaded.threads.run(lambda: run(loaded, rows), sum(map(len, rows)))  # (B, V)
         except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError too
             if not _out_of_memory(e):
                 raise
