@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS, _tokenizer_files
+from helpers import PROMPT, PROMPT_IDS, _tokenizer_files
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
