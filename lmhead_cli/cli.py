@@ -266,6 +266,19 @@ MinPOpt = Annotated[
 SoftcapOpt = Annotated[
     Optional[float], typer.Option("--softcap", "--cap", help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).")
 ]
+FormatOpt = Annotated[
+    Optional[str], typer.Option("--format", help="text, json (the same as --json) or openai: one OpenAI chat "
+                                "completion object, logprobs included.", show_default="text")
+]
+TopLogprobsOpt = Annotated[
+    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at each step, "
+                      "from 0 up to the vocabulary size (no cap at 20).")
+]
+LogprobsOpt = Annotated[
+    Optional[str], typer.Option("--logprobs", help="With --format openai: raw (the default: softmax of the model's "
+                                "logits) or processed (after the stages: the distribution each token was drawn from).",
+                                show_default="raw")
+]
 PresetOpt = Annotated[
     Optional[str], typer.Option("--preset", help="Named settings from configs/presets.toml (creative, precise, "
                                 "gemma-softcap) or a .toml file; flags override it.")
@@ -303,6 +316,9 @@ def generate_cmd(
     engine: EngineOpt = "auto",
     allow_pickle: AllowPickleOpt = False,
     json_out: JsonOpt = False,
+    output_format: FormatOpt = None,
+    top_logprobs: TopLogprobsOpt = 0,
+    logprobs: LogprobsOpt = None,
 ) -> None:
     """Generate text token by token: soft-cap -> temperature -> top-k -> top-p -> min-p -> softmax -> choose.
 
@@ -338,16 +354,33 @@ _named("softcap", """Sample after Gemma-style soft-capping z -> c·tanh(z/c) (c 
     """)
 
 
+def output_kind(json_out: bool, output_format: str | None, top_logprobs: int, logprobs: str | None) -> str:
+    """text, json or openai from --json / --format; the logprob options only mean something in openai."""
+    kind = output_format or ("json" if json_out else "text")
+    if kind not in ("text", "json", "openai"):
+        raise UsageError(f"--format must be text, json or openai (got {kind!r})")
+    if json_out and kind != "json":
+        raise UsageError(f"--json and --format {kind} ask for two different outputs; give one")
+    if kind != "openai" and (top_logprobs or logprobs is not None):
+        given = "--top-logprobs" if top_logprobs else "--logprobs"
+        raise UsageError(f"{given} is reported by --format openai; --json always has both raw_logprob and logprob")
+    return kind
+
+
 def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
-            model, device, dtype, engine, allow_pickle, json_out, **knobs) -> None:
+            model, device, dtype, engine, allow_pickle, json_out, output_format, top_logprobs, logprobs,
+            **knobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
     from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
+    kind = output_kind(json_out, output_format, top_logprobs, logprobs)
+    json_out = kind != "text"
     settings = resolve(command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
-                       show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
+                       show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
+                       logprobs=logprobs or "raw", **knobs)
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
                         else prompt, "generate")
     loaded = load(model, device, dtype, engine, allow_pickle)
@@ -361,11 +394,16 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     if result.stop == "context":
         render.notice(f"stopped at the context limit: {len(ids)} prompt tokens + {len(result.generated_ids)} "
                       f"new fill the model's {loaded.engine.n_ctx} positions")
+    if kind == "openai":
+        show.openai_json(result, loaded)
+        return
     if json_out:
         render.print_json(show.generation_json(result, loaded, text, preset))
         return
     if settings.show_steps:
         show.steps_table(result)
+    if result.beams:
+        show.beams_table(result)
     show.summary(result)
 
 

@@ -132,6 +132,7 @@ RULES: dict[str, tuple] = {
     "max_new_tokens": (lambda v: v >= 1, "at least 1"),
     "beams": (lambda v: v >= 1, "at least 1"),
     "show_steps": (lambda v: v >= 0, "0 or more"),
+    "top_logprobs": (lambda v: v >= 0, "0 or more"),
     "seed": (lambda v: 0 <= v < 2**63, "between 0 and 2**63 - 1"),
 }
 
