@@ -7,6 +7,7 @@ brackets), flushed per piece so it shows token by token even through a pipe.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import sys
 from dataclasses import asdict
@@ -170,31 +171,42 @@ def openai_json(g, loaded) -> None:
     distribution Settings.logprobs names (raw or processed)."""
     from lmhead_cli.render import json_text
 
-    s, tok = g.settings, loaded.tokenizer
+    s = g.settings
     steps = g.steps[:-1] if g.stop == "eos" else g.steps
     head = {"object": "chat.completion", "model": loaded.source}
     choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": FINISH[g.stop]}
     usage = {"prompt_tokens": len(g.prompt_ids), "completion_tokens": len(g.generated_ids),
              "total_tokens": len(g.prompt_ids) + len(g.generated_ids)}
     dump = functools.partial(json_text, lines=True)
+    entry = _OpenAIEntries(loaded.tokenizer)
     w = sys.stdout.write
     # {head, "choices": [{choice, "logprobs": {"content": [entries]}}], "usage": {...}}: dicts opened by
     # dropping their closing brace, so each entry is written (and dropped) on its own
     w(dump(head)[:-1] + ',"choices":[' + dump(choice)[:-1] + ',"logprobs":{"content":[')
     for i, st in enumerate(steps):
-        entry = _openai_entry(tok, st.id, st.raw_logprob if s.logprobs == "raw" else st.logprob)
-        top = st.top
-        entry["top_logprobs"] = ([] if top is None else
-                                 [_openai_entry(tok, t, lp) for t, lp in zip(top.ids.tolist(), top.logprobs.tolist())])
-        w(("," if i else "") + "\n" + dump(entry))
+        lp = st.raw_logprob if s.logprobs == "raw" else st.logprob
+        top = "" if st.top is None else ",".join(map(entry, st.top.ids.tolist(), st.top.logprobs.tolist()))
+        w(("," if i else "") + "\n" + entry(st.id, lp)[:-1] + ',"top_logprobs":[' + top + "]}")
     w("\n]}}]," + dump({"usage": usage})[1:] + "\n")
     sys.stdout.flush()
 
 
-def _openai_entry(tok, token_id: int, logprob: float) -> dict:
-    """{token, logprob, bytes}: bytes are the token's own bytes, so a piece of a character survives."""
-    return {"token": tok.token_text(token_id), "logprob": logprob if logprob != float("-inf") else DROPPED,
-            "bytes": list(tok.token_bytes(token_id))}
+class _OpenAIEntries:
+    """{"token", "logprob", "bytes"} as JSON text. bytes are the token's own bytes, so a piece of a
+    character survives; each token's text and bytes are encoded once per run (at most V of them),
+    which is what makes --top-logprobs V affordable."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.known: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, token_id: int, logprob: float) -> str:
+        parts = self.known.get(token_id)
+        if parts is None:
+            text = json.dumps(self.tokenizer.token_text(token_id), ensure_ascii=False)
+            data = json.dumps(list(self.tokenizer.token_bytes(token_id)), separators=(",", ":"))
+            parts = self.known[token_id] = ('{"token":' + text + ',"logprob":', ',"bytes":' + data + "}")
+        return parts[0] + json.dumps(logprob if logprob != float("-inf") else DROPPED) + parts[1]
 
 
 # ---- inspect --stages ------------------------------------------------------------------------
