@@ -162,7 +162,7 @@ def test_beam_json_and_table_state_the_rule_and_the_check(tiny):
     assert [s["logprob"] for s in d["steps"]] == d["beams"][0]["transition_scores"]
     text = runner.invoke(app, ["greedy", PROMPT, "--beams", "3", "-n", "5", "--model", str(tiny[0])])
     assert text.exit_code == 0 and "finished beams, best first" in text.stdout
-    assert "sum(log p) / length ** 1.0" in text.stdout and text.stdout.count("Σ transition scores") == 3
+    assert "sum(log p) / length ** 1.0" in text.stdout and text.stdout.count("adds up (±") == 3
     assert f"{d['beams'][0]['score']:.4f}" in text.stdout
     plain = runner.invoke(app, ["greedy", PROMPT, "-n", "3", "--model", str(tiny[0]), "--json"])
     assert json.loads(plain.stdout)["beams"] == [] and json.loads(plain.stdout)["length_penalty"] is None

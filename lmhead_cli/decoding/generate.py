@@ -29,10 +29,10 @@ from typing import Callable, Iterator
 import torch
 
 from lmhead_cli.decoding import stages
-from lmhead_cli.decoding.stages import GEMMA2_CAP, Knobs
-from lmhead_cli.errors import UsageError
-from lmhead_cli.head import check_finite, log_softmax
 from lmhead_cli.decoding.presets import merge
+from lmhead_cli.decoding.stages import Knobs
+from lmhead_cli.errors import BadValue, ModeConflict
+from lmhead_cli.head import check_finite, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
 
 DEFAULT_MAX_NEW_TOKENS = 40
@@ -159,35 +159,28 @@ class Generation:
 def make_settings(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                   ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, top_logprobs: int = 0,
                   logprobs: str = "raw", **knobs) -> Settings:
-    """Checked settings: UsageError names the first value out of range (top_logprobs' upper bound, the
+    """Checked settings: BadValue names the first value out of range (top_logprobs' upper bound, the
     vocabulary size, is checked by `generate`, which knows the model)."""
     stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
                   "top_logprobs": top_logprobs, **knobs})
     if logprobs not in DISTRIBUTIONS:
-        raise UsageError(f"--logprobs must be raw or processed (got {logprobs!r})")
+        raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
     return Settings(knobs=Knobs(**knobs), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
                     ignore_eos=ignore_eos, seed=seed, show_steps=show_steps, top_logprobs=top_logprobs,
                     logprobs=logprobs)
 
 
-def resolve(command: str, *, preset: str | None = None, greedy: bool = False, beams: int = 1,
-            ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, top_logprobs: int = 0,
-            logprobs: str = "raw", **flags) -> Settings:
-    """Settings for `lmhead COMMAND`: the command's defaults < the preset < the flags given (None = not given).
-
-    generate samples unless --greedy or --beams; greedy takes the most likely token; sample and
-    softcap draw (softcap with c = 30 unless --cap says otherwise).
-    """
-    if command in ("sample", "softcap") and (greedy or beams > 1):
-        what = "--greedy" if greedy else f"--beams {beams}"
-        raise UsageError(f"lmhead {command} draws tokens at random, which {what} does not; "
-                         f"use lmhead greedy{'' if greedy else ' ' + what}")
-    defaults: dict = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
-    if command == "softcap":
-        defaults["softcap"] = GEMMA2_CAP
-    values = merge(preset, defaults, flags)
-    return make_settings(greedy=greedy or command == "greedy", beams=beams, ignore_eos=ignore_eos, seed=seed,
-                         show_steps=show_steps, top_logprobs=top_logprobs, logprobs=logprobs, **values)
+def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | None = None,
+            greedy: bool = False, beams: int = 1, ignore_eos: bool = False, seed: int | None = None,
+            show_steps: int = 0, top_logprobs: int = 0, logprobs: str = "raw", **flags) -> Settings:
+    """Settings from three layers: the caller's `defaults` (e.g. softcap 30) < the preset < the flags
+    given (None = not given). With `draws` the tokens must be drawn at random: asking for greedy or
+    beams is a ModeConflict."""
+    if draws and (greedy or beams > 1):
+        raise ModeConflict({"greedy": True} if greedy else {"beams": beams})
+    values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, flags)
+    return make_settings(greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed, show_steps=show_steps,
+                         top_logprobs=top_logprobs, logprobs=logprobs, **values)
 
 
 def room(n_ctx: int, n_prompt: int) -> int:
@@ -205,7 +198,7 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     """
     eng = loaded.engine
     if s.top_logprobs > eng.vocab_size:
-        raise UsageError(f"--top-logprobs must be at most the vocabulary size, {eng.vocab_size} (got {s.top_logprobs})")
+        raise BadValue("top_logprobs", f"must be at most the vocabulary size, {eng.vocab_size} (got {s.top_logprobs})")
     eos = eng.eos_token_id if eos_token_id is None else eos_token_id
     stop_at = None if s.ignore_eos else eos
     max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))
@@ -274,13 +267,12 @@ def _record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, cho
     entropy, removed mass, then the k most probable ids and their log p (processed).
     logits, raw (their log-softmax), logprobs (processed) (R, V); chosen (R,)."""
     idx = chosen[:, None]
-    logit = logits.gather(-1, idx)  # (R, 1)
     # what the filters took away, in the model's own probabilities: the raw mass of every -inf token
     removed = raw.exp().masked_fill(torch.isfinite(logprobs), 0.0).sum(-1, keepdim=True)  # (R, 1)
-    cols = [chosen[:, None].double(), logprobs.gather(-1, idx).double(), logit.double(),
-            stages.entropy(logprobs)[:, None].double(), (1 + (logits > logit).sum(-1, keepdim=True)).double(),
+    cols = [idx.double(), logprobs.gather(-1, idx).double(), logits.gather(-1, idx).double(),
+            entropy(logprobs)[:, None].double(), ranks(logits, idx).double(),
             torch.isfinite(logits).all(-1, keepdim=True).double(), raw.gather(-1, idx).double(),
-            stages.entropy(raw)[:, None].double(), removed.double()]
+            entropy(raw)[:, None].double(), removed.double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         cols += [alt_ids.double(), alt_lp.double()]
@@ -326,7 +318,7 @@ def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int |
     for _ in range(max_new):
         logits = _last_logits(eng, x, cache)  # (1, V)
         raw = log_softmax(logits)  # (1, V) the model's own distribution
-        logprobs = stages.log_probs(stages.process(logits, pipeline))  # (1, V) the one drawn from
+        logprobs = log_softmax(stages.process(logits, pipeline))  # (1, V) the one drawn from
         chosen = stages.choose(logprobs, greedy, generator)  # (1,)
         row = _record(logits, raw, logprobs, chosen, s.show_steps)[0].tolist()  # the one sync per step
         top = _top(raw if s.logprobs == "raw" else logprobs, s.top_logprobs)  # a second, only when asked
@@ -361,7 +353,7 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
     for t in range(max_new):
         logits = _last_logits(eng, x, cache)  # (R, V), R = 1 at the first step, then n
         raw = log_softmax(logits)  # (R, V)
-        logprobs = stages.log_probs(stages.process(logits, pipeline))  # (R, V) what the beams are ranked by
+        logprobs = log_softmax(stages.process(logits, pipeline))  # (R, V) what the beams are ranked by
         scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]
         top, flat = scores.view(-1).topk(min(2 * n, scores.numel()))  # (2n,) best over all beams
         rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]

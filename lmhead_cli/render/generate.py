@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import out, sparkline
+from lmhead_cli.render import knobs_text, notice, out, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -36,11 +36,17 @@ def stream(piece: str) -> None:
     sys.stdout.flush()
 
 
+def stop_notice(g, n_ctx: int) -> None:
+    """On stderr, when the run stopped because the context was full rather than as asked."""
+    if g.stop == "context":
+        notice(f"stopped at the context limit: {len(g.prompt_ids)} prompt tokens + {len(g.generated_ids)} "
+               f"new fill the model's {n_ctx} positions")
+
+
 def _settings_line(g) -> str:
-    knobs = g.settings.knobs.active()
     parts = [{"beam": f"beam search, {g.settings.beams} beams (deterministic)", "greedy": "greedy (deterministic)",
               "sample": "sampled"}[g.mode]]
-    parts += [f"{k.replace('_', '-')} {v:g}" for k, v in knobs.items()]
+    parts += [knobs_text(g.settings.knobs, " · ")] if g.settings.knobs.active() else []
     if g.mode == "sample":
         parts.append(f"seed {g.seed} (replay with --seed {g.seed})")
     if g.beam_score is not None:
@@ -92,13 +98,14 @@ def beams_table(g) -> None:
     from lmhead_cli.decoding.generate import LENGTH_PENALTY_RULE
 
     con = out()
-    con.print(f"finished beams, best first; {LENGTH_PENALTY_RULE}", soft_wrap=True)
+    con.print(f"finished beams, best first; {LENGTH_PENALTY_RULE}. check: the beam's transition scores "
+              f"(each token's processed log p) sum to its sum log p", soft_wrap=True)
     t = Table(show_edge=False)
     for name, justify in (("beam", "right"), ("score", "right"), ("sum log p", "right"), ("tokens", "right"),
                           ("check", "left"), ("text", "left")):
         t.add_column(name, justify=justify)
     for i, b in enumerate(g.beams, 1):
-        check = f"Σ transition scores = sum log p ± {b.sum_error:.1e}" + ("" if b.adds_up else " [red]does not add up[/]")
+        check = f"adds up (± {b.sum_error:.0e})" if b.adds_up else f"[red]off by {b.sum_error:.1e}[/]"
         t.add_row(str(i), f"{b.score:.4f}", f"{b.logprob:.4f}", str(b.length), check, _tok(b.text))
     con.print(t)
 
@@ -214,7 +221,7 @@ class _OpenAIEntries:
 def stage_report(table) -> None:
     """The top tokens followed through every stage: value and rank at each, then the probability."""
     con = out()
-    on = " → ".join(f"{k.replace('_', '-')} {v:g}" for k, v in table.knobs.active().items()) or "none (T = 1)"
+    on = knobs_text(table.knobs) or "none (T = 1)"
     con.print(f"through the stages: {on} → softmax", soft_wrap=True)
     t = Table(show_edge=False)
     t.add_column("token")
