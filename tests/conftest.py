@@ -62,6 +62,21 @@ def tiny_untied(tmp_path_factory):
     return folder, build_checkpoint(folder, tied=False, seed=1)
 
 
+@pytest.fixture(scope="session")
+def eos_model(tmp_path_factory):
+    """(folder, model): a tiny untied GPT-2 whose end-of-text (50256) is a strong runner-up, so greedy
+    and beam runs finish early."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("eos")
+    model = build_checkpoint(folder, tied=False, seed=3)
+    with torch.no_grad():
+        h = model.transformer(torch.tensor([list(range(0, 5000, 7))])).last_hidden_state[0].mean(0)
+        model.lm_head.weight[50256] = h / h.norm() * 0.7
+    model.save_pretrained(folder)
+    return folder, model
+
+
 def real_gpt2_folder() -> Path | None:
     """The real gpt2 snapshot in the user's HF cache, or None (tests using it are skipped)."""
     for repo in ("models--gpt2", "models--openai-community--gpt2"):

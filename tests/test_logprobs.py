@@ -55,18 +55,6 @@ def warpers(temperature=None, top_k=None, top_p=None, min_p=None):
     return chain
 
 
-@pytest.fixture(scope="module")
-def eos_model(tmp_path_factory):
-    """(folder, model): a tiny untied GPT-2 whose end-of-text is a strong runner-up, so beams finish early."""
-    folder = tmp_path_factory.mktemp("eos_lp")
-    model = build_checkpoint(folder, tied=False, seed=3)
-    with torch.no_grad():
-        h = model.transformer(torch.tensor([list(range(0, 5000, 7))])).last_hidden_state[0].mean(0)
-        model.lm_head.weight[EOS] = h / h.norm() * 0.7
-    model.save_pretrained(folder)
-    return folder, model
-
-
 # ---- raw and processed, per step ----------------------------------------------------------------
 
 @pytest.mark.parametrize("engine, knobs", [("lean", dict(temperature=1.7, top_k=40, top_p=0.9)),
@@ -269,6 +257,16 @@ def test_openai_processed_logprobs_and_dropped_tokens(tiny):
         lps = [t["logprob"] for t in e["top_logprobs"]]
         assert lps[:5] == pytest.approx(torch.topk(processed, 5).values.tolist(), abs=1e-4)
         assert lps[5:] == [-9999.0] * 3  # dropped by top-k: probability 0, OpenAI's stand-in for log 0
+        # the dropped ones listed are the next-best by raw logit, not arbitrary ones
+        nxt = torch.topk(logits[len(PROMPT_IDS) - 1 + i], 8).indices[5:].tolist()
+        tok = load_tokenizer_bytes(folder)
+        assert [bytes(t["bytes"]) for t in e["top_logprobs"][5:]] == [tok(j) for j in nxt]
+
+
+def load_tokenizer_bytes(folder):
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    return GPT2Tokenizer.from_folder(folder).token_bytes
 
 
 def test_openai_end_of_text_stops_and_is_not_content(eos_model):
@@ -287,7 +285,9 @@ def test_top_logprobs_kept_per_step_is_what_was_asked(tiny):
     g = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=3, top_logprobs=7))
     assert all(s.top.ids.shape == (7,) and s.top.logprobs.dtype == torch.float32 for s in g.steps)
     g = generate(loaded, PROMPT_IDS, make_settings(beams=2, max_new_tokens=3, top_logprobs=4, logprobs="processed"))
-    assert all(s.top.ids.shape == (4,) and int(s.top.ids[0]) == int(torch.tensor(0) + s.top.ids[0]) for s in g.steps)
+    for s in g.steps:  # each beam step keeps its own beam's four best, best first, the chosen one among them
+        assert s.top.ids.shape == (4,) and bool((s.top.logprobs[:-1] >= s.top.logprobs[1:]).all())
+        assert float(s.top.logprobs[0]) >= s.logprob and s.id in s.top.ids.tolist()
     assert all(s.top is None for s in generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=2)).steps)
 
 

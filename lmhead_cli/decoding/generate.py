@@ -76,7 +76,8 @@ class Choice:
 @dataclass(frozen=True)
 class Top:
     """The N most probable tokens of one step under one distribution, kept compact on the CPU:
-    ids (N,) int64, logprobs (N,) float32 (-inf for a token the filters dropped), best first."""
+    ids (N,) int64, logprobs (N,) float32, best first (processed: -inf for a token the filters
+    dropped, those in raw order after the kept ones)."""
 
     ids: torch.Tensor
     logprobs: torch.Tensor
@@ -279,13 +280,23 @@ def _record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, cho
     return torch.cat(cols, dim=-1)
 
 
-def _top(dist: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The n most probable tokens of each row of `dist` (R, V) log-probabilities, on the CPU:
-    ids (R, n) int64 and log p (R, n) float32; None when n = 0. Only n per row leaves the device."""
+def _top(raw: torch.Tensor, processed: torch.Tensor, which: str, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The n most probable tokens of each row under `which` distribution ("raw" or "processed"), on
+    the CPU: ids (R, n) int64 and log p (R, n) float32; None when n = 0. raw, processed (R, V) log p.
+
+    Processed ranks the tokens the filters kept first; any the filters dropped (log p = -inf) follow
+    in raw order, so asking for more than survive still lists the next-best tokens, not arbitrary
+    ones. Only n per row leaves the device."""
     if n == 0:
         return None
-    lp, ids = torch.topk(dist, n, dim=-1)
-    return ids.cpu(), lp.float().cpu()
+    if which == "raw":
+        lp, ids = torch.topk(raw, n, dim=-1)
+        return ids.cpu(), lp.float().cpu()
+    kept = torch.isfinite(processed)
+    # float64 keys: a dropped token's key sits 1e6 below every kept one and keeps its raw order
+    key = torch.where(kept, processed.double(), raw.double() - 1e6)  # (R, V)
+    ids = torch.topk(key, n, dim=-1).indices
+    return ids.cpu(), processed.gather(-1, ids).float().cpu()
 
 
 def _step(row: list[float], token_text, logits: torch.Tensor, top: Top | None = None) -> Step:
@@ -321,7 +332,7 @@ def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int |
         logprobs = log_softmax(stages.process(logits, pipeline))  # (1, V) the one drawn from
         chosen = stages.choose(logprobs, greedy, generator)  # (1,)
         row = _record(logits, raw, logprobs, chosen, s.show_steps)[0].tolist()  # the one sync per step
-        top = _top(raw if s.logprobs == "raw" else logprobs, s.top_logprobs)  # a second, only when asked
+        top = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # a second transfer, only when asked
         step = _step(row, token_text, logits, Top(top[0][0], top[1][0]) if top else None)
         yield step
         if step.id == stop_at:
@@ -359,7 +370,7 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
         rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]
         record = _record(logits[rows], raw[rows], logprobs[rows], tokens, s.show_steps)
         table = torch.cat([top[:, None].double(), rows[:, None].double(), record], dim=-1).tolist()
-        alts = _top(raw if s.logprobs == "raw" else logprobs, s.top_logprobs)  # per beam, not per candidate
+        alts = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # per beam, not per candidate
         cands = []
         for score, row, *rec in table:
             step = _step(rec, token_text, logits, Top(alts[0][int(row)], alts[1][int(row)]) if alts else None)
