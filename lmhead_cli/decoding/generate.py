@@ -219,7 +219,8 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     stop, beams = "max_new_tokens", []
     while True:
         try:
-            step = next(loop)
+            # One position per step after the first (the prefill): those steps choose the thread count.
+            step = next(loop) if first is None else loaded.threads.run(lambda: next(loop))
         except StopIteration as done:
             stop, beams = done.value
             break

@@ -218,9 +218,12 @@ class _OpenAIEntries:
 
 # ---- inspect --stages ------------------------------------------------------------------------
 
-def stage_report(table) -> None:
-    """The top tokens followed through every stage: value and rank at each, then the probability."""
+def stage_report(table, own_softcap: float | None = None) -> None:
+    """The top tokens followed through every stage: value and rank at each, then the probability.
+    `own_softcap`: the c a model applies to its own logits (Gemma-2), already in the raw column."""
     con = out()
+    if own_softcap:
+        con.print(f"raw: the model's logits, already soft-capped by the model itself at c = {own_softcap:g}")
     on = knobs_text(table.knobs) or "none (T = 1)"
     con.print(f"through the stages: {on} → softmax", soft_wrap=True)
     t = Table(show_edge=False)
@@ -236,8 +239,9 @@ def stage_report(table) -> None:
               f"{table.entropy:.4f} nats; #n is the rank at that stage", soft_wrap=True)
 
 
-def stages_json(table) -> dict:
+def stages_json(table, own_softcap: float | None = None) -> dict:
     return {
+        "own_softcap": own_softcap,
         "knobs": asdict(table.knobs),
         "columns": table.columns,
         "kept": table.kept,
