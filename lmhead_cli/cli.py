@@ -400,6 +400,32 @@ MODES: dict[str, dict] = {
     "sample": {"draws": True},
     "softcap": {"draws": True, "defaults": {"softcap": GEMMA2_CAP}},
 }
+FormatOpt = Annotated[
+    Optional[str], typer.Option("--format", help="text, json (the same as --json) or openai: one OpenAI chat "
+                                "completion object, logprobs included.", show_default="text")
+]
+TopLogprobsOpt = Annotated[
+    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at each step, "
+                      "from 0 up to the vocabulary size (no cap at 20).")
+]
+LogprobsOpt = Annotated[
+    Optional[str], typer.Option("--logprobs", help="With --format openai: raw (the default: softmax of the model's "
+                                "logits) or processed (after the stages: the distribution each token was drawn from).",
+                                show_default="raw")
+]
+
+
+def output_kind(json_out: bool, output_format: str | None, top_logprobs: int, logprobs: str | None) -> str:
+    """text, json or openai from --json / --format; the logprob options only mean something in openai."""
+    kind = output_format or ("json" if json_out else "text")
+    if kind not in ("text", "json", "openai"):
+        raise UsageError(f"--format must be text, json or openai (got {kind!r})")
+    if json_out and kind != "json":
+        raise UsageError(f"--json and --format {kind} ask for two different outputs; give one")
+    if kind != "openai" and (top_logprobs or logprobs is not None):
+        given = "--top-logprobs" if top_logprobs else "--logprobs"
+        raise UsageError(f"{given} is reported by --format openai; --json always has both raw_logprob and logprob")
+    return kind
 
 
 def decoding_options(
@@ -424,6 +450,9 @@ def decoding_options(
     ] = 0,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
+    output_format: FormatOpt = None,
+    top_logprobs: TopLogprobsOpt = 0,
+    logprobs: LogprobsOpt = None,
 ) -> None:
     """The options the four decoding commands share (`knobs`: one per stage of the registry)."""
 
@@ -460,17 +489,20 @@ _decoding_command("softcap", """Sample after Gemma-style soft-capping z -> c·ta
 
 
 def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
-            knobs: dict, source: ModelChoice, json_out) -> None:
+            knobs: dict, source: ModelChoice, json_out, output_format, top_logprobs, logprobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
     from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
+    kind = output_kind(json_out, output_format, top_logprobs, logprobs)
+    json_out = kind != "text"
     mode = MODES[command_name]
     settings = resolve(defaults=mode.get("defaults"), draws=mode.get("draws", False), preset=preset,
                        greedy=greedy or mode.get("greedy", False), beams=beams, ignore_eos=ignore_eos, seed=seed,
-                       show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
+                       show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
+                       logprobs=logprobs or "raw", **knobs)
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
                         else prompt)
     loaded = source.load()
@@ -483,11 +515,16 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     if not json_out:
         show.end_text()
     show.stop_notice(result, loaded.engine.n_ctx)
+    if kind == "openai":
+        show.openai_json(result, loaded)
+        return
     if json_out:
         render.print_json(show.generation_json(result, loaded, text, preset))
         return
     if settings.show_steps:
         show.steps_table(result)
+    if result.beams:
+        show.beams_table(result)
     show.summary(result)
 
 
