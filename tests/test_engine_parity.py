@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmhead_cli.loading.sources import load_model
-from tests.conftest import build_checkpoint
+from helpers import build_checkpoint
 
 NEW = 12  # new tokens per generation test
 N_POSITIONS = 1024 + NEW  # room for a 1024-token prompt and what follows it

@@ -285,6 +285,9 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
+TIE_NAMES = TieNames(head="lm_head.weight", embedding="wte.weight")  # the checkpoint keys, as nanoGPT names them
+
+
 class LeanGPT2(Engine):
     """The plain-torch GPT-2 engine."""
 
@@ -306,7 +309,7 @@ class LeanGPT2(Engine):
 
     @property
     def tie_names(self) -> TieNames:
-        return TieNames(head="lm_head.weight", embedding="wte.weight")
+        return TIE_NAMES
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
@@ -352,6 +355,10 @@ class LeanGPT2(Engine):
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.gpt.ln_f(x)
+
+    @property
+    def final_norm_module(self) -> nn.Module:
+        return self.gpt.ln_f
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,7 @@ def inspect_batch(loaded: Loaded, prompts: list[str], top_k: int = 10, targets: 
                 raise
             if len(indices) == 1:
                 raise LmheadError(f"out of memory even for a single prompt of {len(encoded[indices[0]][0])} "
-                                  "tokens; try --device cpu or a shorter prompt") from None
+                                  "tokens; try the CPU or a shorter prompt") from None
             if loaded.engine.device.type == "cuda":
                 torch.cuda.empty_cache()
             run_stats.splits += 1

@@ -49,6 +49,14 @@ def truncated(kept: int, dropped: int, n_ctx: int) -> None:
         warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; keeping the last {kept}")
 
 
+def own_softcap_notice(own: float | None, softcap: float | None) -> None:
+    """One notice when a soft-cap stage (c = `softcap`) is asked of a model that soft-caps its own
+    logits at c = `own` (Gemma-2)."""
+    if own and softcap is not None:
+        notice(f"the model already soft-caps its own logits at c = {own:g}; the softcap stage "
+               f"(c = {softcap:g}) caps them a second time")
+
+
 def multi_piece_notices(targets) -> None:
     """A notice for each target that is several tokens: it is scored by its first."""
     for t in targets:
@@ -68,11 +76,15 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def json_text(doc: Any, *, lines: bool = False) -> str:
+    """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite."""
+    return json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
+                      indent=None if lines else 2)
+
+
 def print_json(doc: Any, *, lines: bool = False) -> None:
     """One JSON document on stdout (or one line per document with ``lines``), no colour."""
-    text = json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
-                      indent=None if lines else 2)
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(json_text(doc, lines=lines) + "\n")
     sys.stdout.flush()
 
 
