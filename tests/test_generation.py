@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint
 
 from lmhead_cli.decoding import generate as generation
 from lmhead_cli.errors import ModeConflict, NonFiniteLogits, UsageError
@@ -32,18 +32,6 @@ def reference(model, ids, **kwargs) -> list[int]:
     kwargs.setdefault("pad_token_id", kwargs.get("eos_token_id", EOS))
     out = model.generate(torch.tensor([ids]), do_sample=False, **kwargs)
     return out[0, len(ids):].tolist()
-
-
-@pytest.fixture(scope="module")
-def eos_model(tmp_path_factory):
-    """(folder, model): a tiny untied GPT-2 whose end-of-text is a strong runner-up, so beams finish early."""
-    folder = tmp_path_factory.mktemp("eos")
-    model = build_checkpoint(folder, tied=False, seed=3)
-    with torch.no_grad():
-        h = model.transformer(torch.tensor([list(range(0, 5000, 7))])).last_hidden_state[0].mean(0)
-        model.lm_head.weight[EOS] = h / h.norm() * 0.7
-    model.save_pretrained(folder)
-    return folder, model
 
 
 # ---- parity with transformers -----------------------------------------------------------------

@@ -224,7 +224,8 @@ def inspect_stream(loaded: Loaded, lines: Iterable[PromptLine], top_k: int = 10,
 def _forward(loaded, encoded, indices: list[int], logits: dict, stats: BatchStats, run) -> None:
     """Logits for rows `indices` into `logits`, halving the rows while memory runs out."""
     try:
-        z = run(loaded, [encoded[i][0] for i in indices])  # (B, V)
+        rows = [encoded[i][0] for i in indices]
+        z = loaded.threads.run(lambda: run(loaded, rows), sum(map(len, rows)))  # (B, V)
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError too
         if not _out_of_memory(e):
             raise

@@ -105,6 +105,14 @@ def truncated(kept: int, dropped: int, n_ctx: int) -> None:
         warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; keeping the last {kept}")
 
 
+def own_softcap_notice(own: float | None, softcap: float | None) -> None:
+    """One notice when a soft-cap stage (c = `softcap`) is asked of a model that soft-caps its own
+    logits at c = `own` (Gemma-2)."""
+    if own and softcap is not None:
+        notice(f"the model already soft-caps its own logits at c = {own:g}; the softcap stage "
+               f"(c = {softcap:g}) caps them a second time")
+
+
 def multi_piece_notices(targets) -> None:
     """A notice for each target that is several tokens: it is scored by its first."""
     for t in targets:
@@ -126,13 +134,18 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def json_text(doc: Any, *, lines: bool = False, ascii: bool = False) -> str:  # noqa: A002
+    """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite;
+    non-ASCII as \\u escapes with ``ascii``."""
+    return json.dumps(_plain(doc), ensure_ascii=ascii, separators=(",", ":") if lines else None,
+                      indent=None if lines else 2)
+
+
 def print_json(doc: Any, *, lines: bool = False) -> None:
     """One JSON document on stdout (or one line per document with ``lines``), no colour."""
     # Exact either way: a stdout that cannot encode UTF-8 gets JSON's own \\u escapes instead.
     utf8 = "utf" in (getattr(sys.stdout, "encoding", None) or "utf-8").lower()
-    text = json.dumps(_plain(doc), ensure_ascii=not utf8, separators=(",", ":") if lines else None,
-                      indent=None if lines else 2)
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(json_text(doc, lines=lines, ascii=not utf8) + "\n")
     sys.stdout.flush()
 
 
