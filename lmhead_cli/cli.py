@@ -25,7 +25,7 @@ app = typer.Typer(
     name="lmhead",
     help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish and PowerShell
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -532,6 +532,9 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     ids, dropped = encode_prompt(loaded, text)
     render.truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
+        from lmhead_cli.render.inspect import random_banner
+
+        random_banner(loaded.source, loaded.random_weights)  # every output made from random weights says so
         show.begin(loaded.tokenizer.decode(ids))
     result = generate(loaded, ids, settings, on_text=None if json_out else show.stream)
     if not json_out:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import build_checkpoint
+from helpers import build_checkpoint
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app

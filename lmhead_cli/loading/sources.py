@@ -144,9 +144,6 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
 
     engine_name = _choose_engine(engine, config)
     tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
-    if isinstance(config.get("vocab_size"), int):
-        checks.check_vocabularies(tokenizer.vocab_size, config["vocab_size"], tokenizer.origin,
-                                  (folder / "config.json") if folder else source)
     if engine_name == "lean":
         config_tied = bool(config.get("tie_word_embeddings", True))
         stored = file_tie(state, TIE_NAMES) if files else None  # before build_lean consumes the state
@@ -156,6 +153,9 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         stored = file_tie(state, eng.tie_names) if files else None
     state.clear()  # the model holds what it needs
     tie = tie_report(eng, stored, config_tied)
+    # After the build, whose own checks name an unsupported model first; before any prompt is read.
+    checks.check_vocabularies(tokenizer.vocab_size, eng.vocab_size, tokenizer.origin,
+                              (folder / "config.json") if folder else source)
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
                   config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
@@ -188,8 +188,11 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
     from huggingface_hub.errors import HFValidationError
 
     patterns = HUB_FILES + (["pytorch_model.bin"] if allow_pickle else [])
+    name = repo_id.rsplit("/", 1)[-1]  # openai-community/gpt2-medium -> the bundled gpt2-medium
+    stand_in = RANDOM_PREFIX + (name if name in config_names() else "gpt2")
     advice = ("connect once to download it, pass a local folder (--model ./my-gpt2), or use "
-              "--model random:gpt2 for random weights offline")
+              f"--model {stand_in} for {'its architecture with ' if name in config_names() else ''}random weights "
+              "offline")
     cache_dir = _hub_cache()
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, cache_dir=cache_dir))

@@ -20,6 +20,8 @@ from typing import Any
 
 from rich.cells import cell_len
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 from rich.text import Text
 
 BAR_WIDTH = 16
@@ -32,6 +34,20 @@ class _Console(Console):
         self.quiet = True
         raise BrokenPipeError
 
+    def print(self, *objects, **kwargs) -> None:
+        """A table narrower than it needs would have rich cut its cells with "…", figures included
+        (38,597… at COLUMNS=60): it is printed at its own width instead, and the terminal wraps the
+        lines. Nothing is ever cut."""
+        tables = [o for o in objects if isinstance(o, Table)]
+        need = max((Measurement.get(self, self.options.update_width(1 << 16), t).maximum for t in tables), default=0)
+        if need <= self.width:
+            return super().print(*objects, **kwargs)
+        width, self.width = self.width, need
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self.width = width
+
 
 def out() -> Console:
     """Console on stdout (tables, text)."""
@@ -40,7 +56,7 @@ def out() -> Console:
 
 def err() -> Console:
     """Console on stderr (warnings, notices, progress)."""
-    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    return _Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
@@ -87,6 +103,17 @@ def compose(*parts: str | Text) -> Text:
 def quoted(text: str) -> str:
     """A token or target in quotes for a message: 'are', safe, without repr's doubled backslashes."""
     return "'" + safe_text(text) + "'"
+
+
+PROMPT_ROWS = 24  # prompt tokens shown at most: the first and the last halves, and a count between
+
+
+def elided(items: list, keep: int = PROMPT_ROWS) -> tuple[list, int, list]:
+    """(first, how many are left out, last) of a long list, so a 1,024-token prompt shows 24 rows."""
+    if len(items) <= keep:
+        return list(items), 0, []
+    half = keep // 2
+    return list(items[:half]), len(items) - 2 * half, list(items[-half:])
 
 
 def short_cell(text: str, width: int) -> str:

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from rich import box
 from rich.table import Table
 
-from lmhead_cli.render import compose, data, out, quoted
+from lmhead_cli.render import compose, data, elided, out, quoted
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -26,7 +26,9 @@ def explanation(ex) -> None:
     random_banner(ex.model, ex.random_weights)
     e = ex.explained
     row = "embedding row" if ex.tied else "row of the (untied) output matrix"
-    prompt = "".join(t.text for t in ex.prompt_tokens)
+    first, left_out, last = elided(ex.prompt_tokens)
+    prompt = "".join(t.text for t in first) + (f" … {left_out:,} tokens … " if left_out else "") \
+        + "".join(t.text for t in last)
     con.print(compose("one logit taken apart: ", tok(e.token, "bold"), f" (id {e.id}) after \"", data(prompt),
                       f"\": rank {e.rank:,} of {ex.vocab:,}"))
     if len(ex.pieces) > 1:

@@ -6,10 +6,9 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import bar, compose, data, out
+from lmhead_cli.render import bar, compose, data, elided, out
 from lmhead_cli.render import token_cell as _cell
 
-PROMPT_ROWS = 24  # prompt-token rows shown at most: the first and last halves, a count between
 
 
 def _shape(shape) -> str:
@@ -81,12 +80,12 @@ def inspection(result, tie) -> None:
     tokens.add_column("#", justify="right", style="dim")
     tokens.add_column("id", justify="right")
     tokens.add_column("token")
-    n, half = len(result.prompt_tokens), PROMPT_ROWS // 2
-    for i, t in enumerate(result.prompt_tokens):
-        if n > PROMPT_ROWS and half <= i < n - half:
-            if i == half:
-                tokens.add_row("…", "", f"[dim]{n - PROMPT_ROWS:,} more tokens (--json lists them all)[/]")
-            continue
+    first, left_out, last = elided(list(enumerate(result.prompt_tokens)))
+    for i, t in first:
+        tokens.add_row(str(i), str(t.id), _cell(t.text))
+    if left_out:
+        tokens.add_row("…", "", f"[dim]{left_out:,} more tokens (--json lists them all)[/]")
+    for i, t in last:
         tokens.add_row(str(i), str(t.id), _cell(t.text))
     con.print(tokens)
 

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import compose, out, show_token
+from lmhead_cli.render import compose, elided, out, show_token
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -34,9 +34,12 @@ def lens_json(lens) -> dict:
 def _header(lens) -> None:
     con = out()
     random_banner(lens.model, lens.random_weights)
-    con.print(f"logit lens: the residual stream at the last position after each layer, through {tok(lens.norm)} "
-              f"(recomputed for that vector) and the {'tied' if lens.tied else 'untied'} head")
-    con.print("prompt: " + " ".join(f"[{show_token(t.text)}]" for t in lens.prompt_tokens), markup=False)
+    con.print(compose("logit lens: the residual stream at the last position after each layer, through ", tok(lens.norm),
+                      f" (recomputed for that vector) and the {'tied' if lens.tied else 'untied'} head"))
+    first, left_out, last = elided(lens.prompt_tokens)
+    shown = [f"[{show_token(t.text)}]" for t in first] + ([f"… {left_out:,} more …"] if left_out else []) \
+        + [f"[{show_token(t.text)}]" for t in last]
+    con.print("prompt: " + " ".join(shown), markup=False)
 
 
 def lens_table(lens) -> None:
