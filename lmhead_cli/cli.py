@@ -628,6 +628,53 @@ def explore_cmd(
         sys.stderr.write("\n")
 
 
+# ==== diff / attribute (issue 12) ================================================================
+
+@command("diff")
+def diff_cmd(
+    prompt_a: Annotated[Optional[str], typer.Argument(help="The first prompt (A).")] = None,
+    prompt_b: Annotated[Optional[str], typer.Argument(help="The second prompt (B).")] = None,
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="Rows per side, and N for the movers: the union of both top N.")
+    ] = 10,
+    target: Annotated[
+        Optional[list[str]],
+        typer.Option("--target", "-t", help="A token to compare (repeatable), e.g. --target ' is' --target ' are'."),
+    ] = None,
+    movers: Annotated[int, typer.Option("--movers", help="How many risers and fallers to list.")] = 5,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Two prompts' next-token distributions side by side: KL both ways, Jensen–Shannon, total variation,
+    each side's top tokens with their rank on the other side, the biggest risers and fallers.
+
+    Example: lmhead diff "The key on the table" "The keys on the table" --target " is" --target " are"
+    """
+    from lmhead_cli import render
+    from lmhead_cli.readings.diff import diff_prompts
+    from lmhead_cli.readings.inspect import check_request
+    from lmhead_cli.render.diff import diff_json, diff_report
+
+    if prompt_a is None or prompt_b is None:
+        raise UsageError('give two prompts, e.g. lmhead diff "The key on the table" "The keys on the table"')
+    check_request(prompt_a, target, top_k, "diff")
+    check_request(prompt_b, target, top_k, "diff")
+    if movers < 0:
+        raise UsageError(f"--movers must be at least 0 (got {movers})")
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    result = diff_prompts(loaded, prompt_a, prompt_b, top_k, target, movers)
+    for side in (result.a, result.b):
+        warn_truncated(len(side.prompt_tokens), side.truncated, loaded.engine.n_ctx)
+    multi_piece_notices(result.targets)
+    if json_out:
+        render.print_json(diff_json(result))
+    else:
+        diff_report(result)
+
 
 def main() -> None:
     """Console-script entry point."""

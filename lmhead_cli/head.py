@@ -89,3 +89,33 @@ def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) ->
     first = ids[0]
     return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=rank_of(logits, first),
                        logit=float(logits[first]), prob=float(log_softmax(logits)[first].exp()))
+
+
+# ---- two distributions compared (`diff`) -------------------------------------------------------
+# Divergences are summed in float64 over log-probabilities, so identical inputs give exactly 0 and
+# tokens with p = 0 in float32 (a logprob of -inf never arises: softmax of finite logits is > 0) add
+# nothing spurious.
+
+def kl_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """KL(p‖q) = Σ p (log p − log q) in nats, for two distributions given by log-probabilities (V,)."""
+    logp, logq = logp.double(), logq.double()
+    return float((logp.exp() * (logp - logq)).sum())
+
+
+def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Jensen–Shannon divergence ½ KL(p‖m) + ½ KL(q‖m), m = (p + q)/2, in nats (at most ln 2)."""
+    logp, logq = logp.double(), logq.double()
+    logm = torch.logaddexp(logp, logq) - math.log(2)
+    return 0.5 * kl_divergence(logp, logm) + 0.5 * kl_divergence(logq, logm)
+
+
+def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Total variation distance ½ Σ |p − q|: the most probability any set of tokens gains or loses, in [0, 1]."""
+    return float(0.5 * (logp.double().exp() - logq.double().exp()).abs().sum())
+
+
+def ranks_of(logits: torch.Tensor, ids: torch.Tensor) -> list[int]:
+    """rank_of for several tokens at once: logits (V,), ids (N,) -> N ranks (1 = the highest logit)."""
+    ascending = torch.sort(logits).values  # (V,): one sort, then a binary search per token
+    not_higher = torch.searchsorted(ascending, logits[ids].contiguous(), right=True)  # (N,) counts ≤ z_id
+    return [1 + logits.shape[-1] - int(n) for n in not_higher]

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import sys
+import unicodedata
 from typing import Any
 
 from rich.console import Console
@@ -88,8 +89,22 @@ def token_cell(text: str) -> str:
 
 
 def show_token(text: str) -> str:
-    """A token's text made visible: a leading space as '␣', newlines and tabs escaped."""
-    shown = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    """A token's text made visible: a leading space as '␣', control characters escaped."""
+    shown = visible(text)
     if shown.startswith(" "):
         shown = "␣" + shown[1:]
     return shown
+
+
+def visible(text: str) -> str:
+    """Text with newlines, tabs and every other control character (ESC, BEL, DEL, C1) shown as escapes,
+    so data cannot drive the terminal."""
+    shown = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in shown)
+
+
+def text_cell(text: str) -> str:
+    """Untrusted text (a prompt, a line) for rich output: control characters escaped, markup shown as it is."""
+    from rich.markup import escape
+
+    return escape(visible(text))
