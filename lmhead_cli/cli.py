@@ -676,6 +676,45 @@ def diff_cmd(
         diff_report(result)
 
 
+@command("attribute")
+def attribute_cmd(
+    prompt: Annotated[Optional[str], typer.Argument(help="The text whose next-token logit to take apart.")] = None,
+    target: Annotated[
+        Optional[str], typer.Option("--target", "-t", help="The token whose logit to decompose, e.g. --target ' are'.")
+    ] = None,
+    vs: Annotated[
+        Optional[str], typer.Option("--vs", help="Decompose the logit difference z(target) − z(vs) instead.")
+    ] = None,
+    heads: Annotated[bool, typer.Option("--heads", help="Also list every attention head's share.")] = False,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Direct logit attribution: a token's logit (or a logit difference) split exactly into the embeddings,
+    each layer's attention heads and MLP, and the final norm's bias, with the check that they add up.
+
+    Example: lmhead attribute "The keys on the table" --target " are" --vs " is" --heads
+    """
+    from lmhead_cli import render
+    from lmhead_cli.readings.attribute import attribute_logit, check_attribute
+    from lmhead_cli.render.attribute import attribution, attribution_json
+
+    check_attribute(prompt, target, vs)
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    result = attribute_logit(loaded, prompt, target, vs)
+    warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
+    for text, pieces in ((result.target, result.target_pieces), (result.vs, result.vs_pieces)):
+        if len(pieces) > 1:
+            render.notice(f"target {text!r} is {len(pieces)} tokens {pieces}; using the first, {pieces[0]!r}")
+    if json_out:
+        render.print_json(attribution_json(result))
+    else:
+        attribution(result, heads)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

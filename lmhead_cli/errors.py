@@ -33,3 +33,7 @@ class CorruptCheckpoint(LmheadError):
 
 class NonFiniteLogits(LmheadError):
     """The head produced NaN or infinite logits (for example from a NaN weight)."""
+
+
+class UnsupportedModel(UsageError):
+    """The model lacks what a command needs (for example a residual stream that is a plain sum of parts)."""

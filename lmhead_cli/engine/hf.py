@@ -7,7 +7,9 @@ import inspect
 import torch
 from torch import nn
 
-from lmhead_cli.engine.base import Engine, TieNames
+from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components,
+                                     linearise_norm)
+from lmhead_cli.errors import UnsupportedModel
 
 
 class TransformersEngine(Engine):
@@ -84,3 +86,39 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def head(self, h):
         return self.model.get_output_embeddings()(h)
+
+    def components(self, ids: torch.Tensor) -> Components:
+        """The last position's final residual split into parts, read with hooks on transformers' own modules:
+        GPT-2 layouts (h.{i}.attn.c_proj, h.{i}.mlp, ln_f, wte + wpe) and Llama-like ones
+        (layers.{i}.self_attn.o_proj, layers.{i}.mlp, norm; the embedding is the first layer's input)."""
+        kind = self.config.get("model_type", type(self.model).__name__)
+        blocks = getattr(self.base, "h", None) or getattr(self.base, "layers", None)
+        if blocks is None:
+            raise UnsupportedModel(f"attribute: cannot find the layers of this {kind} model (no .h or .layers)")
+        post = [n for n in ("post_feedforward_layernorm", "post_attention_norm") if hasattr(blocks[0], n)]
+        if post:
+            raise UnsupportedModel(f"attribute: {kind} layers normalise their outputs before adding them to the "
+                                   f"residual stream ({post[0]}), so the stream is not a sum of the layers' outputs")
+        taps = [self._taps(block, kind) for block in blocks]
+        norm = getattr(self.base, "ln_f", None) or getattr(self.base, "norm", None)
+        lin = linearise_norm(norm) if norm is not None else None
+        if lin is None:
+            raise UnsupportedModel(f"attribute: the final norm of this {kind} model ({type(norm).__name__}) is "
+                                   "neither a LayerNorm nor an RMSNorm")
+        wte, wpe = getattr(self.base, "wte", None), getattr(self.base, "wpe", None)
+        n_head = int(self.config.get("n_head") or self.config.get("num_attention_heads"))
+        return capture_components(lambda: self.body(ids), n_head, taps, blocks, lin,
+                                  (wte, wpe) if wte is not None and wpe is not None else None)
+
+    @staticmethod
+    def _taps(block: nn.Module, kind: str) -> LayerTaps:
+        attn = getattr(block, "attn", None) or getattr(block, "self_attn", None)
+        proj = next((getattr(attn, n) for n in ("c_proj", "o_proj", "out_proj", "dense") if hasattr(attn, n)), None)
+        mlp = getattr(block, "mlp", None)
+        if proj is None or mlp is None:
+            raise UnsupportedModel(f"attribute: {kind} layers have no attention output projection (c_proj, o_proj) "
+                                   "or no .mlp to read the parts from")
+        # transformers' Conv1D stores (in, out); nn.Linear stores (out, in).
+        weight = proj.weight.detach() if type(proj).__name__ == "Conv1D" else proj.weight.detach().t()
+        bias = proj.bias.detach() if getattr(proj, "bias", None) is not None else None
+        return LayerTaps(out_proj=proj, weight=weight, bias=bias, mlp=mlp)
