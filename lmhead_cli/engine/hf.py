@@ -81,7 +81,11 @@ class TransformersEngine(Engine):
         yield captured["x"]
 
     def final_norm(self, x):
-        return self.base.ln_f(x)
+        return self._final_norm_module()(x)
+
+    def _final_norm_module(self) -> nn.Module:
+        """GPT-2's ln_f, or the `norm` of Llama-like models."""
+        return getattr(self.base, "ln_f", None) or self.base.norm
 
     @torch.inference_mode()
     def head(self, h):
@@ -100,8 +104,8 @@ class TransformersEngine(Engine):
             raise UnsupportedModel(f"attribute: {kind} layers normalise their outputs before adding them to the "
                                    f"residual stream ({post[0]}), so the stream is not a sum of the layers' outputs")
         taps = [self._taps(block, kind) for block in blocks]
-        norm = getattr(self.base, "ln_f", None) or getattr(self.base, "norm", None)
-        lin = linearise_norm(norm) if norm is not None else None
+        norm = self._final_norm_module()
+        lin = linearise_norm(norm)
         if lin is None:
             raise UnsupportedModel(f"attribute: the final norm of this {kind} model ({type(norm).__name__}) is "
                                    "neither a LayerNorm nor an RMSNorm")
