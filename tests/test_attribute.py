@@ -177,8 +177,8 @@ def test_cli_table_and_check(tiny):
     r = runner.invoke(app, ["attribute", PROMPT, "-t", " are", "--vs", " is", "--heads", "--model", str(tiny[0])])
     assert r.exit_code == 0, r.output
     out = r.stdout
-    for text in ("z(␣are) − z(␣is)", "check: the parts sum to", "parts, largest first", "per layer",
-                 "4 heads (2 layers × 2)", "attention output biases by layer", "ln_f.bias", "embed.position"):
+    for text in ("z(␣are) − z(␣is)", "check: Σ parts = ", "parts, largest first", "per layer",
+                 "4 heads (2 layers × 2)", "attention = Σ heads + output bias", "ln_f.bias", "embed.position"):
         assert text in out, text
 
 

@@ -136,7 +136,7 @@ def test_table_shows_data_literally(tiny):
                             "-t", " are"])
     assert r.exit_code == 0, r.output
     out = r.stdout
-    for text in ("KL(A‖B)", "KL(B‖A)", "Jensen–Shannon", "total variation", "side by side", "risers", "fallers",
+    for text in ("KL(A‖B)", "KL(B‖A)", "Jensen–Shannon", "total variation", "and its rank on the other side", "risers", "fallers",
                  "targets", "␣is", "␣are", 'A: "[bold]x[/]"', 'B: "\\x1b[31mred"'):
         assert text in out, text
     assert "\x1b" not in out

@@ -66,6 +66,7 @@ class Attribution:
     parts: list[Part]  # model order: embeddings, attn and mlp of each layer, then the final norm's β
     heads: list[HeadPart]  # layer by layer, head by head
     attn_bias: list[BiasPart]
+    heads_sum: list[float]  # per layer, Σ of its heads: attn.{layer} = heads_sum + attn_bias
     sum: float  # Σ parts
     error: float  # sum − logit
     sigma: float  # the final norm's scale σ, from the actual final residual
@@ -154,6 +155,7 @@ def attribute_logit(loaded: Loaded, prompt: str, target: str, vs: str | None = N
         vs=vs, vs_id=u, vs_pieces=[tok.token_text(i) for i in u_pieces], logit=logit, parts=parts,
         heads=[HeadPart(layer, h, float(head_values[layer, h])) for layer in range(L) for h in range(H)],
         attn_bias=[BiasPart(layer, float(bias_values[layer])) for layer in range(L)],
+        heads_sum=[float(v) for v in head_values.sum(1)],
         sum=total, error=total - logit, sigma=float(sigma), norm="LayerNorm" if norm.centred else "RMSNorm",
         n_layer=L, n_head=H,
     )

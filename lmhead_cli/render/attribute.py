@@ -48,12 +48,13 @@ def attribution(a, show_heads: bool = False) -> None:
     what = f"z({tok(a.target_pieces[0])})" + (f" − z({tok(a.vs_pieces[0])})" if a.vs is not None else "")
     row = f"row({tok(a.target_pieces[0])})" + (f" − row({tok(a.vs_pieces[0])})" if a.vs is not None else "")
     prompt = text_cell("".join(t.text for t in a.prompt_tokens))
-    con.print(f"direct logit attribution of {what} after \"{prompt}\" (last position)")
+    con.print(f"direct logit attribution: {what} after \"{prompt}\"")
     centre = "centre(part)" if a.norm == "LayerNorm" else "part"
-    con.print(f"each part's share = e · (γ ⊙ {centre}) / σ, e = {row} of the {'tied ' if a.tied else ''}head; "
-              f"σ = {a.sigma:.6f}, the final {a.norm}'s scale from the actual final residual")
-    con.print(f"check: the parts sum to {a.sum:.6f}; the head's own {what} = {a.logit:.6f}; "
-              f"error {a.error:+.2e}")
+    con.print(f"each part's share = e · (γ ⊙ {centre}) / σ\n"
+              f"  e = {row} of the {'tied' if a.tied else 'untied'} head\n"
+              f"  σ = {a.sigma:.6f}: the final {a.norm}'s scale, from the actual final residual")
+    con.print(f"check: Σ parts = {a.sum:.6f}, the head's own {'difference' if a.vs is not None else 'logit'} "
+              f"= {a.logit:.6f} (error {a.error:+.1e})")
 
     scale = max((abs(p.value) for p in a.parts), default=0.0)
     parts = _table(f"{len(a.parts)} parts, largest first", ("part", "left"), ("value", "right"), ("", "left"))
@@ -79,5 +80,8 @@ def attribution(a, show_heads: bool = False) -> None:
         for h in sorted(a.heads, key=lambda h: -abs(h.value)):
             heads.add_row(str(h.layer), str(h.head), f"{h.value:+.6f}", diverging(h.value, head_scale))
         con.print(heads)
-        biases = ", ".join(f"{b.layer}: {b.value:+.4f}" for b in a.attn_bias)
-        con.print(f"attention output biases by layer: {biases}")
+        split = _table("attention = Σ heads + output bias", ("layer", "right"), ("Σ heads", "right"),
+                       ("bias", "right"), ("attn", "right"))
+        for b, heads_sum in zip(a.attn_bias, a.heads_sum):
+            split.add_row(str(b.layer), f"{heads_sum:+.6f}", f"{b.value:+.6f}", f"{by_layer[(b.layer, 'attn')]:+.6f}")
+        con.print(split)

@@ -51,7 +51,7 @@ def diff_report(d) -> None:
     div.add_row("entropy B", f"{d.b.entropy:.6f}", f"{d.b.entropy_bits:.6f}", "")
     con.print(div)
 
-    top = _table(f"side by side: each side's top {len(d.a.top)}, with the rank the other side gives it",
+    top = _table(f"each side's top {len(d.a.top)}, and its rank on the other side",
                  ("rank", "right"), ("A token", "left"), ("prob A", "right"), ("B rank", "right"), ("│", "center"),
                  ("B token", "left"), ("prob B", "right"), ("A rank", "right"))
     for x, y in zip(d.a.top, d.b.top):
@@ -59,19 +59,19 @@ def diff_report(d) -> None:
                     tok(y.token), f"{y.prob:.4%}", f"{y.other_rank:,}")
     con.print(top)
 
+    con.print(f"movers among the {d.pool} tokens in either top {len(d.a.top)}, Δ = logprob B − logprob A:")
     for title, movers in (("risers", d.risers), ("fallers", d.fallers)):
-        label = f"{title}: Δ = logprob B − logprob A, among the {d.pool} tokens in either top {len(d.a.top)}"
         if not movers:
-            con.print(f"{label}: none")
+            con.print(f"{title}: none")
             continue
-        t = _table(label, ("id", "right"), ("token", "left"), ("logprob A", "right"), ("logprob B", "right"),
+        t = _table(title, ("id", "right"), ("token", "left"), ("logprob A", "right"), ("logprob B", "right"),
                    ("Δ", "right"))
         for m in movers:
             t.add_row(str(m.id), tok(m.token), f"{m.logprob_a:.4f}", f"{m.logprob_b:.4f}", f"{m.delta:+.4f}")
         con.print(t)
 
     if d.targets:
-        t = _table("targets (one of several tokens is scored by its first)", ("target", "left"),
+        t = _table("targets", ("target", "left"),
                    ("logp A", "right"), ("logp B", "right"), ("Δ", "right"), ("prob A", "right"),
                    ("prob B", "right"), ("rank A", "right"), ("rank B", "right"))
         for x in d.targets:
