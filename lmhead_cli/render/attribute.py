@@ -74,8 +74,8 @@ def attribution(a, show_heads: bool = False) -> None:
 
     if show_heads:
         head_scale = max((abs(h.value) for h in a.heads), default=0.0)
-        heads = _table(f"{len(a.heads)} heads ({a.n_layer} layers × {a.n_head}), largest first; each layer's "
-                       "attention = its heads + its output bias", ("layer", "right"), ("head", "right"),
+        heads = _table(f"{len(a.heads)} heads ({a.n_layer} layers × {a.n_head}), largest first",
+                       ("layer", "right"), ("head", "right"),
                        ("value", "right"), ("", "left"))
         for h in sorted(a.heads, key=lambda h: -abs(h.value)):
             heads.add_row(str(h.layer), str(h.head), f"{h.value:+.6f}", diverging(h.value, head_scale))
