@@ -706,9 +706,7 @@ def attribute_cmd(
     loaded = load(model, device, dtype, engine, allow_pickle)
     result = attribute_logit(loaded, prompt, target, vs)
     warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
-    for text, pieces in ((result.target, result.target_pieces), (result.vs, result.vs_pieces)):
-        if len(pieces) > 1:
-            render.notice(f"target {text!r} is {len(pieces)} tokens {pieces}; using the first, {pieces[0]!r}")
+    multi_piece_notices([t for t in (result.target, result.vs) if t is not None])
     if json_out:
         render.print_json(attribution_json(result))
     else:

@@ -48,6 +48,15 @@ class BiasPart:
     value: float  # the attention output projection's bias: attn.{layer} = Σ heads + this
 
 
+@dataclass(frozen=True)
+class Asked:
+    """A token the user asked about: the text, and the first of the tokens it encodes to (the one used)."""
+
+    token: str
+    id: int
+    pieces: list[str]
+
+
 @dataclass
 class Attribution:
     model: str
@@ -56,12 +65,8 @@ class Attribution:
     tied: bool
     prompt_tokens: list[PromptToken]
     truncated: int
-    target: str  # the text asked about
-    target_id: int  # its first token
-    target_pieces: list[str]
-    vs: str | None
-    vs_id: int | None
-    vs_pieces: list[str]
+    target: Asked
+    vs: Asked | None
     logit: float  # the head's own z_T (or z_T − z_U), from inspect's forward
     parts: list[Part]  # model order: embeddings, attn and mlp of each layer, then the final norm's β
     heads: list[HeadPart]  # layer by layer, head by head
@@ -75,11 +80,11 @@ class Attribution:
     n_head: int
 
 
-def _first_token(loaded: Loaded, text: str, flag: str) -> list[int]:
+def _asked(loaded: Loaded, text: str, flag: str) -> Asked:
     pieces = loaded.tokenizer.encode(text) if text else []
     if not pieces:
         raise UsageError(f"{flag} {text!r} encodes to no tokens; give a token such as ' are'")
-    return pieces
+    return Asked(token=text, id=pieces[0], pieces=[loaded.tokenizer.token_text(i) for i in pieces])
 
 
 def check_attribute(prompt: str | None, target: str | None, vs: str | None) -> None:
@@ -108,12 +113,12 @@ def _check_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def attribute_logit(loaded: Loaded, prompt: str, target: str, vs: str | None = None) -> Attribution:
     """Decompose the last position's logit of `target` (minus that of `vs`) after `prompt` into parts."""
     eng, tok = loaded.engine, loaded.tokenizer
-    t_pieces = _first_token(loaded, target, "--target")
-    u_pieces = _first_token(loaded, vs, "--vs") if vs is not None else []
+    asked_t = _asked(loaded, target, "--target")
+    asked_u = _asked(loaded, vs, "--vs") if vs is not None else None
     ids, dropped = encode_prompt(loaded, prompt)
 
     logits, _ = last_logits(loaded, ids)  # (V,) float32: inspect's own forward and head
-    t, u = t_pieces[0], (u_pieces[0] if u_pieces else None)
+    t, u = asked_t.id, (asked_u.id if asked_u is not None else None)
     logit = float(logits[t]) - (float(logits[u]) if u is not None else 0.0)
 
     c = eng.components(torch.tensor([ids], device=eng.device))
@@ -151,8 +156,7 @@ def attribute_logit(loaded: Loaded, prompt: str, target: str, vs: str | None = N
     return Attribution(
         model=loaded.source, random_weights=loaded.random_weights, engine=eng.name, tied=loaded.tie.tied,
         prompt_tokens=[PromptToken(i, tok.token_text(i)) for i in ids], truncated=dropped,
-        target=target, target_id=t, target_pieces=[tok.token_text(i) for i in t_pieces],
-        vs=vs, vs_id=u, vs_pieces=[tok.token_text(i) for i in u_pieces], logit=logit, parts=parts,
+        target=asked_t, vs=asked_u, logit=logit, parts=parts,
         heads=[HeadPart(layer, h, float(head_values[layer, h])) for layer in range(L) for h in range(H)],
         attn_bias=[BiasPart(layer, float(bias_values[layer])) for layer in range(L)],
         heads_sum=[float(v) for v in head_values.sum(1)],

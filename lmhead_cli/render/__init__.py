@@ -108,3 +108,16 @@ def text_cell(text: str) -> str:
     from rich.markup import escape
 
     return escape(visible(text))
+
+
+def compact_table(title: str, *columns: tuple[str, str]):
+    """A rich table with no outer edge and collapsed padding, titled on the left, with these
+    (name, justify) columns that never wrap: the narrow form `diff` and `attribute` print."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+              collapse_padding=True)
+    for name, justify in columns:
+        t.add_column(name, justify=justify, no_wrap=True)
+    return t

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from rich import box
-from rich.table import Table
-
-from lmhead_cli.render import bar, out, text_cell
+from lmhead_cli.render import bar, compact_table, out, text_cell
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -18,7 +15,7 @@ HALF = 12  # cells on each side of a diverging bar
 def attribution_json(a) -> dict:
     """The documented `attribute --json` document."""
     return {
-        "target": a.target, "vs": a.vs, "logit": a.logit,
+        "target": a.target.token, "vs": a.vs.token if a.vs is not None else None, "logit": a.logit,
         "parts": [asdict(p) for p in a.parts],
         "heads": [asdict(h) for h in a.heads],
         "attn_bias": [asdict(b) for b in a.attn_bias],
@@ -34,19 +31,11 @@ def diverging(value: float, scale: float) -> str:
     return f"{'':>{HALF}}│[green]{cells:<{HALF}}[/]"
 
 
-def _table(title: str, *columns: tuple[str, str]) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-              collapse_padding=True)
-    for name, justify in columns:
-        t.add_column(name, justify=justify, no_wrap=True)
-    return t
-
-
 def attribution(a, show_heads: bool = False) -> None:
     con = out()
     random_banner(a.model, a.random_weights)
-    what = f"z({tok(a.target_pieces[0])})" + (f" − z({tok(a.vs_pieces[0])})" if a.vs is not None else "")
-    row = f"row({tok(a.target_pieces[0])})" + (f" − row({tok(a.vs_pieces[0])})" if a.vs is not None else "")
+    what = f"z({tok(a.target.pieces[0])})" + (f" − z({tok(a.vs.pieces[0])})" if a.vs is not None else "")
+    row = f"row({tok(a.target.pieces[0])})" + (f" − row({tok(a.vs.pieces[0])})" if a.vs is not None else "")
     prompt = text_cell("".join(t.text for t in a.prompt_tokens))
     con.print(f"direct logit attribution: {what} after \"{prompt}\"")
     centre = "centre(part)" if a.norm == "LayerNorm" else "part"
@@ -57,15 +46,16 @@ def attribution(a, show_heads: bool = False) -> None:
               f"= {a.logit:.6f} (error {a.error:+.1e})")
 
     scale = max((abs(p.value) for p in a.parts), default=0.0)
-    parts = _table(f"{len(a.parts)} parts, largest first", ("part", "left"), ("value", "right"), ("", "left"))
+    parts = compact_table(f"{len(a.parts)} parts, largest first", ("part", "left"), ("value", "right"),
+                          ("", "left"))
     for p in sorted(a.parts, key=lambda p: -abs(p.value)):
         parts.add_row(p.name, f"{p.value:+.6f}", diverging(p.value, scale))
     con.print(parts)
 
     by_layer = {(p.layer, p.kind): p.value for p in a.parts if p.layer is not None}
     layer_scale = max((abs(v) for v in by_layer.values()), default=0.0)
-    chart = _table("per layer: attention (heads + bias) and MLP", ("layer", "right"), ("attn", "right"),
-                   ("", "left"), ("mlp", "right"), ("", "left"))
+    chart = compact_table("per layer: attention (heads + bias) and MLP", ("layer", "right"), ("attn", "right"),
+                          ("", "left"), ("mlp", "right"), ("", "left"))
     for layer in range(a.n_layer):
         attn, mlp = by_layer[(layer, "attn")], by_layer[(layer, "mlp")]
         chart.add_row(str(layer), f"{attn:+.4f}", diverging(attn, layer_scale), f"{mlp:+.4f}",
@@ -74,14 +64,13 @@ def attribution(a, show_heads: bool = False) -> None:
 
     if show_heads:
         head_scale = max((abs(h.value) for h in a.heads), default=0.0)
-        heads = _table(f"{len(a.heads)} heads ({a.n_layer} layers × {a.n_head}), largest first",
-                       ("layer", "right"), ("head", "right"),
-                       ("value", "right"), ("", "left"))
+        heads = compact_table(f"{len(a.heads)} heads ({a.n_layer} layers × {a.n_head}), largest first",
+                              ("layer", "right"), ("head", "right"), ("value", "right"), ("", "left"))
         for h in sorted(a.heads, key=lambda h: -abs(h.value)):
             heads.add_row(str(h.layer), str(h.head), f"{h.value:+.6f}", diverging(h.value, head_scale))
         con.print(heads)
-        split = _table("attention = Σ heads + output bias", ("layer", "right"), ("Σ heads", "right"),
-                       ("bias", "right"), ("attn", "right"))
+        split = compact_table("attention = Σ heads + output bias", ("layer", "right"), ("Σ heads", "right"),
+                              ("bias", "right"), ("attn", "right"))
         for b, heads_sum in zip(a.attn_bias, a.heads_sum):
             split.add_row(str(b.layer), f"{heads_sum:+.6f}", f"{b.value:+.6f}", f"{by_layer[(b.layer, 'attn')]:+.6f}")
         con.print(split)

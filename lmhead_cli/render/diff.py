@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from rich import box
-from rich.table import Table
-
-from lmhead_cli.render import out, text_cell
+from lmhead_cli.render import compact_table, out, text_cell
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -41,8 +38,8 @@ def diff_report(d) -> None:
     con.print(f"A: \"{_prompt(d.a)}\" ({len(d.a.prompt_tokens)} tokens)\n"
               f"B: \"{_prompt(d.b)}\" ({len(d.b.prompt_tokens)} tokens)")
 
-    div = _table("how far apart: p after A, q after B", ("", "left"), ("nats", "right"), ("bits", "right"),
-                 ("", "left"))
+    div = compact_table("how far apart: p after A, q after B", ("", "left"), ("nats", "right"),
+                        ("bits", "right"), ("", "left"))
     div.add_row("KL(A‖B)", f"{d.kl_ab:.6f}", f"{d.kl_ab_bits:.6f}", "Σ p·(log p − log q)")
     div.add_row("KL(B‖A)", f"{d.kl_ba:.6f}", f"{d.kl_ba_bits:.6f}", "Σ q·(log q − log p)")
     div.add_row("Jensen–Shannon", f"{d.js:.6f}", f"{d.js_bits:.6f}", "½KL(p‖m) + ½KL(q‖m), m = (p+q)/2")
@@ -51,9 +48,9 @@ def diff_report(d) -> None:
     div.add_row("entropy B", f"{d.b.entropy:.6f}", f"{d.b.entropy_bits:.6f}", "")
     con.print(div)
 
-    top = _table(f"each side's top {len(d.a.top)}, and its rank on the other side",
-                 ("rank", "right"), ("A token", "left"), ("prob A", "right"), ("B rank", "right"), ("│", "center"),
-                 ("B token", "left"), ("prob B", "right"), ("A rank", "right"))
+    top = compact_table(f"each side's top {len(d.a.top)}, and its rank on the other side",
+                        ("rank", "right"), ("A token", "left"), ("prob A", "right"), ("B rank", "right"),
+                        ("│", "center"), ("B token", "left"), ("prob B", "right"), ("A rank", "right"))
     for x, y in zip(d.a.top, d.b.top):
         top.add_row(str(x.rank), tok(x.token), f"{x.prob:.4%}", f"{x.other_rank:,}", "│",
                     tok(y.token), f"{y.prob:.4%}", f"{y.other_rank:,}")
@@ -64,26 +61,16 @@ def diff_report(d) -> None:
         if not movers:
             con.print(f"{title}: none")
             continue
-        t = _table(title, ("id", "right"), ("token", "left"), ("logprob A", "right"), ("logprob B", "right"),
-                   ("Δ", "right"))
+        t = compact_table(title, ("id", "right"), ("token", "left"), ("logprob A", "right"),
+                          ("logprob B", "right"), ("Δ", "right"))
         for m in movers:
             t.add_row(str(m.id), tok(m.token), f"{m.logprob_a:.4f}", f"{m.logprob_b:.4f}", f"{m.delta:+.4f}")
         con.print(t)
 
     if d.targets:
-        t = _table("targets", ("target", "left"),
-                   ("logp A", "right"), ("logp B", "right"), ("Δ", "right"), ("prob A", "right"),
-                   ("prob B", "right"), ("rank A", "right"), ("rank B", "right"))
+        t = compact_table("targets", ("target", "left"), ("logp A", "right"), ("logp B", "right"), ("Δ", "right"),
+                          ("prob A", "right"), ("prob B", "right"), ("rank A", "right"), ("rank B", "right"))
         for x in d.targets:
             t.add_row(tok(x.pieces[0]), f"{x.logprob_a:.4f}", f"{x.logprob_b:.4f}", f"{x.delta:+.4f}",
                       f"{x.prob_a:.4%}", f"{x.prob_b:.4%}", f"{x.rank_a:,}", f"{x.rank_b:,}")
         con.print(t)
-
-
-def _table(title: str, *columns: tuple[str, str]) -> Table:
-    """A compact table (no outer edge, collapsed padding) with these (name, justify) columns."""
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-              collapse_padding=True)
-    for name, justify in columns:
-        t.add_column(name, justify=justify, no_wrap=True)
-    return t
