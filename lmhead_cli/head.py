@@ -1,4 +1,6 @@
-"""The head's arithmetic: pure functions over a logits vector (V,), each returning data.
+"""The head's arithmetic: pure functions over logits (..., V), each written once and returning data.
+
+Every reading and the decoding loop take log-softmax, entropy, ranks and targets from here.
 
 Logits are raw, unnormalised scores of any sign; softmax (always in float32) keeps their order,
 makes them sum to 1 and gives every token a non-zero share.
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmhead_cli.errors import NonFiniteLogits, UsageError
+from lmhead_cli.errors import BadValue, NonFiniteLogits
 
 
 @dataclass(frozen=True)
@@ -44,28 +46,51 @@ def check_finite(logits: torch.Tensor) -> None:
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V)"""
+    """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V);
+    a filtered token (-inf) gets -inf."""
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def entropy(logprobs: torch.Tensor) -> float:
-    """Shannon entropy in nats of a distribution given by its log-probabilities (V,)."""
-    p = logprobs.exp()
-    return float(-(p * logprobs).sum())
+def entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats per distribution, (..., V) log-probabilities -> (...) float32.
+
+    A dropped token (p = 0, log p = -inf) adds nothing: -inf is clamped to the lowest finite float,
+    so 0·log 0 counts as 0 (torch.special.entr is ~10x slower on CPU).
+    """
+    return -(logprobs.exp() * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(dim=-1)
 
 
 def nats_to_bits(nats: float) -> float:
     return nats / math.log(2)
 
 
+RANKS_BY_COMPARISON = 64  # up to this many tokens, (K, V) booleans beat a sort of V
+
+
+def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The rank of each token in `ids` among `logits`: 1 + the tokens scored strictly higher.
+
+    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. A handful of
+    tokens (a table's rows) take one comparison of (..., K, V) booleans; more (`diff -k 50000` ranks
+    every row on the other side) take one sort and a binary search each, so memory stays O(V).
+    """
+    picked = logits.gather(-1, ids)  # (..., K)
+    if ids.shape[-1] <= RANKS_BY_COMPARISON:
+        return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+    ascending = torch.sort(logits, dim=-1).values  # (..., V)
+    not_higher = torch.searchsorted(ascending, picked.contiguous(), right=True)  # (..., K): how many ≤ z
+    return 1 + logits.shape[-1] - not_higher
+
+
 def rank_of(logits: torch.Tensor, token_id: int) -> int:
-    """1 + the number of tokens scored strictly higher than `token_id`."""
-    return 1 + int((logits > logits[token_id]).sum())
+    """`ranks` for one token of one logits vector (V,)."""
+    return int(ranks(logits, torch.tensor([token_id], device=logits.device))[0])
 
 
 def clamp_top_k(k: int, vocab: int) -> int:
+    """How many rows a top-k table can have: k, at most the vocabulary."""
     if k < 1:
-        raise UsageError(f"--top-k must be at least 1 (got {k})")
+        raise BadValue("top_k", f"must be at least 1 (got {k})")
     return min(k, vocab)
 
 
@@ -81,10 +106,21 @@ def top_tokens(logits: torch.Tensor, k: int, token_text) -> list[TokenScore]:
     ]
 
 
-def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) -> TargetScore:
-    """Rank, logit and probability of the first token of `text` (encoded as `ids`)."""
+def encode_target(tokenizer, text: str, key: str = "target") -> list[int]:
+    """The token ids of a token asked about (a --target, an --explain); BadValue(key) if none."""
+    ids = tokenizer.encode(text) if text else []
     if not ids:
-        raise UsageError(f"--target {text!r} encodes to no tokens")
+        raise BadValue(key, f"{text!r} encodes to no tokens; give a token such as ' are'")
+    return ids
+
+
+def encode_targets(tokenizer, texts: list[str] | None) -> list[tuple[str, list[int]]]:
+    """[(text, its token ids)] for the targets asked about, in order."""
+    return [(t, encode_target(tokenizer, t)) for t in texts or []]
+
+
+def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) -> TargetScore:
+    """Rank, logit and probability of the first token of `text` (encoded as `ids`, see encode_targets)."""
     logits = logits.float()
     first = ids[0]
     return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=rank_of(logits, first),
@@ -113,9 +149,3 @@ def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> float:
     """Total variation distance ½ Σ |p − q|: the most probability any set of tokens gains or loses, in [0, 1]."""
     return float(0.5 * (logp.double().exp() - logq.double().exp()).abs().sum())
 
-
-def ranks_of(logits: torch.Tensor, ids: torch.Tensor) -> list[int]:
-    """rank_of for several tokens at once: logits (V,), ids (N,) -> N ranks (1 = the highest logit)."""
-    ascending = torch.sort(logits).values  # (V,): one sort, then a binary search per token
-    not_higher = torch.searchsorted(ascending, logits[ids].contiguous(), right=True)  # (N,) counts ≤ z_id
-    return [1 + logits.shape[-1] - int(n) for n in not_higher]

@@ -79,7 +79,7 @@ def test_divergences_and_ranks_against_transformers(tiny, engine):
 
 def test_divergence_arithmetic_against_torch():
     """head.py's divergences on two clearly different distributions, against torch's kl_div and definitions."""
-    from lmhead_cli.head import js_divergence, kl_divergence, log_softmax, ranks_of, total_variation
+    from lmhead_cli.head import RANKS_BY_COMPARISON, js_divergence, kl_divergence, log_softmax, ranks, total_variation
 
     g = torch.Generator().manual_seed(0)
     za, zb = torch.randn(1000, generator=g) * 3, torch.randn(1000, generator=g) * 2
@@ -94,8 +94,12 @@ def test_divergence_arithmetic_against_torch():
     assert js_divergence(lp, lq) == pytest.approx(js_divergence(lq, lp), rel=1e-12)
     assert total_variation(lp, lq) == pytest.approx(float((p - q).abs().sum() / 2), rel=1e-9)
     assert kl_divergence(lp, lp) == js_divergence(lp, lp) == total_variation(lp, lp) == 0.0
-    ids = torch.tensor([0, 5, int(za.argmax()), int(za.argmin())])
-    assert ranks_of(za, ids) == [1 + int((za > za[i]).sum()) for i in ids]
+    # ranks: a few tokens by comparison, many by a sort; both 1 + the tokens scored strictly higher.
+    few = torch.tensor([0, 5, int(za.argmax()), int(za.argmin())])
+    many = torch.arange(RANKS_BY_COMPARISON + 1)
+    za[7] = za[9]  # a tie shares the better rank on both paths
+    for ids in (few, many):
+        assert ranks(za, ids).tolist() == [1 + int((za > za[i]).sum()) for i in ids]
 
 
 def test_untied(tiny_untied):

@@ -98,17 +98,18 @@ class TransformersEngine(Engine):
         kind = self.config.get("model_type", type(self.model).__name__)
         blocks = getattr(self.base, "h", None) or getattr(self.base, "layers", None)
         if blocks is None:
-            raise UnsupportedModel(f"attribute: cannot find the layers of this {kind} model (no .h or .layers)")
+            raise UnsupportedModel(f"cannot find the layers of this {kind} model (no .h or .layers) to split its "
+                                   "residual stream")
         post = [n for n in ("post_feedforward_layernorm", "post_attention_norm") if hasattr(blocks[0], n)]
         if post:
-            raise UnsupportedModel(f"attribute: {kind} layers normalise their outputs before adding them to the "
-                                   f"residual stream ({post[0]}), so the stream is not a sum of the layers' outputs")
+            raise UnsupportedModel(f"{kind} layers normalise their outputs before adding them to the residual "
+                                   f"stream ({post[0]}), so the stream is not a sum of the layers' outputs")
         taps = [self._taps(block, kind) for block in blocks]
         norm = self._final_norm_module()
         lin = linearise_norm(norm)
         if lin is None:
-            raise UnsupportedModel(f"attribute: the final norm of this {kind} model ({type(norm).__name__}) is "
-                                   "neither a LayerNorm nor an RMSNorm")
+            raise UnsupportedModel(f"the final norm of this {kind} model ({type(norm).__name__}) is neither a "
+                                   "LayerNorm nor an RMSNorm, so it cannot be linearised")
         wte, wpe = getattr(self.base, "wte", None), getattr(self.base, "wpe", None)
         n_head = int(self.config.get("n_head") or self.config.get("num_attention_heads"))
         return capture_components(lambda: self.body(ids), n_head, taps, blocks, lin,
@@ -120,8 +121,8 @@ class TransformersEngine(Engine):
         proj = next((getattr(attn, n) for n in ("c_proj", "o_proj", "out_proj", "dense") if hasattr(attn, n)), None)
         mlp = getattr(block, "mlp", None)
         if proj is None or mlp is None:
-            raise UnsupportedModel(f"attribute: {kind} layers have no attention output projection (c_proj, o_proj) "
-                                   "or no .mlp to read the parts from")
+            raise UnsupportedModel(f"{kind} layers have no attention output projection (c_proj, o_proj) or no "
+                                   ".mlp to read the residual stream's parts from")
         # transformers' Conv1D stores (in, out); nn.Linear stores (out, in).
         weight = proj.weight.detach() if type(proj).__name__ == "Conv1D" else proj.weight.detach().t()
         bias = proj.bias.detach() if getattr(proj, "bias", None) is not None else None

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lmhead_cli.errors import UnsupportedModel, UsageError
+from lmhead_cli.errors import UnsupportedModel
+from lmhead_cli.head import encode_target
 from lmhead_cli.loading.sources import Loaded
-from lmhead_cli.readings.inspect import PromptToken, encode_prompt, last_logits
+from lmhead_cli.readings.inspect import PromptToken, check_prompt, encode_prompt, last_logits
 
 # The parts must add up to the residual the forward computed, and the linearised norm must give the
 # model's own norm, up to rounding in the model's dtype; a miss beyond this (relative to the largest
@@ -80,41 +81,32 @@ class Attribution:
     n_head: int
 
 
-def _asked(loaded: Loaded, text: str, flag: str) -> Asked:
-    pieces = loaded.tokenizer.encode(text) if text else []
-    if not pieces:
-        raise UsageError(f"{flag} {text!r} encodes to no tokens; give a token such as ' are'")
+def _asked(loaded: Loaded, text: str, key: str) -> Asked:
+    pieces = encode_target(loaded.tokenizer, text, key)
     return Asked(token=text, id=pieces[0], pieces=[loaded.tokenizer.token_text(i) for i in pieces])
 
 
-def check_attribute(prompt: str | None, target: str | None, vs: str | None) -> None:
-    """Usage errors of `attribute`, raised before any model is loaded."""
-    from lmhead_cli.readings.inspect import check_prompt
-
-    if prompt is None:
-        raise UsageError('give a prompt, e.g. lmhead attribute "The keys on the table" --target " are"')
-    check_prompt(prompt, "attribute")
-    if target is None:
-        raise UsageError("attribute needs --target: the token whose logit to take apart, e.g. --target ' are'")
-    if not target:
-        raise UsageError(f"--target {target!r} encodes to no tokens; give a token such as ' are'")
-    if vs is not None and not vs:
-        raise UsageError(f"--vs {vs!r} encodes to no tokens; give a token such as ' is'")
+def check_attribute(prompt: str | None, target: str, vs: str | None) -> None:
+    """Usage errors of `attribute` (a target is given), raised before any model is loaded."""
+    check_prompt(prompt)
+    for key, text in (("target", target), ("vs", vs)):
+        if text is not None and not text:
+            encode_target(None, text, key)  # raises BadValue: "" has no token, no tokenizer needed
 
 
 def _check_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """UnsupportedModel when `got` misses `want` (…, D) by more than rounding."""
     miss = float((got - want).abs().max())
     if miss > SUM_TOLERANCE * max(1.0, float(want.abs().max())):
-        raise UnsupportedModel(f"attribute: {what} (off by {miss:.3g}), so its logit cannot be split into parts")
+        raise UnsupportedModel(f"{what} (off by {miss:.3g}), so its logit cannot be split into parts")
 
 
 @torch.inference_mode()
 def attribute_logit(loaded: Loaded, prompt: str, target: str, vs: str | None = None) -> Attribution:
     """Decompose the last position's logit of `target` (minus that of `vs`) after `prompt` into parts."""
     eng, tok = loaded.engine, loaded.tokenizer
-    asked_t = _asked(loaded, target, "--target")
-    asked_u = _asked(loaded, vs, "--vs") if vs is not None else None
+    asked_t = _asked(loaded, target, "target")
+    asked_u = _asked(loaded, vs, "vs") if vs is not None else None
     ids, dropped = encode_prompt(loaded, prompt)
 
     logits, _ = last_logits(loaded, ids)  # (V,) float32: inspect's own forward and head

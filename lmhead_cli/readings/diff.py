@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmhead_cli.head import (TargetScore, TokenScore, clamp_top_k, entropy, js_divergence, kl_divergence,
-                             log_softmax, nats_to_bits, ranks_of, target_score, top_tokens,
+from lmhead_cli.head import (TargetScore, TokenScore, clamp_top_k, encode_targets, entropy, js_divergence,
+                             kl_divergence, log_softmax, nats_to_bits, ranks, target_score, top_tokens,
                              total_variation)
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt, last_logits
@@ -100,8 +100,8 @@ def _side(loaded: Loaded, prompt: str, ids: list[int], dropped: int, logits: tor
     """One prompt's reading: its top k (each with its rank under the `other` logits (V,)) and entropy."""
     text = loaded.tokenizer.token_text
     top: list[TokenScore] = top_tokens(logits, k, text)
-    other_ranks = ranks_of(other, torch.tensor([t.id for t in top], device=other.device))
-    nats = entropy(log_softmax(logits))
+    other_ranks = ranks(other, torch.tensor([t.id for t in top], device=other.device)).tolist()
+    nats = float(entropy(log_softmax(logits)))
     return Side(prompt=prompt, prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped,
                 top=[SideToken(t.rank, t.id, t.token, t.logit, t.prob, t.logprob, r) for t, r in zip(top, other_ranks)],
                 entropy=nats, entropy_bits=nats_to_bits(nats))
@@ -140,10 +140,8 @@ def diff_prompts(loaded: Loaded, prompt_a: str, prompt_b: str, top_k: int = 10,
     risers = [mover(int(i)) for i in order if delta[i] > 0][:n_movers]
     fallers = [mover(int(i)) for i in order.flip(0) if delta[i] < 0][:n_movers]
 
-    scored = []
-    for t in targets or []:
-        pieces = loaded.tokenizer.encode(t)
-        scored.append(_target(target_score(za, t, pieces, text), target_score(zb, t, pieces, text), logp, logq))
+    scored = [_target(target_score(za, t, pieces, text), target_score(zb, t, pieces, text), logp, logq)
+              for t, pieces in encode_targets(loaded.tokenizer, targets)]
 
     return Diff(model=loaded.source, random_weights=loaded.random_weights,
                 a=_side(loaded, prompt_a, ids_a, cut_a, za, zb, k), b=_side(loaded, prompt_b, ids_b, cut_b, zb, za, k),
