@@ -214,3 +214,26 @@ def test_bad_input_exits_2(args, message):
     assert r.exit_code == 2, r.output
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_bfloat16_runs_and_reports_its_rounding(tiny):
+    a = attribute_logit(load_model(str(tiny[0]), device="cpu", dtype="bfloat16"), PROMPT, " are", " is")
+    assert abs(a.error) < 0.05 and a.error == pytest.approx(a.sum - a.logit, abs=1e-12)
+
+
+def test_a_stream_that_is_not_the_sum_of_the_parts_is_refused(tiny, monkeypatch):
+    """The guard: if the parts read off a model did not add up to its residual (a layer adding
+    something the hooks do not see), attribution refuses instead of printing wrong shares."""
+    from lmhead_cli.errors import UnsupportedModel
+
+    loaded = load_model(str(tiny[0]), device="cpu")
+    own = loaded.engine.components
+
+    def without_mlps(ids):
+        c = own(ids)
+        c.mlp = c.mlp * 0
+        return c
+
+    monkeypatch.setattr(loaded.engine, "components", without_mlps)
+    with pytest.raises(UnsupportedModel, match="not the sum of its embeddings, attention and MLP outputs"):
+        attribute_logit(loaded, PROMPT, " are")

@@ -24,8 +24,10 @@ from lmhead_cli.readings.inspect import PromptToken, check_prompt, encode_prompt
 
 # The parts must add up to the residual the forward computed, and the linearised norm must give the
 # model's own norm, up to rounding in the model's dtype; a miss beyond this (relative to the largest
-# entry) means the model adds something else to its stream, and attribution would be wrong.
+# entry: 1e-3 in float32, 16 units of the last place in bfloat16/float16, whose sums round far more)
+# means the model adds something else to its stream, and attribution would be wrong.
 SUM_TOLERANCE = 1e-3
+ROUNDING_ULPS = 16
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,11 @@ def check_attribute(prompt: str | None, target: str, vs: str | None) -> None:
             encode_target(None, text, key)  # raises BadValue: "" has no token, no tokenizer needed
 
 
-def _check_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """UnsupportedModel when `got` misses `want` (…, D) by more than rounding."""
+def _check_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """UnsupportedModel when `got` misses `want` (…, D) by more than rounding in `dtype`."""
     miss = float((got - want).abs().max())
-    if miss > SUM_TOLERANCE * max(1.0, float(want.abs().max())):
+    tolerance = max(SUM_TOLERANCE, ROUNDING_ULPS * torch.finfo(dtype).eps)
+    if miss > tolerance * max(1.0, float(want.abs().max())):
         raise UnsupportedModel(f"{what} (off by {miss:.3g}), so its logit cannot be split into parts")
 
 
@@ -118,13 +121,13 @@ def attribute_logit(loaded: Loaded, prompt: str, target: str, vs: str | None = N
     heads, attn_bias, mlp = c.heads[0].double(), c.attn_bias.double(), c.mlp[0].double()  # (L, H, D), (L, D), (L, D)
     resid = c.resid[0].double()  # (D,)
     L, H = heads.shape[0], heads.shape[1]
-    _check_close(sum(embed.values()) + heads.sum((0, 1)) + attn_bias.sum(0) + mlp.sum(0), resid,
+    _check_close(sum(embed.values()) + heads.sum((0, 1)) + attn_bias.sum(0) + mlp.sum(0), resid, eng.dtype,
                  "this model's residual stream is not the sum of its embeddings, attention and MLP outputs")
     norm = c.norm
     beta = norm.beta.double() if norm.beta is not None else None
     sigma = norm.sigma(resid)  # (1,): from the actual final residual
     _check_close(norm.apply(resid, sigma) + (beta if beta is not None else 0), eng.final_norm(c.resid)[0].double(),
-                 "its final norm is not γ ⊙ centre(x) / σ + β")
+                 eng.dtype, "its final norm is not γ ⊙ centre(x) / σ + β")
 
     W = eng.head_weight
     e = W[t].double() - (W[u].double() if u is not None else 0)  # (D,): the row (or the difference of rows)
