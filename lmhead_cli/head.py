@@ -42,7 +42,7 @@ def check_finite(logits: torch.Tensor) -> None:
         bad = int((~torch.isfinite(logits)).sum())
         raise NonFiniteLogits(f"the head produced {bad} non-finite logits (NaN or inf): the weights "
                               "hold non-finite values or overflowed in this dtype; check the checkpoint "
-                              "or try --dtype float32")
+                              "or try float32")
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import BadValue
 
 WORDS = ("cat", "dog", "fish", "run")
 # The toy embedding matrix W_e, one row per word: (V, d) = (4, 3). Tied: the head scores with these rows.
@@ -157,18 +157,18 @@ def parse_hidden(text: str, dims: int = len(HIDDEN)) -> tuple[float, ...]:
     try:
         values = tuple(float(p) for p in parts)
     except ValueError:
-        raise UsageError(f"--hidden must be {dims} comma-separated numbers, like 1,0,1; got {text!r}") from None
+        raise BadValue("hidden", f"must be {dims} comma-separated numbers, like 1,0,1; got {text!r}") from None
     if len(values) != dims:
-        raise UsageError(f"--hidden needs {dims} numbers, one per column of the toy table; got {len(values)} "
-                         f"in {text!r}")
+        raise BadValue("hidden", f"needs {dims} numbers, one per column of the toy table; got {len(values)} "
+                       f"in {text!r}")
     if not all(math.isfinite(v) for v in values):
-        raise UsageError(f"--hidden must be finite numbers (no nan or inf); got {text!r}")
+        raise BadValue("hidden", f"must be finite numbers (no nan or inf); got {text!r}")
     return values
 
 
 def check_temperature(temperature: float) -> float:
     if not (math.isfinite(temperature) and temperature > 0):
-        raise UsageError(f"--temperature must be a finite number above 0; got {temperature}")
+        raise BadValue("temperature", f"must be a finite number above 0; got {temperature}")
     return temperature
 
 
