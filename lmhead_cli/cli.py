@@ -668,7 +668,8 @@ def diff_cmd(
     prompt_a: Annotated[Optional[str], typer.Argument(help="The first prompt (A).")] = None,
     prompt_b: Annotated[Optional[str], typer.Argument(help="The second prompt (B).")] = None,
     top_k: Annotated[
-        int, typer.Option("--top-k", "-k", help="Rows per side, and N for the movers: the union of both top N.")
+        int, typer.Option("--top-k", "-k", help="Rows per side, and N for the movers: the union of both top N.",
+                          min=1)
     ] = 10,
     target: TargetOpt = None,
     movers: Annotated[int, typer.Option("--movers", help="How many risers and fallers to list.")] = 5,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_rank
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
@@ -24,10 +25,6 @@ def reference(model, ids) -> torch.Tensor:
     with torch.no_grad():
         z = model(torch.tensor([ids])).logits[0, -1]
     return torch.log_softmax(z.double(), -1)
-
-
-def ref_rank(logp: torch.Tensor, i: int) -> int:
-    return 1 + int((logp > logp[i]).sum())
 
 
 @pytest.mark.parametrize("engine", ["lean", "transformers"])
@@ -57,7 +54,7 @@ def test_divergences_and_ranks_against_transformers(tiny, engine):
         assert [t.id for t in side.top] == torch.topk(mine, 6).indices.tolist()
         for t in side.top:
             assert t.logprob == pytest.approx(float(mine[t.id]), abs=1e-4)
-            assert t.other_rank == ref_rank(other, t.id)
+            assert_rank(t.other_rank, other, t.id)
 
     pool = set(torch.topk(lp, 6).indices.tolist()) | set(torch.topk(lq, 6).indices.tolist())
     delta = {i: float(lq[i] - lp[i]) for i in pool}
@@ -73,7 +70,8 @@ def test_divergences_and_ranks_against_transformers(tiny, engine):
         assert t.id == i
         assert (t.logprob_a, t.logprob_b) == (pytest.approx(float(lp[i]), abs=1e-4), pytest.approx(float(lq[i]), abs=1e-4))
         assert (t.prob_a, t.prob_b) == (pytest.approx(float(p[i]), rel=1e-4), pytest.approx(float(q[i]), rel=1e-4))
-        assert (t.rank_a, t.rank_b) == (ref_rank(lp, i), ref_rank(lq, i))
+        assert_rank(t.rank_a, lp, i)
+        assert_rank(t.rank_b, lq, i)
         assert t.delta == pytest.approx(float(lq[i] - lp[i]), abs=1e-4)
 
 
