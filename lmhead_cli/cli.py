@@ -19,7 +19,7 @@ from typer.core import TyperCommand
 
 from lmhead_cli import __version__
 from lmhead_cli.decoding.stages import GEMMA2_CAP, STAGES, option  # the registry: no torch
-from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, UsageError
+from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, UnsupportedModel, UsageError
 
 app = typer.Typer(
     name="lmhead",
@@ -298,6 +298,7 @@ def inspect_cmd(
     result = inspect_prompt(loaded, prompt, top_k, target)
     render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     render.multi_piece_notices(result.targets)
+    own_softcap_notice(loaded, chosen.softcap if chosen is not None else None)
     table = None
     if chosen is not None:
         from lmhead_cli.decoding.stages import stage_table
@@ -306,13 +307,14 @@ def inspect_cmd(
     if json_out:
         from lmhead_cli.render.generate import stages_json
 
-        render.print_json(inspection_json(result, loaded.tie) | ({"stages": stages_json(table)} if table else {}))
+        own = loaded.engine.own_stages.get("softcap")
+        render.print_json(inspection_json(result, loaded.tie) | ({"stages": stages_json(table, own)} if table else {}))
         return
     inspection(result, loaded.tie)
     if table is not None:
         from lmhead_cli.render.generate import stage_report
 
-        stage_report(table)
+        stage_report(table, loaded.engine.own_stages.get("softcap"))
 
 
 def stage_knobs(stages: bool, preset: str | None, given: dict):
@@ -398,6 +400,32 @@ MODES: dict[str, dict] = {
     "sample": {"draws": True},
     "softcap": {"draws": True, "defaults": {"softcap": GEMMA2_CAP}},
 }
+FormatOpt = Annotated[
+    Optional[str], typer.Option("--format", help="text, json (the same as --json) or openai: one OpenAI chat "
+                                "completion object, logprobs included.", show_default="text")
+]
+TopLogprobsOpt = Annotated[
+    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at each step, "
+                      "from 0 up to the vocabulary size (no cap at 20).")
+]
+LogprobsOpt = Annotated[
+    Optional[str], typer.Option("--logprobs", help="With --format openai: raw (the default: softmax of the model's "
+                                "logits) or processed (after the stages: the distribution each token was drawn from).",
+                                show_default="raw")
+]
+
+
+def output_kind(json_out: bool, output_format: str | None, top_logprobs: int, logprobs: str | None) -> str:
+    """text, json or openai from --json / --format; the logprob options only mean something in openai."""
+    kind = output_format or ("json" if json_out else "text")
+    if kind not in ("text", "json", "openai"):
+        raise UsageError(f"--format must be text, json or openai (got {kind!r})")
+    if json_out and kind != "json":
+        raise UsageError(f"--json and --format {kind} ask for two different outputs; give one")
+    if kind != "openai" and (top_logprobs or logprobs is not None):
+        given = "--top-logprobs" if top_logprobs else "--logprobs"
+        raise UsageError(f"{given} is reported by --format openai; --json always has both raw_logprob and logprob")
+    return kind
 
 
 def decoding_options(
@@ -422,6 +450,9 @@ def decoding_options(
     ] = 0,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
+    output_format: FormatOpt = None,
+    top_logprobs: TopLogprobsOpt = 0,
+    logprobs: LogprobsOpt = None,
 ) -> None:
     """The options the four decoding commands share (`knobs`: one per stage of the registry)."""
 
@@ -458,20 +489,24 @@ _decoding_command("softcap", """Sample after Gemma-style soft-capping z -> c·ta
 
 
 def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
-            knobs: dict, source: ModelChoice, json_out) -> None:
+            knobs: dict, source: ModelChoice, json_out, output_format, top_logprobs, logprobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
     from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
+    kind = output_kind(json_out, output_format, top_logprobs, logprobs)
+    json_out = kind != "text"
     mode = MODES[command_name]
     settings = resolve(defaults=mode.get("defaults"), draws=mode.get("draws", False), preset=preset,
                        greedy=greedy or mode.get("greedy", False), beams=beams, ignore_eos=ignore_eos, seed=seed,
-                       show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
+                       show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
+                       logprobs=logprobs or "raw", **knobs)
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
                         else prompt)
     loaded = source.load()
+    own_softcap_notice(loaded, settings.knobs.softcap)
     ids, dropped = encode_prompt(loaded, text)
     render.truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
@@ -480,12 +515,27 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     if not json_out:
         show.end_text()
     show.stop_notice(result, loaded.engine.n_ctx)
+    if kind == "openai":
+        show.openai_json(result, loaded)
+        return
     if json_out:
         render.print_json(show.generation_json(result, loaded, text, preset))
         return
     if settings.show_steps:
         show.steps_table(result)
+    if result.beams:
+        show.beams_table(result)
     show.summary(result)
+
+
+def own_softcap_notice(loaded, softcap: float | None) -> None:
+    """One notice when a soft-cap stage is asked of a model that soft-caps its own logits (Gemma-2)."""
+    own = loaded.engine.own_stages.get("softcap")
+    if own and softcap is not None:
+        from lmhead_cli import render
+
+        render.notice(f"the model already soft-caps its own logits at c = {own:g}; the softcap stage "
+                      f"(c = {softcap:g}) caps them a second time")
 
 
 # ==== params / toy ===============================================================================
@@ -535,6 +585,12 @@ def params(
         name, counted_from = config or DEFAULT_MODEL, "config"
         acc = count.account_from_config(load_config(name))
     else:
+        from lmhead_cli.loading.sources import model_type
+
+        kind = model_type(model, allow_pickle)  # the config only: refuse before reading any weights
+        if kind != "gpt2":
+            raise UnsupportedModel(f"params --model counts GPT-2-family tensors (wte, wpe, h.N, ln_f); "
+                                   f"{model} is a {kind!r} model")
         # --model here counts tensors (no --device/--engine): imports torch only when asked
         loaded = ModelChoice(model, device="cpu", engine="lean", allow_pickle=allow_pickle).load()
         name, counted_from = model, "tensors"
@@ -646,6 +702,7 @@ def explore_cmd(
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = source.load()
+    own_softcap_notice(loaded, knobs.get("softcap"))
     n_threads = explore.warm_up(loaded)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)

@@ -76,5 +76,5 @@ class NonFiniteLogits(LmheadError):
     """The head produced NaN or infinite logits (for example from a NaN weight)."""
 
 
-class UnsupportedModel(UsageError):
-    """The model lacks what a command needs (for example a residual stream that is a plain sum of parts)."""
+class UnsupportedModel(LmheadError):
+    """A model lmhead cannot run, or a reading this model cannot give; the message names what it lacks."""

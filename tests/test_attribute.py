@@ -168,7 +168,7 @@ def test_gemma2_is_refused_in_one_line(tmp_path):
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "g")
     r = runner.invoke(app, ["attribute", PROMPT, "-t", " are", "--model", str(tmp_path / "g")])
-    assert r.exit_code == 2, r.output
+    assert r.exit_code == 1, r.output
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "post_feedforward_layernorm" in lines[0] and "Traceback" not in r.output
 

@@ -145,6 +145,11 @@ def capture_components(run: Callable[[], Any], n_head: int, taps: list[LayerTaps
                       mlp=torch.stack([got["mlp"][i] for i in range(len(taps))], 1), resid=got["resid"], norm=norm)
 
 
+def module_name(root: nn.Module, module: nn.Module) -> str:
+    """`module`'s path inside `root` as the model names it, e.g. "model.norm" or "lm_head"."""
+    return next(name for name, m in root.named_modules() if m is module)
+
+
 @dataclass
 class Engine(ABC):
     """What the rest of lmhead needs from a model.
@@ -152,8 +157,8 @@ class Engine(ABC):
     body(ids, cache, attention_mask) -> hidden states after the final norm, (B, T, D)
     residuals(ids) -> the residual stream after the embeddings and after each block, L + 1 × (B, T, D)
     components(ids) -> the last position's final residual as named parts (heads split), see Components
-    final_norm(x) -> the model's own final norm (LayerNorm, RMSNorm, ...), (..., D)
-    head(h) -> logits, (..., V)
+    final_norm(x) -> the model's own final norm (LayerNorm, RMSNorm, ...), (..., D); final_norm_module, its module
+    head(h) -> logits, (..., V), with whatever the model itself does after its head (own_stages)
     new_cache(B, T_max) / reorder_cache(cache, rows) -> the KV cache, and beam search's reordering
     """
 
@@ -197,6 +202,11 @@ class Engine(ABC):
     @abstractmethod
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The model's own final norm, (..., D) -> (..., D)."""
+
+    @property
+    @abstractmethod
+    def final_norm_module(self) -> nn.Module | None:
+        """The module behind `final_norm` (nn.LayerNorm, LlamaRMSNorm, ...), or None if the model has none."""
 
     @abstractmethod
     def components(self, ids: torch.Tensor) -> Components:

@@ -232,6 +232,9 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
+TIE_NAMES = TieNames(head="lm_head.weight", embedding="wte.weight")  # the checkpoint keys, as nanoGPT names them
+
+
 class LeanGPT2(Engine):
     """The plain-torch GPT-2 engine."""
 
@@ -253,7 +256,7 @@ class LeanGPT2(Engine):
 
     @property
     def tie_names(self) -> TieNames:
-        return TieNames(head="lm_head.weight", embedding="wte.weight")
+        return TIE_NAMES
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
@@ -299,6 +302,10 @@ class LeanGPT2(Engine):
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.gpt.ln_f(x)
+
+    @property
+    def final_norm_module(self) -> nn.Module:
+        return self.gpt.ln_f
 
     def components(self, ids: torch.Tensor) -> Components:
         """The last position's final residual as wte + wpe + each head of each layer + c_proj biases + MLPs."""

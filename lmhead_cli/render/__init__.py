@@ -69,11 +69,15 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def json_text(doc: Any, *, lines: bool = False) -> str:
+    """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite."""
+    return json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
+                      indent=None if lines else 2)
+
+
 def print_json(doc: Any, *, lines: bool = False) -> None:
     """One JSON document on stdout (or one line per document with ``lines``), no colour."""
-    text = json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
-                      indent=None if lines else 2)
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(json_text(doc, lines=lines) + "\n")
     sys.stdout.flush()
 
 

@@ -26,14 +26,16 @@ def lens_json(lens) -> dict:
         "prompt_tokens": [asdict(t) for t in lens.prompt_tokens],
         "truncated": lens.truncated,
         "layers": [asdict(layer) for layer in lens.layers],
+        "norm": lens.norm,
+        "tied": lens.tied,
     }
 
 
 def _header(lens) -> None:
     con = out()
     random_banner(lens.model, lens.random_weights)
-    con.print("logit lens: the residual stream at the last position after each layer, through ln_f "
-              "(recomputed for that vector) and the tied head")
+    con.print(f"logit lens: the residual stream at the last position after each layer, through {tok(lens.norm)} "
+              f"(recomputed for that vector) and the {'tied' if lens.tied else 'untied'} head")
     con.print("prompt: " + " ".join(f"[{show_token(t.text)}]" for t in lens.prompt_tokens), markup=False)
 
 
