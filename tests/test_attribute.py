@@ -1,6 +1,6 @@
 """`lmhead attribute`: every part against transformers' own module outputs captured with hooks, the sum
-against transformers' logit, on both engines, tied and untied; other architectures through the engine
-contract (Llama) or refused in one line (Gemma-2)."""
+against transformers' logit, on both engines, tied and untied. Llama (through the engine contract) and
+Gemma-2 (refused in one line) are in test_architectures.py, beside every other command on them."""
 
 from __future__ import annotations
 
@@ -118,59 +118,6 @@ def test_engines_agree_and_untied_head_uses_its_own_rows(tmp_path):
     beta = ln.bias.detach().double()
     assert lean.parts[-1].value == pytest.approx(float(model.lm_head.weight[ARE].detach().double() @ beta), abs=1e-6)
     assert lean.parts[-1].value != pytest.approx(float(model.transformer.wte.weight[ARE].detach().double() @ beta), abs=1e-4)
-
-
-def llama(folder):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.model.norm.weight.copy_(torch.rand(64) + 0.5)
-    model.save_pretrained(folder)
-    return model
-
-
-def test_llama_through_the_engine_contract(tmp_path):
-    """RMSNorm has no centring and no β: the same linearisation, held against transformers' own modules."""
-    model = llama(tmp_path / "llama")
-    a = attribute_logit(load_model(str(tmp_path / "llama"), device="cpu"), PROMPT, " are", " is")
-    got: dict = {}
-    layers = model.model.layers
-    hooks = [layers[0].register_forward_pre_hook(lambda _m, args, kw: got.__setitem__("embed", (args[0] if args else kw["hidden_states"])[0, -1]), with_kwargs=True),
-             layers[-1].register_forward_hook(lambda _m, _i, o: got.__setitem__("resid", (o[0] if isinstance(o, tuple) else o)[0, -1]))]
-    for i, layer in enumerate(layers):
-        hooks.append(layer.self_attn.register_forward_hook(lambda _m, _i, o, i=i: got.__setitem__(f"attn.{i}", o[0][0, -1])))
-        hooks.append(layer.mlp.register_forward_hook(lambda _m, _i, o, i=i: got.__setitem__(f"mlp.{i}", o[0, -1])))
-    with torch.no_grad():
-        z = model(torch.tensor([PROMPT_IDS])).logits[0, -1]
-    for h in hooks:
-        h.remove()
-    norm = model.model.norm
-    x = got["resid"].double()
-    rms = (x.pow(2).mean() + norm.variance_epsilon).sqrt()
-    W = model.lm_head.weight.detach().double()
-    e = W[ARE] - W[IS]
-    parts = {p.name: p.value for p in a.parts}
-    assert set(parts) == {"embed.token", "attn.0", "mlp.0", "attn.1", "mlp.1"}  # no position table, no β
-    for name, value in parts.items():
-        v = got["embed" if name == "embed.token" else name].double()
-        assert value == pytest.approx(float(e @ (norm.weight.detach().double() * v / rms)), abs=1e-5), name
-    assert a.sum == pytest.approx(float(z[ARE] - z[IS]), abs=1e-4) and abs(a.error) < 1e-4
-
-
-def test_gemma2_is_refused_in_one_line(tmp_path):
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    cfg = Gemma2Config(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "g")
-    r = runner.invoke(app, ["attribute", PROMPT, "-t", " are", "--model", str(tmp_path / "g")])
-    assert r.exit_code == 1, r.output
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "post_feedforward_layernorm" in lines[0] and "Traceback" not in r.output
 
 
 def test_cli_table_and_check(tiny):
