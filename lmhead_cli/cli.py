@@ -298,7 +298,7 @@ def inspect_cmd(
     result = inspect_prompt(loaded, prompt, top_k, target)
     render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     render.multi_piece_notices(result.targets)
-    own_softcap_notice(loaded, chosen.softcap if chosen is not None else None)
+    render.own_softcap_notice(loaded.engine.own_stages.get("softcap"), chosen and chosen.softcap)
     table = None
     if chosen is not None:
         from lmhead_cli.decoding.stages import stage_table
@@ -506,7 +506,7 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
                         else prompt)
     loaded = source.load()
-    own_softcap_notice(loaded, settings.knobs.softcap)
+    render.own_softcap_notice(loaded.engine.own_stages.get("softcap"), settings.knobs.softcap)
     ids, dropped = encode_prompt(loaded, text)
     render.truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
@@ -526,16 +526,6 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     if result.beams:
         show.beams_table(result)
     show.summary(result)
-
-
-def own_softcap_notice(loaded, softcap: float | None) -> None:
-    """One notice when a soft-cap stage is asked of a model that soft-caps its own logits (Gemma-2)."""
-    own = loaded.engine.own_stages.get("softcap")
-    if own and softcap is not None:
-        from lmhead_cli import render
-
-        render.notice(f"the model already soft-caps its own logits at c = {own:g}; the softcap stage "
-                      f"(c = {softcap:g}) caps them a second time")
 
 
 # ==== params / toy ===============================================================================
@@ -702,7 +692,7 @@ def explore_cmd(
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = source.load()
-    own_softcap_notice(loaded, knobs.get("softcap"))
+    show.own_softcap_notice(loaded.engine.own_stages.get("softcap"), knobs.get("softcap"))
     n_threads = explore.warm_up(loaded)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)

@@ -228,8 +228,10 @@ def test_file_batches_match_one_forward_per_prompt(arch, tmp_path):
 
 def test_explore_piped_answers_with_the_forwards_top_token(arch):
     _, model = arch
-    got = run(arch, "explore", "-k", "1", input=f"{PROMPT}\n:lens\n:gen 2\n")
+    got = run(arch, "explore", "-k", "1", input=f"{PROMPT}\n:lens\n:gen 2\n:softcap 3\n")
     assert got.exit_code == 0, got.output
+    own = getattr(model.config, "final_logit_softcapping", None)
+    assert got.stderr.count("already soft-caps its own logits") == (1 if own else 0)
     from lmhead_cli.loading.tokenizer import GPT2Tokenizer
     from lmhead_cli.render import show_token
 
@@ -348,3 +350,23 @@ def test_a_model_that_scales_its_logits_is_refused(tmp_path):
     GraniteForCausalLM(GraniteConfig(**sizes, logits_scaling=4.0)).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModel, match=r"scale their logits after the head \(logits_scaling = 4.0\)"):
         load_model(str(tmp_path), device="cpu")
+
+
+def test_a_model_without_a_findable_piece_refuses_the_reading_that_needs_it(llama):
+    """A layout lmhead cannot read: inspect still runs; the lens and --explain name what is missing."""
+    from torch import nn
+
+    from lmhead_cli.errors import UnsupportedModel
+    from lmhead_cli.readings.explain import explain_logit
+    from lmhead_cli.readings.inspect import inspect_prompt
+    from lmhead_cli.readings.lens import lens_prompt
+
+    loaded = load_model(str(llama[0]), device="cpu")
+    top = inspect_prompt(loaded, PROMPT, 1).top[0].id
+    loaded.engine.norm = nn.Identity()  # a final norm that is neither a LayerNorm nor an RMSNorm
+    with pytest.raises(UnsupportedModel, match="final norm as a LayerNorm or an RMSNorm; this model's is Identity"):
+        explain_logit(loaded, PROMPT, " are")
+    loaded.engine.layers = loaded.engine.norm = None
+    with pytest.raises(UnsupportedModel, match=r"cannot find the decoder layers .* of transformers' LlamaForCausalLM"):
+        lens_prompt(loaded, PROMPT)
+    assert inspect_prompt(loaded, PROMPT, 1).top[0].id == top

@@ -50,6 +50,14 @@ def truncated(kept: int, dropped: int, n_ctx: int) -> None:
         warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; keeping the last {kept}")
 
 
+def own_softcap_notice(own: float | None, softcap: float | None) -> None:
+    """One notice when a soft-cap stage (c = `softcap`) is asked of a model that soft-caps its own
+    logits at c = `own` (Gemma-2)."""
+    if own and softcap is not None:
+        notice(f"the model already soft-caps its own logits at c = {own:g}; the softcap stage "
+               f"(c = {softcap:g}) caps them a second time")
+
+
 def multi_piece_notices(targets) -> None:
     """A notice for each target that is several tokens: it is scored by its first."""
     for t in targets:
