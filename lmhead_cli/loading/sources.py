@@ -314,8 +314,7 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CorruptCheckpoint(f"{_names(files)} lacks {', '.join(missing[:3])}{more}")
-    # Popped from `state`: once lay_out_ has put a matrix in its own layout, nothing holds the old one,
-    # so loading peaks at one matrix above the model, not at two models.
+    # Popped from `state`: the caller's dict does not keep a tensor alive that the model lets go of.
     weights = {k: state.pop(k).to(dtype) for k in expected}
     try:
         model.load_state_dict(weights, strict=False, assign=True)
@@ -325,7 +324,7 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     del weights
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
-    return model.to(device).eval().lay_out_()
+    return model.to(device).eval()
 
 
 def build_transformers(config: dict, state: dict[str, torch.Tensor], files: list[Path],

@@ -102,8 +102,9 @@ def beams_table(g) -> None:
               f"(each token's processed log p) sum to its sum log p", soft_wrap=True)
     t = Table(show_edge=False)
     for name, justify in (("beam", "right"), ("score", "right"), ("sum log p", "right"), ("tokens", "right"),
-                          ("check", "left"), ("text", "left")):
+                          ("check", "left")):
         t.add_column(name, justify=justify)
+    t.add_column("text", overflow="fold")  # beams often differ only at the end: show all of it
     for i, b in enumerate(g.beams, 1):
         check = f"adds up (± {b.sum_error:.0e})" if b.adds_up else f"[red]off by {b.sum_error:.1e}[/]"
         t.add_row(str(i), f"{b.score:.4f}", f"{b.logprob:.4f}", str(b.length), check, _tok(b.text))
