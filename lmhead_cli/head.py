@@ -65,22 +65,22 @@ def nats_to_bits(nats: float) -> float:
     return nats / math.log(2)
 
 
-RANKS_BY_COMPARISON = 64  # up to this many tokens, ranks compare (K, V); beyond, they sort (O(V) memory)
+RANKS_BY_COMPARISON = 64  # up to this many tokens, (K, V) booleans beat a sort of V
 
 
 def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The rank of each token in `ids` among `logits`: 1 + the tokens scored strictly higher.
 
     logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. A handful of
-    tokens (a table's rows) is one comparison of (..., K, V) booleans; more (explore's :top-k 50000)
-    sort the logits once and search them, so memory stays O(V) instead of K x V.
+    tokens (a table's rows) take one comparison of (..., K, V) booleans; more (`diff -k 50000` ranks
+    every row on the other side) take one sort and a binary search each, so memory stays O(V).
     """
     picked = logits.gather(-1, ids)  # (..., K)
     if ids.shape[-1] <= RANKS_BY_COMPARISON:
         return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
-    ascending = logits.sort(dim=-1).values  # (..., V)
-    not_above = torch.searchsorted(ascending.contiguous(), picked.contiguous(), right=True)  # (..., K)
-    return 1 + logits.shape[-1] - not_above
+    ascending = torch.sort(logits, dim=-1).values  # (..., V)
+    not_higher = torch.searchsorted(ascending, picked.contiguous(), right=True)  # (..., K): how many ≤ z
+    return 1 + logits.shape[-1] - not_higher
 
 
 def rank_of(logits: torch.Tensor, token_id: int) -> int:
@@ -131,3 +131,27 @@ def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) ->
     first = ids[0]
     return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=rank_of(logits, first),
                        logit=float(logits[first]), prob=float(log_softmax(logits)[first].exp()))
+
+
+# ---- two distributions compared (`diff`) -------------------------------------------------------
+# Divergences are summed in float64 over log-probabilities, so identical inputs give exactly 0 and
+# tokens with p = 0 in float32 (a logprob of -inf never arises: softmax of finite logits is > 0) add
+# nothing spurious.
+
+def kl_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """KL(p‖q) = Σ p (log p − log q) in nats, for two distributions given by log-probabilities (V,)."""
+    logp, logq = logp.double(), logq.double()
+    return float((logp.exp() * (logp - logq)).sum())
+
+
+def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Jensen–Shannon divergence ½ KL(p‖m) + ½ KL(q‖m), m = (p + q)/2, in nats (at most ln 2)."""
+    logp, logq = logp.double(), logq.double()
+    logm = torch.logaddexp(logp, logq) - math.log(2)
+    return 0.5 * kl_divergence(logp, logm) + 0.5 * kl_divergence(logq, logm)
+
+
+def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Total variation distance ½ Σ |p − q|: the most probability any set of tokens gains or loses, in [0, 1]."""
+    return float(0.5 * (logp.double().exp() - logq.double().exp()).abs().sum())
+

@@ -209,3 +209,21 @@ def show_token(text: str) -> str:
     if shown.startswith(" "):
         shown = "␣" + shown[1:]
     return shown
+
+
+def text_cell(text: str) -> Text:
+    """Untrusted text (a prompt, a line) for rich output: `data`, terminal-safe and never parsed."""
+    return data(text)
+
+
+def compact_table(title: str, *columns: tuple[str, str]):
+    """A rich table with no outer edge and collapsed padding, titled on the left, with these
+    (name, justify) columns that never wrap: the narrow form `diff` and `attribute` print."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+              collapse_padding=True)
+    for name, justify in columns:
+        t.add_column(name, justify=justify, no_wrap=True)
+    return t
