@@ -253,4 +253,6 @@ def test_done_when_generate_on_random_gpt2():
     got = runner.invoke(app, ["generate", "--temperature", "0.8", "--seed", "1", "--model", "random:gpt2",
                               "-n", "5"])
     assert got.exit_code == 0, got.output
-    assert got.stdout.startswith(PROMPT) and "5 tokens in" in got.stdout and "seed 1" in got.stdout
+    assert got.stdout.startswith("random weights (random:gpt2, seeded)")  # every random-weights output says so
+    text = got.stdout.split("the predictions are not.\n", 1)[1]
+    assert text.startswith(PROMPT) and "5 tokens in" in got.stdout and "seed 1" in got.stdout

@@ -139,7 +139,7 @@ def read_header(files: list[Path]) -> dict[str, TensorInfo]:
         except CorruptCheckpoint:
             raise
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CorruptCheckpoint(f"{path} is not a readable safetensors file (truncated or corrupt?): "
+            raise CorruptCheckpoint(f"{path} cannot be read as safetensors (truncated or corrupt?): "
                                     f"{str(e).splitlines()[0][:200]}") from None
     return header
 

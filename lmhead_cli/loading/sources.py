@@ -313,8 +313,12 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
     """A pickle of tensors, with torch's weights-only unpickler. What it refuses is reported as the
     refusal itself: torch's own advice (weights_only=False "will likely succeed") would run the code."""
+    import warnings
+
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's protocol warnings are noise next to the one line below
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         text = str(e)
         why = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text \
