@@ -629,6 +629,84 @@ def explore_cmd(
 
 
 
+# ==== score (issue 11) ===========================================================================
+
+@command("score")
+def score_cmd(
+    text: Annotated[
+        Optional[str], typer.Argument(help="The text to score; - reads it from stdin.")
+    ] = None,
+    file: Annotated[
+        Optional[str], typer.Option("--file", "-f", help="Score every line of this file (- for stdin) as its own "
+                                    "text, streamed; a corpus summary at the end.")
+    ] = None,
+    bos: Annotated[
+        bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is scored too.")
+    ] = False,
+    stride: Annotated[
+        Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
+                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx [default: n_ctx / 2].")
+    ] = None,
+    chunk: Annotated[
+        Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
+                                    "bytes of float32 logits (GPT-2: 201 kB a position) and as much again for "
+                                    "their log-softmax [default: the most within 32 MiB, 166 for GPT-2].")
+    ] = None,
+    show_table: Annotated[
+        bool, typer.Option("--table", help="Also list every token's figures (a long text: the first and last rows).")
+    ] = False,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "float32",
+    engine: EngineOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Score every token of a text you already have: log-probability, rank, entropy, surprisal, perplexity.
+
+    Each token is coloured by its rank (top-1, 10, 100, 1000, the rest); marked instead without colour.
+
+    Example: lmhead score "The keys on the table are on the table." --table
+    """
+    from lmhead_cli.readings import score as scoring
+    from lmhead_cli.render import score as show
+
+    if stride is not None and stride < 1:
+        raise UsageError(f"--stride must be at least 1 (got {stride})")
+    scoring.check_chunk(chunk)
+    if file is not None:
+        if text is not None:
+            raise UsageError("give a text or --file, not both")
+        if show_table:
+            raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
+        stream = scoring.open_texts(file)  # before the load: a bad path fails in an instant
+        try:
+            loaded = load(model, device, dtype, engine, allow_pickle)
+            if stride is not None:
+                scoring.check_stride(stride, loaded.engine.n_ctx)
+            corpus = scoring.Corpus()
+            items = scoring.score_lines(loaded, scoring.read_lines(stream, file), corpus, bos=bos, stride=stride,
+                                        chunk=chunk)
+            show.file_report(items, corpus, loaded.source, loaded.random_weights, json_out)
+        finally:
+            if stream is not sys.stdin.buffer:
+                stream.close()
+        return
+    if text is None:
+        raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '
+                         "(- reads stdin; --file PATH scores one text a line)")
+    text = scoring.check_text(scoring.read_text(sys.stdin.buffer) if text == "-" else text)
+    loaded = load(model, device, dtype, engine, allow_pickle)
+    if stride is not None:
+        scoring.check_stride(stride, loaded.engine.n_ctx)
+    with show.Progress("scoring") as progress:
+        result = scoring.score_text(loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)
+    if json_out:
+        show.write_json(result)
+    else:
+        show.report(result, show_table)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -50,8 +50,16 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 def entropy(logprobs: torch.Tensor) -> float:
     """Shannon entropy in nats of a distribution given by its log-probabilities (V,)."""
+    return float(entropies(logprobs))
+
+
+def entropies(logprobs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats of each row of log-probabilities: (..., V) -> (...).
+
+    H = -Σ p·log p, with p = exp(log p) multiplied in place: one extra (..., V) buffer, not two.
+    Tokens filtered to -inf (p = 0) add nothing: their 0·(-inf) = NaN is counted as 0."""
     p = logprobs.exp()
-    return float(-(p * logprobs).sum())
+    return -p.mul_(logprobs).nan_to_num_(nan=0.0).sum(-1)
 
 
 def nats_to_bits(nats: float) -> float:
@@ -60,7 +68,14 @@ def nats_to_bits(nats: float) -> float:
 
 def rank_of(logits: torch.Tensor, token_id: int) -> int:
     """1 + the number of tokens scored strictly higher than `token_id`."""
-    return 1 + int((logits > logits[token_id]).sum())
+    return int(ranks(logits, torch.tensor(token_id, device=logits.device)))
+
+
+def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """For each row, 1 + the number of tokens scored strictly higher than that row's id:
+    logits (..., V), ids (...) -> ranks (...) int64. Ties share the better rank."""
+    own = logits.gather(-1, ids.unsqueeze(-1))  # (..., 1)
+    return 1 + (logits > own).sum(-1)
 
 
 def clamp_top_k(k: int, vocab: int) -> int:
@@ -89,3 +104,29 @@ def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) ->
     first = ids[0]
     return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=rank_of(logits, first),
                        logit=float(logits[first]), prob=float(log_softmax(logits)[first].exp()))
+
+
+@dataclass(frozen=True)
+class RowScores:
+    """How a distribution rated a given token, row by row; every field has the rows' shape (N,)."""
+
+    logprob: torch.Tensor  # log p(id), float32
+    rank: torch.Tensor  # 1 = the model's own top-1, int64
+    entropy: torch.Tensor  # nats, float32
+    top_id: torch.Tensor  # the model's own top-1 token, int64
+    top_logprob: torch.Tensor  # its log-probability, float32
+
+
+def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
+    """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row.
+
+    Works on the N rows it is given and keeps about two (N, V) float32 buffers alive at once, so a
+    caller bounds the memory by how many rows it passes (`lmhead score --chunk`)."""
+    rank = ranks(logits, ids)
+    logprobs = log_softmax(logits)  # (N, V) float32
+    top_logprob, top_id = logprobs.max(-1)
+    if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)
+        check_finite(logits)
+    del logits  # the caller's reference may be the last one: this chunk's raw logits can go now
+    return RowScores(logprob=logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rank=rank,
+                     entropy=entropies(logprobs), top_id=top_id, top_logprob=top_logprob)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from typing import Any
 
@@ -88,8 +89,19 @@ def token_cell(text: str) -> str:
 
 
 def show_token(text: str) -> str:
-    """A token's text made visible: a leading space as '␣', newlines and tabs escaped."""
-    shown = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    """A token's text made visible: a leading space as '␣', newlines, tabs and other control characters escaped."""
+    shown = safe_text(text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r"))
     if shown.startswith(" "):
         shown = "␣" + shown[1:]
     return shown
+
+
+# Characters that would act on the terminal instead of showing: C0 controls but line feed and tab,
+# DEL, C1 controls (ESC sequences, BEL, CR, ...), and the bidirectional overrides that reorder text.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def safe_text(text: str) -> str:
+    """Running text (a file line, a scored text) for the terminal: line breaks and tabs kept, every
+    other control character shown escaped (ESC as \\x1b). For rich Text, not markup strings."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
