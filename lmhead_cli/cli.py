@@ -1,20 +1,24 @@
 """The command line. One Typer app, one function per command: parse -> load -> compute -> render.
 
 No math and no torch at module top: `lmhead --help`, `params` and `toy` must start instantly.
-Domain errors (lmhead_cli.errors) become one line and an exit code in `_boundary`, and only there.
+Domain errors (lmhead_cli.errors) become one line and an exit code in `_boundary`, and only there;
+that is also the one place where a setting's key (`top_k`) is spelled as the option the user typed.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect as pyinspect
 import os
 import sys
-from typing import Annotated, Optional
+from dataclasses import asdict, dataclass
+from typing import Annotated, Callable, Optional
 
 import typer
 
 from lmhead_cli import __version__
-from lmhead_cli.errors import LmheadError, UsageError
+from lmhead_cli.decoding.stages import GEMMA2_CAP, STAGES, option  # the registry: no torch
+from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, UsageError
 
 app = typer.Typer(
     name="lmhead",
@@ -25,25 +29,109 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-# ---- shared options: declared once, used by every command that loads a model --------------------
 DEFAULT_MODEL = "gpt2"
-ModelOpt = Annotated[
-    str,
-    typer.Option(
-        "--model", "-m", envvar="LMHEAD_MODEL",
-        help="Hub id (gpt2, distilgpt2, ...), a local folder, or random:NAME (seeded random weights, offline).",
-    ),
-]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16 (softmax is always float32).")]
-EngineOpt = Annotated[
-    str, typer.Option("--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.")
-]
+DEFAULT_PROMPT = "The keys on the table"
+
+# ---- shared options: declared once, before any command uses them --------------------------------
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
 AllowPickleOpt = Annotated[
     bool, typer.Option("--allow-pickle", help="Allow pytorch_model.bin checkpoints (loaded with weights_only=True).")
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
+TargetOpt = Annotated[
+    Optional[list[str]], typer.Option("--target", "-t", help="A token to follow (repeatable), e.g. --target ' are'.")
+]
+PresetOpt = Annotated[
+    Optional[str], typer.Option("--preset", help="Named settings from configs/presets.toml (creative, precise, "
+                                "gemma-softcap) or a .toml file; flags override it.")
+]
 
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What --model, --device, --dtype, --engine and --allow-pickle asked for."""
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "float32"
+    engine: str = "auto"
+    allow_pickle: bool = False
+
+    def load(self):
+        """Load the model (importing torch only now); every model command goes through here."""
+        from lmhead_cli.loading.sources import load_model
+
+        return load_model(self.model, device=self.device, dtype=self.dtype, engine=self.engine,
+                          allow_pickle=self.allow_pickle)
+
+
+def _param(name: str, annotation, default) -> pyinspect.Parameter:
+    return pyinspect.Parameter(name, pyinspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
+                               annotation=annotation)
+
+
+# The options of every command that loads a model; the command receives them as one ModelChoice.
+MODEL_OPTIONS = [
+    _param("model", Annotated[str, typer.Option(
+        "--model", "-m", envvar="LMHEAD_MODEL",
+        help="Hub id (gpt2, distilgpt2, ...), a local folder, or random:NAME (seeded random weights, offline).")],
+        DEFAULT_MODEL),
+    _param("device", Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")], "auto"),
+    _param("dtype", Annotated[str, typer.Option(
+        "--dtype", help="float32, bfloat16 or float16 (softmax is always float32).")], "float32"),
+    _param("engine", Annotated[str, typer.Option(
+        "--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.")],
+        "auto"),
+    _param("allow_pickle", AllowPickleOpt, False),
+]
+
+
+KNOB = "knob_"  # stage options' parameter names, apart from a command's own (inspect's top_k counts rows)
+
+
+def stage_options(only: tuple[str, ...] | None = None,
+                  rename: dict[str, tuple[tuple[str, ...], str]] | None = None) -> list[pyinspect.Parameter]:
+    """One option per decoding stage, from the registry (decoding.stages.STAGES): its names, type and
+    help. `only` keeps some stages; `rename` gives a stage other names and help where its own clash
+    with the command's (inspect's --top-k counts rows, so its top-k stage is --filter-top-k)."""
+    params = []
+    for s in STAGES:
+        if only is not None and s.key not in only:
+            continue
+        names, text = (rename or {}).get(s.key, (s.options or (s.option,), s.help))
+        params.append(_param(KNOB + s.key, Annotated[Optional[s.type], typer.Option(*names, help=text)], None))
+    return params
+
+
+def _knobs(**values) -> dict:
+    """{stage key: value given or None} from the stage options' values."""
+    return {name.removeprefix(KNOB): value for name, value in values.items()}
+
+
+def _splice(fn: Callable, groups: dict[str, tuple[list[pyinspect.Parameter], Callable]]) -> Callable:
+    """Typer reads a command's options from its signature. For each `name: (options, pack)` in
+    `groups`, put `options` where `fn` has the parameter `name`, and call `fn` with `name` set to
+    pack(**their values). So a group of options is written once and each command takes one value."""
+    signature = pyinspect.signature(fn, eval_str=True)
+    params, members = [], {}
+    for p in signature.parameters.values():
+        if p.name in groups:
+            options, pack = groups[p.name]
+            members[p.name] = (pack, [o.name for o in options])
+            params += options
+        else:
+            params.append(p)
+
+    @functools.wraps(fn)
+    def call(**kwargs):
+        for name, (pack, keys) in members.items():
+            kwargs[name] = pack(**{k: kwargs.pop(k) for k in keys})
+        return fn(**kwargs)
+
+    call.__signature__ = signature.replace(parameters=params)
+    return call
+
+
+# ---- the error boundary -------------------------------------------------------------------------
 
 def _fail(message: str, code: int) -> None:
     sys.stderr.write(f"lmhead: error: {message}\n")
@@ -51,7 +139,20 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-def _boundary(fn):
+def message(e: LmheadError, command: str) -> str:
+    """A domain error as one line, with the settings, modes and examples spelled for `lmhead COMMAND`."""
+    if isinstance(e, BadValue):
+        return e.spelled(option(e.key))
+    if isinstance(e, NoPrompt):
+        return f'{e}, e.g. lmhead {command} "{DEFAULT_PROMPT}"'
+    if isinstance(e, ModeConflict):
+        what = "--greedy" if "greedy" in e.asked else f"--beams {e.asked['beams']}"
+        return (f"lmhead {command} draws tokens at random, which {what} does not; "
+                f"use lmhead greedy{'' if 'greedy' in e.asked else ' ' + what}")
+    return str(e)
+
+
+def _boundary(fn, command: str):
     """Turn domain errors into one line on stderr and an exit code (1 runtime, 2 usage).
 
     Ctrl-C exits 130 and keeps what was printed; a closed pipe (`| head`) ends quietly.
@@ -65,7 +166,7 @@ def _boundary(fn):
         except typer.Exit:
             raise
         except LmheadError as e:
-            _fail(str(e), e.exit_code)
+            _fail(message(e, command), e.exit_code)
         except KeyboardInterrupt:
             sys.stdout.flush()
             sys.stderr.write("\ninterrupted\n")
@@ -86,11 +187,15 @@ def _boundary(fn):
     return wrapper
 
 
-def command(*args, **kwargs):
-    """`app.command` with the error boundary around it."""
+def command(name: str | None = None, *, knobs: list[pyinspect.Parameter] | None = None):
+    """`app.command(name)` with the error boundary around it. A parameter `source: ModelChoice` becomes
+    the model options; a parameter `knobs: dict` becomes the stage options given in `knobs`."""
 
     def register(fn):
-        return app.command(*args, **kwargs)(_boundary(fn))
+        groups = {"source": (MODEL_OPTIONS, ModelChoice)}
+        if knobs is not None:
+            groups["knobs"] = (knobs, _knobs)
+        return app.command(name)(_boundary(_splice(fn, groups), name or fn.__name__))
 
     return register
 
@@ -110,30 +215,17 @@ def _root(
     """lmhead: how GPT-2's final hidden vector becomes logits, probabilities and the next word."""
 
 
-# ==== inspect / tie (issue 2) ===================================================================
+# ==== inspect / tie ==============================================================================
 
-def load(model: str, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-         allow_pickle: bool = False):
-    """Load a model source (lazily importing torch); every model command goes through here."""
-    from lmhead_cli.loading.sources import load_model
-
-    return load_model(model, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle)
+INSPECT_STAGES = stage_options(rename={"top_k": (("--filter-top-k",),
+                                                 "With --stages: the top-k stage (--top-k counts rows).")})
 
 
-def tie_json(tie) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(tie)
-
-
-@command("inspect")
+@command("inspect", knobs=INSPECT_STAGES)
 def inspect_cmd(
     prompt: Annotated[Optional[str], typer.Argument(help="The text whose next token to inspect.")] = None,
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the best tokens to list.")] = 10,
-    target: Annotated[
-        Optional[list[str]],
-        typer.Option("--target", "-t", help="A token to follow (repeatable), e.g. --target ' are'."),
-    ] = None,
+    target: TargetOpt = None,
     file: Annotated[
         Optional[str], typer.Option("--file", "-f", help="Inspect every line of this file (- for stdin), in batches.")
     ] = None,
@@ -144,19 +236,9 @@ def inspect_cmd(
     stages: Annotated[
         bool, typer.Option("--stages", help="Follow the top tokens through every decoding stage to the probability.")
     ] = False,
-    temperature: TemperatureOpt = None,  # the knob options of issue 3, defined with generate below
-    filter_top_k: Annotated[
-        Optional[int], typer.Option("--filter-top-k", help="With --stages: the top-k stage (--top-k counts rows).")
-    ] = None,
-    top_p: TopPOpt = None,
-    min_p: MinPOpt = None,
-    softcap: SoftcapOpt = None,
+    knobs: dict = None,
     preset: PresetOpt = None,
-    model: ModelOpt = DEFAULT_MODEL,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
-    engine: EngineOpt = "auto",
-    allow_pickle: AllowPickleOpt = False,
+    source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show how the last hidden vector becomes logits and probabilities for the next token.
@@ -165,114 +247,126 @@ def inspect_cmd(
     """
     from lmhead_cli import render
     from lmhead_cli.readings.inspect import check_request, inspect_prompt
-    from lmhead_cli.render.inspect import inspection
+    from lmhead_cli.render.inspect import inspection, inspection_json
 
-    knobs = stage_knobs(stages, preset, temperature, filter_top_k, top_p, min_p, softcap)  # issue 3
-    if knobs is not None and (file is not None or explain is not None):
+    chosen = stage_knobs(stages, preset, knobs)
+    if chosen is not None and (file is not None or explain is not None):
         raise UsageError("--stages and its knobs take one prompt; not with --file or --explain")
-    if file is not None or explain is not None:  # issue 6: batches, and one logit taken apart
-        return inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine,
-                            allow_pickle, json_out)
+    if file is not None:
+        return inspect_file(prompt, file, batch_size, explain, top_k, target, source, json_out)
+    if explain is not None:
+        return inspect_explain(prompt, explain, top_k, target, source, json_out)
     check_request(prompt, target, top_k)
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = source.load()
     result = inspect_prompt(loaded, prompt, top_k, target)
-    warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
-    multi_piece_notices(result.targets)
+    render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
+    render.multi_piece_notices(result.targets)
+    table = None
+    if chosen is not None:
+        from lmhead_cli.decoding.stages import stage_table
+
+        table = stage_table(result.logits, chosen, top_k, loaded.tokenizer.token_text)
     if json_out:
-        render.print_json(inspection_json(result, loaded) | show_stages(knobs, result, top_k, loaded, as_json=True))
-    else:
-        inspection(result, loaded.tie)
-        show_stages(knobs, result, top_k, loaded)
+        from lmhead_cli.render.generate import stages_json
+
+        render.print_json(inspection_json(result, loaded.tie) | ({"stages": stages_json(table)} if table else {}))
+        return
+    inspection(result, loaded.tie)
+    if table is not None:
+        from lmhead_cli.render.generate import stage_report
+
+        stage_report(table)
 
 
-def warn_truncated(kept: int, dropped: int, n_ctx: int) -> None:
-    """One warning on stderr when a prompt lost its first `dropped` tokens to the context limit."""
-    if dropped:
-        from lmhead_cli import render
+def stage_knobs(stages: bool, preset: str | None, given: dict):
+    """The stage settings for `inspect --stages` (any knob turns the table on), or None."""
+    if not stages and preset is None and all(v is None for v in given.values()):
+        return None
+    from lmhead_cli.decoding.presets import knobs
 
-        render.warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; "
-                    f"keeping the last {kept}")
+    try:
+        return knobs(preset, **given)
+    except BadValue as e:
+        if e.key == "top_k":  # inspect's own --top-k counts rows; this is the stage's
+            raise UsageError(e.spelled("--filter-top-k")) from None
+        raise
 
 
-def multi_piece_notices(targets) -> None:
-    """A notice for each --target that is several tokens: it is scored by its first."""
+def inspect_file(prompt, file, batch_size, explain, top_k, target, source: ModelChoice, json_out) -> None:
+    """`inspect --file`: many prompts, batched, one reading each."""
     from lmhead_cli import render
+    from lmhead_cli.readings.batch import inspect_batch, read_prompts
+    from lmhead_cli.readings.inspect import check_targets
+    from lmhead_cli.render.batch import batch_table, file_notices, summary
+    from lmhead_cli.render.inspect import inspection_json
 
-    for t in targets:
-        if len(t.pieces) > 1:
-            render.notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
+    if explain is not None:
+        raise UsageError("--explain takes apart one prompt's logit; it cannot be combined with --file")
+    if prompt is not None:
+        raise UsageError("give a prompt or --file, not both")
+    if top_k < 1:
+        raise BadValue("top_k", f"must be at least 1 (got {top_k})")
+    if batch_size < 1:
+        raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
+    check_targets(target)
+    prompts = read_prompts(file)  # before the load: a bad file fails in an instant
+    loaded = source.load()
+    run = inspect_batch(loaded, prompts.prompts, top_k, target, batch_size)
+    file_notices(prompts, run, loaded.engine.n_ctx)
+    if json_out:
+        for result in run.results:
+            render.print_json(inspection_json(result, loaded.tie), lines=True)
+        render.err().print(summary(run), markup=False, style="dim")
+    else:
+        batch_table(run, loaded.source, loaded.random_weights)
 
 
-def inspection_json(result, loaded) -> dict:
-    """The documented `inspect --json` document."""
-    from dataclasses import asdict
+def inspect_explain(prompt, explain, top_k, target, source: ModelChoice, json_out) -> None:
+    """`inspect --explain TOKEN`: one logit taken apart."""
+    from lmhead_cli import render
+    from lmhead_cli.readings.explain import explain_logit
+    from lmhead_cli.readings.inspect import check_request
+    from lmhead_cli.render.explain import explanation, explanation_json
 
-    return {
-        "model": result.model,
-        "random_weights": result.random_weights,
-        "tied": result.tied,
-        "engine": result.engine,
-        "device": result.device,
-        "dtype": result.dtype,
-        "prompt_tokens": [asdict(t) for t in result.prompt_tokens],
-        "truncated": result.truncated,
-        "shapes": asdict(result.shapes),
-        "top": [asdict(t) for t in result.top],
-        "targets": [asdict(t) for t in result.targets],
-        "entropy": result.entropy,
-        "entropy_bits": result.entropy_bits,
-        "tie": tie_json(loaded.tie),
-    }
+    check_request(prompt, target, top_k)
+    loaded = source.load()
+    result = explain_logit(loaded, prompt, explain, top_k, target)
+    render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
+    if json_out:
+        render.print_json(explanation_json(result))
+    else:
+        explanation(result)
 
 
 @command("tie")
-def tie_cmd(
-    model: ModelOpt = DEFAULT_MODEL,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
-    engine: EngineOpt = "auto",
-    allow_pickle: AllowPickleOpt = False,
-    json_out: JsonOpt = False,
-) -> None:
+def tie_cmd(source: ModelChoice = None, json_out: JsonOpt = False) -> None:
     """Prove weight tying: is the output matrix the very same tensor as the embedding table?
 
     Example: lmhead tie --model random:gpt2 --engine transformers
     """
     from lmhead_cli import render
-    from lmhead_cli.render.inspect import tie_report
+    from lmhead_cli.render.inspect import tie_document, tie_report
 
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = source.load()
     if json_out:
-        render.print_json({"model": loaded.source, "random_weights": loaded.random_weights,
-                           "engine": loaded.engine.name, **tie_json(loaded.tie)})
+        render.print_json(tie_document(loaded))
     else:
         tie_report(loaded)
 
 
-# ==== generate / greedy / sample / softcap (issue 3) =============================================
+# ==== generate / greedy / sample / softcap =======================================================
 # The four decoding commands share one option list (generate's) and one body (_decode); the named
-# ones only fix the mode. The knob options are also used by `inspect --stages`.
-DEFAULT_PROMPT = "The keys on the table"
-TemperatureOpt = Annotated[
-    Optional[float], typer.Option("--temperature", help="Divide the logits by T > 0 before softmax (1 = as is).")
-]
-TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Keep only the k most likely tokens.")]
-TopPOpt = Annotated[
-    Optional[float], typer.Option("--top-p", help="Keep the most likely tokens until their probability sums to p, in (0, 1].")
-]
-MinPOpt = Annotated[
-    Optional[float], typer.Option("--min-p", help="Drop tokens less likely than min-p × the best one's probability, in [0, 1).")
-]
-SoftcapOpt = Annotated[
-    Optional[float], typer.Option("--softcap", "--cap", help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).")
-]
-PresetOpt = Annotated[
-    Optional[str], typer.Option("--preset", help="Named settings from configs/presets.toml (creative, precise, "
-                                "gemma-softcap) or a .toml file; flags override it.")
-]
+# ones only fix what MODES says. Their stage options come from the registry, like inspect's.
+
+# What each decoding command fixes before the preset and the flags (decoding.generate.resolve).
+MODES: dict[str, dict] = {
+    "generate": {},
+    "greedy": {"greedy": True},
+    "sample": {"draws": True},
+    "softcap": {"draws": True, "defaults": {"softcap": GEMMA2_CAP}},
+}
 
 
-@command("generate")
 def generate_cmd(
     prompt: Annotated[
         Optional[str], typer.Argument(help="The text to continue; - reads stdin.", show_default=DEFAULT_PROMPT)
@@ -280,11 +374,7 @@ def generate_cmd(
     max_new_tokens: Annotated[
         Optional[int], typer.Option("--max-new-tokens", "-n", help="How many tokens to make at most.", show_default="40")
     ] = None,
-    temperature: TemperatureOpt = None,
-    top_k: TopKOpt = None,
-    top_p: TopPOpt = None,
-    min_p: MinPOpt = None,
-    softcap: SoftcapOpt = None,
+    knobs: dict = None,
     preset: PresetOpt = None,
     seed: Annotated[
         Optional[int], typer.Option("--seed", help="Seed for the draws; without it one is drawn and reported.")
@@ -297,11 +387,7 @@ def generate_cmd(
     show_steps: Annotated[
         int, typer.Option("--show-steps", help="After the text, a table per step with the K most probable tokens.")
     ] = 0,
-    model: ModelOpt = DEFAULT_MODEL,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
-    engine: EngineOpt = "auto",
-    allow_pickle: AllowPickleOpt = False,
+    source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text token by token: soft-cap -> temperature -> top-k -> top-p -> min-p -> softmax -> choose.
@@ -313,54 +399,55 @@ def generate_cmd(
     _decode("generate", **locals())
 
 
-def _named(name: str, doc: str) -> None:
+def _decoding_command(name: str, doc: str) -> None:
     """Register `lmhead NAME` with generate's options and body, in mode NAME."""
 
-    @functools.wraps(generate_cmd)
     def run(**options) -> None:
         _decode(name, **options)
 
+    run.__signature__ = pyinspect.signature(generate_cmd, eval_str=True)
     run.__doc__ = doc
-    command(name)(run)
+    command(name, knobs=stage_options())(run)
 
 
-_named("greedy", """Take the most likely token every step (the same tokens as transformers' do_sample=False).
+_decoding_command("generate", generate_cmd.__doc__)
+_decoding_command("greedy", """Take the most likely token every step (the same tokens as transformers' do_sample=False).
 
     Example: lmhead greedy "The dog" --max-new-tokens 18 --show-steps 3
     """)
-_named("sample", """Draw each token from the probabilities (seeded, so a run can be replayed).
+_decoding_command("sample", """Draw each token from the probabilities (seeded, so a run can be replayed).
 
     Example: lmhead sample --temperature 0.8 --top-p 0.95 --seed 1
     """)
-_named("softcap", """Sample after Gemma-style soft-capping z -> c·tanh(z/c) (c = 30 unless --cap says otherwise).
+_decoding_command("softcap", """Sample after Gemma-style soft-capping z -> c·tanh(z/c) (c = 30 unless --cap says otherwise).
 
     Example: lmhead softcap --cap 30 --seed 1
     """)
 
 
 def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
-            model, device, dtype, engine, allow_pickle, json_out, **knobs) -> None:
+            knobs: dict, source: ModelChoice, json_out) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
     from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
-    settings = resolve(command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
+    mode = MODES[command_name]
+    settings = resolve(defaults=mode.get("defaults"), draws=mode.get("draws", False), preset=preset,
+                       greedy=greedy or mode.get("greedy", False), beams=beams, ignore_eos=ignore_eos, seed=seed,
                        show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
-                        else prompt, "generate")
-    loaded = load(model, device, dtype, engine, allow_pickle)
+                        else prompt)
+    loaded = source.load()
     ids, dropped = encode_prompt(loaded, text)
-    warn_truncated(len(ids), dropped, loaded.engine.n_ctx)
+    render.truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
         show.begin(loaded.tokenizer.decode(ids))
     result = generate(loaded, ids, settings, on_text=None if json_out else show.stream)
     if not json_out:
         show.end_text()
-    if result.stop == "context":
-        render.notice(f"stopped at the context limit: {len(ids)} prompt tokens + {len(result.generated_ids)} "
-                      f"new fill the model's {loaded.engine.n_ctx} positions")
+    show.stop_notice(result, loaded.engine.n_ctx)
     if json_out:
         render.print_json(show.generation_json(result, loaded, text, preset))
         return
@@ -369,31 +456,7 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     show.summary(result)
 
 
-def show_stages(knobs, result, rows: int, loaded, as_json: bool = False) -> dict:
-    """`inspect --stages`: print the stage table, or return {"stages": ...} for the JSON document."""
-    if knobs is None:
-        return {}
-    from lmhead_cli.decoding.stages import stage_table
-    from lmhead_cli.render.generate import stage_report, stages_json
-
-    table = stage_table(result.logits, knobs, rows, loaded.tokenizer.token_text)
-    if as_json:
-        return {"stages": stages_json(table)}
-    stage_report(table)
-    return {}
-
-
-def stage_knobs(stages: bool, preset, temperature, top_k, top_p, min_p, softcap):
-    """The stage settings for `inspect --stages` (any knob turns the table on), or None."""
-    from lmhead_cli.decoding.presets import knobs
-
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "softcap": softcap}
-    if not stages and preset is None and all(v is None for v in given.values()):
-        return None
-    return knobs(preset, **given)
-
-
-# ==== params / toy (issue 4) =====================================================================
+# ==== params / toy ===============================================================================
 # Arithmetic only unless --model is given: no torch import on this path (tests/test_startup.py).
 MAX_TOY_DRAWS = 100_000
 
@@ -439,9 +502,8 @@ def params(
         name, counted_from = config or DEFAULT_MODEL, "config"
         acc = count.account_from_config(load_config(name))
     else:
-        from lmhead_cli.loading.sources import load_model  # imports torch: only when real tensors are asked for
-
-        loaded = load_model(model, device="cpu", dtype="float32", engine="lean", allow_pickle=allow_pickle)
+        # --model here counts tensors (no --device/--engine): imports torch only when asked
+        loaded = ModelChoice(model, device="cpu", engine="lean", allow_pickle=allow_pickle).load()
         name, counted_from = model, "tensors"
         acc = count.account_from_tensors(loaded.module.named_parameters(remove_duplicate=False))
     cost = count.head_cost(acc.n_embd, acc.vocab_size)
@@ -476,59 +538,7 @@ def toy(
     render_toy(toy_head.toy_example(h, temperature, seed, draws), as_json=json_out)
 
 
-# ==== lens / explore (issue 6) ===================================================================
-
-def inspect_more(prompt, file, batch_size, explain, top_k, target, model, device, dtype, engine, allow_pickle,
-                 json_out) -> None:
-    """`inspect --file` (many prompts, batched) and `inspect --explain TOKEN` (one logit taken apart)."""
-    from lmhead_cli import render
-    from lmhead_cli.readings.inspect import check_prompt, check_targets
-
-    if file is not None and explain is not None:
-        raise UsageError("--explain takes apart one prompt's logit; it cannot be combined with --file")
-    if file is not None and prompt is not None:
-        raise UsageError("give a prompt or --file, not both")
-    if top_k < 1:
-        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
-    check_targets(target)
-    if file is not None:
-        from lmhead_cli.readings.batch import inspect_batch, read_prompts
-        from lmhead_cli.render.batch import batch_table, summary
-
-        if batch_size < 1:
-            raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
-        prompts = read_prompts(file)  # before the load: a bad file fails in an instant
-        if prompts.skipped_empty:
-            render.notice(f"skipped {prompts.skipped_empty} empty line{'s' * (prompts.skipped_empty > 1)}")
-        loaded = load(model, device, dtype, engine, allow_pickle)
-        run = inspect_batch(loaded, prompts.prompts, top_k, target, batch_size)
-        cut = [n for n, r in enumerate(run.results, 1) if r.truncated]
-        if cut:
-            render.warn(f"{len(cut)} prompts (lines {', '.join(map(str, cut[:5]))}{'…' * (len(cut) > 5)}) are "
-                        f"longer than the context of {loaded.engine.n_ctx}; each keeps its last tokens")
-        multi_piece_notices(run.results[0].targets)
-        if json_out:
-            for result in run.results:
-                render.print_json(inspection_json(result, loaded), lines=True)
-            render.err().print(summary(run), markup=False, style="dim")
-        else:
-            batch_table(run, loaded.source, loaded.random_weights)
-        return
-
-    from lmhead_cli.readings.explain import explain_logit
-    from lmhead_cli.render.explain import explanation, explanation_json
-
-    if prompt is None:
-        raise UsageError('give a prompt, e.g. lmhead inspect "The keys on the table" --explain " are"')
-    check_prompt(prompt)
-    loaded = load(model, device, dtype, engine, allow_pickle)
-    result = explain_logit(loaded, prompt, explain, top_k, target)
-    warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
-    if json_out:
-        render.print_json(explanation_json(result))
-    else:
-        explanation(result)
-
+# ==== lens / explore =============================================================================
 
 @command("lens")
 def lens_cmd(
@@ -541,11 +551,7 @@ def lens_cmd(
         bool, typer.Option("--heat", help="Show a heat map (layers × top tokens, probabilities as shades) instead.")
     ] = False,
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.")] = 8,
-    model: ModelOpt = DEFAULT_MODEL,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
-    engine: EngineOpt = "auto",
-    allow_pickle: AllowPickleOpt = False,
+    source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Logit lens: what the head would predict from the residual stream after the embeddings and each block.
@@ -557,10 +563,10 @@ def lens_cmd(
     from lmhead_cli.readings.lens import lens_prompt
     from lmhead_cli.render.lens import lens_heat, lens_json, lens_table
 
-    check_request(prompt, target, top_k, "lens")
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    check_request(prompt, target, top_k)
+    loaded = source.load()
     result = lens_prompt(loaded, prompt, target, top_k)
-    warn_truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
+    render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     if json_out:
         render.print_json(lens_json(result))
     elif heat:
@@ -569,11 +575,10 @@ def lens_cmd(
         lens_table(result)
 
 
-@command("explore")
+@command("explore", knobs=stage_options(only=("softcap", "temperature")))  # the start values of :softcap, :temp
 def explore_cmd(
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many tokens each table lists (:top-k).")] = 10,
-    temperature: TemperatureOpt = None,  # the start values of :temp and :softcap
-    softcap: SoftcapOpt = None,
+    knobs: dict = None,
     target: Annotated[
         Optional[list[str]], typer.Option("--target", "-t", help="Follow a token in every table (:target).")
     ] = None,
@@ -581,11 +586,7 @@ def explore_cmd(
         Optional[int], typer.Option("--threads", help="CPU threads for torch [default: torch's count or 1, "
                                     "whichever answers a 10-token prompt faster at the start].")
     ] = None,
-    model: ModelOpt = DEFAULT_MODEL,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
-    engine: EngineOpt = "auto",
-    allow_pickle: AllowPickleOpt = False,
+    source: ModelChoice = None,
 ) -> None:
     """An interactive session: the model loads once, each line you type is a prompt answered at once.
 
@@ -601,18 +602,17 @@ def explore_cmd(
     from lmhead_cli.readings.inspect import check_targets
     from lmhead_cli.render import explore as show
 
-    stages.check({"temperature": temperature, "softcap": softcap, "top_k": top_k})  # before the load
+    stages.check({**knobs, "top_k": top_k})  # before the load
     if threads is not None:
         if threads < 1:
-            raise UsageError(f"--threads must be at least 1 (got {threads})")
+            raise BadValue("threads", f"must be at least 1 (got {threads})")
         import torch
 
         torch.set_num_threads(threads)
-    settings = explore.Settings(top_k=top_k, temperature=temperature, softcap=softcap,
-                                targets=tuple(check_targets(target)))
+    settings = explore.Settings(top_k=top_k, **knobs, targets=tuple(check_targets(target)))
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = source.load()
     n_threads = explore.warm_up(loaded, choose_threads=threads is None)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)
@@ -645,21 +645,17 @@ def score_cmd(
     ] = False,
     stride: Annotated[
         Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
-                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx [default: n_ctx / 2].")
+                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2")
     ] = None,
     chunk: Annotated[
         Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
                                     "bytes of float32 logits (GPT-2: 201 kB a position) and as much again for "
-                                    "their log-softmax [default: the most within 32 MiB, 166 for GPT-2].")
+                                    "their log-softmax.", show_default="the most within 32 MiB: 166 for GPT-2")
     ] = None,
     show_table: Annotated[
         bool, typer.Option("--table", help="Also list every token's figures (a long text: the first and last rows).")
     ] = False,
-    model: ModelOpt = DEFAULT_MODEL,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "float32",
-    engine: EngineOpt = "auto",
-    allow_pickle: AllowPickleOpt = False,
+    source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Score every token of a text you already have: log-probability, rank, entropy, surprisal, perplexity.
@@ -681,7 +677,7 @@ def score_cmd(
             raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
         stream = scoring.open_texts(file)  # before the load: a bad path fails in an instant
         try:
-            loaded = load(model, device, dtype, engine, allow_pickle)
+            loaded = source.load()
             if stride is not None:
                 scoring.check_stride(stride, loaded.engine.n_ctx)
             corpus = scoring.Corpus()
@@ -696,7 +692,7 @@ def score_cmd(
         raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '
                          "(- reads stdin; --file PATH scores one text a line)")
     text = scoring.check_text(scoring.read_text(sys.stdin.buffer) if text == "-" else text)
-    loaded = load(model, device, dtype, engine, allow_pickle)
+    loaded = source.load()
     if stride is not None:
         scoring.check_stride(stride, loaded.engine.n_ctx)
     with show.Progress("scoring") as progress:

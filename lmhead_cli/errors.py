@@ -1,4 +1,9 @@
-"""Domain errors. The core raises these; cli.py turns each into one line and an exit code."""
+"""Domain errors. The core raises these; cli.py turns each into one line and an exit code.
+
+The core names a setting by its neutral key (`top_k`, `temperature`), never by a command-line
+spelling: `BadValue` carries the key apart from the message, and the boundary that knows how the
+user typed it (cli.py: `--top-k`; explore: `:top-k`) spells it.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,42 @@ class UsageError(LmheadError):
     """The user asked for something invalid (a bad value, an unknown name)."""
 
     exit_code = 2
+
+
+class BadValue(UsageError):
+    """One setting's value is out of its range: `key` is the setting, `problem` what is wrong with it.
+
+    str() is neutral ("top_k must be at least 1 (got 0)"); `spelled(name)` puts the user's spelling
+    of the setting in its place ("--top-k must be at least 1 (got 0)").
+    """
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key} {problem}")
+        self.key = key
+        self.problem = problem
+
+    def spelled(self, name: str) -> str:
+        return f"{name} {self.problem}"
+
+
+class NoPrompt(UsageError):
+    """No prompt was given (`given` False), or only white space (`given` True). The CLI shows an example."""
+
+    def __init__(self, given: bool):
+        super().__init__("the prompt is empty; give some text" if given else "give a prompt")
+        self.given = given
+
+
+class ModeConflict(UsageError):
+    """A decoding mode that draws at random was asked to choose deterministically (greedy or beams).
+
+    `asked` is what was asked: {"greedy": True} or {"beams": N}. The CLI names the command and flags.
+    """
+
+    def __init__(self, asked: dict):
+        key, value = next(iter(asked.items()))
+        super().__init__(f"this mode draws tokens at random, which {key}={value} does not")
+        self.asked = asked
 
 
 class ModelNotFound(LmheadError):

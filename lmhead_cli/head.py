@@ -1,4 +1,6 @@
-"""The head's arithmetic: pure functions over a logits vector (V,), each returning data.
+"""The head's arithmetic: pure functions over logits (..., V), each written once and returning data.
+
+Every reading and the decoding loop take log-softmax, entropy, ranks and targets from here.
 
 Logits are raw, unnormalised scores of any sign; softmax (always in float32) keeps their order,
 makes them sum to 1 and gives every token a non-zero share.
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmhead_cli.errors import NonFiniteLogits, UsageError
+from lmhead_cli.errors import BadValue, NonFiniteLogits
 
 
 @dataclass(frozen=True)
@@ -44,43 +46,45 @@ def check_finite(logits: torch.Tensor) -> None:
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V)"""
+    """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V);
+    a filtered token (-inf) gets -inf."""
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def entropy(logprobs: torch.Tensor) -> float:
-    """Shannon entropy in nats of a distribution given by its log-probabilities (V,)."""
-    return float(entropies(logprobs))
+def entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats per distribution, (..., V) log-probabilities -> (...) float32.
 
-
-def entropies(logprobs: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy in nats of each row of log-probabilities: (..., V) -> (...).
-
-    H = -Σ p·log p, with p = exp(log p) multiplied in place: one extra (..., V) buffer, not two.
-    Tokens filtered to -inf (p = 0) add nothing: their 0·(-inf) = NaN is counted as 0."""
+    A dropped token (p = 0, log p = -inf) adds nothing: its 0·(-inf) = NaN is counted as 0
+    (torch.special.entr is ~10x slower on CPU). p is multiplied in place, so a (N, V) input needs one
+    more (N, V) buffer, not three (`score` runs this on chunks of logits).
+    """
     p = logprobs.exp()
-    return -p.mul_(logprobs).nan_to_num_(nan=0.0).sum(-1)
+    return -p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)
 
 
 def nats_to_bits(nats: float) -> float:
     return nats / math.log(2)
 
 
-def rank_of(logits: torch.Tensor, token_id: int) -> int:
-    """1 + the number of tokens scored strictly higher than `token_id`."""
-    return int(ranks(logits, torch.tensor(token_id, device=logits.device)))
-
-
 def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """For each row, 1 + the number of tokens scored strictly higher than that row's id:
-    logits (..., V), ids (...) -> ranks (...) int64. Ties share the better rank."""
-    own = logits.gather(-1, ids.unsqueeze(-1))  # (..., 1)
-    return 1 + (logits > own).sum(-1)
+    """The rank of each token in `ids` among `logits`: 1 + the tokens scored strictly higher.
+
+    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. One comparison
+    of (..., K, V) booleans, so K should be the handful of tokens a table shows, not V.
+    """
+    picked = logits.gather(-1, ids)  # (..., K)
+    return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+
+
+def rank_of(logits: torch.Tensor, token_id: int) -> int:
+    """`ranks` for one token of one logits vector (V,)."""
+    return int(ranks(logits, torch.tensor([token_id], device=logits.device))[0])
 
 
 def clamp_top_k(k: int, vocab: int) -> int:
+    """How many rows a top-k table can have: k, at most the vocabulary."""
     if k < 1:
-        raise UsageError(f"--top-k must be at least 1 (got {k})")
+        raise BadValue("top_k", f"must be at least 1 (got {k})")
     return min(k, vocab)
 
 
@@ -96,10 +100,21 @@ def top_tokens(logits: torch.Tensor, k: int, token_text) -> list[TokenScore]:
     ]
 
 
-def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) -> TargetScore:
-    """Rank, logit and probability of the first token of `text` (encoded as `ids`)."""
+def encode_target(tokenizer, text: str, key: str = "target") -> list[int]:
+    """The token ids of a token asked about (a --target, an --explain); BadValue(key) if none."""
+    ids = tokenizer.encode(text) if text else []
     if not ids:
-        raise UsageError(f"--target {text!r} encodes to no tokens")
+        raise BadValue(key, f"{text!r} encodes to no tokens; give a token such as ' are'")
+    return ids
+
+
+def encode_targets(tokenizer, texts: list[str] | None) -> list[tuple[str, list[int]]]:
+    """[(text, its token ids)] for the targets asked about, in order."""
+    return [(t, encode_target(tokenizer, t)) for t in texts or []]
+
+
+def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) -> TargetScore:
+    """Rank, logit and probability of the first token of `text` (encoded as `ids`, see encode_targets)."""
     logits = logits.float()
     first = ids[0]
     return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=rank_of(logits, first),
@@ -122,11 +137,11 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
 
     Works on the N rows it is given and keeps about two (N, V) float32 buffers alive at once, so a
     caller bounds the memory by how many rows it passes (`lmhead score --chunk`)."""
-    rank = ranks(logits, ids)
+    rank = ranks(logits, ids[:, None])[:, 0]
     logprobs = log_softmax(logits)  # (N, V) float32
     top_logprob, top_id = logprobs.max(-1)
     if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)
         check_finite(logits)
     del logits  # the caller's reference may be the last one: this chunk's raw logits can go now
     return RowScores(logprob=logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rank=rank,
-                     entropy=entropies(logprobs), top_id=top_id, top_logprob=top_logprob)
+                     entropy=entropy(logprobs), top_id=top_id, top_logprob=top_logprob)

@@ -15,7 +15,8 @@ import torch
 
 from lmhead_cli.decoding import stages as decoding
 from lmhead_cli.decoding.stages import Knobs
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import BadValue, UsageError
+from lmhead_cli.head import entropy, log_softmax
 
 # A fixed logits vector for the draws: 12 tokens, a clear favourite and a long tail.
 LOGITS = torch.tensor([3.1, 2.6, 2.2, 1.9, 1.0, 0.7, 0.3, -0.2, -0.9, -1.5, -2.4, -3.0])
@@ -69,15 +70,15 @@ def test_temperature_one_without_filters_is_plain_softmax():
 
 def test_temperature_towards_zero_approaches_greedy():
     best = int(LOGITS.argmax())
-    tops = [float(decoding.log_probs(decoding.temperature(LOGITS, t))[best].exp()) for t in (1.0, 0.3, 0.1, 1e-3)]
+    tops = [float(log_softmax(decoding.temperature(LOGITS, t))[best].exp()) for t in (1.0, 0.3, 0.1, 1e-3)]
     assert tops == sorted(tops) and tops[-1] > 0.999999
     g = torch.Generator().manual_seed(0)
-    lp = decoding.log_probs(decoding.temperature(LOGITS, 1e-3))[None]
+    lp = log_softmax(decoding.temperature(LOGITS, 1e-3))[None]
     assert all(int(decoding.choose(lp, False, g)) == best for _ in range(200))
 
 
 def test_temperature_above_one_flattens():
-    h = [float(decoding.entropy(decoding.log_probs(decoding.temperature(LOGITS, t)))) for t in (0.5, 1.0, 2.0)]
+    h = [float(entropy(log_softmax(decoding.temperature(LOGITS, t)))) for t in (0.5, 1.0, 2.0)]
     assert h[0] < h[1] < h[2] < math.log(len(LOGITS))
 
 
@@ -144,7 +145,7 @@ SETTINGS = {
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_sampling_frequencies_match_the_processed_probabilities(name):
-    logprobs = decoding.log_probs(decoding.process(LOGITS, SETTINGS[name].pipeline()))[None]  # (1, V)
+    logprobs = log_softmax(decoding.process(LOGITS, SETTINGS[name].pipeline()))[None]  # (1, V)
     probs = logprobs.exp()[0]
     g = torch.Generator().manual_seed(1234)
     counts = torch.zeros(len(LOGITS))
@@ -156,7 +157,7 @@ def test_sampling_frequencies_match_the_processed_probabilities(name):
 
 
 def test_choose_is_reproducible_with_a_seed_and_greedy_is_argmax():
-    lp = decoding.log_probs(LOGITS)[None]
+    lp = log_softmax(LOGITS)[None]
     g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     assert [int(decoding.choose(lp, False, g1)) for _ in range(50)] == [int(decoding.choose(lp, False, g2)) for _ in range(50)]
     assert int(decoding.choose(lp, True)) == int(LOGITS.argmax())
@@ -165,10 +166,10 @@ def test_choose_is_reproducible_with_a_seed_and_greedy_is_argmax():
 
 def test_entropy():
     n = 50
-    assert math.isclose(float(decoding.entropy(torch.full((n,), -math.log(n)))), math.log(n), rel_tol=1e-6)
-    lp = decoding.log_probs(decoding.top_k(HAND, 2))  # dropped tokens (p = 0) add nothing
+    assert math.isclose(float(entropy(torch.full((n,), -math.log(n)))), math.log(n), rel_tol=1e-6)
+    lp = log_softmax(decoding.top_k(HAND, 2))  # dropped tokens (p = 0) add nothing
     p = torch.tensor([0.5, 0.3]) / 0.8
-    assert math.isclose(float(decoding.entropy(lp)), float(-(p * p.log()).sum()), rel_tol=1e-6)
+    assert math.isclose(float(entropy(lp)), float(-(p * p.log()).sum()), rel_tol=1e-6)
 
 
 # ---- checks ---------------------------------------------------------------------------------
@@ -180,10 +181,12 @@ def test_entropy():
     ("min_p", 1.0, "[0, 1)"), ("min_p", -0.1, "[0, 1)"), ("softcap", 0.0, "greater than 0"),
     ("softcap", float("inf"), "finite"), ("beams", 0, "at least 1"), ("max_new_tokens", 0, "at least 1"),
 ])
-def test_check_names_the_flag_and_the_range(key, value, words):
-    with pytest.raises(UsageError) as e:
+def test_check_names_the_setting_and_the_range(key, value, words):
+    with pytest.raises(BadValue) as e:
         decoding.check({key: value})
-    assert str(e.value).startswith(decoding.flag(key)) and words in str(e.value)
+    # the core names the setting by its key; the CLI spells it as the option (test_generate_cli)
+    assert e.value.key == key and str(e.value).startswith(key) and words in str(e.value)
+    assert e.value.spelled(decoding.option(key)).startswith(decoding.option(key))
 
 
 def test_check_accepts_the_edges():

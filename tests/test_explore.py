@@ -90,7 +90,7 @@ def test_read_matches_arithmetic(tiny):
         assert_rank(row.rank, z, row.id)
     assert r.targets[0].id == 318 and r.n_tokens == 5
     assert r.entropy == pytest.approx(float(-(logp.exp() * logp).sum()), abs=1e-4)
-    assert r.stages == "softcap 3 → temperature 2"
+    assert r.knobs.active() == {"softcap": 3.0, "temperature": 2.0}  # in order: soft-cap, then temperature
 
 
 def test_bad_input_never_ends_the_session(tiny):

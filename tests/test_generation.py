@@ -14,7 +14,7 @@ import torch
 from conftest import PROMPT, PROMPT_IDS, build_checkpoint
 
 from lmhead_cli.decoding import generate as generation
-from lmhead_cli.errors import NonFiniteLogits, UsageError
+from lmhead_cli.errors import ModeConflict, NonFiniteLogits, UsageError
 from lmhead_cli.decoding.generate import generate, make_settings
 from lmhead_cli.readings.inspect import encode_prompt
 from lmhead_cli.loading.sources import load_model
@@ -223,16 +223,17 @@ def test_an_empty_prompt_is_a_usage_error(tiny):
 
 
 def test_resolve_layers_defaults_preset_and_flags():
-    s = generation.resolve("sample", preset="creative", temperature=None, top_p=None)
+    s = generation.resolve(draws=True, preset="creative", temperature=None, top_p=None)
     assert (s.knobs.temperature, s.knobs.top_p, s.max_new_tokens, s.mode) == (1.1, 0.95, 40, "sample")
-    s = generation.resolve("generate", preset="creative", temperature=0.5, max_new_tokens=7)
+    s = generation.resolve(preset="creative", temperature=0.5, max_new_tokens=7)
     assert (s.knobs.temperature, s.knobs.top_p, s.max_new_tokens) == (0.5, 0.95, 7)
-    assert generation.resolve("softcap").knobs.softcap == 30.0
-    assert generation.resolve("softcap", softcap=12.0).knobs.softcap == 12.0
-    assert generation.resolve("greedy").mode == "greedy"
-    assert generation.resolve("generate", beams=3).mode == "beam"
-    with pytest.raises(UsageError, match="lmhead greedy --beams 2"):
-        generation.resolve("sample", beams=2)
+    assert generation.resolve(defaults={"softcap": 30.0}).knobs.softcap == 30.0
+    assert generation.resolve(defaults={"softcap": 30.0}, softcap=12.0).knobs.softcap == 12.0
+    assert generation.resolve(greedy=True).mode == "greedy"
+    assert generation.resolve(beams=3).mode == "beam"
+    with pytest.raises(ModeConflict) as e:  # the CLI names the command: "use lmhead greedy --beams 2"
+        generation.resolve(draws=True, beams=2)
+    assert e.value.asked == {"beams": 2}
 
 
 @pytest.mark.real_weights

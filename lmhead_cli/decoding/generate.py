@@ -22,10 +22,10 @@ from typing import Callable, Iterator
 import torch
 
 from lmhead_cli.decoding import stages
-from lmhead_cli.decoding.stages import GEMMA2_CAP, Knobs
-from lmhead_cli.errors import UsageError
-from lmhead_cli.head import check_finite
 from lmhead_cli.decoding.presets import merge
+from lmhead_cli.decoding.stages import Knobs
+from lmhead_cli.errors import ModeConflict
+from lmhead_cli.head import check_finite, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
 
 DEFAULT_MAX_NEW_TOKENS = 40
@@ -110,23 +110,17 @@ def make_settings(*, greedy: bool = False, beams: int = 1, max_new_tokens: int =
                     ignore_eos=ignore_eos, seed=seed, show_steps=show_steps)
 
 
-def resolve(command: str, *, preset: str | None = None, greedy: bool = False, beams: int = 1,
-            ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, **flags) -> Settings:
-    """Settings for `lmhead COMMAND`: the command's defaults < the preset < the flags given (None = not given).
-
-    generate samples unless --greedy or --beams; greedy takes the most likely token; sample and
-    softcap draw (softcap with c = 30 unless --cap says otherwise).
-    """
-    if command in ("sample", "softcap") and (greedy or beams > 1):
-        what = "--greedy" if greedy else f"--beams {beams}"
-        raise UsageError(f"lmhead {command} draws tokens at random, which {what} does not; "
-                         f"use lmhead greedy{'' if greedy else ' ' + what}")
-    defaults: dict = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
-    if command == "softcap":
-        defaults["softcap"] = GEMMA2_CAP
-    values = merge(preset, defaults, flags)
-    return make_settings(greedy=greedy or command == "greedy", beams=beams, ignore_eos=ignore_eos, seed=seed,
-                         show_steps=show_steps, **values)
+def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | None = None,
+            greedy: bool = False, beams: int = 1, ignore_eos: bool = False, seed: int | None = None,
+            show_steps: int = 0, **flags) -> Settings:
+    """Settings from three layers: the caller's `defaults` (e.g. softcap 30) < the preset < the flags
+    given (None = not given). With `draws` the tokens must be drawn at random: asking for greedy or
+    beams is a ModeConflict."""
+    if draws and (greedy or beams > 1):
+        raise ModeConflict({"greedy": True} if greedy else {"beams": beams})
+    values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, flags)
+    return make_settings(greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed, show_steps=show_steps,
+                         **values)
 
 
 def room(n_ctx: int, n_prompt: int) -> int:
@@ -208,9 +202,8 @@ def _record(logits: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor, 
     """(R, 6 + 2k) float64 on the device: id, log p, raw logit, entropy, rank, finite, then the k most
     probable ids and their log p. logits, logprobs (R, V); chosen (R,)."""
     idx = chosen[:, None]
-    logit = logits.gather(-1, idx)  # (R, 1)
-    cols = [chosen[:, None].double(), logprobs.gather(-1, idx).double(), logit.double(),
-            stages.entropy(logprobs)[:, None].double(), (1 + (logits > logit).sum(-1, keepdim=True)).double(),
+    cols = [idx.double(), logprobs.gather(-1, idx).double(), logits.gather(-1, idx).double(),
+            entropy(logprobs)[:, None].double(), ranks(logits, idx).double(),
             torch.isfinite(logits).all(-1, keepdim=True).double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
@@ -245,7 +238,7 @@ def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int |
     x = torch.tensor([ids], device=eng.device)  # (1, T) the prompt, then (1, 1) each step
     for _ in range(max_new):
         logits = _last_logits(eng, x, cache)  # (1, V)
-        logprobs = stages.log_probs(stages.process(logits, pipeline))
+        logprobs = log_softmax(stages.process(logits, pipeline))
         chosen = stages.choose(logprobs, greedy, generator)  # (1,)
         row = _record(logits, logprobs, chosen, s.show_steps)[0].tolist()  # the one sync per step
         step = _step(row, token_text, logits)
@@ -276,7 +269,7 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
     finished: list[tuple[float, _Beam]] = []
     for t in range(max_new):
         logits = _last_logits(eng, x, cache)  # (R, V), R = 1 at the first step, then n
-        logprobs = stages.log_probs(stages.process(logits, pipeline))
+        logprobs = log_softmax(stages.process(logits, pipeline))
         scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]
         top, flat = scores.view(-1).topk(min(2 * n, scores.numel()))  # (2n,) best over all beams
         rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]

@@ -15,20 +15,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from lmhead_cli.decoding.stages import Knobs, check
-from lmhead_cli.errors import UsageError
+from lmhead_cli.decoding.stages import SETTINGS, Knobs, check
+from lmhead_cli.errors import BadValue, UsageError
 
 BUNDLED = "presets.toml"
-# key: the type its value must have (an int is fine where a float is asked for)
-KEYS: dict[str, type] = {
-    "description": str,
-    "softcap": float,
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "min_p": float,
-    "max_new_tokens": int,
-}
+# key: the type its value must have (an int is fine where a float is asked for); from the registry
+KEYS: dict[str, type] = {"description": str, **{s.key: s.type for s in SETTINGS.values() if s.preset}}
 
 
 @dataclass(frozen=True)
@@ -77,7 +69,10 @@ def validate(name: str, path, table: dict) -> Preset:
             raise UsageError(f"{where}: {key} must be {'a number' if want is float else want.__name__}"
                              f" (got {value!r})")
     values = {k: (float(v) if KEYS[k] is float else v) for k, v in table.items() if k != "description"}
-    check(values, name=lambda key: f"{where}: {key}")
+    try:
+        check(values)
+    except BadValue as e:  # the key as the file spells it
+        raise UsageError(f"{where}: {e}") from None
     return Preset(name=name, path=str(path), description=table.get("description", ""), values=values)
 
 
@@ -86,7 +81,7 @@ def load_preset(name: str) -> Preset:
     if name.endswith(".toml"):
         path = Path(name).expanduser()
         if not path.is_file():
-            raise UsageError(f"--preset {name}: no such file")
+            raise BadValue("preset", f"{name}: no such file")
         return validate(path.stem, path, _read(path, path.read_text(encoding="utf-8")))
     presets = bundled()
     if name not in presets:
@@ -107,6 +102,6 @@ def merge(preset: str | None, defaults: dict, flags: dict) -> dict:
 def knobs(preset: str | None, **flags) -> Knobs:
     """Checked stage settings from a preset and flags (a preset's max_new_tokens is not a stage)."""
     values = merge(preset, {}, flags)
-    values = {k: v for k, v in values.items() if k in Knobs.__dataclass_fields__}
+    values = {k: v for k, v in values.items() if k in Knobs.__dataclass_fields__}  # not max_new_tokens
     check(values)
     return Knobs(**values)

@@ -1,8 +1,13 @@
 """Decoding: from one logits vector to the next token, one small pure stage at a time.
 
-The order of stages is fixed and documented (STAGES):
+The order of stages is fixed and documented (STAGES, the registry):
 
     soft-cap -> temperature -> top-k -> top-p -> min-p -> softmax -> choose
+
+Each entry of STAGES declares a stage once: its key (the Knobs field, the preset key and the JSON
+key), its rule with the advice its error gives, its command-line options and help, and its column
+in `inspect --stages`. Knobs, presets, the CLI options and the stage table all derive from it.
+torch is imported inside the functions, so the command line reads the registry without loading it.
 
 Each stage maps logits (..., V) to logits (..., V): soft-capping and temperature rescale them
 (neither changes the ranking), the filters set dropped tokens to -inf (the best token always
@@ -15,12 +20,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
-from typing import Callable
+from dataclasses import dataclass, fields, make_dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
+from lmhead_cli.errors import BadValue
 
-from lmhead_cli.errors import UsageError
+if TYPE_CHECKING:
+    import torch
 
 GEMMA2_CAP = 30.0  # Gemma 2 soft-caps its final logits at 30
 
@@ -34,6 +40,8 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     token's probability can only fall. float32 tanh rounds to exactly ±1 for |z/c| > ~9, so the
     result is clamped to the largest float32 below c, which keeps every value inside (-c, c).
     """
+    import torch
+
     z = logits.float()
     inside = torch.nextafter(torch.tensor(cap, dtype=z.dtype), torch.tensor(0.0, dtype=z.dtype)).item()
     return (cap * torch.tanh(z / cap)).clamp(-inside, inside)
@@ -46,6 +54,8 @@ def temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
 
 def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k highest logits (and any tied with the k-th); the rest become -inf."""
+    import torch
+
     z = logits.float()
     if k >= z.shape[-1]:
         return z
@@ -55,6 +65,8 @@ def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus: keep the smallest set of most probable tokens whose probabilities sum to at least p."""
+    import torch
+
     z = logits.float()
     if p >= 1.0:
         return z
@@ -79,79 +91,125 @@ def min_p(logits: torch.Tensor, m: float) -> torch.Tensor:
     return z.masked_fill(z - best < math.log(m), float("-inf"))
 
 
+# ---- the registry: every setting once, with its range, help and command-line names ---------------
+
 @dataclass(frozen=True)
-class Stage:
-    knob: str  # the field of Knobs it reads; the stage is off while that is None
-    column: str  # its column in the stage table
-    apply: Callable[[torch.Tensor, float], torch.Tensor]
+class Rule:
+    """What a setting's value must be: a test, the range in words, and advice for a common mistake."""
+
+    ok: Callable[[Any], bool]
+    must: str  # e.g. "in (0, 1]"; the message names it with the value given
+    advice: str = ""  # e.g. temperature 0 -> use greedy
+
+    def check(self, key: str, value) -> None:
+        """Raise BadValue(key, ...) if `value` breaks the rule (NaN breaks every range)."""
+        if not self.ok(value):
+            raise BadValue(key, f"must be {self.must} (got {value})" + (f"; {self.advice}" if self.advice else ""))
 
 
-# The one documented order. A new stage is one function above plus one line here.
+@dataclass(frozen=True)
+class Setting:
+    """One decoding setting: the key it has everywhere (Knobs field, preset key, JSON key), its type,
+    its rule, and how the command line offers it."""
+
+    key: str
+    type: type  # float or int; a preset's int is fine where a float is asked for
+    rule: Rule
+    help: str = ""  # the command-line help
+    options: tuple[str, ...] = ()  # command-line names, the canonical first (default: --key-with-dashes)
+    preset: bool = True  # may be set in a preset file
+
+    @property
+    def option(self) -> str:
+        return self.options[0] if self.options else "--" + self.key.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Stage(Setting):
+    """A setting that is a stage: `apply(logits, value)` runs while the value is not None."""
+
+    apply: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+    column: str = ""  # its column in the stage table (`inspect --stages`)
+    name: str = ""  # for people, in settings lines: "top-k"
+
+    @property
+    def knob(self) -> str:  # the Knobs field it reads
+        return self.key
+
+
+def _positive(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+# The one documented order. A new stage is one function above plus one entry here (and its test):
+# Knobs, presets, the command-line options of generate/greedy/sample/softcap and inspect --stages,
+# and the stage table's columns all follow from this list.
 STAGES: tuple[Stage, ...] = (
-    Stage("softcap", "soft-capped", softcap),
-    Stage("temperature", "tempered", temperature),
-    Stage("top_k", "filtered", top_k),
-    Stage("top_p", "filtered", top_p),
-    Stage("min_p", "filtered", min_p),
+    Stage("softcap", float, Rule(_positive, "a finite number greater than 0, e.g. 30 as in Gemma 2"),
+          help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).", options=("--softcap", "--cap"),
+          apply=softcap, column="soft-capped", name="softcap"),
+    Stage("temperature", float,
+          Rule(_positive, "a finite number greater than 0", "for the most likely token every time, use lmhead greedy"),
+          help="Divide the logits by T > 0 before softmax (1 = as is).",
+          apply=temperature, column="tempered", name="temperature"),
+    Stage("top_k", int, Rule(lambda v: v >= 1, "at least 1"), help="Keep only the k most likely tokens.",
+          apply=top_k, column="filtered", name="top-k"),
+    Stage("top_p", float, Rule(lambda v: 0 < v <= 1, "in (0, 1]"),
+          help="Keep the most likely tokens until their probability sums to p, in (0, 1].",
+          apply=top_p, column="filtered", name="top-p"),
+    Stage("min_p", float, Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+          help="Drop tokens less likely than min-p × the best one's probability, in [0, 1).",
+          apply=min_p, column="filtered", name="min-p"),
 )
-COLUMNS = ("raw", "soft-capped", "tempered", "filtered")
+COLUMNS = ("raw", *dict.fromkeys(s.column for s in STAGES))  # raw, soft-capped, tempered, filtered
+
+# The loop's own settings (decoding.generate), checked by the same rules.
+LOOP: tuple[Setting, ...] = (
+    Setting("max_new_tokens", int, Rule(lambda v: v >= 1, "at least 1")),
+    Setting("beams", int, Rule(lambda v: v >= 1, "at least 1"), preset=False),
+    Setting("show_steps", int, Rule(lambda v: v >= 0, "0 or more"), preset=False),
+    Setting("seed", int, Rule(lambda v: 0 <= v < 2**63, "between 0 and 2**63 - 1"), preset=False),
+)
+SETTINGS: dict[str, Setting] = {s.key: s for s in (*STAGES, *LOOP)}
 
 
-# ---- the knobs, and what each may be ----------------------------------------------------------
+def option(key: str) -> str:
+    """The command-line name of a setting (`top_k` -> `--top-k`; `softcap` -> `--softcap`)."""
+    return SETTINGS[key].option if key in SETTINGS else "--" + key.replace("_", "-")
 
-@dataclass(frozen=True)
-class Knobs:
-    """The settings of the stages; None means the stage is off."""
 
-    softcap: float | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+def check(values: dict) -> None:
+    """Raise BadValue for the first value outside its setting's range (None = unset; unknown keys pass)."""
+    for key, value in values.items():
+        if value is not None and key in SETTINGS:
+            SETTINGS[key].rule.check(key, value)
 
-    def pipeline(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-        """The active stages, in order, with their settings bound."""
-        return [_bind(s.apply, getattr(self, s.knob)) for s in STAGES if getattr(self, s.knob) is not None]
 
-    def active(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+# ---- the knobs: one optional field per stage, in order ----------------------------------------
+
+def _pipeline(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """The active stages, in order, with their settings bound."""
+    return [_bind(s.apply, getattr(self, s.key)) for s in STAGES if getattr(self, s.key) is not None]
+
+
+def _active(self) -> dict[str, float]:
+    """{key: value} of the stages that are on, in order."""
+    return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+Knobs = make_dataclass(
+    "Knobs", [(s.key, Optional[s.type], None) for s in STAGES], frozen=True,
+    namespace={"__doc__": "The settings of the stages (one field per entry of STAGES); None means the stage "
+                          "is off.", "pipeline": _pipeline, "active": _active},
+)
+Knobs.__module__ = __name__  # make_dataclass's `module=` needs Python 3.12
 
 
 def _bind(fn, value):
     return lambda z: fn(z, value)
 
 
-# key: (test, what the value must be[, advice]). Shared by the command line, presets and explore.
-RULES: dict[str, tuple] = {
-    "temperature": (lambda v: math.isfinite(v) and v > 0, "a finite number greater than 0",
-                    "for the most likely token every time, use lmhead greedy"),
-    "top_k": (lambda v: v >= 1, "at least 1"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "min_p": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "softcap": (lambda v: math.isfinite(v) and v > 0, "a finite number greater than 0, e.g. 30 as in Gemma 2"),
-    "max_new_tokens": (lambda v: v >= 1, "at least 1"),
-    "beams": (lambda v: v >= 1, "at least 1"),
-    "show_steps": (lambda v: v >= 0, "0 or more"),
-    "seed": (lambda v: 0 <= v < 2**63, "between 0 and 2**63 - 1"),
-}
-
-
-def flag(key: str) -> str:
-    """The command-line spelling of a setting: top_k -> --top-k."""
-    return "--" + key.replace("_", "-")
-
-
-def check(values: dict, name: Callable[[str], str] = flag) -> None:
-    """Raise UsageError naming the first value outside its range (None values are unset)."""
-    for key, value in values.items():
-        if value is None or key not in RULES:
-            continue
-        ok, must, *advice = RULES[key]
-        if not ok(value):
-            raise UsageError(f"{name(key)} must be {must} (got {value})" + "".join(f"; {a}" for a in advice))
-
-
-# ---- all stages, softmax, choose ----------------------------------------------------------------
+# ---- all stages, and the choice -----------------------------------------------------------------
 
 def process(logits: torch.Tensor, pipeline) -> torch.Tensor:
     """Run the active stages in order: (..., V) -> (..., V) float32."""
@@ -161,26 +219,14 @@ def process(logits: torch.Tensor, pipeline) -> torch.Tensor:
     return z
 
 
-def log_probs(z: torch.Tensor) -> torch.Tensor:
-    """log softmax in float32: (..., V) -> (..., V); filtered tokens get -inf."""
-    return torch.log_softmax(z.float(), dim=-1)
-
-
 def choose(logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token per row: (R, V) -> (R,). Greedy takes the most probable (the first on ties);
     otherwise one draw from exactly these probabilities with the seeded `generator`."""
+    import torch
+
     if greedy:
         return logprobs.argmax(dim=-1)
     return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-
-
-def entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy in nats per row, (..., V) -> (...); dropped tokens (p = 0) add nothing.
-
-    -inf is clamped to the lowest finite float so 0·log 0 counts as 0 (torch.special.entr is
-    ~10x slower on CPU).
-    """
-    return -(logprobs.exp() * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(dim=-1)
 
 
 # ---- the stage table (`lmhead inspect --stages`) ---------------------------------------------
@@ -212,22 +258,27 @@ class StageTable:
 
 def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> StageTable:
     """Follow the `rows` highest raw logits (V,) through every column of stages to the final probability."""
+    import torch
+
+    from lmhead_cli.head import entropy, log_softmax, ranks
+
     z = logits.float()
     snapshots = {"raw": z}
     for s in STAGES:
-        if getattr(knobs, s.knob) is not None:
-            z = s.apply(z, getattr(knobs, s.knob))
+        if getattr(knobs, s.key) is not None:
+            z = s.apply(z, getattr(knobs, s.key))
         snapshots[s.column] = z  # the last stage of a column leaves its value
-    lp = log_probs(z)
-    ids = torch.topk(logits.float(), min(rows, logits.shape[-1])).indices.tolist()
-    table = []
-    for i in ids:
-        cells = []
-        for col in COLUMNS:
-            v = snapshots[col]
-            kept = bool(torch.isfinite(v[i]))
-            cells.append(StageCell(float(v[i]) if kept else None, 1 + int((v > v[i]).sum()) if kept else None))
-        table.append(StageRow(id=i, token=token_text(i), cells=cells, prob=float(lp[i].exp()), logprob=float(lp[i])))
+    lp = log_softmax(z)
+    ids = torch.topk(logits.float(), min(rows, logits.shape[-1])).indices  # (rows,)
+    columns = torch.stack([snapshots[c] for c in COLUMNS])  # (C, V)
+    values = columns[:, ids]  # (C, rows)
+    at = ranks(columns, ids.expand(len(COLUMNS), -1))  # (C, rows)
+    kept = torch.isfinite(values)
+    table = [StageRow(id=int(i), token=token_text(int(i)),
+                      cells=[StageCell(float(values[c, r]) if kept[c, r] else None,
+                                       int(at[c, r]) if kept[c, r] else None) for c in range(len(COLUMNS))],
+                      prob=float(lp[i].exp()), logprob=float(lp[i]))
+             for r, i in enumerate(ids.tolist())]
     return StageTable(columns=list(COLUMNS), rows=table,
                       kept=int(torch.isfinite(z).sum()), vocab=int(z.shape[-1]), entropy=float(entropy(lp)),
                       knobs=knobs)
@@ -246,7 +297,7 @@ def _softcap_processor_class():
         """
 
         def __init__(self, cap: float = GEMMA2_CAP):
-            check({"softcap": cap}, name=lambda _: "cap")
+            check({"softcap": cap})
             self.cap = cap
 
         def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmhead_cli.errors import LmheadError, UsageError
-from lmhead_cli.head import check_finite, clamp_top_k
+from lmhead_cli.errors import BadValue, LmheadError, UsageError
+from lmhead_cli.head import check_finite, clamp_top_k, encode_targets
 from lmhead_cli.readings.inspect import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
 from lmhead_cli.loading.sources import Loaded
 
@@ -103,10 +103,10 @@ def inspect_batch(loaded: Loaded, prompts: list[str], top_k: int = 10, targets: 
 
     `run(loaded, rows) -> (B, V)` is the forward (a parameter so tests can make memory run out)."""
     if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
+        raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
     k = clamp_top_k(top_k, loaded.engine.vocab_size)
     targets = check_targets(targets)
-    target_ids = [(t, loaded.tokenizer.encode(t)) for t in targets]
+    target_ids = encode_targets(loaded.tokenizer, targets)
     encoded = [encode_prompt(loaded, p) for p in prompts]  # [(ids, dropped)]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i][0]), reverse=True)
     run_stats = BatchRun(prompts=list(prompts), results=[], batch_size=batch_size, batches=0, splits=0, max_rows=0, wins=[])

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmhead_cli.errors import UsageError
-from lmhead_cli.head import check_finite, clamp_top_k, log_softmax, rank_of
-from lmhead_cli.readings.inspect import PromptToken, check_targets, encode_prompt
+from lmhead_cli.head import check_finite, clamp_top_k, encode_target, encode_targets, log_softmax, rank_of
+from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
 
 
@@ -66,10 +65,8 @@ def explain_logit(loaded: Loaded, prompt: str, token: str, top_k: int = 5,
                   targets: list[str] | None = None) -> Explanation:
     """Take the logit of `token` (its first piece) after `prompt` apart, beside the top `top_k` tokens."""
     eng, tok = loaded.engine, loaded.tokenizer
-    pieces = tok.encode(token) if token else []
-    if not pieces:
-        raise UsageError(f"--explain {token!r} encodes to no tokens; give a token such as ' are'")
-    extra = [tok.encode(t)[0] for t in check_targets(targets)]
+    pieces = encode_target(tok, token, key="explain")
+    extra = [ids[0] for _, ids in encode_targets(tok, targets)]
     k = clamp_top_k(top_k, eng.vocab_size)
     ids, dropped = encode_prompt(loaded, prompt)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from lmhead_cli.errors import LmheadError, UsageError
+from lmhead_cli.errors import BadValue, LmheadError, UsageError
 
 PROMPT = "lmhead> "
 HISTORY_LENGTH = 1000
@@ -37,11 +37,12 @@ class Settings:
     targets: tuple[str, ...] = ()
     seed: int = DEFAULT_GEN_SEED  # for :gen, so a script gets the same text every run
 
-    def describe(self) -> str:
-        temp = "off" if self.temperature is None else f"{self.temperature:g}"
-        cap = "off" if self.softcap is None else f"{self.softcap:g}"
-        targets = ", ".join(repr(t) for t in self.targets) or "none"
-        return f"top-k {self.top_k}, temperature {temp}, softcap {cap}, targets {targets}, seed {self.seed}"
+    @property
+    def knobs(self):
+        """The stages these settings turn on (decoding.stages.Knobs)."""
+        from lmhead_cli.decoding.stages import Knobs
+
+        return Knobs(softcap=self.softcap, temperature=self.temperature)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Reading:
     rows: list[Row]
     targets: list[Row]
     entropy: float  # nats, of the distribution after the stages
-    stages: str  # e.g. "softcap 30 → temperature 0.8", or "none"
+    knobs: object  # decoding.stages.Knobs: the stages that were on
     elapsed_ms: float  # tokenise, forward, head, stages and the table's figures (not the printing)
 
 
@@ -88,6 +89,9 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "quit": (("q", "exit"), "", "leave (Ctrl-D too)"),
 }
 _ALIASES = {alias: name for name, (aliases, _, _) in COMMANDS.items() for alias in (name, *aliases)}
+# setting key (as the core names it in a BadValue) -> the command that sets it
+SETS = {"temperature": "temp", "softcap": "softcap", "top_k": "top-k", "target": "target", "seed": "seed",
+        "max_new_tokens": "gen"}
 
 
 def parse_command(line: str) -> Command:
@@ -124,7 +128,7 @@ def apply(settings: Settings, cmd: Command) -> Settings:
     from lmhead_cli.decoding import stages
 
     def checked(key: str, value):
-        stages.check({key: value}, name=lambda _: f":{cmd.name}")
+        stages.check({key: value})
         return value
 
     off = len(cmd.args) == 1 and cmd.args[0].lower() in ("off", "none")
@@ -146,42 +150,34 @@ def apply(settings: Settings, cmd: Command) -> Settings:
     raise ValueError(f"not a setting command: {cmd.name}")
 
 
-def _knobs(settings: Settings):
-    from lmhead_cli.decoding.stages import Knobs
-
-    return Knobs(softcap=settings.softcap, temperature=settings.temperature)
-
-
 def read(loaded, prompt: str, settings: Settings) -> Reading:
     """The top-k table (and targets) for `prompt` after the stages that are set."""
     import torch
 
     from lmhead_cli.decoding import stages
-    from lmhead_cli.head import clamp_top_k
+    from lmhead_cli.head import clamp_top_k, encode_targets, entropy, log_softmax, ranks
     from lmhead_cli.readings.inspect import encode_prompt, last_logits
 
     start = time.perf_counter()
     ids, dropped = encode_prompt(loaded, prompt)
-    target_ids = [(t, loaded.tokenizer.encode(t)) for t in settings.targets]
+    target_ids = encode_targets(loaded.tokenizer, list(settings.targets))
     logits, _ = last_logits(loaded, ids)  # (V,) float32, the head on the last position only
-    knobs = _knobs(settings)
+    knobs = settings.knobs
     scaled = stages.process(logits, knobs.pipeline())  # (V,)
-    logprobs = stages.log_probs(scaled)
+    logprobs = log_softmax(scaled)
     k = clamp_top_k(settings.top_k, logits.shape[-1])
     top = torch.topk(scaled, k).indices  # (k,)
-    tids = torch.tensor([tid[0] for _, tid in target_ids if tid], dtype=torch.long, device=top.device)
+    tids = torch.tensor([tid[0] for _, tid in target_ids], dtype=torch.long, device=top.device)
     picked = torch.cat([top, tids])  # (k + targets,)
-    # Ranks in one comparison, (k + targets, V) booleans summed; the rest in one transfer each.
-    ranks = 1 + (scaled[None, :] > scaled[picked][:, None]).sum(-1)
+    # Ranks in one comparison; the rest in one transfer each.
     text = loaded.tokenizer.token_text
     rows = [Row(rank=int(r), id=int(i), token=text(int(i)), logit=z, scaled=zs, prob=math.exp(lp))
-            for r, i, z, zs, lp in zip(ranks.tolist(), picked.tolist(), logits[picked].tolist(),
+            for r, i, z, zs, lp in zip(ranks(scaled, picked).tolist(), picked.tolist(), logits[picked].tolist(),
                                        scaled[picked].tolist(), logprobs[picked].tolist())]
     rows, targets = rows[:k], rows[k:]
-    entropy = float(stages.entropy(logprobs))
-    stages = " → ".join(f"{name} {value:g}" for name, value in knobs.active().items()) or "none"
     return Reading(prompt=prompt, n_tokens=len(ids), truncated=dropped, rows=rows, targets=targets,
-                   entropy=entropy, stages=stages, elapsed_ms=(time.perf_counter() - start) * 1000)
+                   entropy=float(entropy(logprobs)), knobs=knobs,
+                   elapsed_ms=(time.perf_counter() - start) * 1000)
 
 
 def generate_after(loaded, prompt: str, n: int, settings: Settings, on_text: Callable[[str], None]):
@@ -263,6 +259,8 @@ class Session:
                     return
             except KeyboardInterrupt:  # Ctrl-C while computing cancels that line only
                 self.show.cancelled()
+            except BadValue as e:  # the value of a :command, named as the user typed it
+                self.show.error(e.spelled(f":{SETS[e.key]}") if e.key in SETS else str(e))
             except LmheadError as e:
                 self.show.error(str(e))
 
@@ -291,7 +289,7 @@ class Session:
             n = _number(cmd, "20", int)
             from lmhead_cli.decoding import stages
 
-            stages.check({"max_new_tokens": n}, name=lambda _: ":gen")
+            stages.check({"max_new_tokens": n})
             prompt = self._last(cmd)
             self.show.generation_start(prompt)
             self.show.generation_end(generate_after(self.loaded, prompt, n, self.settings, self.show.text))

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmhead_cli.errors import UsageError
-from lmhead_cli.head import (TargetScore, TokenScore, check_finite, clamp_top_k, entropy, log_softmax,
-                             nats_to_bits, target_score, top_tokens)
+from lmhead_cli.errors import NoPrompt
+from lmhead_cli.head import (TargetScore, TokenScore, check_finite, clamp_top_k, encode_target, encode_targets, entropy,
+                             log_softmax, nats_to_bits, target_score, top_tokens)
 from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
@@ -51,28 +51,26 @@ class Inspection:
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for later stages
 
 
-def check_prompt(prompt: str | None, command: str = "inspect") -> str:
-    """The prompt, or a UsageError if it is missing, empty or only white space."""
+def check_prompt(prompt: str | None) -> str:
+    """The prompt, or NoPrompt if it is missing, empty or only white space."""
     if not prompt or not prompt.strip():
-        raise UsageError(f'the prompt is empty; give some text, e.g. lmhead {command} "The keys on the table"')
+        raise NoPrompt(given=prompt is not None)
     return prompt
 
 
 def check_targets(targets: list[str] | None) -> list[str]:
+    """The targets asked about; BadValue for an empty one (it can encode to no token)."""
     for t in targets or []:
         if not t:
-            raise UsageError(f"--target {t!r} encodes to no tokens; give a token such as ' are'")
+            encode_target(None, t)  # raises BadValue: no tokenizer is needed to know "" has no token
     return list(targets or [])
 
 
-def check_request(prompt: str | None, targets: list[str] | None, top_k: int, command: str = "inspect") -> None:
-    """Usage errors of a one-prompt command, raised before any model is loaded."""
-    if prompt is None:
-        raise UsageError(f'give a prompt, e.g. lmhead {command} "The keys on the table"')
-    check_prompt(prompt, command)
+def check_request(prompt: str | None, targets: list[str] | None, top_k: int) -> None:
+    """Usage errors of a one-prompt reading, raised before any model is loaded."""
+    check_prompt(prompt)
     check_targets(targets)
-    if top_k < 1:
-        raise UsageError(f"--top-k must be at least 1 (got {top_k})")
+    clamp_top_k(top_k, top_k)
 
 
 def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
@@ -106,7 +104,7 @@ def inspection_from_logits(loaded: Loaded, ids: list[int], dropped: int, logits:
                            walk: ShapeWalk, k: int, target_ids: list[tuple[str, list[int]]]) -> Inspection:
     """The `inspect` reading of one prompt from its last-position logits (V,) float32."""
     eng, text = loaded.engine, loaded.tokenizer.token_text
-    nats = entropy(log_softmax(logits))
+    nats = float(entropy(log_softmax(logits)))
     return Inspection(
         model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied, engine=eng.name,
         device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
@@ -120,5 +118,5 @@ def inspect_prompt(loaded: Loaded, prompt: str, top_k: int = 10, targets: list[s
     ids, dropped = encode_prompt(loaded, prompt)
     k = clamp_top_k(top_k, loaded.engine.vocab_size)
     logits, walk = last_logits(loaded, ids)
-    target_ids = [(t, loaded.tokenizer.encode(t)) for t in targets or []]
+    target_ids = encode_targets(loaded.tokenizer, targets)
     return inspection_from_logits(loaded, ids, dropped, logits, walk, k, target_ids)

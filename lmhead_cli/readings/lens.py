@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmhead_cli.head import (TargetScore, check_finite, clamp_top_k, entropy, log_softmax, target_score,
-                             top_tokens)
+from lmhead_cli.head import (TargetScore, check_finite, clamp_top_k, encode_targets, entropy, log_softmax,
+                             target_score, top_tokens)
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
 
@@ -67,7 +67,7 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
     ids, dropped = encode_prompt(loaded, prompt)
     k = clamp_top_k(columns, loaded.engine.vocab_size)
     text = loaded.tokenizer.token_text
-    target_ids = [(t, loaded.tokenizer.encode(t)) for t in targets or []]
+    target_ids = encode_targets(loaded.tokenizer, targets)
     per_layer = layer_logits(loaded, ids)
 
     layers = []
@@ -75,7 +75,7 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
         logprobs = log_softmax(logits)
         top = top_tokens(logits, 1, text)[0]
         layers.append(LensLayer(layer=i, top_id=top.id, top_token=top.token, top_prob=top.prob,
-                                entropy=entropy(logprobs),
+                                entropy=float(entropy(logprobs)),
                                 targets=[target_score(logits, t, tid, text) for t, tid in target_ids]))
 
     col_ids = [t.id for t in top_tokens(per_layer[-1], k, text)]

@@ -44,6 +44,19 @@ def notice(message: str) -> None:
     err().print(f"[dim]{message}[/]", markup=True)
 
 
+def truncated(kept: int, dropped: int, n_ctx: int) -> None:
+    """One warning on stderr when a prompt lost its first `dropped` tokens to the context limit."""
+    if dropped:
+        warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; keeping the last {kept}")
+
+
+def multi_piece_notices(targets) -> None:
+    """A notice for each target that is several tokens: it is scored by its first."""
+    for t in targets:
+        if len(t.pieces) > 1:
+            notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
+
+
 def _plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -79,6 +92,11 @@ def sparkline(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     span = hi - lo
     return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
+
+
+def knobs_text(knobs, sep: str = " → ") -> str:
+    """The stages that are on, in order, for people: "softcap 30 → temperature 0.8" ("" if none)."""
+    return sep.join(f"{key.replace('_', '-')} {value:g}" for key, value in knobs.active().items())
 
 
 def token_cell(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import out, show_token
+from lmhead_cli.render import multi_piece_notices, notice, out, show_token, warn
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -16,6 +16,17 @@ TOKEN_WIDTH = 12
 def _short(text: str, width: int = PROMPT_WIDTH) -> str:
     shown = text.replace("\n", "\\n").replace("\t", "\\t")
     return shown if len(shown) <= width else shown[: width - 1] + "…"
+
+
+def file_notices(prompts, run, n_ctx: int) -> None:
+    """On stderr: empty lines skipped, prompts cut to the context, targets of several tokens."""
+    if prompts.skipped_empty:
+        notice(f"skipped {prompts.skipped_empty} empty line{'s' * (prompts.skipped_empty > 1)}")
+    cut = [n for n, r in enumerate(run.results, 1) if r.truncated]
+    if cut:
+        warn(f"{len(cut)} prompts (lines {', '.join(map(str, cut[:5]))}{'…' * (len(cut) > 5)}) are "
+             f"longer than the context of {n_ctx}; each keeps its last tokens")
+    multi_piece_notices(run.results[0].targets)
 
 
 def batch_table(run, model: str, random_weights: bool) -> None:

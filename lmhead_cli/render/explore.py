@@ -7,9 +7,17 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import bar, err, out
+from lmhead_cli.render import bar, err, knobs_text, out
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.lens import lens_table
+
+
+def describe(s) -> str:
+    """One line of an explore session's settings."""
+    temp = "off" if s.temperature is None else f"{s.temperature:g}"
+    cap = "off" if s.softcap is None else f"{s.softcap:g}"
+    targets = ", ".join(repr(t) for t in s.targets) or "none"
+    return f"top-k {s.top_k}, temperature {temp}, softcap {cap}, targets {targets}, seed {s.seed}"
 
 
 def intro(model: str, random_weights: bool, load_s: float, settings, interactive: bool,
@@ -19,7 +27,7 @@ def intro(model: str, random_weights: bool, load_s: float, settings, interactive
     weights = " [bold yellow](random weights: the predictions are not real)[/]" if random_weights else ""
     on = f", {threads} CPU thread{'s' * (threads != 1)}" if threads else ""
     con.print(f"lmhead explore: {escape(model)} loaded in {load_s:.1f} s{on}{weights}", markup=True)
-    con.print(f"settings: {escape(settings.describe())}", markup=True)
+    con.print(f"settings: {escape(describe(settings))}", markup=True)
     if interactive:
         con.print("type a prompt, or :help for the commands; Ctrl-C cancels a line, Ctrl-D or :quit leaves",
                   markup=False)
@@ -27,9 +35,10 @@ def intro(model: str, random_weights: bool, load_s: float, settings, interactive
 
 def reading(r) -> None:
     con = out()
-    scaled = r.stages != "none"
+    stages = knobs_text(r.knobs)
+    scaled = bool(stages)
     cut = f", first {r.truncated} dropped" if r.truncated else ""
-    con.print(f"» {escape(r.prompt)}  [dim]({r.n_tokens} tokens{cut}; stages: {escape(r.stages)}; "
+    con.print(f"» {escape(r.prompt)}  [dim]({r.n_tokens} tokens{cut}; stages: {escape(stages or 'none')}; "
               f"{r.elapsed_ms:.0f} ms)[/]")
     table = Table(show_edge=False, pad_edge=False)
     columns = [("rank", "right"), ("id", "right"), ("token", "left"), ("logit", "right")]
@@ -56,7 +65,7 @@ def reading(r) -> None:
 
 
 def settings(s) -> None:
-    out().print(f"settings: {escape(s.describe())}")
+    out().print(f"settings: {escape(describe(s))}")
 
 
 def help(commands) -> None:  # noqa: A001 - the :help command

@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import out, sparkline
+from lmhead_cli.render import knobs_text, notice, out, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -33,11 +33,17 @@ def stream(piece: str) -> None:
     sys.stdout.flush()
 
 
+def stop_notice(g, n_ctx: int) -> None:
+    """On stderr, when the run stopped because the context was full rather than as asked."""
+    if g.stop == "context":
+        notice(f"stopped at the context limit: {len(g.prompt_ids)} prompt tokens + {len(g.generated_ids)} "
+               f"new fill the model's {n_ctx} positions")
+
+
 def _settings_line(g) -> str:
-    knobs = g.settings.knobs.active()
     parts = [{"beam": f"beam search, {g.settings.beams} beams (deterministic)", "greedy": "greedy (deterministic)",
               "sample": "sampled"}[g.mode]]
-    parts += [f"{k.replace('_', '-')} {v:g}" for k, v in knobs.items()]
+    parts += [knobs_text(g.settings.knobs, " · ")] if g.settings.knobs.active() else []
     if g.mode == "sample":
         parts.append(f"seed {g.seed} (replay with --seed {g.seed})")
     if g.beam_score is not None:
@@ -121,7 +127,7 @@ def _step_json(step, show_steps: int) -> dict:
 def stage_report(table) -> None:
     """The top tokens followed through every stage: value and rank at each, then the probability."""
     con = out()
-    on = " → ".join(f"{k.replace('_', '-')} {v:g}" for k, v in table.knobs.active().items()) or "none (T = 1)"
+    on = knobs_text(table.knobs) or "none (T = 1)"
     con.print(f"through the stages: {on} → softmax", soft_wrap=True)
     t = Table(show_edge=False)
     t.add_column("token")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from rich.table import Table
 
 from lmhead_cli.render import bar, out
@@ -10,6 +12,37 @@ from lmhead_cli.render import token_cell as _cell
 
 def _shape(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def tie_json(tie) -> dict:
+    """The tie report's fields (loading.sources.TieReport) as JSON."""
+    return asdict(tie)
+
+
+def tie_document(loaded) -> dict:
+    """The documented `tie --json` document."""
+    return {"model": loaded.source, "random_weights": loaded.random_weights, "engine": loaded.engine.name,
+            **tie_json(loaded.tie)}
+
+
+def inspection_json(result, tie) -> dict:
+    """The documented `inspect --json` document (also one line per prompt of `inspect --file --json`)."""
+    return {
+        "model": result.model,
+        "random_weights": result.random_weights,
+        "tied": result.tied,
+        "engine": result.engine,
+        "device": result.device,
+        "dtype": result.dtype,
+        "prompt_tokens": [asdict(t) for t in result.prompt_tokens],
+        "truncated": result.truncated,
+        "shapes": asdict(result.shapes),
+        "top": [asdict(t) for t in result.top],
+        "targets": [asdict(t) for t in result.targets],
+        "entropy": result.entropy,
+        "entropy_bits": result.entropy_bits,
+        "tie": tie_json(tie),
+    }
 
 
 def random_banner(model: str, random_weights: bool) -> None:
