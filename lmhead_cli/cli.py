@@ -551,6 +551,10 @@ def lens_cmd(
         bool, typer.Option("--heat", help="Show a heat map (layers × top tokens, probabilities as shades) instead.")
     ] = False,
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.")] = 8,
+    position: Annotated[
+        Optional[int], typer.Option("--position", help="Read the prompt at token I (0-based; -1 the last): "
+                                    "what each layer predicts after it.", show_default="the last")
+    ] = None,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -565,7 +569,7 @@ def lens_cmd(
 
     check_request(prompt, target, top_k)
     loaded = source.load()
-    result = lens_prompt(loaded, prompt, target, top_k)
+    result = lens_prompt(loaded, prompt, target, top_k, position)
     render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     if json_out:
         render.print_json(lens_json(result))

@@ -25,6 +25,7 @@ def lens_json(lens) -> dict:
         "random_weights": lens.random_weights,
         "prompt_tokens": [asdict(t) for t in lens.prompt_tokens],
         "truncated": lens.truncated,
+        "position": lens.position,
         "layers": [asdict(layer) for layer in lens.layers],
     }
 
@@ -32,7 +33,10 @@ def lens_json(lens) -> dict:
 def _header(lens) -> None:
     con = out()
     random_banner(lens.model, lens.random_weights)
-    con.print("logit lens: the residual stream at the last position after each layer, through ln_f "
+    last = lens.position == len(lens.prompt_tokens) - 1
+    where = ("the last position" if last else
+             f"position {lens.position} ({tok(lens.prompt_tokens[lens.position].text)}: what would follow it)")
+    con.print(f"logit lens: the residual stream at {where} after each layer, through ln_f "
               "(recomputed for that vector) and the tied head")
     con.print("prompt: " + " ".join(f"[{show_token(t.text)}]" for t in lens.prompt_tokens), markup=False)
 
