@@ -28,6 +28,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from checkpoint import gpt2_small  # noqa: E402
+import score_bench  # noqa: E402 - issue 11's rows: benchmarks/score_bench.py
 
 PYTHON = sys.executable
 PROMPT = "The keys on the table"
@@ -472,8 +473,11 @@ def main() -> None:
     bw = {k: max(b[k] for b in bandwidths) if k.endswith("gbs") or "_gbs_" in k else v for k, v in bandwidths[0].items()}
     ck = {**json.loads((folder / "config.json").read_text()),
           "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
+    log("score ...")  # issue 11, measured and written up by benchmarks/score_bench.py
+    sco = score_bench.measure(folder, run, quick=args.quick)
     text = report(machine(), ck, bw, start, insp, dec, bf16, parts, heads, forms, args, (load0, os.getloadavg()[0]),
                   time.perf_counter() - began, bat)
+    text += score_bench.report(sco)
     args.out.write_text(text, encoding="utf-8")
     print(text)
     log(f"written to {args.out}")

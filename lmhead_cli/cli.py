@@ -669,6 +669,7 @@ def score_cmd(
     Example: lmhead score "The keys on the table are on the table." --table
     """
     from lmhead_cli.readings import score as scoring
+    from lmhead_cli.readings.batch import open_input
     from lmhead_cli.render import score as show
 
     if stride is not None and stride < 1:
@@ -679,7 +680,7 @@ def score_cmd(
             raise UsageError("give a text or --file, not both")
         if show_table:
             raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
-        stream = scoring.open_texts(file)  # before the load: a bad path fails in an instant
+        stream = open_input(file, "text file")  # before the load: a bad path fails in an instant
         try:
             loaded = source.load()
             if stride is not None:

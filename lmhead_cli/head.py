@@ -36,18 +36,24 @@ class TargetScore:
     prob: float
 
 
+NON_FINITE_ADVICE = ("the weights hold non-finite values or overflowed in this dtype; check the checkpoint "
+                     "or try --dtype float32")
+
+
 def check_finite(logits: torch.Tensor) -> None:
     """Raise NonFiniteLogits if any logit is NaN or infinite (safetensors does not check values)."""
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
-        raise NonFiniteLogits(f"the head produced {bad} non-finite logits (NaN or inf): the weights "
-                              "hold non-finite values or overflowed in this dtype; check the checkpoint "
-                              "or try --dtype float32")
+        raise NonFiniteLogits(f"the head produced {bad} non-finite logits (NaN or inf): {NON_FINITE_ADVICE}")
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V);
-    a filtered token (-inf) gets -inf."""
+    a filtered token (-inf) gets -inf. `inplace` overwrites float32 logits with their log-probabilities,
+    so that no second (..., V) buffer is held (`score`'s chunks)."""
+    if inplace:
+        z = logits.float()
+        return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -135,13 +141,14 @@ class RowScores:
 def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
     """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row.
 
-    Works on the N rows it is given and keeps about two (N, V) float32 buffers alive at once, so a
-    caller bounds the memory by how many rows it passes (`lmhead score --chunk`)."""
+    The logits are overwritten with their log-probabilities, so the N rows take about two (N, V)
+    float32 buffers at most (the logits and, for the entropy, the probabilities): a caller bounds the
+    memory by how many rows it passes (`lmhead score --chunk`)."""
     rank = ranks(logits, ids[:, None])[:, 0]
-    logprobs = log_softmax(logits)  # (N, V) float32
+    logprobs = log_softmax(logits, inplace=True)  # (N, V) float32, in the logits' place
     top_logprob, top_id = logprobs.max(-1)
     if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)
-        check_finite(logits)
-    del logits  # the caller's reference may be the last one: this chunk's raw logits can go now
+        raise NonFiniteLogits("the head produced non-finite logits (NaN or inf) at "
+                              f"{int((~torch.isfinite(top_logprob)).sum())} positions: " + NON_FINITE_ADVICE)
     return RowScores(logprob=logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rank=rank,
                      entropy=entropy(logprobs), top_id=top_id, top_logprob=top_logprob)

@@ -21,7 +21,6 @@ Shapes: T tokens, L positions in a window, D width, V vocabulary.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -29,11 +28,11 @@ import torch
 
 from lmhead_cli.errors import UsageError
 from lmhead_cli.head import nats_to_bits, score_rows
+from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
 CHUNK_BYTES = 32 * 2**20  # the default chunk's float32 logits stay within this
-STDIN = "-"
 
 
 # ---- the plan: windows and chunks --------------------------------------------------------------
@@ -355,21 +354,6 @@ class Corpus:
 class Line:
     number: int  # 1-based line number in the file
     text: str | None  # None: empty or white space only, skipped
-
-
-def open_texts(name: str):
-    """The binary stream behind --file NAME (`-`: stdin), opened now so a bad path fails before the
-    model loads."""
-    if name == STDIN:
-        return sys.stdin.buffer
-    try:
-        return open(name, "rb")  # noqa: SIM115 - read lazily by read_lines, closed by the caller
-    except FileNotFoundError:
-        raise UsageError(f"no such text file: {name}") from None
-    except IsADirectoryError:
-        raise UsageError(f"{name} is a folder, not a text file") from None
-    except OSError as e:
-        raise UsageError(f"cannot read the text file {name}: {e.strerror or e}") from None
 
 
 def read_lines(stream, name: str) -> Iterator[Line]:
