@@ -185,6 +185,7 @@ def test_cli_position_json_and_range(ckpt):
     assert last["position"] == len(PROMPT_IDS) - 1 and last["layers"] != doc["layers"]
     table = runner.invoke(app, ["lens", PROMPT, "--position", "1", "--model", str(folder)])
     assert "position 1 (␣keys" in table.stdout
+    assert "what `lmhead score` reports for token 2" in table.stdout
     for bad in ("5", "-6"):
         got = runner.invoke(app, ["lens", PROMPT, "--position", bad, "--model", str(folder)])
         assert got.exit_code == 2 and "outside the prompt's 5 tokens" in got.stderr

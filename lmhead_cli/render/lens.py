@@ -58,7 +58,11 @@ def lens_table(lens) -> None:
             cells += [f"{t.rank:,}", f"{t.prob:.4%}"]
         table.add_row(*cells)
     out().print(table)
-    out().print("entropy in nats; the last row is what `lmhead inspect` shows")
+    if lens.position == len(lens.prompt_tokens) - 1:
+        out().print("entropy in nats; the last row is what `lmhead inspect` shows")
+    else:
+        out().print(f"entropy in nats; the last row is the model's own prediction after token {lens.position}: "
+                    f"what `lmhead score` reports for token {lens.position + 1}")
 
 
 def lens_heat(lens) -> None:

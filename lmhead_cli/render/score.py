@@ -49,7 +49,7 @@ def legend(score, colour: bool) -> Text:
     counts, n = score.bucket_counts(), max(score.scored_tokens, 1)
     line = Text("rank buckets: ")
     for i, ((_, name), count) in enumerate(zip(BUCKETS, counts)):
-        label = f"{name} {count} ({count / n:.0%})"
+        label = f"{name} {count}" + (f" ({count / n:.0%})" if count else "")
         if colour:
             line.append(label, style=STYLES[i])
         else:
@@ -58,7 +58,7 @@ def legend(score, colour: bool) -> Text:
     if colour:
         line.append("unscored", style=UNSCORED_STYLE)
     else:
-        line.append(f"{UNSCORED_MARK} unscored   (mark n: rank ≤ 10ⁿ)")
+        line.append(f"{UNSCORED_MARK} unscored  (mark n: rank ≤ 10ⁿ)")
     return line
 
 
@@ -87,10 +87,9 @@ def summary_lines(score) -> list[str]:
     bpb = "n/a" if score.bits_per_byte is None else f"{score.bits_per_byte:.4f}"
     return [
         f"scored {n:,} of {T:,} tokens ({first}{gaps})",
-        f"{windows} of ≤ {score.window:,} tokens, stride {score.stride:,}; the head in chunks of ≤ {score.chunk:,} "
-        "positions, never the full [T, V] logits",
-        f"NLL {score.nll:,.4f} nats, mean {score.mean_nll:.4f} · perplexity {score.perplexity:,.4f} · "
-        f"{score.bytes:,} bytes · {bpb} bits per byte",
+        f"{windows} of ≤ {score.window:,} tokens (stride {score.stride:,}); the head {score.chunk:,} positions at a time",
+        f"NLL {score.nll:,.4f} nats (mean {score.mean_nll:.4f}) · perplexity {score.perplexity:,.4f} · "
+        f"{bpb} bits per byte ({score.bytes:,} bytes)",
     ]
 
 
