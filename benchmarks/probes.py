@@ -8,6 +8,7 @@ one JSON line.
     python benchmarks/probes.py step FOLDER STEPS
     python benchmarks/probes.py weight-bytes FOLDER DTYPE
     python benchmarks/probes.py bfloat16-error FOLDER PROMPT
+    python benchmarks/probes.py precision FOLDER DEVICE     (bfloat16 against float32 over 32 prompts)
     python benchmarks/probes.py imports ARGS...      (runs `lmhead ARGS`, reports heavy imports)
 """
 
@@ -134,13 +135,17 @@ def decode(folder: str, prompt: str, n: int, dtype: str, products: str) -> dict:
     """Greedy decoding straight over the engine, timed as `lmhead greedy` times itself (prefill and
     every step, no warm-up; and the rate after the first token). products "plain" turns the blocked
     matrix-vector products off (the engine as it was before them), "blocked" leaves them on."""
+    from lmhead_cli.engine.threads import prepare
+
+    prepare()  # OpenMP's wait policy, as the CLI sets it (before torch's import)
     import torch
 
     from lmhead_cli.engine import lean as engine
     from lmhead_cli.loading.sources import load_model
 
     if products == "plain":
-        engine._blocked = lambda x: False  # addmm and F.linear, as BLAS runs them
+        engine._streams = lambda x: False  # addmm and F.linear, as BLAS runs them
+        engine.pack_for_onednn = lambda w: None
     loaded = load_model(folder, device="cpu", dtype=dtype, engine="lean")
     eng = loaded.engine
     ids = loaded.tokenizer.encode(prompt)
@@ -226,6 +231,42 @@ def bfloat16_error(folder: str, prompt: str) -> dict:
             "top1": [int(z.argmax()), int(z_hf.argmax()), int(z_lean.argmax())]}
 
 
+def precision(folder: str, device: str) -> dict:
+    """bfloat16 against float32 on the fixed 32 prompts (benchmarks/prompts.py), for lmhead and for
+    transformers: per prompt the KL divergence KL(p_float32 ‖ p_bfloat16) of the next-token
+    distribution (nats) and whether the two agree on the top-1 token."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from lmhead_cli.loading.sources import load_model
+    from prompts import PRECISION_PROMPTS
+
+    def lean(dtype):
+        loaded = load_model(folder, device=device, dtype=dtype, engine="lean")
+        return loaded.tokenizer, lambda ids: loaded.engine.head(loaded.engine.body(ids)[:, -1:])[0, 0]
+
+    def hf(dtype):
+        model = GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+        return lambda ids: model(ids, logits_to_keep=1).logits[0, -1]
+
+    tokenizer, lean32 = lean("float32")
+    _, lean16 = lean("bfloat16")
+    pairs = {"lmhead": (lean32, lean16), "transformers": (hf("float32"), hf("bfloat16"))}
+    out = {}
+    with torch.inference_mode():
+        for name, (f32, b16) in pairs.items():
+            kl, same = [], 0
+            for text in PRECISION_PROMPTS:
+                ids = torch.tensor([tokenizer.encode(text)], device=device)
+                p = torch.log_softmax(f32(ids).float(), -1)  # (V,)
+                q = torch.log_softmax(b16(ids).float(), -1)
+                kl.append(float((p.exp() * (p - q)).sum()))
+                same += int(p.argmax()) == int(q.argmax())
+            out[name] = {"kl_mean": statistics.mean(kl), "kl_median": statistics.median(kl), "kl_max": max(kl),
+                         "top1_same": same, "prompts": len(PRECISION_PROMPTS)}
+    return out
+
+
 IMPORT_PROBE_HEAVY = ("torch", "transformers", "torch._dynamo")
 
 
@@ -261,6 +302,8 @@ def main(argv: list[str]) -> None:
         result = weight_bytes_per_token(rest[0], rest[1])
     elif what == "bfloat16-error":
         result = bfloat16_error(rest[0], rest[1])
+    elif what == "precision":
+        result = precision(rest[0], rest[1])
     elif what == "imports":
         result = imports(rest)
     else:

@@ -1,7 +1,12 @@
 """lmhead against transformers, side by side in one run, on one full-size GPT-2 small checkpoint.
 
-    .venv/bin/python benchmarks/run.py            # about 8 minutes on 2 cores; writes benchmarks/RESULTS.md
-    .venv/bin/python benchmarks/run.py --quick    # 1-2 repeats and 32 new tokens: a smoke test
+    .venv/bin/python benchmarks/run.py --quick    # a smoke test: about a minute, every section once
+    .venv/bin/python benchmarks/run.py            # the full run: 10-20 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py --write    # the full run, kept in benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/run.py --device cuda   # the same tables on a GPU, where there is one
+
+Only `--write` (a full run) replaces benchmarks/RESULTS.md; every other run writes its report to
+benchmarks/.cache/ (the path is printed), so trying the benchmark never overwrites the kept figures.
 
 Every figure is the median of several fresh processes (or, for the head alone, of several calls in
 one process), and every comparison is a ratio measured in this same run: timings on a shared
@@ -28,11 +33,13 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from checkpoint import gpt2_small  # noqa: E402
-import score_bench  # noqa: E402 - issue 11's rows: benchmarks/score_bench.py
+import score_bench  # noqa: E402 - issue 11's rows, measured and written by benchmarks/score_bench.py
+from prompts import file_prompts  # noqa: E402
 
 PYTHON = sys.executable
 PROMPT = "The keys on the table"
-INSPECT_TARGETS = {"ratio": 0.5, "startup_s": 0.5, "decode_ratio": 1.3, "bound_fraction": 0.7}
+TARGETS = {"ratio": 0.5, "startup_s": 0.5, "decode_ratio": 1.3, "bound_fraction": 0.7, "bf16_ratio": 1.5,
+           "bf16_bound_fraction": 0.5, "busy_own": 0.7}
 HEAD_T = (16, 128, 1024)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -53,12 +60,17 @@ class Quiet:
     for whole scheduler slices. Before each measurement it waits (up to `patience` s, `budget` s in
     all) for idle CPUs; after it, it compares the CPU time all processes used with the CPU time the
     measured one used, and a measurement during which other work kept more than `busy` of a core
-    busy is taken again (`retries` times at most). Counts what it could not avoid."""
+    busy is taken again (`retries` times at most, `retry_budget` s of measuring again in all).
+    `expected` cores of other work are the benchmark's own (its busy competitor), not disturbance.
+    Counts what it could not avoid."""
 
-    def __init__(self, patience: float = 30.0, budget: float = 180.0, busy: float = 0.15, retries: int = 2):
+    def __init__(self, patience: float = 30.0, budget: float = 180.0, busy: float = 0.15, retries: int = 2,
+                 retry_budget: float = 240.0):
         self.patience, self.budget, self.busy, self.retries = patience, budget, busy, retries
+        self.retry_budget, self.retried_s, self.expected = retry_budget, 0.0, 0.0
         self.waited_s, self.measurements, self.repeated, self.noisy = 0.0, 0, 0, 0
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.cores = os.cpu_count() or 1
 
     def wait(self) -> None:
         start = time.perf_counter()
@@ -66,7 +78,10 @@ class Quiet:
             before = _cpu_jiffies()
             time.sleep(0.5)
             after = _cpu_jiffies()
-            if before is None or after is None or (after[0] - before[0]) / max(after[1] - before[1], 1) <= self.busy:
+            if before is None or after is None:
+                break
+            busy_cores = (after[0] - before[0]) / max(after[1] - before[1], 1) * self.cores
+            if busy_cores <= self.busy + self.expected:
                 break
         self.waited_s += time.perf_counter() - start
 
@@ -74,7 +89,7 @@ class Quiet:
         """Cores' worth of CPU time that other processes used during a measurement of `wall` seconds."""
         if before is None or after is None or wall <= 0:
             return 0.0
-        return max(0.0, (after[0] - before[0]) / self.tick - own_cpu_s) / wall
+        return max(0.0, max(0.0, (after[0] - before[0]) / self.tick - own_cpu_s) / wall - self.expected)
 
 
 QUIET = Quiet()
@@ -97,10 +112,12 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
             raise RuntimeError(f"{' '.join(cmd)} exited {code}:\n{stderr[-2000:]}")
         if QUIET.others(before, after, wall, usage.ru_utime + usage.ru_stime) <= QUIET.busy:
             break
-        if attempt < QUIET.retries:
+        if attempt < QUIET.retries and QUIET.retried_s < QUIET.retry_budget:
             QUIET.repeated += 1
+            QUIET.retried_s += wall
         else:
             QUIET.noisy += 1
+            break
     return wall, usage.ru_maxrss / 1024 * 1.048576, stdout  # ru_maxrss is KiB on Linux
 
 
@@ -110,16 +127,6 @@ def probe(*args: str, env: dict | None = None) -> dict:
 
 def lmhead(*args: str) -> list[str]:
     return [PYTHON, "-m", "lmhead_cli", *args]
-
-
-def has_command(name: str) -> bool:
-    from lmhead_cli.cli import app
-
-    return name in {c.name or c.callback.__name__ for c in app.registered_commands}
-
-
-def has_option(command: str, option: str) -> bool:
-    return option in run(lmhead(command, "--help"))[2]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -139,7 +146,7 @@ def log(message: str) -> None:
 
 # ---- the measurements ------------------------------------------------------------------------
 
-def startup(repeats: int) -> list[dict]:
+def startup(repeats: int, quick: bool) -> list[dict]:
     """Wall time of fresh processes that should never import torch, and whether they did."""
     rows = []
     references = [("python -c pass", [PYTHON, "-c", "pass"]),
@@ -148,6 +155,8 @@ def startup(repeats: int) -> list[dict]:
                    [PYTHON, "-c", "import transformers.models.gpt2.modeling_gpt2"])]
     commands = [("lmhead --help", ["--help"]), ("lmhead params", ["params"]),
                 ("lmhead params --config gpt2-xl", ["params", "--config", "gpt2-xl"]), ("lmhead toy", ["toy"])]
+    if quick:
+        references, commands = references[1:2], commands[:2]
     for name, cmd in references:
         rows.append({"name": name, "s": median([run(cmd)[0] for _ in range(repeats)]), "imported": None})
     for name, args in commands:
@@ -156,84 +165,145 @@ def startup(repeats: int) -> list[dict]:
     return rows
 
 
-def inspect(folder: Path, repeats: int) -> dict:
+def inspect(folder: Path, repeats: int, device: str) -> dict:
     """`lmhead inspect` end to end against the plain transformers script, alternating, fresh processes."""
-    lean_cmd = lmhead("inspect", PROMPT, "--model", str(folder))
-    hf_cmd = [PYTHON, str(HERE / "transformers_inspect.py"), str(folder), PROMPT, "10"]
+    lean_cmd = lmhead("inspect", PROMPT, "--model", str(folder), "--device", device)
+    hf_cmd = [PYTHON, str(HERE / "transformers_inspect.py"), str(folder), PROMPT, "10", device]
     lean, hf = [], []
     for _ in range(repeats):
         lean.append(run(lean_cmd)[:2])
         hf.append(run(hf_cmd)[:2])
-    imported = probe("imports", "inspect", PROMPT, "--model", str(folder))["imported"]
+    imported = probe("imports", "inspect", PROMPT, "--model", str(folder), "--device", device)["imported"]
     return {"lean_s": median([w for w, _ in lean]), "hf_s": median([w for w, _ in hf]),
             "lean_rss_mb": median([m for _, m in lean]), "hf_rss_mb": median([m for _, m in hf]),
             "imported": imported}
 
 
-def batch(folder: Path, n: int, repeats: int) -> dict:
-    """`inspect --file` over n short prompts (one process) against n separate `inspect` processes, and
-    whether each prompt's top-10 ids and target probabilities agree between the two."""
-    subjects = ["The key", "The keys", "The author", "The authors", "The dog", "The dogs", "The box", "The boxes"]
-    places = ["on the table", "near the door", "in the drawer", "under the bed", "by the window", "of the house",
-              "from the shop", "behind the chair"]
-    prompts = [f"{s} {p}" for p in places for s in subjects][:n]
-    targets = ["--target", " is", "--target", " are"]
+def prompt_file(prompts: list[str]) -> str:
+    """A temporary file holding the prompts, one a line; the caller deletes it."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
         f.write("\n".join(prompts) + "\n")
+    return f.name
+
+
+def batch(folder: Path, n: int, repeats: int, separate: bool, device: str) -> dict:
+    """`inspect --file` over n short prompts (one process): its time and prompts per second; with
+    `separate`, against n separate `inspect` processes, and whether each prompt's top-10 ids and
+    target probabilities agree between the two."""
+    prompts = file_prompts(n)
+    targets = ["--target", " is", "--target", " are"]
+    name = prompt_file(prompts)
     try:
-        file_cmd = lmhead("inspect", "--file", f.name, "--model", str(folder), "--json", *targets)
+        file_cmd = lmhead("inspect", "--file", name, "--model", str(folder), "--json", "--device", device, *targets)
         file_runs = [run(file_cmd) for _ in range(repeats)]
     finally:
-        os.unlink(f.name)
+        os.unlink(name)
     batched = [json.loads(line) for line in file_runs[0][2].splitlines() if line.strip()]
     separate_s, same = 0.0, 0
-    for prompt, doc in zip(prompts, batched):
-        wall, _, out = run(lmhead("inspect", prompt, "--model", str(folder), "--json", *targets))
+    for prompt, doc in zip(prompts, batched if separate else []):
+        wall, _, out = run(lmhead("inspect", prompt, "--model", str(folder), "--json", "--device", device, *targets))
         separate_s += wall
         one = json.loads(out)
         same += ([t["id"] for t in one["top"]] == [t["id"] for t in doc["top"]]
                  and all(abs(a["prob"] - b["prob"]) <= 1e-4 * max(a["prob"], 1e-12)
                          for a, b in zip(one["targets"], doc["targets"])))
-    return {"n": len(prompts), "file_s": median([w for w, _, _ in file_runs]), "separate_s": separate_s,
-            "same": same, "documents": len(batched)}
+    return {"n": len(prompts), "file_s": median([w for w, _, _ in file_runs]),
+            "separate_s": separate_s if separate else None, "same": same, "documents": len(batched)}
 
 
-def decode(folder: Path, repeats: int, new_tokens: int) -> list[dict]:
-    """Greedy tokens/s, lmhead against transformers' generate(), float32 and bfloat16, alternating; in
-    float32 also the engine with its blocked products turned off (where the speed comes from)."""
-    cli = has_command("greedy")
-    rows = []
-    for dtype in ("float32", "bfloat16"):
-        bytes_per_token = probe("weight-bytes", str(folder), dtype)["bytes"]
-        runs = {"lmhead": [], "transformers": []}
-        if dtype == "float32":
-            runs["lmhead, plain products"] = []
+def distributed(folder: Path, n: int, procs: int, repeats: int) -> dict:
+    """`inspect --file` over n prompts in one process against the same command under
+    `torchrun --standalone --nproc-per-node procs` (gloo on the CPU): times, and whether the two
+    outputs are byte for byte the same."""
+    name = prompt_file(file_prompts(n))
+    args = ["inspect", "--file", name, "--model", str(folder), "--json", "--target", " is", "--target", " are"]
+    torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
+                "-m", "lmhead_cli", *args]
+    try:
+        one, many = [], []
         for _ in range(repeats):
-            for name in runs:
-                if name == "lmhead" and cli:
-                    doc = json.loads(run(lmhead("greedy", PROMPT, "--model", str(folder), "--max-new-tokens",
-                                                str(new_tokens), "--ignore-eos", "--dtype", dtype, "--json"))[2])
-                    doc["via"] = "`lmhead greedy`"
-                elif name.startswith("lmhead"):
-                    products = "plain" if name.endswith("plain products") else "blocked"
-                    doc = probe("decode", str(folder), PROMPT, str(new_tokens), dtype, products)
-                    doc["via"] = "engine loop"
-                else:
-                    out = run([PYTHON, str(HERE / "transformers_generate.py"), str(folder), PROMPT, str(new_tokens),
-                               dtype])[2]
-                    doc = {**json.loads(out.strip().splitlines()[-1]), "via": "`generate()`"}
-                runs[name].append(doc)
+            one.append(run(lmhead(*args)))
+            many.append(run(torchrun, {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs))}))
+    finally:
+        os.unlink(name)
+    return {"n": n, "procs": procs, "one_s": median([w for w, _, _ in one]), "many_s": median([w for w, _, _ in many]),
+            "identical": one[0][2] == many[0][2], "lines": len(one[0][2].splitlines())}
+
+
+# The greedy-decoding variants: (label, how it runs). lmhead's own rows run `lmhead greedy --json`;
+# "threads" fixes --threads, "spin" is OpenMP's default (spinning) wait instead of lmhead's passive one.
+VARIANTS = {
+    "lmhead": {"via": "`lmhead greedy`"},
+    "lmhead, 1 thread": {"via": "`lmhead greedy --threads 1`", "threads": 1},
+    "lmhead, spinning threads": {"via": "`OMP_WAIT_POLICY=ACTIVE lmhead greedy --threads N`", "spin": True},
+    "lmhead, plain products": {"via": "engine loop", "probe": "plain"},
+    "transformers": {"via": "`generate()`"},
+}
+
+
+def greedy_once(folder: Path, variant: str, dtype: str, new_tokens: int, device: str) -> dict:
+    """One fresh process of greedy decoding by `variant` (VARIANTS): its JSON figures."""
+    how = VARIANTS[variant]
+    if variant == "transformers":
+        out = run([PYTHON, str(HERE / "transformers_generate.py"), str(folder), PROMPT, str(new_tokens), dtype,
+                   device])[2]
+        return json.loads(out.strip().splitlines()[-1])
+    if "probe" in how:
+        return probe("decode", str(folder), PROMPT, str(new_tokens), dtype, how["probe"])
+    args = ["greedy", PROMPT, "--model", str(folder), "--max-new-tokens", str(new_tokens), "--ignore-eos",
+            "--dtype", dtype, "--device", device, "--json"]
+    env = {}
+    if "threads" in how:
+        args += ["--threads", str(how["threads"])]
+    if how.get("spin"):
+        args += ["--threads", str(os.cpu_count() or 1)]
+        env["OMP_WAIT_POLICY"] = "ACTIVE"
+    return json.loads(run(lmhead(*args), env)[2])
+
+
+def decode(folder: Path, repeats: int, new_tokens: int, plan: dict[str, list[str]], device: str,
+           label: str = "") -> list[dict]:
+    """Greedy tokens/s for each dtype's variants in `plan`, alternating (drift hits all alike), each
+    against transformers' generate() in the same dtype and conditions."""
+    rows = []
+    for dtype, variants in plan.items():
+        bytes_per_token = probe("weight-bytes", str(folder), dtype)["bytes"] if device == "cpu" else None
+        runs = {v: [] for v in variants}
+        for _ in range(repeats):
+            for v in variants:
+                runs[v].append(greedy_once(folder, v, dtype, new_tokens, device))
         reference = runs["transformers"]
         hf_tps = median([d["tokens_per_second"] for d in reference])
         hf_steady = median([d["decode_tokens_per_second"] for d in reference])
         for name, docs in runs.items():
-            rows.append({"dtype": dtype, "engine": name, "via": docs[0]["via"],
+            rows.append({"dtype": dtype, "engine": name, "via": VARIANTS[name]["via"],
                          "tps": median([d["tokens_per_second"] for d in docs]), "hf_tps": hf_tps,
                          "steady": median([d["decode_tokens_per_second"] for d in docs]), "hf_steady": hf_steady,
                          "bytes_per_token": bytes_per_token,
                          "same_ids": _common_prefix(docs[0]["generated_ids"], reference[0]["generated_ids"])})
-        log(f"  decode {dtype}: " + ", ".join(f"{r['engine']} {r['tps']:.1f}" for r in rows if r["dtype"] == dtype))
+        log(f"  decode {label}{dtype}: " + ", ".join(f"{r['engine']} {r['tps']:.1f}" for r in rows
+                                                     if r["dtype"] == dtype))
     return rows
+
+
+class Competitor:
+    """One CPU-bound process beside the measurements (a Python loop), started and ended here; the
+    Quiet checks count its core as expected, not as disturbance."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([PYTHON, "-c", "while True: pass"])
+        QUIET.expected = 1.0
+        time.sleep(1.0)  # scheduled and spinning before the first measurement
+        return self
+
+    def __exit__(self, *exc):
+        QUIET.expected = 0.0
+        self.proc.kill()
+        self.proc.wait()
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -251,7 +321,8 @@ def machine() -> dict:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "torch_threads": torch.get_num_threads(),
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "torch_threads": torch.get_num_threads(), "gpu": gpu,
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "os": f"{platform.system()} {platform.release()}"}
 
@@ -260,58 +331,115 @@ def ok(passed: bool) -> str:
     return "✅" if passed else "❌"
 
 
-def report_batch(b: dict) -> list[str]:
-    ratio = b["separate_s"] / b["file_s"]
-    return [
-        "",
-        "## Many prompts: `inspect --file` against separate `inspect` runs",
-        "",
-        f"{b['n']} short prompts (\"The keys on the table\", \"The dogs near the door\", …) with `--target ' is' --target ' are' --json`: "
-        "one `lmhead inspect --file` process (padded batches of 32, the head at each row's last real token) "
-        f"against {b['n']} separate `lmhead inspect` processes, run once each. Same: prompts whose top-10 ids and target "
-        "probabilities (to a relative 1e-4) agree between the two.",
-        "",
-        "| prompts | one `inspect --file` | separate processes, total | speed-up | target | same |",
-        "|---:|---:|---:|---:|---|---|",
-        f"| {b['n']} | {b['file_s']:.2f} s | {b['separate_s']:.1f} s | {ratio:.1f}× | {ok(ratio >= 3)} ≥ 3× | "
-        f"{b['same']} of {b['documents']} |",
-    ]
+def bound(r: dict, gbs: float) -> float | None:
+    """The bandwidth bound in tokens/s for a decode row: weight bytes per token over `gbs` GB/s."""
+    return gbs * 1e9 / r["bytes_per_token"] if r["bytes_per_token"] else None
 
 
-def report(m: dict, ck: dict, bw: dict, start: list[dict], insp: dict, dec: list[dict], bf16: dict, parts: dict, heads: list[dict],
-           forms: dict, args, loads: tuple[float, float], elapsed: float, bat: dict) -> str:
-    t = INSPECT_TARGETS
-    copy_gbs = bw["copy_gbs"]
+def decode_table(rows: list[dict], bw: dict | None, new_tokens: int) -> list[str]:
+    lines = ["| dtype | engine | tokens/s | vs transformers | after the first token | vs transformers | "
+             "weight bytes / token | bound | fraction of bound | same ids as transformers |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        b = bound(r, bw["copy_gbs"]) if bw else None
+        b1 = bound(r, bw["copy_gbs_1"]) if bw else None
+        engine = f"{r['engine']} ({r['via']})" if r["engine"] in ("lmhead", "transformers") else \
+            f"{r['engine']} ({r['via']})" if "`" in r["via"] else r["engine"]
+        lines.append(f"| {r['dtype']} | {engine} | {r['tps']:.1f} | {r['tps'] / r['hf_tps']:.2f}× | "
+                     f"{r['steady']:.1f} | {r['steady'] / r['hf_steady']:.2f}× | "
+                     + (f"{r['bytes_per_token'] / 1e6:.0f} MB | {b:.1f} tok/s | {r['steady'] / b:.2f} "
+                        f"({r['steady'] / b1:.2f}) | " if b else "n/a | n/a | n/a | ")
+                     + f"{r['same_ids']} of {new_tokens} |")
+    return lines
+
+
+def row(rows: list[dict], dtype: str, engine: str) -> dict | None:
+    return next((r for r in rows if r["dtype"] == dtype and r["engine"] == engine), None)
+
+
+def targets(R: dict) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for every target of issue 13 and the existing rows; None: not measured."""
+    t = TARGETS
+    out = []
+    insp = R["inspect"]
+    ratio = insp["lean_s"] / insp["hf_s"]
+    out.append((f"inspect ≤ {t['ratio']}× the transformers script", f"{ratio:.2f}×", ratio <= t["ratio"]))
+    lm = [r for r in R["startup"] if r["imported"] is not None]
+    no_torch = all("torch" not in r["imported"] for r in lm)
+    out.append(("start-up without torch", f"{len(lm)} commands, torch imported by "
+                f"{sum('torch' in r['imported'] for r in lm)}", no_torch))
+    idle, bw = R["decode"], R.get("bandwidth")
+    f32, b16 = row(idle, "float32", "lmhead"), row(idle, "bfloat16", "lmhead")
+    if f32:
+        x = f32["steady"] / f32["hf_steady"]
+        out.append((f"float32 greedy ≥ {t['decode_ratio']}× generate()", f"{x:.2f}×", x >= t["decode_ratio"]))
+        if bw:
+            f = f32["steady"] / bound(f32, bw["copy_gbs"])
+            out.append((f"float32 ≥ {t['bound_fraction']} of the bandwidth bound", f"{f:.2f}",
+                        f >= t["bound_fraction"]))
+    if b16:
+        x = b16["steady"] / b16["hf_steady"]
+        out.append((f"bfloat16 greedy ≥ {t['bf16_ratio']}× generate() in bfloat16", f"{x:.2f}×", x >= t["bf16_ratio"]))
+        if bw:
+            f = b16["steady"] / bound(b16, bw["copy_gbs"])
+            out.append((f"bfloat16 ≥ {t['bf16_bound_fraction']} of the bfloat16 bound", f"{f:.2f}",
+                        f >= t["bf16_bound_fraction"]))
+    busy = R.get("busy")
+    if busy and f32:
+        lb = row(busy, "float32", "lmhead")
+        x = lb["steady"] / f32["steady"]
+        out.append((f"busy: lmhead ≥ {t['busy_own']}× its own idle speed", f"{x:.2f}×", x >= t["busy_own"]))
+        y = lb["steady"] / lb["hf_steady"]
+        out.append((f"busy: lmhead ≥ {t['decode_ratio']}× generate() beside the same competitor", f"{y:.2f}×",
+                    y >= t["decode_ratio"]))
+    dist = R.get("distributed")
+    if dist:
+        out.append((f"torchrun, {dist['procs']} processes: output identical to 1 process ({dist['n']} prompts)",
+                    "identical" if dist["identical"] else "different", dist["identical"]))
+    return out
+
+
+def report(R: dict, args) -> str:
+    m, ck, bw, insp = R["machine"], R["checkpoint"], R.get("bandwidth"), R["inspect"]
+    t = TARGETS
+    loads = R["loads"]
     lines = [
         "# lmhead benchmark results",
         "",
-        f"Written by `python benchmarks/run.py{' --quick' if args.quick else ''}` on "
-        f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {elapsed / 60:.1f} min. "
+        f"Written by `python benchmarks/run.py{' --quick' if args.quick else ''}{' --write' if args.write else ''}"
+        f"{' --device ' + args.device if args.device != 'cpu' else ''}` on "
+        f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {R['elapsed_s'] / 60:.1f} min. "
         "Every comparison is a ratio of two figures measured in this same run.",
         "",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "
-        f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}",
-        f"- load average (1 min) at the start / end: {loads[0]:.2f} / {loads[1]:.2f} "
-        "(other work on the machine slows both sides, and multi-threaded kernels most); before each of the "
+        f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}"
+        + (f"; GPU: {m['gpu']}" if m.get("gpu") else ""),
+        "- load average (1 min) at the start of each section: "
+        + ", ".join(f"{name} {value:.2f}" for name, value in loads)
+        + f" (on {m['cores']} cores; other work on the machine slows both sides of every ratio, and "
+        "multi-threaded kernels most). Before each of the "
         f"{QUIET.measurements} measured processes the run waited for idle CPUs (at most {QUIET.patience:.0f} s "
         f"each, {QUIET.budget:.0f} s in all; it waited {QUIET.waited_s:.0f} s), and took a measurement again when "
         f"other processes had kept more than {QUIET.busy:.0%} of a core busy during it: {QUIET.repeated} taken "
-        f"again, {QUIET.noisy} kept although still disturbed after {QUIET.retries} retries",
+        f"again ({QUIET.retried_s:.0f} s, at most {QUIET.retry_budget:.0f} s), {QUIET.noisy} kept although disturbed",
         f"- checkpoint: GPT-2 small's shapes ({ck['n_layer']} layers, D {ck['n_embd']}, V {ck['vocab_size']:,}, "
         f"tie_word_embeddings {str(ck.get('tie_word_embeddings', True)).lower()}), seeded random weights, saved by "
         f"transformers as model.safetensors ({ck['file_mb']:.1f} MB)",
         f"- repeats: {args.repeats} fresh processes per start-up and inspect figure, {args.decode_repeats} per "
         f"decode figure ({args.new_tokens} new tokens); medians",
-        f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, the fastest of 15 passes at 3 points of the run): copy {copy_gbs:.1f} GB/s (read + write, "
-        f"the better of 1 and {bw['threads']} threads; {bw['copy_gbs_1']:.1f} GB/s on 1 thread), read "
-        f"{bw['read_gbs']:.1f} GB/s ({bw['read_gbs_1']:.1f} on 1 thread)",
-        "",
-        "## Start-up (fresh process)",
-        "",
-        "| command | wall time | torch imported | target |",
-        "|---|---:|---|---|",
     ]
-    for r in start:
+    if bw:
+        lines.append(
+            f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, the fastest of 15 passes at "
+            f"{bw['points']} points of the run): copy {bw['copy_gbs']:.1f} GB/s (read + write, the better of 1 and "
+            f"{bw['threads']} threads; {bw['copy_gbs_1']:.1f} GB/s on 1 thread), read {bw['read_gbs']:.1f} GB/s "
+            f"({bw['read_gbs_1']:.1f} on 1 thread)")
+    lines += ["", "## Targets", "", "| target | measured in this run | met |", "|---|---|---|"]
+    for name, value, met in targets(R):
+        lines.append(f"| {name} | {value} | {ok(met)} |")
+    lines += ["", "## Start-up (fresh process)", "", "| command | wall time | torch imported | target |",
+              "|---|---:|---|---|"]
+    for r in R["startup"]:
         if r["imported"] is None:
             lines.append(f"| `{r['name']}` (reference) | {r['s']:.2f} s | | |")
         else:
@@ -343,95 +471,179 @@ def report(m: dict, ck: dict, bw: dict, start: list[dict], insp: dict, dec: list
         f"{args.new_tokens} new tokens after the {len(PROMPT.split())}-word prompt, end-of-text ignored, timed from "
         "the prefill to the last token with no warm-up (a first call's set-up counts), and from the first new "
         "token to the last (the steady rate, which the bound is about), in a fresh process each. lmhead: "
-        "`lmhead greedy --json`, its own figures; `plain products` is the same engine with its blocked "
-        "matrix-vector products turned off (benchmarks/probes.py decode: addmm and F.linear as BLAS runs "
-        "them, which is how transformers runs them too); transformers: benchmarks/transformers_generate.py, "
-        "`generate(do_sample=False)`. The bandwidth "
-        "bound is the weight bytes one step reads (every matrix once; the tied head's E once) ÷ the copy "
-        "bandwidth above: the speed if nothing but reading the weights took any time; the fraction is given "
-        "against the best copy bandwidth and, in brackets, against the 1-thread one. Same ids: how many of "
-        "the first new tokens equal transformers' in the same dtype.",
+        "`lmhead greedy --json`, its own figures, with its default threads (torch's count or 1, chosen by timing "
+        "the first steps; OpenMP threads waiting passively); `1 thread` fixes `--threads 1`; `spinning threads` is "
+        "how lmhead ran before it chose its threads (torch's count, OpenMP's default spinning wait); `plain "
+        "products` is the engine loop with its blocked and packed products turned off (benchmarks/probes.py "
+        "decode: addmm and F.linear as BLAS runs them, which is how transformers runs them too); transformers: "
+        "benchmarks/transformers_generate.py, `generate(do_sample=False)`. The bandwidth bound is the weight "
+        "bytes one step reads (every matrix once; the tied head's E once) ÷ the copy bandwidth above: the speed "
+        "if nothing but reading the weights took any time; the fraction is given against the best copy "
+        "bandwidth and, in brackets, against the 1-thread one. Same ids: how many of the first new tokens equal "
+        "transformers' in the same dtype.",
         "",
-        "| dtype | engine | tokens/s | vs transformers | after the first token | vs transformers | "
-        "weight bytes / token | bound | fraction of bound | same ids as transformers |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        *decode_table(R["decode"], bw, args.new_tokens),
+        "",
+        f"Targets: lmhead float32 ≥ {t['decode_ratio']}× transformers and ≥ {t['bound_fraction']} of the bound; "
+        f"bfloat16 ≥ {t['bf16_ratio']}× transformers in bfloat16 and ≥ {t['bf16_bound_fraction']} of its bound.",
     ]
-    for r in dec:
-        bound = copy_gbs * 1e9 / r["bytes_per_token"]
-        bound_1 = bw["copy_gbs_1"] * 1e9 / r["bytes_per_token"]
-        engine = f"{r['engine']} ({r['via']})" if r["engine"] in ("lmhead", "transformers") else r["engine"]
-        if r["engine"] == "lmhead" and r["dtype"] == "float32":
-            target = f" {ok(r['tps'] / r['hf_tps'] >= t['decode_ratio'])}", f" {ok(r['steady'] / r['hf_steady'] >= t['decode_ratio'])}"
-        else:
-            target = "", ""
-        lines.append(f"| {r['dtype']} | {engine} | {r['tps']:.1f} | {r['tps'] / r['hf_tps']:.2f}×{target[0]} | "
-                     f"{r['steady']:.1f} | {r['steady'] / r['hf_steady']:.2f}×{target[1]} | "
-                     f"{r['bytes_per_token'] / 1e6:.0f} MB | {bound:.1f} tok/s | {r['steady'] / bound:.2f} "
-                     f"({r['steady'] / bound_1:.2f}) | {r['same_ids']} of {args.new_tokens} |")
-    step_s = parts["body_s"] + parts["head_s"]
-    lines += [
-        "",
-        f"Targets: lmhead float32 ≥ {t['decode_ratio']}× transformers; fraction of the bound aimed at ≥ "
-        f"{t['bound_fraction']}.",
-        "",
-        f"Where a float32 step goes (the engine alone, warm, median of 60 steps after a 64-token prompt, median "
-        f"of 3 processes; "
-        f"benchmarks/probes.py step): the body {parts['body_s'] * 1e3:.1f} ms for {parts['body_mb']:.0f} MB of "
-        f"weights ({parts['body_gbs']:.1f} GB/s, attention, norms and every small dispatched op included), "
-        f"the head {parts['head_s'] * 1e3:.1f} ms for {parts['head_mb']:.0f} MB ({parts['head_gbs']:.1f} GB/s): "
-        f"{1 / step_s:.1f} steps/s. The head streams near the copy bandwidth; the body's {parts['matrices']:.0f} "
-        f"matrices per step, {parts['smallest_mb']:.1f} to {parts['largest_mb']:.1f} MB each, do not (each is too "
-        "short for the two cores' streams to reach full speed), and that is the gap to the bound.",
-        "",
-        f"bfloat16 ids part ways because bfloat16 moves the logits more than the random model's top tokens "
-        f"stand apart: on the prompt, the float32 gap between the two best logits is {bf16['gap']:.4f}, while "
-        f"bfloat16 moves a logit by up to {bf16['hf_err']:.4f} in transformers and {bf16['lean_err']:.4f} in "
-        f"lmhead (they differ from each other by up to {bf16['lean_vs_hf']:.4f}); best token (float32, "
-        f"transformers bfloat16, lmhead bfloat16): {', '.join(str(i) for i in bf16['top1'])}. float32 ids are "
-        "token-identical (tests/test_engine_parity.py pins this on every prompt length).",
-        "",
-        "## The head alone: the last position against every position (float32)",
-        "",
-        "The body's hidden states after ln_f for T positions are computed once; then the head on the last "
-        "position (what `inspect` and every decoding step do) against the head on all T positions (the full "
-        "[1, T, V] logits). Peak memory: how far the process's resident high-water mark rises during the call "
-        f"(the kernel updates it in steps of up to 256 kB, so one position's {heads[0]['last_logits_mb'] * 1e3:.0f} kB "
-        "of logits can read 0).",
-        "",
-        "| T | last position | all positions | time ratio | logits, last | logits, all | peak rise, last | "
-        "peak rise, all |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for h in heads:
-        peak = lambda v: "n/a" if v is None else f"{v:.1f} MB"  # noqa: E731
-        lines.append(f"| {h['T']} | {h['last_s'] * 1e3:.1f} ms | {h['full_s'] * 1e3:.1f} ms | "
-                     f"{h['full_s'] / h['last_s']:.0f}× | {h['last_logits_mb'] * 1e3:.0f} kB | "
-                     f"{h['full_logits_mb']:.1f} MB | {peak(h['last_peak_mb'])} | {peak(h['full_peak_mb'])} |")
-    base = forms["linear"]["s"]
-    lines += [
-        "",
-        "## The head's product and layout (float32, one position)",
-        "",
-        "A checkpoint stores W_out = E as [V, D] rows. `F.linear(h, E)` (transformers' head, and the lean "
-        "engine's before its blocked products) hands one position to BLAS as a matrix-vector product that streams E at well "
-        "under the memory bandwidth here. BLAS streams the same product faster over a [D, V] copy of E, but "
-        f"that copy costs {forms['copy_mb']:.0f} MB and {forms['copy_s'] * 1e3:.0f} ms once, and the tie then holds "
-        "by value, not by object. lmhead instead splits E's rows into blocks (views, no copy) and runs them as "
-        "one batched matmul, which streams E as fast as the copy and spreads it over torch's threads: the "
-        "tie stays one object, so no layout option is offered.",
-        "",
-        "| head product | time | GB/s of E read | vs F.linear | extra memory | lm_head.weight is wte.weight |",
-        "|---|---:|---:|---:|---:|---|",
-        f"| `F.linear(h, E)`, E [V, D] as stored | {base * 1e3:.2f} ms | {forms['linear']['gbs']:.1f} | 1.00× | 0 MB | "
-        f"yes |",
-        f"| `h @ Eᵀ` over a [D, V] copy | {forms['copy']['s'] * 1e3:.2f} ms | {forms['copy']['gbs']:.1f} | "
-        f"{base / forms['copy']['s']:.2f}× | {forms['copy_mb']:.0f} MB | no (equal values) |",
-        f"| lmhead: blocked rows of E (`engine.rows_times`) | {forms['blocked']['s'] * 1e3:.2f} ms | "
-        f"{forms['blocked']['gbs']:.1f} | {base / forms['blocked']['s']:.2f}× | 0 MB | "
-        f"{'yes' if forms['tied'] else 'no'} |",
-    ]
-    lines += report_batch(bat)
+    parts = R.get("step")
+    if parts:
+        step_s = parts["body_s"] + parts["head_s"]
+        lines += [
+            "",
+            f"Where a float32 step goes (the engine alone, warm, median of 60 steps after a 64-token prompt, median "
+            f"of 3 processes; benchmarks/probes.py step): the body {parts['body_s'] * 1e3:.1f} ms for "
+            f"{parts['body_mb']:.0f} MB of weights ({parts['body_gbs']:.1f} GB/s, attention, norms and every small "
+            f"dispatched op included), the head {parts['head_s'] * 1e3:.1f} ms for {parts['head_mb']:.0f} MB "
+            f"({parts['head_gbs']:.1f} GB/s): {1 / step_s:.1f} steps/s. The body's {parts['matrices']:.0f} "
+            f"matrices per step are {parts['smallest_mb']:.1f} to {parts['largest_mb']:.1f} MB each.",
+        ]
+    bf16 = R.get("bf16_error")
+    if bf16:
+        lines += [
+            "",
+            f"bfloat16 ids part ways because bfloat16 moves the logits more than the random model's top tokens "
+            f"stand apart: on the prompt, the float32 gap between the two best logits is {bf16['gap']:.4f}, while "
+            f"bfloat16 moves a logit by up to {bf16['hf_err']:.4f} in transformers and {bf16['lean_err']:.4f} in "
+            f"lmhead (they differ from each other by up to {bf16['lean_vs_hf']:.4f}); best token (float32, "
+            f"transformers bfloat16, lmhead bfloat16): {', '.join(str(i) for i in bf16['top1'])}. float32 ids are "
+            "token-identical (tests/test_engine_parity.py pins this on every prompt length).",
+        ]
+    prec = R.get("precision")
+    if prec:
+        lines += [
+            "",
+            "## bfloat16 against float32: the next-token distribution",
+            "",
+            f"Over the {prec['lmhead']['prompts']} fixed prompts of benchmarks/prompts.py (prose, code, numbers, "
+            "markup), the KL divergence KL(p_float32 ‖ p_bfloat16) of the next-token distribution at the last "
+            "position, in nats, and how often the two pick the same top-1 token, as llama.cpp's perplexity tool "
+            "reports quantisation error. With random weights the distributions are flat and the top tokens close, "
+            "so the top-1 rate is a harsh test here; the KL divergence is the figure to compare.",
+            "",
+            "| engine | KL mean | KL median | KL max | same top-1 token |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, p in prec.items():
+            lines.append(f"| {name} | {p['kl_mean']:.2e} | {p['kl_median']:.2e} | {p['kl_max']:.2e} | "
+                         f"{p['top1_same']} of {p['prompts']} ({p['top1_same'] / p['prompts']:.0%}) |")
+    busy = R.get("busy")
+    if busy:
+        lines += [
+            "",
+            "## With one busy process beside it",
+            "",
+            "The float32 decode rows again while the benchmark keeps one CPU-bound process running beside them "
+            f"(`python -c 'while True: pass'`, started and ended by the benchmark; load average at the start of the "
+            f"section {dict(loads)['busy']:.2f}). Own idle speed: the same variant's steady rate in the table above.",
+            "",
+            "| engine | tokens/s | after the first token | vs its own idle speed | vs transformers beside the "
+            "same competitor | target |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for r in busy:
+            idle = row(R["decode"], r["dtype"], r["engine"])
+            own = f"{r['steady'] / idle['steady']:.2f}×" if idle else "n/a"
+            target = ""
+            if r["engine"] == "lmhead":
+                target = (f"{ok(idle is not None and r['steady'] / idle['steady'] >= t['busy_own'])} ≥ "
+                          f"{t['busy_own']}× idle, {ok(r['steady'] / r['hf_steady'] >= t['decode_ratio'])} ≥ "
+                          f"{t['decode_ratio']}× transformers")
+            lines.append(f"| {r['engine']} ({r['via']}) | {r['tps']:.1f} | {r['steady']:.1f} | {own} | "
+                         f"{r['steady'] / r['hf_steady']:.2f}× | {target} |")
+    heads = R.get("heads")
+    if heads:
+        lines += [
+            "",
+            "## The head alone: the last position against every position (float32)",
+            "",
+            "The body's hidden states after ln_f for T positions are computed once; then the head on the last "
+            "position (what `inspect` and every decoding step do) against the head on all T positions (the full "
+            "[1, T, V] logits). Peak memory: how far the process's resident high-water mark rises during the call "
+            f"(the kernel updates it in steps of up to 256 kB, so one position's "
+            f"{heads[0]['last_logits_mb'] * 1e3:.0f} kB of logits can read 0).",
+            "",
+            "| T | last position | all positions | time ratio | logits, last | logits, all | peak rise, last | "
+            "peak rise, all |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for h in heads:
+            peak = lambda v: "n/a" if v is None else f"{v:.1f} MB"  # noqa: E731
+            lines.append(f"| {h['T']} | {h['last_s'] * 1e3:.1f} ms | {h['full_s'] * 1e3:.1f} ms | "
+                         f"{h['full_s'] / h['last_s']:.0f}× | {h['last_logits_mb'] * 1e3:.0f} kB | "
+                         f"{h['full_logits_mb']:.1f} MB | {peak(h['last_peak_mb'])} | {peak(h['full_peak_mb'])} |")
+    forms = R.get("forms")
+    if forms:
+        base = forms["linear"]["s"]
+        lines += [
+            "",
+            "## The head's product and layout (float32, one position)",
+            "",
+            "A checkpoint stores W_out = E as [V, D] rows. `F.linear(h, E)` (transformers' head) hands one "
+            "position to BLAS as a matrix-vector product that streams E at well under the memory bandwidth here. "
+            f"BLAS streams the same product faster over a [D, V] copy of E, but that copy costs "
+            f"{forms['copy_mb']:.0f} MB and {forms['copy_s'] * 1e3:.0f} ms once, and the tie then holds by value, "
+            "not by object. lmhead instead splits E's rows into blocks (views, no copy) and runs them as one "
+            "batched matmul, which streams E as fast as the copy and spreads it over torch's threads: the tie "
+            "stays one object, so no layout option is offered. The body's matrices are kept as rows the same way.",
+            "",
+            "| head product | time | GB/s of E read | vs F.linear | extra memory | lm_head.weight is wte.weight |",
+            "|---|---:|---:|---:|---:|---|",
+            f"| `F.linear(h, E)`, E [V, D] as stored | {base * 1e3:.2f} ms | {forms['linear']['gbs']:.1f} | 1.00× | "
+            "0 MB | yes |",
+            f"| `h @ Eᵀ` over a [D, V] copy | {forms['copy']['s'] * 1e3:.2f} ms | {forms['copy']['gbs']:.1f} | "
+            f"{base / forms['copy']['s']:.2f}× | {forms['copy_mb']:.0f} MB | no (equal values) |",
+            f"| lmhead: blocked rows of E (`engine.rows_times`) | {forms['blocked']['s'] * 1e3:.2f} ms | "
+            f"{forms['blocked']['gbs']:.1f} | {base / forms['blocked']['s']:.2f}× | 0 MB | "
+            f"{'yes' if forms['tied'] else 'no'} |",
+        ]
+    lines += report_batch(R["batch"])
+    dist = R.get("distributed")
+    if dist:
+        lines += [
+            "",
+            "## Beyond one process: `inspect --file` under torchrun",
+            "",
+            f"The same `lmhead inspect --file PROMPTS --json` over {dist['n']} prompts, once as one process and once "
+            f"under `torchrun --standalone --nproc-per-node {dist['procs']}` (gloo; each rank takes every "
+            f"{dist['procs']}th batch, rank 0 writes the merged output in input order; OMP_NUM_THREADS = cores ÷ "
+            "processes, as torchrun would set it). Output: whether the two runs' stdout is byte for byte the same.",
+            "",
+            "| prompts | one process | torchrun | processes | output |",
+            "|---:|---:|---:|---:|---|",
+            f"| {dist['n']} | {dist['one_s']:.2f} s | {dist['many_s']:.2f} s | {dist['procs']} | "
+            f"{ok(dist['identical'])} {'identical' if dist['identical'] else 'different'} ({dist['lines']} lines) |",
+            "",
+            "On one 2-core machine the processes share the same cores and each loads the model, so torchrun is "
+            "not faster here; it is for machines (or nodes) with cores or GPUs to spare.",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def report_batch(b: dict) -> list[str]:
+    lines = [
+        "",
+        "## Many prompts: `inspect --file`",
+        "",
+        f"{b['n']} short prompts (\"The keys on the table\", \"The dogs near the door\", …) with `--target ' is' "
+        "--target ' are' --json`: one `lmhead inspect --file` process (padded batches of 32, the head at each row's "
+        "last real token)"
+        + (f" against {b['n']} separate `lmhead inspect` processes, run once each. Same: prompts whose top-10 ids "
+           "and target probabilities (to a relative 1e-4) agree between the two." if b["separate_s"] else "."),
+        "",
+    ]
+    rate = b["n"] / b["file_s"]
+    if b["separate_s"]:
+        ratio = b["separate_s"] / b["file_s"]
+        lines += ["| prompts | one `inspect --file` | prompts/s | separate processes, total | speed-up | target | same |",
+                  "|---:|---:|---:|---:|---:|---|---|",
+                  f"| {b['n']} | {b['file_s']:.2f} s | {rate:.1f} | {b['separate_s']:.1f} s | {ratio:.1f}× | "
+                  f"{ok(ratio >= 3)} ≥ 3× | {b['same']} of {b['documents']} |"]
+    else:
+        lines += ["| prompts | one `inspect --file` | prompts/s |", "|---:|---:|---:|",
+                  f"| {b['n']} | {b['file_s']:.2f} s | {rate:.1f} |"]
+    return lines
 
 
 def main() -> None:
@@ -439,48 +651,90 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="fresh processes per start-up/inspect figure")
     parser.add_argument("--decode-repeats", type=int, default=3, help="fresh processes per decode figure")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="1-2 repeats and 32 new tokens (a smoke test)")
-    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="where the markdown goes")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test in about a minute: one process per figure, 24 new tokens, no waiting for "
+                        "idle CPUs, the slow sections left out")
+    parser.add_argument("--write", action="store_true", help="keep the report in benchmarks/RESULTS.md (full runs only)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
+    parser.add_argument("--out", type=Path, help="where the report goes (default: benchmarks/.cache/RESULTS-*.md)")
     args = parser.parse_args()
-    if args.quick:
-        args.repeats, args.decode_repeats, args.new_tokens = 2, 1, 32
-    began, load0 = time.perf_counter(), os.getloadavg()[0]
+    if args.write and args.quick:
+        parser.error("--write keeps a full run's figures; --quick runs are written to benchmarks/.cache/")
+    if args.device == "cuda":
+        import torch
 
-    log("checkpoint ...")
+        if not torch.cuda.is_available():
+            log("benchmarks/run.py --device cuda: no CUDA GPU here (torch.cuda.is_available() is False; torch "
+                f"{torch.__version__}); nothing measured. Run it where there is one, or without --device.")
+            raise SystemExit(1)
+    if args.quick:
+        args.repeats, args.decode_repeats, args.new_tokens = 1, 1, 24
+        QUIET.patience, QUIET.retries = 0.0, 0
+    out = args.out or (HERE / "RESULTS.md" if args.write else
+                       HERE / ".cache" / f"RESULTS-{'quick' if args.quick else 'full'}.md")
+    cpu = args.device == "cpu"
+    began = time.perf_counter()
+    R: dict = {"loads": []}
+
+    def section(name: str) -> None:
+        R["loads"].append((name, load1()))
+        log(f"{name} ... (load average {R['loads'][-1][1]:.2f}, {time.perf_counter() - began:.0f} s)")
+
+    section("start")
     folder = gpt2_small()
-    log("memory bandwidth ...")
-    bandwidths = [probe("bandwidth")]
-    log("start-up ...")
-    start = startup(args.repeats)
-    log("inspect ...")
-    insp = inspect(folder, args.repeats)
-    log("inspect --file ...")
-    bat = batch(folder, 16 if args.quick else 64, args.repeats)
-    log("decode ...")
-    bandwidths.append(probe("bandwidth"))
-    dec = decode(folder, args.decode_repeats, args.new_tokens)
-    bf16 = probe("bfloat16-error", str(folder), PROMPT)
-    steps = [probe("step", str(folder), "60") for _ in range(3)]
-    parts = {k: median([p[k] for p in steps]) for k in steps[0]}
-    bandwidths.append(probe("bandwidth"))
-    log("head alone ...")
-    # Every allocation over 64 kB straight from mmap and back on free, so the resident high-water mark
-    # shows each call's own peak (glibc otherwise keeps freed blocks resident and reuses them).
-    heads = [probe("head", str(folder), str(T), str(max(args.repeats, 3)), env={"MALLOC_MMAP_THRESHOLD_": "65536"})
-             for T in HEAD_T]
-    forms = probe("head-forms", str(folder), str(max(args.repeats * 4, 10)))
-    # The best of three measurements (start, middle, end): other work can only make it look lower.
-    bw = {k: max(b[k] for b in bandwidths) if k.endswith("gbs") or "_gbs_" in k else v for k, v in bandwidths[0].items()}
-    ck = {**json.loads((folder / "config.json").read_text()),
-          "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
-    log("score ...")  # issue 11, measured and written up by benchmarks/score_bench.py
-    sco = score_bench.measure(folder, run, quick=args.quick)
-    text = report(machine(), ck, bw, start, insp, dec, bf16, parts, heads, forms, args, (load0, os.getloadavg()[0]),
-                  time.perf_counter() - began, bat)
-    text += score_bench.report(sco)
-    args.out.write_text(text, encoding="utf-8")
+    bandwidths = [probe("bandwidth")] if cpu else []
+    section("start-up")
+    R["startup"] = startup(args.repeats, args.quick)
+    section("inspect")
+    R["inspect"] = inspect(folder, args.repeats, args.device)
+    section("inspect --file")
+    R["batch"] = batch(folder, 16 if args.quick else 64, args.repeats, not args.quick, args.device)
+    section("decode")
+    if cpu and not args.quick:
+        bandwidths.append(probe("bandwidth"))
+    f32 = ["lmhead", "transformers"] if args.quick or not cpu else \
+        ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, plain products", "transformers"]
+    R["decode"] = decode(folder, args.decode_repeats, args.new_tokens,
+                         {"float32": f32, "bfloat16": ["lmhead", "transformers"]}, args.device)
+    section("precision")
+    R["precision"] = probe("precision", str(folder), args.device)
+    if cpu:
+        section("busy")
+        with Competitor():
+            R["busy"] = decode(folder, args.decode_repeats, args.new_tokens,
+                               {"float32": [v for v in f32 if v != "lmhead, plain products"]}, args.device,
+                               "beside a busy process, ")
+    if cpu and not args.quick:
+        section("step")
+        R["bf16_error"] = probe("bfloat16-error", str(folder), PROMPT)
+        steps = [probe("step", str(folder), "60") for _ in range(3)]
+        R["step"] = {k: median([p[k] for p in steps]) for k in steps[0]}
+        bandwidths.append(probe("bandwidth"))
+        section("head alone")
+        # Every allocation over 64 kB straight from mmap and back on free, so the resident high-water mark
+        # shows each call's own peak (glibc otherwise keeps freed blocks resident and reuses them).
+        R["heads"] = [probe("head", str(folder), str(T), str(max(args.repeats, 3)),
+                            env={"MALLOC_MMAP_THRESHOLD_": "65536"}) for T in HEAD_T]
+        R["forms"] = probe("head-forms", str(folder), str(max(args.repeats * 4, 10)))
+        section("distributed")
+        R["distributed"] = distributed(folder, 256, 2, 1)
+    if cpu:  # issue 11: `lmhead score` (benchmarks/score_bench.py)
+        section("score")
+        R["score"] = score_bench.measure(folder, run, quick=args.quick)
+    if bandwidths:
+        # The best of the measurements (start, middle, end): other work can only make it look lower.
+        R["bandwidth"] = {k: max(b[k] for b in bandwidths) if "gbs" in k else v for k, v in bandwidths[0].items()}
+        R["bandwidth"]["points"] = len(bandwidths)
+    section("end")
+    R["checkpoint"] = {**json.loads((folder / "config.json").read_text()),
+                       "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
+    R["machine"] = machine()
+    R["elapsed_s"] = time.perf_counter() - began
+    text = report(R, args) + (score_bench.report(R["score"]) if "score" in R else "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
     print(text)
-    log(f"written to {args.out}")
+    log(f"written to {out}" + ("" if args.write else " (only a full run with --write replaces benchmarks/RESULTS.md)"))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ does not stop it), timed as `lmhead greedy` times itself: from the call to its r
 every step, no warm-up: a first call's set-up counts, as it does for lmhead), and the steady rate
 after the first new token (a streamer notes when each token arrives). Prints one JSON line.
 
-    python benchmarks/transformers_generate.py FOLDER "PROMPT" N DTYPE
+    python benchmarks/transformers_generate.py FOLDER "PROMPT" N DTYPE [DEVICE]
 """
 
 import json
@@ -29,9 +29,10 @@ class Clock:
 
 
 folder, prompt, n, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
 tokenizer = AutoTokenizer.from_pretrained(folder)
-model = GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-ids = tokenizer(prompt, return_tensors="pt").input_ids
+model = GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
 clock = Clock()
 with torch.inference_mode():
     start = time.perf_counter()

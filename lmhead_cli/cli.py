@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Callable, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from lmhead_cli import __version__
 from lmhead_cli.decoding.stages import GEMMA2_CAP, STAGES, option  # the registry: no torch
@@ -48,20 +49,24 @@ PresetOpt = Annotated[
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """What --model, --device, --dtype, --engine and --allow-pickle asked for."""
+    """What --model, --device, --dtype, --engine, --allow-pickle and --threads asked for."""
 
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "float32"
     engine: str = "auto"
     allow_pickle: bool = False
+    threads: int | None = None
 
     def load(self):
         """Load the model (importing torch only now); every model command goes through here."""
+        from lmhead_cli.engine.threads import prepare
+
+        threads = prepare(self.threads)  # OpenMP's wait policy is read when torch is imported: before that
         from lmhead_cli.loading.sources import load_model
 
         return load_model(self.model, device=self.device, dtype=self.dtype, engine=self.engine,
-                          allow_pickle=self.allow_pickle)
+                          allow_pickle=self.allow_pickle, threads=threads)
 
 
 def _param(name: str, annotation, default) -> pyinspect.Parameter:
@@ -82,6 +87,10 @@ MODEL_OPTIONS = [
         "--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.")],
         "auto"),
     _param("allow_pickle", AllowPickleOpt, False),
+    _param("threads", Annotated[Optional[int], typer.Option(
+        "--threads", envvar="LMHEAD_THREADS", show_default="chosen by timing",
+        help="CPU threads for torch. Default: torch's count or 1, whichever runs the work faster, timed on the "
+        "first steps (batches, prompts) and again when speed drops.")], None),
 ]
 
 
@@ -129,6 +138,32 @@ def _splice(fn: Callable, groups: dict[str, tuple[list[pyinspect.Parameter], Cal
 
     call.__signature__ = signature.replace(parameters=params)
     return call
+
+
+# ---- ranges declared on the options (min=, max=), failing with lmhead's one line ----------------
+
+# How a command quotes a bad value: params and toy say "; got 0", as their other messages do.
+GOT = {"params": "; got {}", "toy": "; got {}"}
+
+
+class _Command(TyperCommand):
+    """Typer's command, but a number outside its option's `min=`/`max=` fails like every other bad
+    value: one line, "--threads must be at least 1 (got 0)", exit code 2 (not click's usage panel)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)
+        try:
+            return super().make_context(info_name, list(args), parent=parent, **extra)
+        except typer.BadParameter as e:
+            p = e.param
+            low, high = getattr(p, "min", None), getattr(p, "max", None)
+            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if low or high else None
+            try:
+                value = int(raw)
+            except (TypeError, ValueError):
+                raise e from None  # not a number, or no range: click's own message
+            must = f"at least {low:,}" if high is None else f"between {low:,} and {high:,}"
+            _fail(f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}", 2)
 
 
 # ---- the error boundary -------------------------------------------------------------------------
@@ -195,7 +230,7 @@ def command(name: str | None = None, *, knobs: list[pyinspect.Parameter] | None 
         groups = {"source": (MODEL_OPTIONS, ModelChoice)}
         if knobs is not None:
             groups["knobs"] = (knobs, _knobs)
-        return app.command(name)(_boundary(_splice(fn, groups), name or fn.__name__))
+        return app.command(name, cls=_Command)(_boundary(_splice(fn, groups), name or fn.__name__))
 
     return register
 
@@ -224,12 +259,14 @@ INSPECT_STAGES = stage_options(rename={"top_k": (("--filter-top-k",),
 @command("inspect", knobs=INSPECT_STAGES)
 def inspect_cmd(
     prompt: Annotated[Optional[str], typer.Argument(help="The text whose next token to inspect.")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the best tokens to list.")] = 10,
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the best tokens to list.", min=1)] = 10,
     target: TargetOpt = None,
     file: Annotated[
         Optional[str], typer.Option("--file", "-f", help="Inspect every line of this file (- for stdin), in batches.")
     ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per forward pass with --file.")] = 32,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Prompts per forward pass with --file.", min=1)
+    ] = 32,
     explain: Annotated[
         Optional[str], typer.Option("--explain", help="Take one token's logit apart: z = e·h = |e|·|h|·cos θ.")
     ] = None,
@@ -304,10 +341,6 @@ def inspect_file(prompt, file, batch_size, explain, top_k, target, source: Model
         raise UsageError("--explain takes apart one prompt's logit; it cannot be combined with --file")
     if prompt is not None:
         raise UsageError("give a prompt or --file, not both")
-    if top_k < 1:
-        raise BadValue("top_k", f"must be at least 1 (got {top_k})")
-    if batch_size < 1:
-        raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
     check_targets(target)
     prompts = read_prompts(file)  # before the load: a bad file fails in an instant
     loaded = source.load()
@@ -367,7 +400,7 @@ MODES: dict[str, dict] = {
 }
 
 
-def generate_cmd(
+def decoding_options(
     prompt: Annotated[
         Optional[str], typer.Argument(help="The text to continue; - reads stdin.", show_default=DEFAULT_PROMPT)
     ] = None,
@@ -390,13 +423,7 @@ def generate_cmd(
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Generate text token by token: soft-cap -> temperature -> top-k -> top-p -> min-p -> softmax -> choose.
-
-    Samples unless --greedy or --beams N; `greedy`, `sample` and `softcap` are the named forms.
-
-    Example: lmhead generate "The keys on the table" --temperature 0.8 --seed 1 --show-steps 5
-    """
-    _decode("generate", **locals())
+    """The options the four decoding commands share (`knobs`: one per stage of the registry)."""
 
 
 def _decoding_command(name: str, doc: str) -> None:
@@ -405,12 +432,17 @@ def _decoding_command(name: str, doc: str) -> None:
     def run(**options) -> None:
         _decode(name, **options)
 
-    run.__signature__ = pyinspect.signature(generate_cmd, eval_str=True)
+    run.__signature__ = pyinspect.signature(decoding_options, eval_str=True)
     run.__doc__ = doc
     command(name, knobs=stage_options())(run)
 
 
-_decoding_command("generate", generate_cmd.__doc__)
+_decoding_command("generate", f"""Generate text token by token: {' -> '.join(s.name for s in STAGES)} -> softmax -> choose.
+
+    Samples unless --greedy or --beams N; `greedy`, `sample` and `softcap` are the named forms.
+
+    Example: lmhead generate "The keys on the table" --temperature 0.8 --seed 1 --show-steps 5
+    """)
 _decoding_command("greedy", """Take the most likely token every step (the same tokens as transformers' do_sample=False).
 
     Example: lmhead greedy "The dog" --max-new-tokens 18 --show-steps 3
@@ -473,13 +505,17 @@ def params(
         typer.Option("--model", "-m", help="Count a loaded model's real tensors instead: a hub id, a local "
                      "folder, or random:NAME."),
     ] = None,
-    batch: Annotated[int, typer.Option("--batch", help="Batch size B for the logits memory.")] = 1,
+    batch: Annotated[
+        int, typer.Option("--batch", help="Batch size B for the logits memory.", min=1)
+    ] = 1,
     seq: Annotated[
-        Optional[int], typer.Option("--seq", help="Sequence length T for the logits memory (default: n_positions).")
+        Optional[int], typer.Option("--seq", help="Sequence length T for the logits memory (default: n_positions).",
+                                    min=1)
     ] = None,
     vocab: Annotated[
         Optional[int],
-        typer.Option("--vocab", help="Vocabulary size V for the logits memory, e.g. 32000 (default: the model's)."),
+        typer.Option("--vocab", help="Vocabulary size V for the logits memory, e.g. 32000 (default: the model's).",
+                     min=1),
     ] = None,
     allow_pickle: AllowPickleOpt = False,
     json_out: JsonOpt = False,
@@ -495,9 +531,6 @@ def params(
     if config is not None and model is not None:
         raise UsageError("--config and --model are mutually exclusive: --config counts a bundled config by "
                          "arithmetic, --model counts a loaded model's tensors")
-    for flag, value in (("--batch", batch), ("--seq", seq), ("--vocab", vocab)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1; got {value}")
     if model is None:
         name, counted_from = config or DEFAULT_MODEL, "config"
         acc = count.account_from_config(load_config(name))
@@ -521,7 +554,10 @@ def toy(
         float, typer.Option("--temperature", "-t", help="Divide the logits by T before softmax.")
     ] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the sampled draws.")] = 0,
-    draws: Annotated[int, typer.Option("--draws", help="How many times to choose a word.")] = 20,
+    draws: Annotated[
+        int, typer.Option("--draws", help="How many times to choose a word.",
+                          min=1, max=MAX_TOY_DRAWS)
+    ] = 20,
     json_out: JsonOpt = False,
 ) -> None:
     """The whole last step on four words you can check by hand: h -> logits -> softmax -> a word.
@@ -533,8 +569,6 @@ def toy(
 
     h = toy_head.parse_hidden(hidden) if hidden is not None else toy_head.HIDDEN
     toy_head.check_temperature(temperature)
-    if not 1 <= draws <= MAX_TOY_DRAWS:
-        raise UsageError(f"--draws must be between 1 and {MAX_TOY_DRAWS:,}; got {draws}")
     render_toy(toy_head.toy_example(h, temperature, seed, draws), as_json=json_out)
 
 
@@ -550,7 +584,10 @@ def lens_cmd(
     heat: Annotated[
         bool, typer.Option("--heat", help="Show a heat map (layers × top tokens, probabilities as shades) instead.")
     ] = False,
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.")] = 8,
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.",
+                          min=1)
+    ] = 8,
     position: Annotated[
         Optional[int], typer.Option("--position", help="Read the prompt at token I (0-based; -1 the last): "
                                     "what each layer predicts after it.", show_default="the last")
@@ -581,46 +618,42 @@ def lens_cmd(
 
 @command("explore", knobs=stage_options(only=("softcap", "temperature")))  # the start values of :softcap, :temp
 def explore_cmd(
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="How many tokens each table lists (:top-k).")] = 10,
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="How many tokens each table lists (:top-k).", min=1)
+    ] = 10,
     knobs: dict = None,
     target: Annotated[
         Optional[list[str]], typer.Option("--target", "-t", help="Follow a token in every table (:target).")
     ] = None,
-    threads: Annotated[
-        Optional[int], typer.Option("--threads", help="CPU threads for torch [default: torch's count or 1, "
-                                    "whichever answers a 10-token prompt faster at the start].")
-    ] = None,
     source: ModelChoice = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Each answer (a prompt, :lens, :gen) as one JSON line "
+                                           "on stdout; settings, help and errors on stderr.")] = False,
 ) -> None:
     """An interactive session: the model loads once, each line you type is a prompt answered at once.
 
     Commands: :temp 0.8, :softcap 30, :top-k 20, :target " are", :gen 20, :lens, :help, :quit.
-    Input can be piped, one prompt a line.
+    Input can be piped, one prompt a line; --json answers in JSON lines.
 
     Example: printf 'The keys on the table\\n:temp 0.5\\nThe key on the table\\n' | lmhead explore
     """
     import time
 
     from lmhead_cli.decoding import stages
+    from lmhead_cli.engine.threads import check as check_threads
     from lmhead_cli.readings import explore
     from lmhead_cli.readings.inspect import check_targets
     from lmhead_cli.render import explore as show
 
-    stages.check({**knobs, "top_k": top_k})  # before the load
-    if threads is not None:
-        if threads < 1:
-            raise BadValue("threads", f"must be at least 1 (got {threads})")
-        import torch
-
-        torch.set_num_threads(threads)
+    stages.check(knobs)  # before the load
+    check_threads(source.threads)
     settings = explore.Settings(top_k=top_k, **knobs, targets=tuple(check_targets(target)))
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = source.load()
-    n_threads = explore.warm_up(loaded, choose_threads=threads is None)
+    n_threads = explore.warm_up(loaded)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)
-    session = explore.Session(loaded, settings, show)
+    session = explore.Session(loaded, settings, show.AsJson if json_out else show)
     if not interactive:
         session.run(explore.piped_lines())
         return

@@ -37,7 +37,7 @@ class TargetScore:
 
 
 NON_FINITE_ADVICE = ("the weights hold non-finite values or overflowed in this dtype; check the checkpoint "
-                     "or try --dtype float32")
+                     "or try float32")
 
 
 def check_finite(logits: torch.Tensor) -> None:
@@ -87,11 +87,16 @@ def rank_of(logits: torch.Tensor, token_id: int) -> int:
     return int(ranks(logits, torch.tensor([token_id], device=logits.device))[0])
 
 
-def clamp_top_k(k: int, vocab: int) -> int:
-    """How many rows a top-k table can have: k, at most the vocabulary."""
+def check_top_k(k: int) -> int:
+    """A top-k table's size as asked: BadValue unless at least 1."""
     if k < 1:
         raise BadValue("top_k", f"must be at least 1 (got {k})")
-    return min(k, vocab)
+    return k
+
+
+def clamp_top_k(k: int, vocab: int) -> int:
+    """How many rows a top-k table can have: k, at most the vocabulary."""
+    return min(check_top_k(k), vocab)
 
 
 def top_tokens(logits: torch.Tensor, k: int, token_text) -> list[TokenScore]:

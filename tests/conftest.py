@@ -1,19 +1,11 @@
-"""Shared fixtures: tiny GPT-2-architecture checkpoints built with transformers (the oracle),
-with the real GPT-2 tokenizer, and an isolated environment for every test."""
+"""Shared fixtures: tiny GPT-2-architecture checkpoints built with transformers (the oracle), with the
+real GPT-2 tokenizer, and an isolated environment for every test. The builders are in helpers.py."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from importlib import resources
-from pathlib import Path
-
 import pytest
 
-# Where the user's real Hugging Face cache is, read before any test redirects HF_HOME.
-REAL_HF_HOME = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-PROMPT = "The keys on the table"
-PROMPT_IDS = [464, 8251, 319, 262, 3084]
+from helpers import build_checkpoint, real_gpt2_folder
 
 
 @pytest.fixture(autouse=True)
@@ -23,29 +15,6 @@ def _isolated_env(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("LMHEAD_MODEL", raising=False)
     monkeypatch.delenv("LMHEAD_DEBUG", raising=False)
-
-
-def _tokenizer_files(folder: Path) -> None:
-    src = resources.files("lmhead_cli.data") / "gpt2-tokenizer"
-    for name in ("vocab.json", "merges.txt"):
-        with resources.as_file(src / name) as p:
-            shutil.copy(p, folder / name)
-
-
-def build_checkpoint(folder: Path, *, tied: bool = True, n_embd: int = 64, n_layer: int = 2, n_head: int = 2,
-                     n_positions: int = 1024, seed: int = 0, **overrides):
-    """A GPT-2-architecture checkpoint with random weights, saved by transformers; returns the model."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=n_positions,
-                        tie_word_embeddings=tied, **overrides)
-    model = GPT2LMHeadModel(config).eval()
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    _tokenizer_files(folder)
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -60,17 +29,6 @@ def tiny_untied(tmp_path_factory):
     """(folder, transformers model) for a tiny GPT-2 whose head is its own matrix."""
     folder = tmp_path_factory.mktemp("tiny_untied")
     return folder, build_checkpoint(folder, tied=False, seed=1)
-
-
-def real_gpt2_folder() -> Path | None:
-    """The real gpt2 snapshot in the user's HF cache, or None (tests using it are skipped)."""
-    for repo in ("models--gpt2", "models--openai-community--gpt2"):
-        snapshots = REAL_HF_HOME / "hub" / repo / "snapshots"
-        if snapshots.is_dir():
-            for snap in sorted(snapshots.iterdir()):
-                if (snap / "model.safetensors").exists() and (snap / "config.json").exists():
-                    return snap
-    return None
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPT
+from helpers import PROMPT
 from typer.testing import CliRunner
 
 from lmhead_cli.readings.batch import batch_logits, inspect_batch, read_prompts

@@ -121,6 +121,25 @@ def test_the_documented_order_of_stages():
     assert [f for f in Knobs.__dataclass_fields__] == [s.knob for s in decoding.STAGES]
 
 
+def test_every_stage_reaches_knobs_presets_the_options_and_the_table():
+    """What a registry entry must give without further edits: a Knobs field, a preset key of its type,
+    a column, and an option on every decoding command and on inspect (where top-k is --filter-top-k)."""
+    from typer.main import get_command
+
+    from lmhead_cli.cli import app
+    from lmhead_cli.decoding import presets
+
+    commands = get_command(app).commands
+    for s in decoding.STAGES:
+        assert s.key in Knobs.__dataclass_fields__ and presets.KEYS[s.key] is s.type and s.column in decoding.COLUMNS
+        for name in ("generate", "greedy", "sample", "softcap", "inspect"):
+            opts = [p.opts for p in commands[name].params if p.name == f"knob_{s.key}"]
+            expected = ["--filter-top-k"] if (name, s.key) == ("inspect", "top_k") else list(s.options or (s.option,))
+            assert opts == [expected], (name, s.key)
+        with pytest.raises(UsageError, match=s.key):  # a preset is checked by the stage's own rule
+            presets.validate("bad", "test.toml", {s.key: s.type(-1)})
+
+
 def test_process_composes_the_active_stages_in_order():
     knobs = Knobs(softcap=2.0, temperature=0.7, top_k=8, top_p=0.9, min_p=0.05)
     by_hand = LOGITS.clone()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmhead_cli.loading.sources import load_model
-from tests.conftest import build_checkpoint
+from helpers import build_checkpoint
 
 NEW = 12  # new tokens per generation test
 N_POSITIONS = 1024 + NEW  # room for a 1024-token prompt and what follows it
@@ -125,33 +125,54 @@ def test_cache_reorder_keeps_the_chosen_rows(pair):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_blocked_products_equal_the_plain_ones(threads):
-    """One position's body and head products as batched matmuls over views of the weights (what makes
-    them stream at full bandwidth) give what addmm and F.linear give, for any thread count, a
-    vocabulary that no block count divides, and a few rows at once."""
-    from lmhead_cli.engine.lean import row_vector_times, rows_times
+    """A few positions' body and head products as batched matmuls over row blocks of the weights (what
+    makes them stream at full bandwidth) give what addmm and F.linear give, for any thread count, a
+    row count that no block count divides, with and without a bias."""
+    from lmhead_cli.engine.lean import Conv1D, rows_times
 
     g = torch.Generator().manual_seed(threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, w, b = torch.randn(1, 64, generator=g), torch.randn(64, 192, generator=g), torch.randn(192, generator=g)
-        y = row_vector_times(x, w, b)
-        if threads == 1:
-            assert y is None  # nothing to spread: the plain addmm runs
-        else:
-            torch.testing.assert_close(y, torch.addmm(b, x, w), atol=1e-5, rtol=0)
+        layer = Conv1D(64, 190)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(64, 190, generator=g))
+            layer.bias.copy_(torch.randn(190, generator=g))
+        w = layer.weight.detach().clone()
+        layer.lay_out_()
+        assert layer.weight.shape == (64, 190) and layer.weight.t().is_contiguous()  # (in, out) as checkpoints name it
         E = torch.randn(50257, 64, generator=g)
         for rows in (1, 3):
-            h = torch.randn(rows, 64, generator=g)
-            torch.testing.assert_close(rows_times(E, h), torch.nn.functional.linear(h, E), atol=1e-5, rtol=0)
+            x = torch.randn(rows, 64, generator=g)
+            with torch.inference_mode():
+                torch.testing.assert_close(layer(x), torch.addmm(layer.bias, x, w), atol=1e-5, rtol=0)
+            torch.testing.assert_close(rows_times(E, x), torch.nn.functional.linear(x, E), atol=1e-5, rtol=0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_bfloat16_products_equal_f_linear(tiny):
+    """bfloat16 on the CPU runs the products over oneDNN-packed weights (where torch has them): the
+    same logits as the plain bfloat16 products, one position or several."""
+    eng = load_model(str(tiny[0]), device="cpu", dtype="bfloat16", engine="lean").engine
+    h = eng.body(torch.tensor([[464, 8251, 319]]))  # (1, 3, D)
+    for positions in (h[:, -1:], h):
+        with torch.inference_mode():
+            expected = torch.nn.functional.linear(positions, eng.head_weight)
+        torch.testing.assert_close(eng.head(positions), expected, atol=2e-2, rtol=2e-2)
+    block = eng.gpt.h[0].attn.c_attn
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert block.packed is not None and eng.head_module.packed is not None
+    x = torch.randn(1, 2, block.weight.shape[0]).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), torch.addmm(block.bias, x[0], block.weight)[None], atol=2e-2, rtol=2e-2)
 
 
 def test_blocked_head_keeps_the_tie_and_reads_the_checkpoint_in_place(tiny):
     loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
     eng = loaded.engine
     assert eng.head_weight is eng.embedding_weight and eng.head_weight.is_contiguous()
+    assert eng.head_weight.data_ptr() == eng.gpt.wte.weight.data_ptr()
     h = eng.body(torch.tensor([[464, 8251, 319]]))  # (1, 3, D)
     for positions in (h[:, -1:], h):  # 1 position (blocked) and 3 (blocked, several rows)
         with torch.inference_mode():

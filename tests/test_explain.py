@@ -8,14 +8,13 @@ import math
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS
+from helpers import PROMPT, PROMPT_IDS, with_ln_f
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
 from lmhead_cli.readings.explain import explain_logit
 from lmhead_cli.readings.inspect import inspect_prompt
 from lmhead_cli.loading.sources import load_model
-from test_lens import with_ln_f
 
 runner = CliRunner()
 

@@ -3,11 +3,12 @@ session, Ctrl-C and Ctrl-D, and the history file."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS
+from helpers import PROMPT, PROMPT_IDS, assert_rank
 from typer.testing import CliRunner
 
 from lmhead_cli.readings import explore
@@ -15,7 +16,6 @@ from lmhead_cli.cli import app
 from lmhead_cli.errors import UsageError
 from lmhead_cli.readings.explore import Command, Settings, apply, parse_command
 from lmhead_cli.loading.sources import load_model
-from test_lens import assert_rank
 
 runner = CliRunner()
 
@@ -24,19 +24,14 @@ def session(tiny, script: str, *args):
     return runner.invoke(app, ["explore", "--model", str(tiny[0]), *args], input=script)
 
 
-def table_rows(stdout: str, header: str) -> dict[int, tuple[int, float]]:
-    """{id: (rank, prob)} from the table printed under the line starting with `» header`."""
-    block = stdout.split(f"» {header}", 1)[1].split("entropy", 1)[0]
-    probs = {}
-    for line in block.splitlines():
-        cells = [c.strip() for c in line.split("│")]
-        if len(cells) > 3 and cells[0].replace(",", "").isdigit():
-            probs[int(cells[1])] = int(cells[0].replace(",", "")), float(cells[-2].rstrip("%")) / 100
-    return probs
+def answers(stdout: str) -> list[dict]:
+    """The JSON lines of an `explore --json` session, one per answer."""
+    return [json.loads(line) for line in stdout.splitlines()]
 
 
-def table_probs(stdout: str, header: str) -> dict[int, float]:
-    return {i: prob for i, (_, prob) in table_rows(stdout, header).items()}
+def probs_of(answer: dict) -> dict[int, float]:
+    """{id: prob} of an answer's rows, then its targets, in order."""
+    return {r["id"]: r["prob"] for r in answer["rows"] + answer["targets"]}
 
 
 def reference(tiny, ids=PROMPT_IDS) -> torch.Tensor:
@@ -49,31 +44,36 @@ def test_piped_prompts_get_a_table_each_and_temp_applies(tiny):
     assert got.exit_code == 0, got.output
     assert got.stdout.count("» ") == 2 and got.stdout.count("entropy") == 2
     assert "temperature 0.5" in got.stdout
-    first = table_probs(got.stdout, PROMPT)
+    as_json = session(tiny, f"{PROMPT}\n:temp 0.5\nThe key on the table\n", "--json")
+    assert as_json.exit_code == 0 and "settings: top-k 10, temperature 0.5" in as_json.stderr, as_json.output
+    first, second = (probs_of(a) for a in answers(as_json.stdout))
     p = torch.softmax(reference(tiny), -1)
     assert list(first) == torch.topk(p, 10).indices.tolist()
     for i, prob in first.items():
-        assert prob == pytest.approx(float(p[i]), abs=6e-7)  # printed to 0.0001%
+        assert prob == pytest.approx(float(p[i]), abs=6e-7)
     ids = load_model(str(tiny[0]), device="cpu").tokenizer.encode("The key on the table")
     p_half = torch.softmax(reference(tiny, ids) / 0.5, -1)  # the second prompt, at T = 0.5
-    second = table_probs(got.stdout, "The key on the table")
     assert list(second) == torch.topk(p_half, 10).indices.tolist()
     for i, prob in second.items():
         assert prob == pytest.approx(float(p_half[i]), abs=6e-7)
 
 
 def test_softcap_top_k_and_target(tiny):
-    got = session(tiny, f':softcap 0.5\n:top-k 3\n:target " are"\n{PROMPT}\n')
+    got = session(tiny, f':softcap 0.5\n:top-k 3\n:target " are"\n{PROMPT}\n:lens\n:gen 2\n', "--json")
     assert got.exit_code == 0, got.output
     z = reference(tiny)
     capped = 0.5 * torch.tanh(z / 0.5)
     p = torch.softmax(capped, -1)
-    probs = table_probs(got.stdout, PROMPT)
+    answer, lens, gen = answers(got.stdout)  # stdout holds only the answers, one JSON line each
+    assert lens["layers"][-1]["top_id"] == int(z.argmax()) and gen["prompt_ids"] == PROMPT_IDS
+    assert len(gen["generated_ids"]) == 2 and gen["seed"] == 0
+    probs = probs_of(answer)
     top3 = torch.topk(z, 3).indices.tolist()
     assert list(probs)[:3] == top3 and 389 in probs  # three rows, then the target " are"
     for i, prob in probs.items():
-        assert prob == pytest.approx(float(p[i]), abs=6e-7)  # printed to 0.0001%
-    assert_rank(table_rows(got.stdout, PROMPT)[389][0], z, 389)  # the target's rank
+        assert prob == pytest.approx(float(p[i]), abs=6e-7)
+    assert answer["targets"][0]["id"] == 389 and answer["knobs"] == {"softcap": 0.5}
+    assert_rank(answer["targets"][0]["rank"], z, 389)  # the target's rank
 
 
 def test_read_matches_arithmetic(tiny):
@@ -133,10 +133,11 @@ def test_start_options_are_checked_before_the_load(args, message):
 def test_threads_and_start_settings(tiny, monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
     calls = []
-    got = session(tiny, f"{PROMPT}\n", "--threads", "1", "--temperature", "0.7", "-k", "2", "-t", " are")
+    got = session(tiny, f"{PROMPT}\n", "--threads", "1", "--temperature", "0.7", "-k", "2", "-t", " are", "--json")
     assert got.exit_code == 0, got.output
     assert calls == [1]
-    assert "stages: temperature 0.7" in got.stdout and len(table_rows(got.stdout, PROMPT)) == 3
+    [answer] = answers(got.stdout)
+    assert answer["knobs"] == {"temperature": 0.7} and len(answer["rows"]) == 2 and len(answer["targets"]) == 1
 
 
 # ---- the pieces --------------------------------------------------------------------------------
@@ -235,18 +236,18 @@ def test_help_lists_every_command(tiny):
         assert re.search(rf":{re.escape(name)}\b", got.stdout), name
 
 
-def test_warm_up_keeps_the_faster_thread_count(tiny, monkeypatch):
-    loaded = load_model(str(tiny[0]), device="cpu")
+def test_warm_up_settles_the_thread_count(tiny, monkeypatch):
+    """warm_up times 10-token forwards with each count (engine/threads.py) and keeps the faster."""
     before = torch.get_num_threads()
     try:
-        assert explore.warm_up(loaded, choose_threads=False) == before == torch.get_num_threads()
-        ticks = iter(range(0, 1000, 1))  # each forward takes 1 tick whatever the count: a tie keeps torch's
-        monkeypatch.setattr(explore.time, "perf_counter", lambda: next(ticks))
-        assert explore.warm_up(loaded) == torch.get_num_threads() == before
-        if before > 1:  # one thread twice as fast: kept
-            clock = iter([0, 2, 10, 12, 20, 21, 30, 31])
-            monkeypatch.setattr(explore.time, "perf_counter", lambda: next(clock))
+        assert explore.warm_up(load_model(str(tiny[0]), device="cpu", threads=1)) == 1 == torch.get_num_threads()
+        torch.set_num_threads(before)
+        loaded = load_model(str(tiny[0]), device="cpu")
+        if before > 1:  # trials alternate torch's count and 1: one thread twice as fast is kept
+            clock = iter([0, 2, 10, 11, 20, 22, 30, 31])
+            monkeypatch.setattr("lmhead_cli.engine.threads.time.perf_counter", lambda: next(clock))
             assert explore.warm_up(loaded) == torch.get_num_threads() == 1
+            assert loaded.threads.choices == [1]
     finally:
         torch.set_num_threads(before)
 

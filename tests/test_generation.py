@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint
 
 from lmhead_cli.decoding import generate as generation
 from lmhead_cli.errors import ModeConflict, NonFiniteLogits, UsageError

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app

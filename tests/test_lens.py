@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPT, PROMPT_IDS, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, assert_rank, build_checkpoint, with_ln_f
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
@@ -20,27 +20,9 @@ runner = CliRunner()
 N_LAYER = 3
 
 
-def with_ln_f(folder, *, seed: int, n_layer: int = 2):
-    """(folder, model): a tiny tied GPT-2 whose ln_f has a non-trivial gain and bias, so that normalising
-    each vector with its own statistics (and ln_f's affine part) is really exercised."""
-    model = build_checkpoint(folder, n_layer=n_layer, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        model.transformer.ln_f.weight.copy_(torch.rand(64, generator=g) + 0.5)
-        model.transformer.ln_f.bias.copy_(torch.randn(64, generator=g) * 0.1)
-    model.save_pretrained(folder)
-    return folder, model
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return with_ln_f(tmp_path_factory.mktemp("lens"), seed=3, n_layer=N_LAYER)
-
-
-def assert_rank(rank: int, z: torch.Tensor, i: int, atol: float = 1e-4) -> None:
-    """rank = 1 + the tokens scored higher than i, give or take those within float noise of z[i]."""
-    higher, close = int((z > z[i] + atol).sum()), int(((z - z[i]).abs() <= atol).sum())
-    assert 1 + higher <= rank <= higher + close
 
 
 def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import pytest
-from conftest import PROMPT_IDS
+from helpers import PROMPT_IDS
 from safetensors.torch import save_file
 
 from lmhead_cli.loading import sources

@@ -1,4 +1,4 @@
-from conftest import PROMPT, PROMPT_IDS
+from helpers import PROMPT, PROMPT_IDS
 
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 

@@ -156,7 +156,8 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     stop, beam_score = "max_new_tokens", None
     while True:
         try:
-            step = next(loop)
+            # One position per step after the first (the prefill): those steps choose the thread count.
+            step = next(loop) if first is None else loaded.threads.run(lambda: next(loop))
         except StopIteration as done:
             stop, beam_score = done.value
             break

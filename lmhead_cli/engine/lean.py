@@ -19,55 +19,84 @@ from torch import nn
 
 from lmhead_cli.engine.base import Engine, TieNames
 
-# One position at a time (inspect's last position, every decoding step) the float32 body and head are
-# matrix-vector products that do nothing but stream weights. On CPU, torch hands them to BLAS as gemv,
-# which reads the tied [V, D] head at ~12 GB/s on the 2-core benchmark machine and uses one core for
-# the body. The same products written as one batched matmul over blocks of the matrix (strided views:
-# nothing is copied, the tie stays one object) read the head at ~25-30 GB/s and spread the body's
-# blocks over torch's threads. benchmarks/run.py measures both forms.
+# One position at a time (inspect's last position, every decoding step) the body's and the head's
+# products are matrix-vector products that do nothing but stream weights, and how they are laid out
+# and dispatched decides the speed (benchmarks/run.py measures each form):
+# - float32: every matrix is kept as rows [N, K] (the head's E already is; Conv1D's [K, N] checkpoint
+#   weights are transposed once at load, the parameter staying a [K, N] view of them), and the product
+#   runs as one batched matmul over 2·threads row blocks of it (views: nothing is copied, the tie stays
+#   one object). BLAS's gemv over the same rows reads them at about half that speed on the 2-core
+#   benchmark machine; the [K, N] layout, blocked by columns, at about two thirds.
+# - bfloat16: those forms run no faster than F.linear; oneDNN's linear over a weight packed once into
+#   its own blocked layout does (a second, packed copy of each matrix: bfloat16 then holds about the
+#   memory float32 would, for about 1.6× the speed).
 BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
 
-def _blocked(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu"
+
+def _streams(x: torch.Tensor) -> bool:
+    """A few float32 rows on the CPU: the blocked row products apply."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] <= BLOCKED_MAX_ROWS
 
 
-def row_vector_times(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """x @ w + b for one row x (1, K) and w (K, N), as s = torch's threads column blocks of w at once:
-    (1, N). None when the blocked form would not help (one thread, N not a multiple of s)."""
-    s = torch.get_num_threads()
-    K, N = w.shape
-    if s < 2 or N % s or not w.is_contiguous():
-        return None
-    blocks = w.view(K, s, N // s).transpose(0, 1)  # (s, K, N/s), a view
-    y = torch.baddbmm(b.view(s, 1, N // s), x.expand(s, 1, K), blocks)  # (s, 1, N/s)
-    return y.transpose(0, 1).reshape(1, N)
-
-
-def rows_times(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """h · wᵀ for a few positions h (R, D) and a row-major w (V, D): logits (R, V), computed as
-    w's rows in 2·threads blocks times h (a batched matmul over views of w) plus any last rows."""
+def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """h · wᵀ (+ b) for a few positions h (R, D) and a row-major w (V, D): (R, V), computed as w's rows
+    in 2·threads blocks times h (one batched matmul over views of w, the bias added in the same
+    call) plus any last rows."""
     V, D = w.shape
     s = 2 * max(1, torch.get_num_threads())
     n = V // s
-    y = torch.bmm(w[: s * n].view(s, n, D), h.t().expand(s, D, h.shape[0]))  # (s, n, R)
+    hs = h.t().expand(s, D, h.shape[0])  # (s, D, R), a view
+    if b is None:
+        y = torch.bmm(w[: s * n].view(s, n, D), hs)  # (s, n, R)
+    else:
+        y = torch.baddbmm(b[: s * n].view(s, n, 1), w[: s * n].view(s, n, D), hs)
     out = y.reshape(s * n, -1).t()  # (R, s·n)
     if s * n < V:
-        out = torch.cat([out, F.linear(h, w[s * n:])], dim=1)
+        out = torch.cat([out, F.linear(h, w[s * n:], None if b is None else b[s * n:])], dim=1)
     return out.contiguous()
 
 
+def pack_for_onednn(w: torch.Tensor) -> torch.Tensor | None:
+    """w (N, K) in oneDNN's own blocked layout for `packed_linear` (a copy), where that is the fast
+    bfloat16 path: a bfloat16 CPU weight and a torch with oneDNN's bfloat16 kernels. None otherwise."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1)
+    except (RuntimeError, AttributeError):  # a torch built without it: the plain product runs
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) times a packed (N, K) weight, plus b: (M, N), by oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
 class Conv1D(nn.Module):
-    """GPT-2's linear layer with the weight stored [in, out] (as in the checkpoints): y = x @ W + b."""
+    """GPT-2's linear layer, y = x @ W + b, W (in, out) as the checkpoints name and shape it; stored
+    as rows (out, in) once `lay_out_` has run, `weight` staying the (in, out) view of them."""
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out))
+        self.packed: torch.Tensor | None = None
+
+    def lay_out_(self) -> None:
+        """Rows for the streaming products; a oneDNN-packed copy too in bfloat16 (see above)."""
+        rows = self.weight.detach().t()  # (out, in)
+        if not rows.is_contiguous():
+            self.weight = nn.Parameter(rows.contiguous().t(), requires_grad=self.weight.requires_grad)
+        self.packed = pack_for_onednn(self.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
-        y = row_vector_times(x2, self.weight, self.bias) if x2.shape[0] == 1 and _blocked(x2) else None
-        if y is None:
+        x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+        rows = self.weight.t()  # (out, in), a view
+        if self.packed is not None:
+            y = packed_linear(x2, self.packed, self.bias)
+        elif _streams(x2) and rows.is_contiguous():
+            y = rows_times(rows, x2, self.bias)
+        else:
             y = torch.addmm(self.bias, x2, self.weight)
         return y.view(*x.shape[:-1], -1)
 
@@ -75,9 +104,16 @@ class Conv1D(nn.Module):
 class LMHead(nn.Linear):
     """The head z = h · W_outᵀ, W_out (V, D), no bias; a few positions stream W_out in row blocks."""
 
+    packed: torch.Tensor | None = None
+
+    def lay_out_(self) -> None:
+        self.packed = pack_for_onednn(self.weight) if self.bias is None else None
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h2 = h.reshape(-1, h.shape[-1])  # (R, D)
-        if h2.shape[0] <= BLOCKED_MAX_ROWS and _blocked(h2) and self.bias is None and self.weight.is_contiguous():
+        if self.packed is not None:
+            return packed_linear(h2, self.packed, None).view(*h.shape[:-1], -1)
+        if _streams(h2) and self.bias is None and self.weight.is_contiguous():
             return rows_times(self.weight, h2).view(*h.shape[:-1], -1)
         return super().forward(h)
 
@@ -177,6 +213,13 @@ class GPT2(nn.Module):
         self.lm_head = LMHead(d, V, bias=False)
         if tied:
             self.lm_head.weight = self.wte.weight  # weight tying: W_out is E, the very same tensor
+
+    def lay_out_(self) -> "GPT2":
+        """Once the weights are in place: every matrix laid out for its products (see the top)."""
+        for m in self.modules():
+            if isinstance(m, (Conv1D, LMHead)):
+                m.lay_out_()
+        return self
 
 
 def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine
 from lmhead_cli.engine.lean import GPT2, LeanGPT2, init_random_
+from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UsageError)
 from lmhead_cli.loading.model_configs import config_names, load_config
@@ -63,6 +64,7 @@ class Loaded:
     engine: Engine
     tokenizer: GPT2Tokenizer
     tie: TieReport
+    threads: ThreadChooser  # torch's CPU thread count for this model's work, fixed or chosen by timing it
 
     @property
     def module(self) -> torch.nn.Module:
@@ -92,11 +94,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-               allow_pickle: bool = False) -> Loaded:
-    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`."""
+               allow_pickle: bool = False, threads: int | None = None) -> Loaded:
+    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`, on `threads` CPU
+    threads (None: chosen by timing the work, see engine/threads.py)."""
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
         raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, or random:gpt2")
 
@@ -147,7 +151,7 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     )
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
-                  config=config, engine=eng, tokenizer=tokenizer, tie=tie)
+                  config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
 
 
 # ---- where the files are ---------------------------------------------------------------------
@@ -317,14 +321,18 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CorruptCheckpoint(f"{_names(files)} lacks {', '.join(missing[:3])}{more}")
+    # Popped from `state`: once lay_out_ has put a matrix in its own layout, nothing holds the old one,
+    # so loading peaks at one matrix above the model, not at two models.
+    weights = {k: state.pop(k).to(dtype) for k in expected}
     try:
-        model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
+        model.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[-1].strip()
         raise CorruptCheckpoint(f"{_names(files)} does not fit the config: {first}") from None
+    del weights
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
-    return model.to(device).eval()
+    return model.to(device).eval().lay_out_()
 
 
 def build_transformers(config: dict, state: dict[str, torch.Tensor], tied: bool,

@@ -127,13 +127,14 @@ def inspect_batch(loaded: Loaded, prompts: list[str], top_k: int = 10, targets: 
 
     def forward(indices: list[int]) -> None:
         try:
-            z = run(loaded, [encoded[i][0] for i in indices])  # (B, V)
+            rows = [encoded[i][0] for i in indices]
+            z = loaded.threads.run(lambda: run(loaded, rows), sum(map(len, rows)))  # (B, V)
         except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError too
             if not _out_of_memory(e):
                 raise
             if len(indices) == 1:
                 raise LmheadError(f"out of memory even for a single prompt of {len(encoded[indices[0]][0])} "
-                                  "tokens; try --device cpu or a shorter prompt") from None
+                                  "tokens; try the CPU or a shorter prompt") from None
             if loaded.engine.device.type == "cuda":
                 torch.cuda.empty_cache()
             run_stats.splits += 1

@@ -161,7 +161,7 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     start = time.perf_counter()
     ids, dropped = encode_prompt(loaded, prompt)
     target_ids = encode_targets(loaded.tokenizer, list(settings.targets))
-    logits, _ = last_logits(loaded, ids)  # (V,) float32, the head on the last position only
+    logits, _ = loaded.threads.run(lambda: last_logits(loaded, ids), len(ids))  # (V,) float32, the last position
     knobs = settings.knobs
     scaled = stages.process(logits, knobs.pipeline())  # (V,)
     logprobs = log_softmax(scaled)
@@ -304,36 +304,17 @@ class Session:
         return self.last_prompt
 
 
-def warm_up(loaded, choose_threads: bool = True) -> int:
+def warm_up(loaded) -> int:
     """Forwards after the load, so the first prompt is answered as fast as the rest; returns torch's
     thread count for the session.
 
-    On the CPU (unless the user chose), a 10-token forward is timed with torch's thread count and with
-    one thread, and the faster is kept: OpenMP threads wait for each other, so on a machine whose cores
-    are busy with other work two threads can take several times longer than one (measured: 880 ms
-    against 75 ms per prompt for GPT-2 small), while an idle machine gains from them.
+    On the CPU (unless --threads fixed it), 10-token forwards are timed with torch's thread count and
+    with one thread, and the faster is kept (engine/threads.py; each prompt is timed too, and both
+    counts are tried again when prompts slow down): on a machine whose cores are busy with other work,
+    two threads can take several times longer than one, while an idle machine gains from them.
     """
-    import torch
-
     from lmhead_cli.readings.inspect import last_logits
 
     ids = [loaded.engine.eos_token_id or 0] * 10
     last_logits(loaded, ids)
-    many = torch.get_num_threads()
-    if not choose_threads or loaded.engine.device.type != "cpu" or many == 1:
-        return many
-
-    def best_time() -> float:
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            last_logits(loaded, ids)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    with_many = best_time()
-    torch.set_num_threads(1)
-    if best_time() < with_many:
-        return 1
-    torch.set_num_threads(many)
-    return many
+    return loaded.threads.settle(lambda: last_logits(loaded, ids), len(ids))

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.errors import NoPrompt
-from lmhead_cli.head import (TargetScore, TokenScore, check_finite, clamp_top_k, encode_target, encode_targets, entropy,
-                             log_softmax, nats_to_bits, target_score, top_tokens)
+from lmhead_cli.head import (TargetScore, TokenScore, check_finite, check_top_k, clamp_top_k, encode_target,
+                             encode_targets, entropy, log_softmax, nats_to_bits, target_score, top_tokens)
 from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
@@ -70,7 +70,7 @@ def check_request(prompt: str | None, targets: list[str] | None, top_k: int) -> 
     """Usage errors of a one-prompt reading, raised before any model is loaded."""
     check_prompt(prompt)
     check_targets(targets)
-    clamp_top_k(top_k, top_k)
+    check_top_k(top_k)
 
 
 def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import BadValue
 
 WORDS = ("cat", "dog", "fish", "run")
 # The toy embedding matrix W_e, one row per word: (V, d) = (4, 3). Tied: the head scores with these rows.
@@ -38,7 +38,7 @@ class Variant:
     """A change to the logits and what it did to the distribution."""
 
     name: str  # shift, scale, softcap
-    label: str  # for people, e.g. "h x 2 (= temperature 0.5)"
+    amount: float  # the shift c, the factor k on h, or the cap c
     logits: tuple[float, ...]  # (V,) after the change, before temperature
     probs: tuple[float, ...]  # (V,)
     entropy_bits: float
@@ -118,19 +118,19 @@ def _same_order(a: Sequence[float], b: Sequence[float]) -> bool:
     return all(sign(a[i] - a[j]) == sign(b[i] - b[j]) for i in range(len(a)) for j in range(len(a)))
 
 
-def _variant(name: str, label: str, base: Sequence[float], changed: Sequence[float], temperature: float,
+def _variant(name: str, amount: float, base: Sequence[float], changed: Sequence[float], temperature: float,
              **extra) -> Variant:
     p_base, p = softmax(base, temperature), softmax(changed, temperature)
     max_change = max(abs(x - y) for x, y in zip(p, p_base))
     h, h_base = entropy_bits(p), entropy_bits(p_base)
     effect = "unchanged" if max_change < SAME else ("sharper" if h < h_base else "flatter")
-    return Variant(name=name, label=label, logits=tuple(changed), probs=p, entropy_bits=h, max_change=max_change,
+    return Variant(name=name, amount=amount, logits=tuple(changed), probs=p, entropy_bits=h, max_change=max_change,
                    effect=effect, order_kept=_same_order(base, changed), **extra)
 
 
 def shift_demo(values: Sequence[float], shift: float = SHIFT, temperature: float = 1.0) -> Variant:
     """z + c for every logit: softmax divides the common factor exp(c) away, so nothing changes."""
-    return _variant("shift", f"logits + {short_number(shift)}", values, [v + shift for v in values], temperature)
+    return _variant("shift", shift, values, [v + shift for v in values], temperature)
 
 
 def scale_demo(hidden: Sequence[float], rows: Sequence[Sequence[float]], factor: float,
@@ -140,15 +140,14 @@ def scale_demo(hidden: Sequence[float], rows: Sequence[Sequence[float]], factor:
     changed = logits([h * factor for h in hidden], rows)
     equivalent = temperature / factor
     gap = max(abs(x - y) for x, y in zip(softmax(changed, temperature), softmax(base, equivalent)))
-    label = f"h × {short_number(factor)} (= temperature {short_number(equivalent)})"
-    return _variant("scale", label, base, changed, temperature, scale=factor, equivalent_temperature=equivalent,
+    return _variant("scale", factor, base, changed, temperature, scale=factor, equivalent_temperature=equivalent,
                     equivalence_gap=gap)
 
 
 def softcap_demo(values: Sequence[float], cap: float = CAP, temperature: float = 1.0) -> Variant:
     """c * tanh(z / c): squeezes the logits into (-c, c). tanh only rises, so the order stays."""
     capped = [cap * math.tanh(v / cap) for v in values]
-    return _variant("softcap", f"softcap c = {short_number(cap)}", values, capped, temperature)
+    return _variant("softcap", cap, values, capped, temperature)
 
 
 def parse_hidden(text: str, dims: int = len(HIDDEN)) -> tuple[float, ...]:
@@ -157,18 +156,18 @@ def parse_hidden(text: str, dims: int = len(HIDDEN)) -> tuple[float, ...]:
     try:
         values = tuple(float(p) for p in parts)
     except ValueError:
-        raise UsageError(f"--hidden must be {dims} comma-separated numbers, like 1,0,1; got {text!r}") from None
+        raise BadValue("hidden", f"must be {dims} comma-separated numbers, like 1,0,1; got {text!r}") from None
     if len(values) != dims:
-        raise UsageError(f"--hidden needs {dims} numbers, one per column of the toy table; got {len(values)} "
-                         f"in {text!r}")
+        raise BadValue("hidden", f"needs {dims} numbers, one per column of the toy table; got {len(values)} "
+                       f"in {text!r}")
     if not all(math.isfinite(v) for v in values):
-        raise UsageError(f"--hidden must be finite numbers (no nan or inf); got {text!r}")
+        raise BadValue("hidden", f"must be finite numbers (no nan or inf); got {text!r}")
     return values
 
 
 def check_temperature(temperature: float) -> float:
     if not (math.isfinite(temperature) and temperature > 0):
-        raise UsageError(f"--temperature must be a finite number above 0; got {temperature}")
+        raise BadValue("temperature", f"must be a finite number above 0; got {temperature}")
     return temperature
 
 
@@ -187,9 +186,3 @@ def toy_example(hidden: Sequence[float] = HIDDEN, temperature: float = 1.0, seed
         prob_sum=math.fsum(p), entropy_bits=entropy_bits(p), greedy=WORDS[argmax(z)],
         argmax=repeat_argmax(z, WORDS, draws), sample=sample(p, WORDS, draws, seed), variants=variants,
     )
-
-
-def short_number(x: float) -> str:
-    """2.0 -> '2', 0.5 -> '0.5', 0.9640 -> '0.964': at most three decimals, no trailing zeros."""
-    text = f"{x:.3f}".rstrip("0").rstrip(".")
-    return "0" if text == "-0" else text

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import bar, err, knobs_text, out
+from lmhead_cli.render import bar, err, knobs_text, out, print_json
 from lmhead_cli.render import token_cell as tok
-from lmhead_cli.render.lens import lens_table
+from lmhead_cli.render.generate import stream
+from lmhead_cli.render.lens import lens_json, lens_table
 
 
 def describe(s) -> str:
@@ -64,24 +66,25 @@ def reading(r) -> None:
     con.print(f"[dim]entropy {r.entropy:.4f} nats[/]")
 
 
-def settings(s) -> None:
-    out().print(f"settings: {escape(describe(s))}")
+def settings(s, con=None) -> None:
+    (con or out()).print(f"settings: {escape(describe(s))}")
 
 
-def help(commands) -> None:  # noqa: A001 - the :help command
+def help(commands, con=None) -> None:  # noqa: A001 - the :help command
+    con = con or out()
     table = Table(show_header=False, show_edge=False, box=None, pad_edge=False)
     table.add_column(no_wrap=True)
     table.add_column()
     for name, (aliases, args, what) in commands.items():
         also = f" [dim](or {', '.join(':' + a for a in aliases)})[/]" if aliases else ""
         table.add_row(escape(f":{name} {args}".rstrip()), escape(what) + also)
-    out().print("a line without ':' is a prompt; its top tokens appear at once. Commands:")
-    out().print(table)
+    con.print("a line without ':' is a prompt; its top tokens appear at once. Commands:")
+    con.print(table)
 
 
-def unknown(name: str, commands) -> None:
+def unknown(name: str, commands, con=None) -> None:
     err().print(f"unknown command :{escape(name)}", markup=True)
-    help(commands)
+    help(commands, con)
 
 
 def error(message: str) -> None:
@@ -96,14 +99,7 @@ def lens(result) -> None:
     lens_table(result)
 
 
-def generation_start(prompt: str) -> None:
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
-
-
-def text(piece: str) -> None:
-    sys.stdout.write(piece)
-    sys.stdout.flush()
+generation_start = text = stream  # the prompt, then each piece as it is made
 
 
 def generation_end(gen) -> None:
@@ -111,3 +107,54 @@ def generation_end(gen) -> None:
     out().print(f"[dim]{len(gen.generated_ids)} tokens sampled (seed {gen.seed}), stop: {gen.stop}, "
                 f"{gen.tokens_per_second:.1f} tokens/s[/]")
 
+
+
+# ---- explore --json: answers as JSON lines ------------------------------------------------------
+
+def reading_json(r) -> dict:
+    """One prompt's answer in `explore --json`: the table's rows and targets, the stages that were on."""
+    return {"prompt": r.prompt, "n_tokens": r.n_tokens, "truncated": r.truncated, "knobs": r.knobs.active(),
+            "rows": [asdict(row) for row in r.rows], "targets": [asdict(row) for row in r.targets],
+            "entropy": r.entropy, "elapsed_ms": r.elapsed_ms}
+
+
+class AsJson:
+    """`explore --json`: each answer (a prompt, :lens, :gen) is one JSON line on stdout; settings,
+    help and errors go to stderr, so stdout holds JSON lines only."""
+
+    intro = staticmethod(intro)
+    error = staticmethod(error)
+    cancelled = staticmethod(cancelled)
+
+    @staticmethod
+    def reading(r) -> None:
+        print_json(reading_json(r), lines=True)
+
+    @staticmethod
+    def settings(s) -> None:
+        settings(s, err())
+
+    @staticmethod
+    def help(commands) -> None:  # noqa: A003
+        help(commands, err())
+
+    @staticmethod
+    def unknown(name: str, commands) -> None:
+        unknown(name, commands, err())
+
+    @staticmethod
+    def lens(result) -> None:
+        print_json(lens_json(result), lines=True)
+
+    @staticmethod
+    def generation_start(prompt: str) -> None:
+        pass
+
+    @staticmethod
+    def text(piece: str) -> None:
+        pass
+
+    @staticmethod
+    def generation_end(gen) -> None:
+        print_json({"seed": gen.seed, "prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids,
+                    "text": gen.text, "stop": gen.stop}, lines=True)

@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from rich import box
 from rich.table import Table
 
 from lmhead_cli.render import bar, out, print_json
-from lmhead_cli.readings.toy import Sample, ToyExample, Variant, short_number
+from lmhead_cli.readings.toy import Sample, ToyExample, Variant
+
+
+def short_number(x: float) -> str:
+    """2.0 -> '2', 0.5 -> '0.5', 0.9640 -> '0.964': at most three decimals, no trailing zeros."""
+    text = f"{x:.3f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+def label(v: Variant) -> str:
+    """What a variant did to the logits, for people: "logits + 10", "h × 2 (= temperature 0.5)"."""
+    if v.name == "shift":
+        return f"logits + {short_number(v.amount)}"
+    if v.name == "scale":
+        return f"h × {short_number(v.amount)} (= temperature {short_number(v.equivalent_temperature)})"
+    return f"softcap c = {short_number(v.amount)}"
+
+
+def toy_json(ex: ToyExample) -> dict:
+    """The `toy --json` document: the example's fields, each variant with its label."""
+    doc = asdict(ex)
+    doc["variants"] = [{"name": v.name, "label": label(v), **asdict(v)} for v in ex.variants]
+    return doc
 
 
 def _vector(values) -> str:
@@ -52,13 +76,13 @@ def _changes(ex: ToyExample) -> Table:
 
     add("none", "", ex.logits, ex.probs, ex.entropy_bits)
     for v in ex.variants:
-        add(v.label, _effect(v), v.logits, v.probs, v.entropy_bits)
+        add(label(v), _effect(v), v.logits, v.probs, v.entropy_bits)
     return table
 
 
 def render_toy(ex: ToyExample, *, as_json: bool = False) -> None:
     if as_json:
-        print_json(ex)
+        print_json(toy_json(ex))
         return
     console = out()
     t = short_number(ex.temperature)

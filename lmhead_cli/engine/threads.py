@@ -1,0 +1,123 @@
+"""How many CPU threads torch runs on, and how they wait: chosen by measuring the work itself.
+
+On an idle machine one thread per core makes lmhead's products faster. On a machine whose cores are
+busy with other work the same threads can make them several times slower: every parallel region
+waits for its slowest thread, and a thread the scheduler has parked for a slice holds up the rest.
+Three things follow (figures in README, Performance):
+
+* OpenMP's threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE) unless the user set a
+  policy: spinning threads take a core another process needs, and the one they wait for may be
+  waiting for that very core (measured on 2 busy cores: 1.5 tok/s spinning, 25 tok/s passive).
+* `ThreadChooser` times the first units of repeated work (decoding steps, batches of a file, prompts
+  in a session) with torch's thread count and with one thread, keeps the faster, and times both
+  again when its speed drops well below the best it has seen, or every `recheck` units anyway.
+* `--threads N` / LMHEAD_THREADS fix the count, and nothing is timed.
+
+No torch import at module top: `prepare` must run before torch is first imported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from typing import Callable, TypeVar
+
+from lmhead_cli.errors import BadValue
+
+T = TypeVar("T")
+ENV = "LMHEAD_THREADS"
+WAIT_POLICY = "PASSIVE"
+
+
+def check(threads: int | None) -> int | None:
+    """A thread count as given by --threads or LMHEAD_THREADS: None (choose), or at least 1."""
+    if threads is not None and threads < 1:
+        raise BadValue("threads", f"must be at least 1 (got {threads})")
+    return threads
+
+
+def prepare(threads: int | None = None) -> int | None:
+    """Before torch is imported: OpenMP's wait policy (read once, when OpenMP starts with torch's
+    import; a policy the user set is kept), and the checked thread count."""
+    os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    return check(threads)
+
+
+class ThreadChooser:
+    """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster.
+
+    `run(fn, units)` runs fn and times it per unit of work (a token, a row). The first 2 × trials
+    units alternate between the two counts and the faster (best time each) is kept; then, once the
+    last 3 units each took more than `slack` × the best time seen since the choice, or after
+    `recheck` units, the trial runs again. With `fixed` (or one core, or a GPU) nothing is timed.
+    """
+
+    def __init__(self, fixed: int | None = None, device_type: str = "cpu", trials: int = 2,
+                 slack: float = 1.5, recheck: int = 128):
+        import torch
+
+        check(fixed)
+        if fixed is not None:
+            torch.set_num_threads(fixed)
+        self.fixed = fixed
+        most = torch.get_num_threads()
+        self.candidates = [most, 1] if fixed is None and device_type == "cpu" and most > 1 else []
+        self.trials, self.slack, self.recheck = trials, slack, recheck
+        self.choices: list[int] = []  # the count each trial chose, in order
+        self._pending: list[int] = []
+        self._timed: dict[int, float] = {}
+        self._recent: deque[float] = deque(maxlen=3)
+        self._best, self._since = math.inf, 0.0
+        if self.candidates:
+            self._start_trial()
+
+    @property
+    def threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    @property
+    def deciding(self) -> bool:
+        return bool(self._pending)
+
+    def _start_trial(self) -> None:
+        self._pending = self.candidates * self.trials  # alternating: drift hits both alike
+        self._timed = {}
+
+    def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
+        """fn(), timed per unit when the count is being chosen or watched."""
+        if not self.candidates:
+            return fn()
+        import torch
+
+        if self._pending:
+            torch.set_num_threads(self._pending[0])
+        start = time.perf_counter()
+        out = fn()
+        per_unit = (time.perf_counter() - start) / max(units, 1e-9)
+        if self._pending:
+            n = self._pending.pop(0)
+            self._timed[n] = min(self._timed.get(n, math.inf), per_unit)
+            if not self._pending:
+                best = min(self._timed, key=self._timed.get)
+                torch.set_num_threads(best)
+                self.choices.append(best)
+                self._best, self._since = self._timed[best], 0.0
+                self._recent.clear()
+            return out
+        self._best = min(self._best, per_unit)
+        self._since += units
+        self._recent.append(per_unit)
+        slowed = len(self._recent) == self._recent.maxlen and min(self._recent) > self.slack * self._best
+        if slowed or self._since >= self.recheck:
+            self._start_trial()
+        return out
+
+    def settle(self, fn: Callable[[], object], units: float = 1.0) -> int:
+        """Run fn as often as the trial needs to choose (nothing when fixed); the count chosen."""
+        while self._pending:
+            self.run(fn, units)
+        return self.threads

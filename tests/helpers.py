@@ -1,0 +1,68 @@
+"""Helpers shared by the tests: the prompt, tiny checkpoints built with transformers (the oracle), and
+checks used in several files. Test files import from here, never from each other (conftest.py holds
+only fixtures)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+# Where the user's real Hugging Face cache is, read before any test redirects HF_HOME.
+REAL_HF_HOME = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+PROMPT = "The keys on the table"
+PROMPT_IDS = [464, 8251, 319, 262, 3084]
+
+
+def _tokenizer_files(folder: Path) -> None:
+    src = resources.files("lmhead_cli.data") / "gpt2-tokenizer"
+    for name in ("vocab.json", "merges.txt"):
+        with resources.as_file(src / name) as p:
+            shutil.copy(p, folder / name)
+
+
+def build_checkpoint(folder: Path, *, tied: bool = True, n_embd: int = 64, n_layer: int = 2, n_head: int = 2,
+                     n_positions: int = 1024, seed: int = 0, **overrides):
+    """A GPT-2-architecture checkpoint with random weights, saved by transformers; returns the model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=n_positions,
+                        tie_word_embeddings=tied, **overrides)
+    model = GPT2LMHeadModel(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    _tokenizer_files(folder)
+    return model
+
+
+def with_ln_f(folder, *, seed: int, n_layer: int = 2):
+    """(folder, model): a tiny tied GPT-2 whose ln_f has a non-trivial gain and bias, so that normalising
+    each vector with its own statistics (and ln_f's affine part) is really exercised."""
+    model = build_checkpoint(folder, n_layer=n_layer, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.copy_(torch.rand(64, generator=g) + 0.5)
+        model.transformer.ln_f.bias.copy_(torch.randn(64, generator=g) * 0.1)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def assert_rank(rank: int, z: torch.Tensor, i: int, atol: float = 1e-4) -> None:
+    """rank = 1 + the tokens scored higher than i, give or take those within float noise of z[i]."""
+    higher, close = int((z > z[i] + atol).sum()), int(((z - z[i]).abs() <= atol).sum())
+    assert 1 + higher <= rank <= higher + close
+
+
+def real_gpt2_folder() -> Path | None:
+    """The real gpt2 snapshot in the user's HF cache, or None (tests using it are skipped)."""
+    for repo in ("models--gpt2", "models--openai-community--gpt2"):
+        snapshots = REAL_HF_HOME / "hub" / repo / "snapshots"
+        if snapshots.is_dir():
+            for snap in sorted(snapshots.iterdir()):
+                if (snap / "model.safetensors").exists() and (snap / "config.json").exists():
+                    return snap
+    return None

@@ -1,0 +1,113 @@
+"""The CPU thread count: fixed by --threads / LMHEAD_THREADS, otherwise chosen by timing the work
+(engine/threads.py), and OpenMP's wait policy. The timings here come from a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lmhead_cli.cli import app
+from lmhead_cli.engine import threads
+from lmhead_cli.engine.threads import ThreadChooser
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def clock(monkeypatch, durations):
+    """perf_counter returning start/end pairs so that the i-th timed call lasts durations[i]."""
+    ticks, now = [], 0.0
+    for d in durations:
+        ticks += [now, now + d]
+        now += d + 1
+    it = iter(ticks)
+    monkeypatch.setattr(threads.time, "perf_counter", lambda: next(it))
+
+
+def counts_seen(chooser, n):
+    """Run n units through the chooser; the thread count each ran on."""
+    seen = []
+    for _ in range(n):
+        chooser.run(lambda: seen.append(torch.get_num_threads()))
+    return seen
+
+
+def test_trial_alternates_and_keeps_the_faster(monkeypatch, restore_threads):
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    assert chooser.candidates == [2, 1] and chooser.deciding
+    clock(monkeypatch, [5, 1, 5, 1, 1, 1])  # 2 threads 5 s a unit, 1 thread 1 s
+    assert counts_seen(chooser, 6) == [2, 1, 2, 1, 1, 1]
+    assert chooser.choices == [1] and torch.get_num_threads() == 1 and not chooser.deciding
+
+
+def test_a_tie_keeps_torchs_count(monkeypatch, restore_threads):
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    clock(monkeypatch, [1, 1, 1, 1])
+    assert counts_seen(chooser, 4) == [2, 1, 2, 1] and chooser.choices == [2] and torch.get_num_threads() == 2
+
+
+def test_a_slowdown_starts_a_new_trial(monkeypatch, restore_threads):
+    """Chosen at 1 s a unit; three units in a row at 3 s (> 1.5 × best) try both counts again."""
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    clock(monkeypatch, [1, 4, 1, 4] + [1, 3, 3, 3] + [9, 2, 9, 2])
+    seen = counts_seen(chooser, 12)
+    assert seen[:8] == [2, 1, 2, 1, 2, 2, 2, 2]
+    assert seen[8:] == [2, 1, 2, 1] and chooser.choices == [2, 1]
+
+
+def test_units_normalise_the_work(monkeypatch, restore_threads):
+    """Per unit: a 10-unit call of 5 s (0.5 s a unit) beats a 1-unit call of 1 s."""
+    torch.set_num_threads(2)
+    chooser = ThreadChooser(recheck=10**6)
+    clock(monkeypatch, [5, 1, 5, 1])
+    for units in (10, 1, 10, 1):
+        chooser.run(lambda: None, units)
+    assert chooser.choices == [2]
+
+
+def test_fixed_count_is_set_and_nothing_is_timed(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads.time, "perf_counter", lambda: pytest.fail("timed although fixed"))
+    chooser = ThreadChooser(fixed=1)
+    assert torch.get_num_threads() == 1 and chooser.candidates == [] and chooser.run(lambda: 7) == 7
+    assert chooser.settle(lambda: None) == 1
+
+
+def test_gpu_work_is_not_timed(restore_threads):
+    torch.set_num_threads(2)
+    assert ThreadChooser(device_type="cuda").candidates == []
+
+
+def test_wait_policy_is_passive_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert threads.prepare(None) is None
+    assert threads.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert threads.prepare(3) == 3
+    assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize("args", [["inspect", "x"], ["greedy", "x"], ["lens", "x"], ["tie"], ["explore"]])
+def test_every_model_command_refuses_zero_threads_before_loading(args):
+    got = runner.invoke(app, [*args, "--threads", "0", "--model", "random:no-such-model"], input="")
+    assert got.exit_code == 2
+    assert "--threads must be at least 1 (got 0)" in got.stderr
+
+
+def test_lmhead_threads_sets_the_count(tiny, monkeypatch, restore_threads):
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    monkeypatch.setenv("LMHEAD_THREADS", "1")
+    got = runner.invoke(app, ["greedy", "The keys", "-n", "3", "--model", str(tiny[0]), "--json"])
+    assert got.exit_code == 0, got.output
+    assert calls == [1]  # fixed before the load, and never changed by a trial
