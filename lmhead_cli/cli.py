@@ -19,7 +19,7 @@ from typer.core import TyperCommand
 
 from lmhead_cli import __version__
 from lmhead_cli.decoding.stages import GEMMA2_CAP, STAGES, option  # the registry: no torch
-from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, UsageError
+from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken, UsageError
 
 app = typer.Typer(
     name="lmhead",
@@ -178,6 +178,8 @@ def message(e: LmheadError, command: str) -> str:
     """A domain error as one line, with the settings, modes and examples spelled for `lmhead COMMAND`."""
     if isinstance(e, BadValue):
         return e.spelled(option(e.key))
+    if isinstance(e, OneToken):
+        return f"{e}: add --bos to score it after <|endoftext|>"
     if isinstance(e, NoPrompt):
         return f'{e}, e.g. lmhead {command} "{DEFAULT_PROMPT}"'
     if isinstance(e, ModeConflict):
@@ -682,12 +684,13 @@ def score_cmd(
     ] = False,
     stride: Annotated[
         Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
-                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2")
+                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)
     ] = None,
     chunk: Annotated[
         Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
                                     "bytes of float32 logits (GPT-2: 201 kB a position) and as much again for "
-                                    "their log-softmax.", show_default="the most within 32 MiB: 166 for GPT-2")
+                                    "their log-softmax.", show_default="the most within 32 MiB: 166 for GPT-2",
+                                    min=1)
     ] = None,
     show_table: Annotated[
         bool, typer.Option("--table", help="Also list every token's figures (a long text: the first and last rows).")
@@ -705,9 +708,6 @@ def score_cmd(
     from lmhead_cli.readings.batch import open_input
     from lmhead_cli.render import score as show
 
-    if stride is not None and stride < 1:
-        raise UsageError(f"--stride must be at least 1 (got {stride})")
-    scoring.check_chunk(chunk)
     if file is not None:
         if text is not None:
             raise UsageError("give a text or --file, not both")
@@ -721,7 +721,8 @@ def score_cmd(
             corpus = scoring.Corpus()
             items = scoring.score_lines(loaded, scoring.read_lines(stream, file), corpus, bos=bos, stride=stride,
                                         chunk=chunk)
-            show.file_report(items, corpus, loaded.source, loaded.random_weights, json_out)
+            size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
+            show.file_report(items, corpus, loaded.source, loaded.random_weights, json_out, size)
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()

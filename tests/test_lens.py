@@ -157,7 +157,8 @@ def test_any_position_matches_transformers(ckpt, engine):
     assert lens_prompt(loaded, PROMPT).position == len(PROMPT_IDS) - 1  # the default stays the last
 
 
-def test_cli_position_json_and_range(ckpt):
+def test_cli_position_json_and_range(ckpt, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
     folder, _ = ckpt
     got = runner.invoke(app, ["lens", PROMPT, "--position", "1", "--model", str(folder), "--json"])
     assert got.exit_code == 0, got.output

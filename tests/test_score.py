@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import PROMPT
+from helpers import PROMPT, assert_rank
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -39,12 +39,6 @@ def oracle(model, ids: list[int]) -> torch.Tensor:
     """transformers' own forward and log_softmax: (T, V) float32 log-probabilities."""
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-
-def assert_rank(rank: int, lp: torch.Tensor, i: int, atol: float = ATOL) -> None:
-    """rank = 1 + the tokens scored higher than i, give or take those within float noise of lp[i]."""
-    higher, close = int((lp > lp[i] + atol).sum()), int(((lp - lp[i]).abs() <= atol).sum())
-    assert 1 + higher <= rank <= higher + close
 
 
 def assert_matches_oracle(score, lp: torch.Tensor, first: int) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import BadValue, NoPrompt, OneToken, UsageError
 from lmhead_cli.head import nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
@@ -64,12 +64,12 @@ def windows(T: int, n_ctx: int, stride: int) -> Iterator[Window]:
 
 def check_stride(stride: int, n_ctx: int) -> None:
     if not 0 < stride <= n_ctx:
-        raise UsageError(f"--stride must be between 1 and the context of {n_ctx} (got {stride})")
+        raise BadValue("stride", f"must be between 1 and the context of {n_ctx} (got {stride})")
 
 
 def check_chunk(chunk: int | None) -> None:
     if chunk is not None and chunk < 1:
-        raise UsageError(f"--chunk must be at least 1 position (got {chunk})")
+        raise BadValue("chunk", f"must be at least 1 position (got {chunk})")
 
 
 def default_chunk(vocab: int) -> int:
@@ -214,7 +214,7 @@ def check_text(text: str, source: str = "the text") -> str:
     """The text, or a UsageError when it is empty or not valid Unicode (undecodable bytes in argv
     arrive as lone surrogates)."""
     if not text or not text.strip():
-        raise UsageError(f'{source} is empty; give some text, e.g. lmhead score "The keys on the table are here."')
+        raise NoPrompt(given=True)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -239,7 +239,7 @@ def bos_id(loaded: Loaded) -> int:
     cfg = loaded.config
     tid = cfg.get("bos_token_id", loaded.engine.eos_token_id)
     if tid is None:
-        raise UsageError(f"{loaded.source} declares no beginning-of-text token, so --bos has nothing to add")
+        raise UsageError(f"{loaded.source} declares no beginning-of-text token to put before the text")
     return int(tid[0] if isinstance(tid, list) else tid)
 
 
@@ -249,9 +249,7 @@ def text_ids(loaded: Loaded, text: str, bos: bool) -> torch.Tensor:
     if len(ids) == 0:
         raise UsageError("the text encodes to no tokens")
     if len(ids) == 1 and not bos:
-        raise UsageError(f"the text is one token ({loaded.tokenizer.token_text(int(ids[0]))!r}) and the first "
-                         "token has nothing before it to be predicted from: add --bos to score it after "
-                         "<|endoftext|>")
+        raise OneToken(loaded.tokenizer.token_text(int(ids[0])))
     return ids
 
 
@@ -354,12 +352,15 @@ class Corpus:
 class Line:
     number: int  # 1-based line number in the file
     text: str | None  # None: empty or white space only, skipped
+    end: int = 0  # bytes of the file read up to the end of this line (for progress)
 
 
 def read_lines(stream, name: str) -> Iterator[Line]:
     """The lines of a file one at a time (constant memory), each checked as UTF-8."""
     label = "stdin" if name == STDIN else name
+    end = 0
     for number, raw in enumerate(stream, 1):
+        end += len(raw)
         if number == 1:
             raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not text
         try:
@@ -368,7 +369,7 @@ def read_lines(stream, name: str) -> Iterator[Line]:
             raise UsageError(f"line {number} of {label} is not UTF-8 (byte 0x{raw[e.start]:02x}); "
                              "save it as UTF-8") from None
         line = line.removesuffix("\n").removesuffix("\r")
-        yield Line(number, line if line.strip() else None)
+        yield Line(number, line if line.strip() else None, end)
 
 
 @dataclass(frozen=True)
@@ -376,6 +377,7 @@ class FileItem:
     line: int
     score: Score | None  # None: skipped (see `skipped`)
     skipped: str | None = None  # "empty" or "one token"
+    end: int = 0  # bytes of the file read so far
 
 
 def score_lines(loaded: Loaded, lines: Iterator[Line], corpus: Corpus, *, bos: bool = False,
@@ -384,13 +386,13 @@ def score_lines(loaded: Loaded, lines: Iterator[Line], corpus: Corpus, *, bos: b
     for line in lines:
         if line.text is None:
             corpus.skipped_empty += 1
-            yield FileItem(line.number, None, "empty")
+            yield FileItem(line.number, None, "empty", line.end)
             continue
         ids = text_ids(loaded, line.text, bos=True)  # never refuses: a one-token line is skipped below
         if len(ids) < 2 and not bos:
             corpus.skipped_short += 1
-            yield FileItem(line.number, None, "one token")
+            yield FileItem(line.number, None, "one token", line.end)
             continue
         score = _score(loaded, line.text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk))
         corpus.add(score)
-        yield FileItem(line.number, score)
+        yield FileItem(line.number, score, end=line.end)

@@ -211,21 +211,26 @@ def corpus_summary(corpus) -> str:
             f"corpus perplexity {corpus.perplexity:,.4f} (exp of total NLL / total tokens); {bpb} bits per byte")
 
 
-def file_report(items, corpus, model: str, random_weights: bool, as_json: bool) -> None:
+def file_report(items, corpus, model: str, random_weights: bool, as_json: bool, size: int | None = None) -> None:
     """Stream one line (or JSON document) per text as it is scored, then the corpus summary
-    (on stderr under --json, so stdout stays JSON Lines)."""
-    if as_json:
-        for item in items:
-            if item.score is not None:
-                write_json(item.score, lines=True)
-        err().print(corpus_summary(corpus), markup=False, style="dim")
-        return
+    (on stderr under --json, so stdout stays JSON Lines). `size`: the file's bytes, for a progress bar."""
     con = out()
-    random_banner(model, random_weights)
-    con.print(FILE_HEADER, markup=False)
-    for item in items:
-        con.print(file_row(item, con.width), markup=False)
-    con.print(corpus_summary(corpus), markup=False)
+    if not as_json:
+        random_banner(model, random_weights)
+        con.print(FILE_HEADER, markup=False)
+    with Progress("scoring lines") as progress:
+        for item in items:
+            if as_json:
+                if item.score is not None:
+                    write_json(item.score, lines=True)
+            else:
+                con.print(file_row(item, con.width), markup=False)
+            if size and (as_json or not con.is_terminal):  # on a terminal the rows themselves show progress
+                progress(item.end, size)
+    if as_json:
+        err().print(corpus_summary(corpus), markup=False, style="dim")
+    else:
+        con.print(corpus_summary(corpus), markup=False)
 
 
 # ---- progress --------------------------------------------------------------------------------------
@@ -247,7 +252,8 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TimeRemainingColumn
 
             self.bar = Bar("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                           TimeRemainingColumn(), console=self.console, transient=True)
+                           TimeRemainingColumn(), console=self.console, transient=True,
+                           redirect_stdout=False, redirect_stderr=False)  # stdout may be JSON: never into the bar
             self.bar.start()
             self.task = self.bar.add_task(self.label, total=total)
         self.bar.update(self.task, completed=done, total=total)
