@@ -219,11 +219,14 @@ def distributed(folder: Path, n: int, procs: int, repeats: int) -> dict:
     args = ["inspect", "--file", name, "--model", str(folder), "--json", "--target", " is", "--target", " are"]
     torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
                 "-m", "lmhead_cli", *args]
+    # The same threads per process on both sides (torchrun's own default is 1): BLAS need not give the
+    # last bit alike on different thread counts, and the comparison is of the distribution, not of BLAS.
+    threads = {"LMHEAD_THREADS": str(max(1, (os.cpu_count() or 1) // procs))}
     try:
         one, many = [], []
         for _ in range(repeats):
-            one.append(run(lmhead(*args)))
-            many.append(run(torchrun, {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs))}))
+            one.append(run(lmhead(*args), threads))
+            many.append(run(torchrun, threads))
     finally:
         os.unlink(name)
     return {"n": n, "procs": procs, "one_s": median([w for w, _, _ in one]), "many_s": median([w for w, _, _ in many]),
@@ -607,8 +610,8 @@ def report(R: dict, args) -> str:
             "",
             f"The same `lmhead inspect --file PROMPTS --json` over {dist['n']} prompts, once as one process and once "
             f"under `torchrun --standalone --nproc-per-node {dist['procs']}` (gloo; each rank takes every "
-            f"{dist['procs']}th batch, rank 0 writes the merged output in input order; OMP_NUM_THREADS = cores ÷ "
-            "processes, as torchrun would set it). Output: whether the two runs' stdout is byte for byte the same.",
+            f"{dist['procs']}th batch, rank 0 writes the merged output in input order), both with `--threads` = cores ÷ "
+            "processes. Output: whether the two runs' stdout is byte for byte the same.",
             "",
             "| prompts | one process | torchrun | processes | output |",
             "|---:|---:|---:|---:|---|",

@@ -19,7 +19,7 @@ from typer.core import TyperCommand
 
 from lmhead_cli import __version__
 from lmhead_cli.decoding.stages import GEMMA2_CAP, STAGES, option  # the registry: no torch
-from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken, UsageError
+from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken, UnsupportedModel, UsageError
 
 app = typer.Typer(
     name="lmhead",
@@ -300,6 +300,7 @@ def inspect_cmd(
     result = inspect_prompt(loaded, prompt, top_k, target)
     render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     render.multi_piece_notices(result.targets)
+    render.own_softcap_notice(loaded.engine.own_stages.get("softcap"), chosen and chosen.softcap)
     table = None
     if chosen is not None:
         from lmhead_cli.decoding.stages import stage_table
@@ -308,13 +309,14 @@ def inspect_cmd(
     if json_out:
         from lmhead_cli.render.generate import stages_json
 
-        render.print_json(inspection_json(result, loaded.tie) | ({"stages": stages_json(table)} if table else {}))
+        own = loaded.engine.own_stages.get("softcap")
+        render.print_json(inspection_json(result, loaded.tie) | ({"stages": stages_json(table, own)} if table else {}))
         return
     inspection(result, loaded.tie)
     if table is not None:
         from lmhead_cli.render.generate import stage_report
 
-        stage_report(table)
+        stage_report(table, loaded.engine.own_stages.get("softcap"))
 
 
 def stage_knobs(stages: bool, preset: str | None, given: dict):
@@ -400,6 +402,32 @@ MODES: dict[str, dict] = {
     "sample": {"draws": True},
     "softcap": {"draws": True, "defaults": {"softcap": GEMMA2_CAP}},
 }
+FormatOpt = Annotated[
+    Optional[str], typer.Option("--format", help="text, json (the same as --json) or openai: one OpenAI chat "
+                                "completion object, logprobs included.", show_default="text")
+]
+TopLogprobsOpt = Annotated[
+    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at each step, "
+                      "from 0 up to the vocabulary size (no cap at 20).")
+]
+LogprobsOpt = Annotated[
+    Optional[str], typer.Option("--logprobs", help="With --format openai: raw (the default: softmax of the model's "
+                                "logits) or processed (after the stages: the distribution each token was drawn from).",
+                                show_default="raw")
+]
+
+
+def output_kind(json_out: bool, output_format: str | None, top_logprobs: int, logprobs: str | None) -> str:
+    """text, json or openai from --json / --format; the logprob options only mean something in openai."""
+    kind = output_format or ("json" if json_out else "text")
+    if kind not in ("text", "json", "openai"):
+        raise UsageError(f"--format must be text, json or openai (got {kind!r})")
+    if json_out and kind != "json":
+        raise UsageError(f"--json and --format {kind} ask for two different outputs; give one")
+    if kind != "openai" and (top_logprobs or logprobs is not None):
+        given = "--top-logprobs" if top_logprobs else "--logprobs"
+        raise UsageError(f"{given} is reported by --format openai; --json always has both raw_logprob and logprob")
+    return kind
 
 
 def decoding_options(
@@ -424,6 +452,9 @@ def decoding_options(
     ] = 0,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
+    output_format: FormatOpt = None,
+    top_logprobs: TopLogprobsOpt = 0,
+    logprobs: LogprobsOpt = None,
 ) -> None:
     """The options the four decoding commands share (`knobs`: one per stage of the registry)."""
 
@@ -460,20 +491,24 @@ _decoding_command("softcap", """Sample after Gemma-style soft-capping z -> c·ta
 
 
 def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
-            knobs: dict, source: ModelChoice, json_out) -> None:
+            knobs: dict, source: ModelChoice, json_out, output_format, top_logprobs, logprobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
     from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
+    kind = output_kind(json_out, output_format, top_logprobs, logprobs)
+    json_out = kind != "text"
     mode = MODES[command_name]
     settings = resolve(defaults=mode.get("defaults"), draws=mode.get("draws", False), preset=preset,
                        greedy=greedy or mode.get("greedy", False), beams=beams, ignore_eos=ignore_eos, seed=seed,
-                       show_steps=show_steps, max_new_tokens=max_new_tokens, **knobs)
+                       show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
+                       logprobs=logprobs or "raw", **knobs)
     text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
                         else prompt)
     loaded = source.load()
+    render.own_softcap_notice(loaded.engine.own_stages.get("softcap"), settings.knobs.softcap)
     ids, dropped = encode_prompt(loaded, text)
     render.truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
@@ -482,11 +517,16 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     if not json_out:
         show.end_text()
     show.stop_notice(result, loaded.engine.n_ctx)
+    if kind == "openai":
+        show.openai_json(result, loaded)
+        return
     if json_out:
         render.print_json(show.generation_json(result, loaded, text, preset))
         return
     if settings.show_steps:
         show.steps_table(result)
+    if result.beams:
+        show.beams_table(result)
     show.summary(result)
 
 
@@ -537,6 +577,12 @@ def params(
         name, counted_from = config or DEFAULT_MODEL, "config"
         acc = count.account_from_config(load_config(name))
     else:
+        from lmhead_cli.loading.sources import model_type
+
+        kind = model_type(model, allow_pickle)  # the config only: refuse before reading any weights
+        if kind != "gpt2":
+            raise UnsupportedModel(f"params --model counts GPT-2-family tensors (wte, wpe, h.N, ln_f); "
+                                   f"{model} is a {kind!r} model")
         # --model here counts tensors (no --device/--engine): imports torch only when asked
         loaded = ModelChoice(model, device="cpu", engine="lean", allow_pickle=allow_pickle).load()
         name, counted_from = model, "tensors"
@@ -652,6 +698,7 @@ def explore_cmd(
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = source.load()
+    show.own_softcap_notice(loaded.engine.own_stages.get("softcap"), knobs.get("softcap"))
     n_threads = explore.warm_up(loaded)
     show.intro(loaded.source, loaded.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if loaded.engine.device.type == "cpu" else None)
@@ -665,7 +712,6 @@ def explore_cmd(
     finally:
         history.save()
         sys.stderr.write("\n")
-
 
 
 # ==== score (issue 11) ===========================================================================
@@ -740,6 +786,83 @@ def score_cmd(
         show.write_json(result)
     else:
         show.report(result, show_table)
+
+
+# ==== diff / attribute (issue 12) ================================================================
+
+@command("diff")
+def diff_cmd(
+    prompt_a: Annotated[Optional[str], typer.Argument(help="The first prompt (A).")] = None,
+    prompt_b: Annotated[Optional[str], typer.Argument(help="The second prompt (B).")] = None,
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="Rows per side, and N for the movers: the union of both top N.",
+                          min=1)
+    ] = 10,
+    target: TargetOpt = None,
+    movers: Annotated[int, typer.Option("--movers", help="How many risers and fallers to list.")] = 5,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Two prompts' next-token distributions side by side: KL both ways, Jensen–Shannon, total variation,
+    each side's top tokens with their rank on the other side, the biggest risers and fallers.
+
+    Example: lmhead diff "The key on the table" "The keys on the table" --target " is" --target " are"
+    """
+    from lmhead_cli import render
+    from lmhead_cli.readings.diff import diff_prompts
+    from lmhead_cli.readings.inspect import check_request
+    from lmhead_cli.render.diff import diff_json, diff_report
+
+    if prompt_a is None or prompt_b is None:
+        raise UsageError('give two prompts, e.g. lmhead diff "The key on the table" "The keys on the table"')
+    check_request(prompt_a, target, top_k)
+    check_request(prompt_b, target, top_k)
+    if movers < 0:
+        raise BadValue("movers", f"must be at least 0 (got {movers})")
+    loaded = source.load()
+    result = diff_prompts(loaded, prompt_a, prompt_b, top_k, target, movers)
+    for side in (result.a, result.b):
+        render.truncated(len(side.prompt_tokens), side.truncated, loaded.engine.n_ctx)
+    render.multi_piece_notices(result.targets)
+    if json_out:
+        render.print_json(diff_json(result))
+    else:
+        diff_report(result)
+
+
+@command("attribute")
+def attribute_cmd(
+    prompt: Annotated[Optional[str], typer.Argument(help="The text whose next-token logit to take apart.")] = None,
+    target: Annotated[
+        Optional[str], typer.Option("--target", "-t", help="The token whose logit to decompose, e.g. --target ' are'.")
+    ] = None,
+    vs: Annotated[
+        Optional[str], typer.Option("--vs", help="Decompose the logit difference z(target) − z(vs) instead.")
+    ] = None,
+    heads: Annotated[bool, typer.Option("--heads", help="Also list every attention head's share.")] = False,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Direct logit attribution: a token's logit (or a logit difference) split exactly into the embeddings,
+    each layer's attention heads and MLP, and the final norm's bias, with the check that they add up.
+
+    Example: lmhead attribute "The keys on the table" --target " are" --vs " is" --heads
+    """
+    from lmhead_cli import render
+    from lmhead_cli.readings.attribute import attribute_logit, check_attribute
+    from lmhead_cli.render.attribute import attribution, attribution_json
+
+    if target is None and prompt is not None:
+        raise UsageError("attribute needs --target: the token whose logit to take apart, e.g. --target ' are'")
+    check_attribute(prompt, target, vs)
+    loaded = source.load()
+    result = attribute_logit(loaded, prompt, target, vs)
+    render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
+    render.multi_piece_notices([t for t in (result.target, result.vs) if t is not None])
+    if json_out:
+        render.print_json(attribution_json(result))
+    else:
+        attribution(result, heads)
 
 
 def main() -> None:

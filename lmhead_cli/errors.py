@@ -84,3 +84,7 @@ class CorruptCheckpoint(LmheadError):
 
 class NonFiniteLogits(LmheadError):
     """The head produced NaN or infinite logits (for example from a NaN weight)."""
+
+
+class UnsupportedModel(LmheadError):
+    """A model lmhead cannot run, or a reading this model cannot give; the message names what it lacks."""

@@ -72,14 +72,22 @@ def nats_to_bits(nats: float) -> float:
     return nats / math.log(2)
 
 
+RANKS_BY_COMPARISON = 64  # up to this many tokens, (K, V) booleans beat a sort of V
+
+
 def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The rank of each token in `ids` among `logits`: 1 + the tokens scored strictly higher.
 
-    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. One comparison
-    of (..., K, V) booleans, so K should be the handful of tokens a table shows, not V.
+    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. A handful of
+    tokens (a table's rows) take one comparison of (..., K, V) booleans; more (`diff -k 50000` ranks
+    every row on the other side) take one sort and a binary search each, so memory stays O(V).
     """
     picked = logits.gather(-1, ids)  # (..., K)
-    return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+    if ids.shape[-1] <= RANKS_BY_COMPARISON:
+        return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+    ascending = torch.sort(logits, dim=-1).values  # (..., V)
+    not_higher = torch.searchsorted(ascending, picked.contiguous(), right=True)  # (..., K): how many ≤ z
+    return 1 + logits.shape[-1] - not_higher
 
 
 def rank_of(logits: torch.Tensor, token_id: int) -> int:
@@ -157,3 +165,27 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
                               f"{int((~torch.isfinite(top_logprob)).sum())} positions: " + NON_FINITE_ADVICE)
     return RowScores(logprob=logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rank=rank,
                      entropy=entropy(logprobs), top_id=top_id, top_logprob=top_logprob)
+
+
+# ---- two distributions compared (`diff`) -------------------------------------------------------
+# Divergences are summed in float64 over log-probabilities, so identical inputs give exactly 0 and
+# tokens with p = 0 in float32 (a logprob of -inf never arises: softmax of finite logits is > 0) add
+# nothing spurious.
+
+def kl_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """KL(p‖q) = Σ p (log p − log q) in nats, for two distributions given by log-probabilities (V,)."""
+    logp, logq = logp.double(), logq.double()
+    return float((logp.exp() * (logp - logq)).sum())
+
+
+def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Jensen–Shannon divergence ½ KL(p‖m) + ½ KL(q‖m), m = (p + q)/2, in nats (at most ln 2)."""
+    logp, logq = logp.double(), logq.double()
+    logm = torch.logaddexp(logp, logq) - math.log(2)
+    return 0.5 * kl_divergence(logp, logm) + 0.5 * kl_divergence(logq, logm)
+
+
+def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Total variation distance ½ Σ |p − q|: the most probability any set of tokens gains or loses, in [0, 1]."""
+    return float(0.5 * (logp.double().exp() - logq.double().exp()).abs().sum())
+

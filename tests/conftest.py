@@ -32,6 +32,21 @@ def tiny_untied(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eos_model(tmp_path_factory):
+    """(folder, model): a tiny untied GPT-2 whose end-of-text (50256) is a strong runner-up, so greedy
+    and beam runs finish early."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("eos")
+    model = build_checkpoint(folder, tied=False, seed=3)
+    with torch.no_grad():
+        h = model.transformer(torch.tensor([list(range(0, 5000, 7))])).last_hidden_state[0].mean(0)
+        model.lm_head.weight[50256] = h / h.norm() * 0.7
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="session")
 def real_gpt2():
     folder = real_gpt2_folder()
     if folder is None:

@@ -155,14 +155,17 @@ def test_bfloat16_products_equal_f_linear(tiny):
     """bfloat16 on the CPU runs the products over oneDNN-packed weights (where torch has them): the
     same logits as the plain bfloat16 products, one position or several."""
     eng = load_model(str(tiny[0]), device="cpu", dtype="bfloat16", engine="lean").engine
-    h = eng.body(torch.tensor([[464, 8251, 319]]))  # (1, 3, D)
+    cache = eng.new_cache(1, 8)
+    h = eng.body(torch.tensor([[464, 8251, 319]]), cache)  # (1, 3, D)
+    for _ in range(2):  # two one-position steps: the second packs the weights
+        eng.head(eng.body(torch.tensor([[13]]), cache))
+    block = eng.gpt.h[0].attn.c_attn
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert block.packed is not None and eng.head_module.packed is not None
     for positions in (h[:, -1:], h):
         with torch.inference_mode():
             expected = torch.nn.functional.linear(positions, eng.head_weight)
         torch.testing.assert_close(eng.head(positions), expected, atol=2e-2, rtol=2e-2)
-    block = eng.gpt.h[0].attn.c_attn
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert block.packed is not None and eng.head_module.packed is not None
     x = torch.randn(1, 2, block.weight.shape[0]).to(torch.bfloat16)
     with torch.inference_mode():
         torch.testing.assert_close(block(x), torch.addmm(block.bias, x[0], block.weight)[None], atol=2e-2, rtol=2e-2)
@@ -178,3 +181,44 @@ def test_blocked_head_keeps_the_tie_and_reads_the_checkpoint_in_place(tiny):
         with torch.inference_mode():
             expected = torch.nn.functional.linear(positions, eng.head_weight)
         torch.testing.assert_close(eng.head(positions), expected, atol=1e-5, rtol=0)
+
+
+def test_weights_are_laid_out_on_the_second_decoding_step(tiny):
+    """A forward of many positions leaves the checkpoint's [K, N] matrices as loaded (inspect pays
+    nothing); the second one-position step transposes them to rows, and the values stay the checkpoint's."""
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    layer = eng.gpt.h[1].mlp.c_fc
+    before = layer.weight.detach().clone()
+    cache = eng.new_cache(1, 10)
+    eng.body(torch.tensor([[464, 8251, 319, 262, 3084, 13]]), cache)  # a prefill of 6 positions
+    eng.body(torch.tensor([[13]]), cache)
+    assert layer.weight.is_contiguous()  # one step: not yet
+    eng.body(torch.tensor([[13]]), cache)
+    assert layer.weight.t().is_contiguous() and torch.equal(layer.weight, before)
+
+
+def test_released_pages_of_a_mapped_checkpoint_read_back_from_the_file(tiny):
+    """release_mapped_pages drops only file-backed pages: read again, they hold the file's values;
+    ordinary memory is never touched."""
+    from safetensors import safe_open
+
+    from lmhead_cli.engine.lean import release_mapped_pages
+
+    with safe_open(str(tiny[0] / "model.safetensors"), framework="pt") as f:
+        name = max(f.keys(), key=lambda k: f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1])
+        t = f.get_tensor(name)
+    expected = t.clone()
+    assert release_mapped_pages(t)
+    assert torch.equal(t, expected)
+    anonymous = torch.randn(100_000)
+    assert not release_mapped_pages(anonymous)
+
+
+def test_other_devices_take_the_plain_products():
+    """The streaming and packed products are the CPU's; a GPU (here the meta device) runs addmm and
+    F.linear in the dtype asked for."""
+    from lmhead_cli.engine.lean import _streams, pack_for_onednn
+
+    assert pack_for_onednn(torch.empty(8, 4, dtype=torch.bfloat16, device="meta")) is None
+    assert not _streams(torch.empty(1, 4, device="meta"))
+    assert _streams(torch.empty(1, 4)) and not _streams(torch.empty(5, 4))  # a few float32 CPU rows only

@@ -46,7 +46,8 @@ def test_greedy_json_matches_transformers_and_holds_what_a_replay_needs(tiny):
     assert d["tokens_per_second"] == pytest.approx(10 / d["elapsed_s"])
     assert d["decode_tokens_per_second"] == pytest.approx(9 / (d["elapsed_s"] - d["first_token_s"]))
     assert [s["id"] for s in d["steps"]] == d["generated_ids"]
-    assert set(d["steps"][0]) == {"id", "token", "prob", "logit", "entropy", "rank"}
+    assert set(d["steps"][0]) == {"id", "token", "prob", "logprob", "logit", "entropy", "rank", "raw_logprob",
+                                  "raw_entropy", "removed_mass"}
     assert all(s["rank"] == 1 for s in d["steps"])
     assert d["mean_entropy"] == pytest.approx(sum(s["entropy"] for s in d["steps"]) / 10)
 

@@ -34,18 +34,6 @@ def reference(model, ids, **kwargs) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.fixture(scope="module")
-def eos_model(tmp_path_factory):
-    """(folder, model): a tiny untied GPT-2 whose end-of-text is a strong runner-up, so beams finish early."""
-    folder = tmp_path_factory.mktemp("eos")
-    model = build_checkpoint(folder, tied=False, seed=3)
-    with torch.no_grad():
-        h = model.transformer(torch.tensor([list(range(0, 5000, 7))])).last_hidden_state[0].mean(0)
-        model.lm_head.weight[EOS] = h / h.norm() * 0.7
-    model.save_pretrained(folder)
-    return folder, model
-
-
 # ---- parity with transformers -----------------------------------------------------------------
 
 @pytest.mark.parametrize("engine", ["lean", "transformers"])

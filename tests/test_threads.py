@@ -39,38 +39,46 @@ def counts_seen(chooser, n):
     return seen
 
 
-def test_trial_alternates_and_keeps_the_faster(monkeypatch, restore_threads):
+def test_warm_up_then_trial_keeps_the_faster(monkeypatch, restore_threads):
     torch.set_num_threads(2)
-    chooser = ThreadChooser()
+    chooser = ThreadChooser(trials=2)
     assert chooser.candidates == [2, 1] and chooser.deciding
-    clock(monkeypatch, [5, 1, 5, 1, 1, 1])  # 2 threads 5 s a unit, 1 thread 1 s
-    assert counts_seen(chooser, 6) == [2, 1, 2, 1, 1, 1]
+    clock(monkeypatch, [5, 1, 5, 1, 1, 1])  # after the untimed warm-up: 2 threads 5 s a call, 1 thread 1 s
+    assert counts_seen(chooser, 7) == [2, 2, 1, 2, 1, 1, 1]
     assert chooser.choices == [1] and torch.get_num_threads() == 1 and not chooser.deciding
 
 
 def test_a_tie_keeps_torchs_count(monkeypatch, restore_threads):
     torch.set_num_threads(2)
     chooser = ThreadChooser()
-    clock(monkeypatch, [1, 1, 1, 1])
-    assert counts_seen(chooser, 4) == [2, 1, 2, 1] and chooser.choices == [2] and torch.get_num_threads() == 2
+    clock(monkeypatch, [1, 1])
+    assert counts_seen(chooser, 3) == [2, 2, 1] and chooser.choices == [2] and torch.get_num_threads() == 2
 
 
 def test_a_slowdown_starts_a_new_trial(monkeypatch, restore_threads):
-    """Chosen at 1 s a unit; three units in a row at 3 s (> 1.5 × best) try both counts again."""
+    """Chosen at 1 s a call; three calls in a row at 3 s (> 1.5 × best) try both counts again."""
     torch.set_num_threads(2)
     chooser = ThreadChooser()
-    clock(monkeypatch, [1, 4, 1, 4] + [1, 3, 3, 3] + [9, 2, 9, 2])
-    seen = counts_seen(chooser, 12)
-    assert seen[:8] == [2, 1, 2, 1, 2, 2, 2, 2]
-    assert seen[8:] == [2, 1, 2, 1] and chooser.choices == [2, 1]
+    clock(monkeypatch, [1, 4] + [1, 3, 3, 3] + [9, 2])
+    seen = counts_seen(chooser, 9)
+    assert seen[:7] == [2, 2, 1, 2, 2, 2, 2]
+    assert seen[7:] == [2, 1] and chooser.choices == [2, 1]
+
+
+def test_both_counts_are_tried_again_every_recheck_calls(monkeypatch, restore_threads):
+    torch.set_num_threads(2)
+    chooser = ThreadChooser(recheck=3)
+    clock(monkeypatch, [1, 2] + [1, 1, 1] + [2, 1])
+    assert counts_seen(chooser, 8) == [2, 2, 1, 2, 2, 2, 2, 1] and chooser.choices == [2, 1]
 
 
 def test_units_normalise_the_work(monkeypatch, restore_threads):
     """Per unit: a 10-unit call of 5 s (0.5 s a unit) beats a 1-unit call of 1 s."""
     torch.set_num_threads(2)
-    chooser = ThreadChooser(recheck=10**6)
-    clock(monkeypatch, [5, 1, 5, 1])
-    for units in (10, 1, 10, 1):
+    chooser = ThreadChooser()
+    chooser.run(lambda: None)  # the warm-up
+    clock(monkeypatch, [5, 1])
+    for units in (10, 1):
         chooser.run(lambda: None, units)
     assert chooser.choices == [2]
 

@@ -8,6 +8,13 @@ token and its figures, so the loop stays close to transformers' generate() in sp
 Greedy and sampled decoding follow one sequence; beam search (beams > 1) follows the N best by
 summed log-probability exactly as transformers' `generate(num_beams=N, do_sample=False)` does
 (length penalty 1, early_stopping=False). Nothing here prints: text goes to an `on_text` callback.
+
+Every step records the chosen token under two distributions, because they answer different
+questions (transformers #17424, llama.cpp #7498, vLLM's --logprobs-mode):
+  raw        softmax of the model's logits: what the model believes;
+  processed  softmax after the stage chain (soft-cap, temperature, top-k, top-p, min-p): what the
+             token was drawn from (greedy and beam search rank by it too).
+With no stage active the two are the same distribution.
 """
 
 from __future__ import annotations
@@ -24,15 +31,20 @@ import torch
 from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.presets import merge
 from lmhead_cli.decoding.stages import Knobs
-from lmhead_cli.errors import ModeConflict
+from lmhead_cli.errors import BadValue, ModeConflict
 from lmhead_cli.head import check_finite, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
 
 DEFAULT_MAX_NEW_TOKENS = 40
 LENGTH_PENALTY = 1.0  # transformers' default: a finished beam scores sum(log p) / length
+LENGTH_PENALTY_RULE = ("score = sum(log p) / length ** 1.0, with log p the processed log-probability of each "
+                       "token and length the number of generated tokens (end-of-text included): "
+                       "transformers' length_penalty = 1.0")
 FINISHED = -1.0e9  # transformers' penalty that keeps a finished candidate from running on
 # columns of a step record, then K alternative ids and K alternative log-probabilities
-ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE = range(6)
+ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE, RAW_LOGPROB, RAW_ENTROPY, REMOVED = range(9)
+FIXED = 9
+DISTRIBUTIONS = ("raw", "processed")  # which one --top-logprobs (and the OpenAI document) reports
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,8 @@ class Settings:
     ignore_eos: bool = False
     seed: int | None = None  # drawn when sampling without one
     show_steps: int = 0  # how many alternatives to record per step
+    top_logprobs: int = 0  # how many of the most probable tokens to keep per step, 0..V
+    logprobs: str = "raw"  # the distribution those come from: raw or processed
 
     @property
     def mode(self) -> str:
@@ -60,16 +74,57 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class Top:
+    """The N most probable tokens of one step under one distribution, kept compact on the CPU:
+    ids (N,) int64, logprobs (N,) float32, best first (processed: -inf for a token the filters
+    dropped, those in raw order after the kept ones)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Step:
-    """One generated token and why: the distribution it came from, after every stage."""
+    """One generated token and why: the raw distribution and the processed one it was drawn from."""
 
     id: int
     token: str
-    prob: float  # its probability after every stage (what it was drawn with)
+    prob: float  # its processed probability, exp(logprob): what it was drawn with
     logit: float  # its raw logit
-    entropy: float  # nats, of the distribution it was chosen from
+    entropy: float  # nats, of the processed distribution
     rank: int  # 1 + tokens with a higher raw logit
-    alternatives: list[Choice] = field(default_factory=list)  # the K most probable (show_steps)
+    logprob: float  # log of prob: after the stage chain
+    raw_logprob: float  # log softmax of the raw logits
+    raw_entropy: float  # nats, of the raw distribution
+    removed_mass: float  # raw probability of the tokens the filters set to -inf (0 with no filter)
+    alternatives: list[Choice] = field(default_factory=list)  # the K most probable, processed (show_steps)
+    top: Top | None = None  # the top_logprobs most probable, raw or processed (Settings.logprobs)
+
+
+@dataclass(frozen=True)
+class FinishedBeam:
+    """One of the N finished beams: its tokens, the score of each, and the arithmetic of its score."""
+
+    ids: list[int]
+    text: str  # decoded, without a final end-of-text
+    transition_scores: list[float]  # processed log p of each token, as compute_transition_scores gives
+    logprob: float  # the cumulative log p the search carried (float32, as transformers)
+    score: float  # logprob / length ** LENGTH_PENALTY
+    stop: str  # "eos" or "max_new_tokens"
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def sum_error(self) -> float:
+        """|sum(transition_scores) - logprob|: float32 rounding only, if the bookkeeping is right."""
+        return abs(math.fsum(self.transition_scores) - self.logprob)
+
+    @property
+    def adds_up(self) -> bool:
+        # the search adds float32 numbers, one per step: allow their rounding, ~1e-7 of the total per step
+        return self.sum_error <= 1e-6 * max(1.0, abs(self.logprob)) * max(1, self.length)
 
 
 @dataclass
@@ -85,6 +140,7 @@ class Generation:
     elapsed_s: float  # prefill and every step
     first_token_s: float
     beam_score: float | None = None  # sum(log p) / length of the chosen beam
+    beams: list[FinishedBeam] = field(default_factory=list)  # beam search: the N finished, best first
 
     @property
     def tokens_per_second(self) -> float:
@@ -102,17 +158,22 @@ class Generation:
 
 
 def make_settings(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-             ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, **knobs) -> Settings:
-    """Checked settings: UsageError names the first value out of range."""
+                  ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, top_logprobs: int = 0,
+                  logprobs: str = "raw", **knobs) -> Settings:
+    """Checked settings: BadValue names the first value out of range (top_logprobs' upper bound, the
+    vocabulary size, is checked by `generate`, which knows the model)."""
     stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
-                    **knobs})
+                  "top_logprobs": top_logprobs, **knobs})
+    if logprobs not in DISTRIBUTIONS:
+        raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
     return Settings(knobs=Knobs(**knobs), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
-                    ignore_eos=ignore_eos, seed=seed, show_steps=show_steps)
+                    ignore_eos=ignore_eos, seed=seed, show_steps=show_steps, top_logprobs=top_logprobs,
+                    logprobs=logprobs)
 
 
 def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | None = None,
             greedy: bool = False, beams: int = 1, ignore_eos: bool = False, seed: int | None = None,
-            show_steps: int = 0, **flags) -> Settings:
+            show_steps: int = 0, top_logprobs: int = 0, logprobs: str = "raw", **flags) -> Settings:
     """Settings from three layers: the caller's `defaults` (e.g. softcap 30) < the preset < the flags
     given (None = not given). With `draws` the tokens must be drawn at random: asking for greedy or
     beams is a ModeConflict."""
@@ -120,7 +181,7 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
         raise ModeConflict({"greedy": True} if greedy else {"beams": beams})
     values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, flags)
     return make_settings(greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed, show_steps=show_steps,
-                         **values)
+                         top_logprobs=top_logprobs, logprobs=logprobs, **values)
 
 
 def room(n_ctx: int, n_prompt: int) -> int:
@@ -137,6 +198,8 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     (Chinese, emoji) arrives once all its bytes are there. A final end-of-text is not text.
     """
     eng = loaded.engine
+    if s.top_logprobs > eng.vocab_size:
+        raise BadValue("top_logprobs", f"must be at most the vocabulary size, {eng.vocab_size} (got {s.top_logprobs})")
     eos = eng.eos_token_id if eos_token_id is None else eos_token_id
     stop_at = None if s.ignore_eos else eos
     max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))
@@ -147,19 +210,19 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     start = time.perf_counter()
     first = None
     if s.mode == "beam":
-        loop = _beam_search(eng, ids, s, max_new, stop_at, loaded.tokenizer.token_text)
+        loop = _beam_search(eng, ids, s, max_new, stop_at, loaded.tokenizer)
     else:
         generator = None
         if s.mode == "sample":
             generator = torch.Generator(device=eng.device).manual_seed(seed)
         loop = _one_sequence(eng, ids, s, max_new, stop_at, generator, loaded.tokenizer.token_text)
-    stop, beam_score = "max_new_tokens", None
+    stop, beams = "max_new_tokens", []
     while True:
         try:
             # One position per step after the first (the prefill): those steps choose the thread count.
             step = next(loop) if first is None else loaded.threads.run(lambda: next(loop))
         except StopIteration as done:
-            stop, beam_score = done.value
+            stop, beams = done.value
             break
         if first is None:
             first = time.perf_counter() - start
@@ -175,7 +238,8 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
         stop = "context"
     return Generation(mode=s.mode, settings=s, seed=seed, prompt_ids=list(ids),
                       generated_ids=[st.id for st in steps], text=text.text, steps=steps, stop=stop,
-                      elapsed_s=elapsed, first_token_s=first or elapsed, beam_score=beam_score)
+                      elapsed_s=elapsed, first_token_s=first or elapsed,
+                      beam_score=beams[0].score if beams else None, beams=beams)
 
 
 class _Text:
@@ -199,27 +263,53 @@ class _Text:
 
 # ---- one step's figures, in one transfer ---------------------------------------------------------
 
-def _record(logits: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
-    """(R, 6 + 2k) float64 on the device: id, log p, raw logit, entropy, rank, finite, then the k most
-    probable ids and their log p. logits, logprobs (R, V); chosen (R,)."""
+def _record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor,
+            k: int) -> torch.Tensor:
+    """(R, 9 + 2k) float64 on the device: id, log p, raw logit, entropy, rank, finite, raw log p, raw
+    entropy, removed mass, then the k most probable ids and their log p (processed).
+    logits, raw (their log-softmax), logprobs (processed) (R, V); chosen (R,)."""
     idx = chosen[:, None]
+    # what the filters took away, in the model's own probabilities: the raw mass of every -inf token
+    removed = raw.exp().masked_fill(torch.isfinite(logprobs), 0.0).sum(-1, keepdim=True)  # (R, 1)
     cols = [idx.double(), logprobs.gather(-1, idx).double(), logits.gather(-1, idx).double(),
             entropy(logprobs)[:, None].double(), ranks(logits, idx).double(),
-            torch.isfinite(logits).all(-1, keepdim=True).double()]
+            torch.isfinite(logits).all(-1, keepdim=True).double(), raw.gather(-1, idx).double(),
+            entropy(raw)[:, None].double(), removed.double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         cols += [alt_ids.double(), alt_lp.double()]
     return torch.cat(cols, dim=-1)
 
 
-def _step(row: list[float], token_text, logits: torch.Tensor) -> Step:
+def _top(raw: torch.Tensor, processed: torch.Tensor, which: str, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The n most probable tokens of each row under `which` distribution ("raw" or "processed"), on
+    the CPU: ids (R, n) int64 and log p (R, n) float32; None when n = 0. raw, processed (R, V) log p.
+
+    Processed ranks the tokens the filters kept first; any the filters dropped (log p = -inf) follow
+    in raw order, so asking for more than survive still lists the next-best tokens, not arbitrary
+    ones. Only n per row leaves the device."""
+    if n == 0:
+        return None
+    if which == "raw":
+        lp, ids = torch.topk(raw, n, dim=-1)
+        return ids.cpu(), lp.float().cpu()
+    kept = torch.isfinite(processed)
+    # float64 keys: a dropped token's key sits 1e6 below every kept one and keeps its raw order
+    key = torch.where(kept, processed.double(), raw.double() - 1e6)  # (R, V)
+    ids = torch.topk(key, n, dim=-1).indices
+    return ids.cpu(), processed.gather(-1, ids).float().cpu()
+
+
+def _step(row: list[float], token_text, logits: torch.Tensor, top: Top | None = None) -> Step:
     """A Step from one row of `_record` (logits only to explain non-finite values)."""
     if not row[FINITE]:
         check_finite(logits)  # raises NonFiniteLogits with the count
-    i, k = int(row[ID]), (len(row) - 6) // 2
-    alts = [Choice(int(a), token_text(int(a)), math.exp(lp)) for a, lp in zip(row[6:6 + k], row[6 + k:])]
+    i, k = int(row[ID]), (len(row) - FIXED) // 2
+    alts = [Choice(int(a), token_text(int(a)), math.exp(lp))
+            for a, lp in zip(row[FIXED:FIXED + k], row[FIXED + k:])]
     return Step(id=i, token=token_text(i), prob=math.exp(row[LOGPROB]), logit=row[LOGIT],
-                entropy=row[ENTROPY], rank=int(row[RANK]), alternatives=alts)
+                entropy=row[ENTROPY], rank=int(row[RANK]), logprob=row[LOGPROB], raw_logprob=row[RAW_LOGPROB],
+                raw_entropy=row[RAW_ENTROPY], removed_mass=row[REMOVED], alternatives=alts, top=top)
 
 
 def _last_logits(eng, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -239,15 +329,17 @@ def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int |
     x = torch.tensor([ids], device=eng.device)  # (1, T) the prompt, then (1, 1) each step
     for _ in range(max_new):
         logits = _last_logits(eng, x, cache)  # (1, V)
-        logprobs = log_softmax(stages.process(logits, pipeline))
+        raw = log_softmax(logits)  # (1, V) the model's own distribution
+        logprobs = log_softmax(stages.process(logits, pipeline))  # (1, V) the one drawn from
         chosen = stages.choose(logprobs, greedy, generator)  # (1,)
-        row = _record(logits, logprobs, chosen, s.show_steps)[0].tolist()  # the one sync per step
-        step = _step(row, token_text, logits)
+        row = _record(logits, raw, logprobs, chosen, s.show_steps)[0].tolist()  # the one sync per step
+        top = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # a second transfer, only when asked
+        step = _step(row, token_text, logits, Top(top[0][0], top[1][0]) if top else None)
         yield step
         if step.id == stop_at:
-            return "eos", None
+            return "eos", []
         x = chosen[:, None]
-    return "max_new_tokens", None
+    return "max_new_tokens", []
 
 
 # ---- beam search --------------------------------------------------------------------------------
@@ -258,10 +350,12 @@ class _Beam:
     steps: tuple[Step, ...] = ()
 
 
-def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | None, token_text):
+def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | None, tokenizer):
     """transformers' beam search for one prompt: keep 2N candidates per step, continue the N best that
     did not finish, and keep the N best finished (scored sum(log p) / length) until no running beam
-    can beat the worst of them. Returns ("eos" | "max_new_tokens", score) after yielding the best."""
+    can beat the worst of them. Returns ("eos" | "max_new_tokens", the finished beams, best first)
+    after yielding the best one's steps."""
+    token_text = tokenizer.token_text
     n = s.beams
     pipeline = s.knobs.pipeline()
     cache = eng.new_cache(1, len(ids) + max_new)  # prefill once; the first reorder copies it n times
@@ -270,15 +364,17 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
     finished: list[tuple[float, _Beam]] = []
     for t in range(max_new):
         logits = _last_logits(eng, x, cache)  # (R, V), R = 1 at the first step, then n
-        logprobs = log_softmax(stages.process(logits, pipeline))
+        raw = log_softmax(logits)  # (R, V)
+        logprobs = log_softmax(stages.process(logits, pipeline))  # (R, V) what the beams are ranked by
         scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]
         top, flat = scores.view(-1).topk(min(2 * n, scores.numel()))  # (2n,) best over all beams
         rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]
-        record = _record(logits[rows], logprobs[rows], tokens, s.show_steps)
+        record = _record(logits[rows], raw[rows], logprobs[rows], tokens, s.show_steps)
         table = torch.cat([top[:, None].double(), rows[:, None].double(), record], dim=-1).tolist()
+        alts = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # per beam, not per candidate
         cands = []
         for score, row, *rec in table:
-            step = _step(rec, token_text, logits)
+            step = _step(rec, token_text, logits, Top(alts[0][int(row)], alts[1][int(row)]) if alts else None)
             hit = step.id == stop_at or t + 1 == max_new
             cands.append((score, int(row), step, hit))
         # the best n of the candidates that finished join the finished beams, scored per token
@@ -297,9 +393,17 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
             break
         cache = eng.reorder_cache(cache, torch.tensor([row for _, row, _, _ in live], device=eng.device))
         x = torch.tensor([[b.steps[-1].id] for b in running], device=eng.device)
-    score, best = finished[0]
-    yield from best.steps
-    return ("eos" if best.steps[-1].id == stop_at else "max_new_tokens"), score
+    done = [_finished(score, beam, stop_at, tokenizer) for score, beam in finished]
+    yield from finished[0][1].steps
+    return done[0].stop, done
+
+
+def _finished(score: float, beam: _Beam, stop_at: int | None, tokenizer) -> FinishedBeam:
+    ids = [st.id for st in beam.steps]
+    stop = "eos" if ids[-1] == stop_at else "max_new_tokens"
+    return FinishedBeam(ids=ids, text=tokenizer.decode(ids[:-1] if stop == "eos" else ids),
+                        transition_scores=[st.logprob for st in beam.steps], logprob=beam.score, score=score,
+                        stop=stop)
 
 
 def _f32(v: float) -> float:

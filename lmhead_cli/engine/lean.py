@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import Engine, TieNames
+from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm
 
 # One position at a time (inspect's last position, every decoding step) the body's and the head's
 # products are matrix-vector products that do nothing but stream weights, and how they are laid out
@@ -30,12 +30,66 @@ from lmhead_cli.engine.base import Engine, TieNames
 # - bfloat16: those forms run no faster than F.linear; oneDNN's linear over a weight packed once into
 #   its own blocked layout does (a second, packed copy of each matrix: bfloat16 then holds about the
 #   memory float32 would, for about 1.6× the speed).
+# A matrix is laid out the second time it meets one position (the second decoding step), not at load:
+# a single forward (inspect, lens) never pays for the copy, and the checkpoint's memory-mapped pages
+# of a transposed matrix are handed back, so decoding holds each matrix once.
 BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
+
+
+def _few_cpu_rows(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.shape[0] <= BLOCKED_MAX_ROWS
 
 
 def _streams(x: torch.Tensor) -> bool:
     """A few float32 rows on the CPU: the blocked row products apply."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] <= BLOCKED_MAX_ROWS
+    return x.dtype == torch.float32 and _few_cpu_rows(x)
+
+
+def release_mapped_pages(t: torch.Tensor) -> bool:
+    """Give back the pages of `t` when they are a read-only use of a memory-mapped .safetensors file
+    (t has been copied into another layout and nothing reads it any more): the whole pages inside
+    its bytes, with madvise(MADV_DONTNEED), which for a private file mapping just drops them (they
+    would be read from the file again if touched). Anything else is left alone. True if released."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return False
+    start, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = any(_maps_file(line, start, nbytes) for line in f)
+    except OSError:
+        return False
+    page = 4096
+    first, last = -(-start // page) * page, (start + nbytes) // page * page
+    if not mapped or last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4) == 0  # MADV_DONTNEED
+
+
+def _maps_file(line: str, start: int, nbytes: int) -> bool:
+    """A /proc/self/maps line: a private mapping of a .safetensors file holding [start, start + nbytes)."""
+    fields = line.split()
+    if len(fields) < 6 or not fields[5].endswith(".safetensors") or "p" not in fields[1]:
+        return False
+    lo, hi = (int(v, 16) for v in fields[0].split("-"))
+    return lo <= start and start + nbytes <= hi
+
+
+class _LaysOut:
+    """A module whose weight is laid out for one-position products on the second such call."""
+
+    packed: torch.Tensor | None = None
+    _one_row_calls = 0
+
+    def _maybe_lay_out(self, x2: torch.Tensor) -> None:
+        if self._one_row_calls < 2 and _few_cpu_rows(x2):
+            self._one_row_calls += 1
+            if self._one_row_calls == 2:
+                with torch.inference_mode(False):
+                    self.lay_out_()
 
 
 def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,17 +97,21 @@ def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) 
     in 2·threads blocks times h (one batched matmul over views of w, the bias added in the same
     call) plus any last rows."""
     V, D = w.shape
+    R = h.shape[0]
     s = 2 * max(1, torch.get_num_threads())
     n = V // s
-    hs = h.t().expand(s, D, h.shape[0])  # (s, D, R), a view
+    hs = h.t().expand(s, D, R)  # (s, D, R), a view
+    out = torch.empty(V, R, dtype=h.dtype, device=h.device)  # written in place: no concatenation
+    blocks, last = out[: s * n].view(s, n, R), out[s * n:]
     if b is None:
-        y = torch.bmm(w[: s * n].view(s, n, D), hs)  # (s, n, R)
+        torch.bmm(w[: s * n].view(s, n, D), hs, out=blocks)
+        if s * n < V:
+            torch.mm(w[s * n:], h.t(), out=last)
     else:
-        y = torch.baddbmm(b[: s * n].view(s, n, 1), w[: s * n].view(s, n, D), hs)
-    out = y.reshape(s * n, -1).t()  # (R, s·n)
-    if s * n < V:
-        out = torch.cat([out, F.linear(h, w[s * n:], None if b is None else b[s * n:])], dim=1)
-    return out.contiguous()
+        torch.baddbmm(b[: s * n].view(s, n, 1), w[: s * n].view(s, n, D), hs, out=blocks)
+        if s * n < V:
+            torch.addmm(b[s * n:, None], w[s * n:], h.t(), out=last)
+    return out.t().contiguous()  # (R, V); one row needs no copy
 
 
 def pack_for_onednn(w: torch.Tensor) -> torch.Tensor | None:
@@ -72,7 +130,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
-class Conv1D(nn.Module):
+class Conv1D(_LaysOut, nn.Module):
     """GPT-2's linear layer, y = x @ W + b, W (in, out) as the checkpoints name and shape it; stored
     as rows (out, in) once `lay_out_` has run, `weight` staying the (in, out) view of them."""
 
@@ -80,17 +138,19 @@ class Conv1D(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out))
-        self.packed: torch.Tensor | None = None
 
     def lay_out_(self) -> None:
-        """Rows for the streaming products; a oneDNN-packed copy too in bfloat16 (see above)."""
-        rows = self.weight.detach().t()  # (out, in)
-        if not rows.is_contiguous():
-            self.weight = nn.Parameter(rows.contiguous().t(), requires_grad=self.weight.requires_grad)
+        """float32: rows for the streaming products; bfloat16: a oneDNN-packed copy (see above)."""
         self.packed = pack_for_onednn(self.weight.t())
+        rows = self.weight.detach().t()  # (out, in)
+        if self.packed is None and self.weight.device.type == "cpu" and not rows.is_contiguous():
+            old = self.weight
+            self.weight = nn.Parameter(rows.contiguous().t(), requires_grad=old.requires_grad)
+            release_mapped_pages(old)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+        self._maybe_lay_out(x2)
         rows = self.weight.t()  # (out, in), a view
         if self.packed is not None:
             y = packed_linear(x2, self.packed, self.bias)
@@ -101,16 +161,16 @@ class Conv1D(nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
-class LMHead(nn.Linear):
-    """The head z = h · W_outᵀ, W_out (V, D), no bias; a few positions stream W_out in row blocks."""
-
-    packed: torch.Tensor | None = None
+class LMHead(_LaysOut, nn.Linear):
+    """The head z = h · W_outᵀ, W_out (V, D), no bias; a few positions stream W_out in row blocks
+    (float32: E's rows as they are) or run over a packed copy (bfloat16)."""
 
     def lay_out_(self) -> None:
         self.packed = pack_for_onednn(self.weight) if self.bias is None else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h2 = h.reshape(-1, h.shape[-1])  # (R, D)
+        self._maybe_lay_out(h2)
         if self.packed is not None:
             return packed_linear(h2, self.packed, None).view(*h.shape[:-1], -1)
         if _streams(h2) and self.bias is None and self.weight.is_contiguous():
@@ -214,13 +274,6 @@ class GPT2(nn.Module):
         if tied:
             self.lm_head.weight = self.wte.weight  # weight tying: W_out is E, the very same tensor
 
-    def lay_out_(self) -> "GPT2":
-        """Once the weights are in place: every matrix laid out for its products (see the top)."""
-        for m in self.modules():
-            if isinstance(m, (Conv1D, LMHead)):
-                m.lay_out_()
-        return self
-
 
 def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [B, 1, T_new, T_all] from a padding mask [B, T_all]: causal and no padded keys."""
@@ -230,6 +283,9 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
     # A fully padded query row (left padding) would be all -inf -> NaN; let it see itself only.
     allowed = allowed | ~allowed.any(-1, keepdim=True)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+TIE_NAMES = TieNames(head="lm_head.weight", embedding="wte.weight")  # the checkpoint keys, as nanoGPT names them
 
 
 class LeanGPT2(Engine):
@@ -253,7 +309,7 @@ class LeanGPT2(Engine):
 
     @property
     def tie_names(self) -> TieNames:
-        return TieNames(head="lm_head.weight", embedding="wte.weight")
+        return TIE_NAMES
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
@@ -299,6 +355,17 @@ class LeanGPT2(Engine):
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.gpt.ln_f(x)
+
+    @property
+    def final_norm_module(self) -> nn.Module:
+        return self.gpt.ln_f
+
+    def components(self, ids: torch.Tensor) -> Components:
+        """The last position's final residual as wte + wpe + each head of each layer + c_proj biases + MLPs."""
+        taps = [LayerTaps(out_proj=b.attn.c_proj, weight=b.attn.c_proj.weight.detach(),
+                          bias=b.attn.c_proj.bias.detach(), mlp=b.mlp) for b in self.gpt.h]
+        return capture_components(lambda: self.body(ids), self.config["n_head"], taps, self.gpt.h,
+                                  linearise_norm(self.gpt.ln_f), (self.gpt.wte, self.gpt.wpe))
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@ Three things follow (figures in README, Performance):
 * OpenMP's threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE) unless the user set a
   policy: spinning threads take a core another process needs, and the one they wait for may be
   waiting for that very core (measured on 2 busy cores: 1.5 tok/s spinning, 25 tok/s passive).
-* `ThreadChooser` times the first units of repeated work (decoding steps, batches of a file, prompts
+* `ThreadChooser` times the first calls of repeated work (decoding steps, batches of a file, prompts
   in a session) with torch's thread count and with one thread, keeps the faster, and times both
-  again when its speed drops well below the best it has seen, or every `recheck` units anyway.
+  again when its speed drops well below the best it has seen, or every `recheck` calls anyway.
+  A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
 * `--threads N` / LMHEAD_THREADS fix the count, and nothing is timed.
 
 No torch import at module top: `prepare` must run before torch is first imported.
@@ -48,14 +49,15 @@ def prepare(threads: int | None = None) -> int | None:
 class ThreadChooser:
     """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster.
 
-    `run(fn, units)` runs fn and times it per unit of work (a token, a row). The first 2 × trials
-    units alternate between the two counts and the faster (best time each) is kept; then, once the
-    last 3 units each took more than `slack` × the best time seen since the choice, or after
-    `recheck` units, the trial runs again. With `fixed` (or one core, or a GPU) nothing is timed.
+    `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up
+    (first-call set-up is not what is compared); the next 2 × trials calls alternate between the two
+    counts and the faster (best time per unit each) is kept; then, once the last 3 calls each took
+    more than `slack` × the best time per unit seen since the choice, or after `recheck` calls, the
+    trial runs again. With `fixed` (or one core, or a GPU) nothing is timed.
     """
 
-    def __init__(self, fixed: int | None = None, device_type: str = "cpu", trials: int = 2,
-                 slack: float = 1.5, recheck: int = 128):
+    def __init__(self, fixed: int | None = None, device_type: str = "cpu", trials: int = 1,
+                 slack: float = 1.5, recheck: int = 64):
         import torch
 
         check(fixed)
@@ -69,7 +71,8 @@ class ThreadChooser:
         self._pending: list[int] = []
         self._timed: dict[int, float] = {}
         self._recent: deque[float] = deque(maxlen=3)
-        self._best, self._since = math.inf, 0.0
+        self._best, self._since = math.inf, 0
+        self._warm_up = bool(self.candidates)
         if self.candidates:
             self._start_trial()
 
@@ -91,6 +94,9 @@ class ThreadChooser:
         """fn(), timed per unit when the count is being chosen or watched."""
         if not self.candidates:
             return fn()
+        if self._warm_up:
+            self._warm_up = False
+            return fn()
         import torch
 
         if self._pending:
@@ -105,11 +111,11 @@ class ThreadChooser:
                 best = min(self._timed, key=self._timed.get)
                 torch.set_num_threads(best)
                 self.choices.append(best)
-                self._best, self._since = self._timed[best], 0.0
+                self._best, self._since = self._timed[best], 0
                 self._recent.clear()
             return out
         self._best = min(self._best, per_unit)
-        self._since += units
+        self._since += 1
         self._recent.append(per_unit)
         slowed = len(self._recent) == self._recent.maxlen and min(self._recent) > self.slack * self._best
         if slowed or self._since >= self.recheck:

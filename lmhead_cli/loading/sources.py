@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass
@@ -16,12 +17,12 @@ from urllib.parse import urlparse
 
 import torch
 
-from lmhead_cli.engine.base import Engine
-from lmhead_cli.engine.hf import TransformersEngine
-from lmhead_cli.engine.lean import GPT2, LeanGPT2, init_random_
+from lmhead_cli.engine.base import Engine, TieNames
+from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
+from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
-                               UsageError)
+                               UnsupportedModel, UsageError)
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
@@ -41,14 +42,16 @@ class TieReport:
     """Whether the output matrix W_out is the embedding table E, and the evidence."""
 
     tied: bool  # the head's weight is the embedding's weight object
-    same_object: bool  # lm_head.weight is wte.weight
+    same_object: bool  # the head's weight is the embedding's (e.g. lm_head.weight is wte.weight)
     same_data_ptr: bool
     config_tie_word_embeddings: bool
-    file_has_lm_head: bool | None  # None: no file (random weights)
-    file_lm_head_equals_wte: bool | None
-    head_name: str
+    file_has_lm_head: bool | None  # the file stores the head's own weight; None: no file (random weights)
+    file_lm_head_equals_wte: bool | None  # that stored head equals the stored embedding
+    head_name: str  # the model's own names, e.g. "lm_head.weight" and "model.embed_tokens.weight"
     embedding_name: str
     shape: tuple[int, int]  # (V, D)
+    # c when the model soft-caps its own logits after the head (Gemma-2's final_logit_softcapping), else None
+    own_softcap: float | None = None
 
 
 @dataclass
@@ -120,38 +123,25 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
 
     engine_name = _choose_engine(engine, config)
     tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
-    tied = bool(config.get("tie_word_embeddings", True))
-    raw_has_head = "lm_head.weight" in state if files else None
-    head_equals = (torch.equal(state["lm_head.weight"], state["wte.weight"])
-                   if raw_has_head and "wte.weight" in state else None)
-    if not tied and "lm_head.weight" not in state:
-        raise CorruptCheckpoint(f"{_names(files)}: the config unties the head (tie_word_embeddings: false) "
-                                "but the weights hold no lm_head.weight")
-    if tied:
-        state.pop("lm_head.weight", None)  # tied: the head *is* wte; a stored copy is not used
-
     if engine_name == "lean":
-        eng: Engine = LeanGPT2(config, build_lean(config, state, tied, files, dev, dt))
-        head_name, emb_name = "lm_head.weight", "wte.weight"
+        config_tied = bool(config.get("tie_word_embeddings", True))
+        stored = file_tie(state, TIE_NAMES) if files else None  # before build_lean consumes the state
+        eng: Engine = LeanGPT2(config, build_lean(config, state, config_tied, files, dev, dt))
     else:
-        eng = TransformersEngine(config, build_transformers(config, state, tied, dev, dt))
-        head_name, emb_name = "lm_head.weight", "transformer.wte.weight"
-
-    head_w, emb_w = eng.head_weight, eng.embedding_weight
-    tie = TieReport(
-        tied=head_w is emb_w,
-        same_object=head_w is emb_w,
-        same_data_ptr=head_w.data_ptr() == emb_w.data_ptr(),
-        config_tie_word_embeddings=tied,
-        file_has_lm_head=raw_has_head,
-        file_lm_head_equals_wte=head_equals,
-        head_name=head_name,
-        embedding_name=emb_name,
-        shape=tuple(head_w.shape),
-    )
+        eng, config_tied = build_transformers(config, state, files, dev, dt)
+        stored = file_tie(state, eng.tie_names) if files else None
+    state.clear()  # the model holds what it needs
+    tie = tie_report(eng, stored, config_tied)
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
                   config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
+
+
+def model_type(source: str, allow_pickle: bool = False) -> str | None:
+    """The config's model_type of `source` ("gpt2" for random:NAME), read without any weights."""
+    if source.startswith(RANDOM_PREFIX):
+        return "gpt2"
+    return _read_config(_find_folder(source, allow_pickle)[0]).get("model_type")
 
 
 # ---- where the files are ---------------------------------------------------------------------
@@ -314,6 +304,9 @@ def random_state(config: dict, seed: int) -> dict[str, torch.Tensor]:
 def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: list[Path],
                device: torch.device, dtype: torch.dtype) -> GPT2:
     """The lean GPT-2 module holding `state`; tied means lm_head.weight *is* wte.weight."""
+    if not tied and "lm_head.weight" not in state:
+        raise CorruptCheckpoint(f"{_names(files)}: the config unties the head (tie_word_embeddings: false) "
+                                "but the weights hold no lm_head.weight")
     with torch.device("meta"):
         model = GPT2(config, tied=tied)
     expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
@@ -321,8 +314,7 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CorruptCheckpoint(f"{_names(files)} lacks {', '.join(missing[:3])}{more}")
-    # Popped from `state`: once lay_out_ has put a matrix in its own layout, nothing holds the old one,
-    # so loading peaks at one matrix above the model, not at two models.
+    # Popped from `state`: the caller's dict does not keep a tensor alive that the model lets go of.
     weights = {k: state.pop(k).to(dtype) for k in expected}
     try:
         model.load_state_dict(weights, strict=False, assign=True)
@@ -332,26 +324,118 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     del weights
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
-    return model.to(device).eval().lay_out_()
-
-
-def build_transformers(config: dict, state: dict[str, torch.Tensor], tied: bool,
-                       device: torch.device, dtype: torch.dtype):
-    """transformers' own model for `config`, holding the same tensors (tied by transformers itself)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures",)})
-    cfg.tie_word_embeddings = tied
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    prefix = model.base_model_prefix + "."
-    named = {k.removeprefix(prefix): k for k in model.state_dict()}
-    mapped = {named.get(k, k): v.to(dtype) for k, v in state.items() if named.get(k, k) in named.values()}
-    missing = [k for k in model.state_dict() if k not in mapped and not (tied and k.startswith("lm_head."))
-               and not k.endswith(_NOT_WEIGHTS)]
-    if missing:
-        raise CorruptCheckpoint(f"the weights lack {', '.join(missing[:3])} for transformers' "
-                                f"{type(model).__name__}")
-    model.load_state_dict(mapped, strict=False)
-    if tied:
-        model.tie_weights()
     return model.to(device).eval()
+
+
+def build_transformers(config: dict, state: dict[str, torch.Tensor], files: list[Path],
+                       device: torch.device, dtype: torch.dtype) -> tuple[TransformersEngine, bool]:
+    """transformers' own model for `config` holding `state`, and whether its config ties the head.
+
+    The model is first built on the meta device (no memory) and its tensors' names and shapes are
+    checked against the checkpoint's, so a config that disagrees with the weights (a wrong
+    model_type, another width) is an error naming both, never an allocation. Only then does
+    transformers load the tensors (from_pretrained with the state dict: its own buffers, its own tie).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    cfg = transformers_config(config)
+    check_head_is_known(cfg)
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        raise UnsupportedModel(f"transformers has no causal LM for model_type {cfg.model_type!r}") from None
+    state = fit_state(skeleton, state, files)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar is noise for a checked state dict
+    try:
+        model = type(skeleton).from_pretrained(None, config=cfg, state_dict=state, dtype=dtype)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    return TransformersEngine(config, model.to(device).eval()), bool(cfg.tie_word_embeddings)
+
+
+def transformers_config(config: dict):
+    """transformers' config object for a config.json dict (never remote code)."""
+    from transformers import AutoConfig
+
+    kind = config.get("model_type")
+    try:
+        return AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    except (ValueError, KeyError, TypeError) as e:
+        if config.get("auto_map"):
+            raise UnsupportedModel(f"model_type {kind!r} needs the checkpoint's own code (auto_map), which "
+                                   "lmhead never runs") from None
+        raise UnsupportedModel(f"transformers does not know model_type {kind!r} ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200]})") from None
+
+
+def fit_state(skeleton, state: dict[str, torch.Tensor], files: list[Path]) -> dict[str, torch.Tensor]:
+    """`state` under the meta-device `skeleton`'s names, checked against its tensors: every tensor there,
+    each of the right shape, nothing left over. A tied head stored in the file is dropped (the head
+    *is* the embedding). CorruptCheckpoint names the model's and the file's parameter counts and the
+    first few disagreements."""
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items() if not k.endswith(_NOT_WEIGHTS)}
+    tied_heads = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
+    prefix = skeleton.base_model_prefix + "."
+    fitted = {}
+    for name, t in state.items():
+        key = name if name in expected or prefix + name not in expected else prefix + name
+        if key not in tied_heads:
+            fitted[key] = t
+    ignore = [re.compile(p) for p in getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []]
+    missing = [k for k in expected if k not in fitted and k not in tied_heads]
+    extra = [k for k in fitted if k not in expected and not any(p.search(k) for p in ignore)]
+    wrong = [f"{k} is {_dims(expected[k])} in the config but {_dims(fitted[k].shape)} in the file"
+             for k in expected if k in fitted and tuple(fitted[k].shape) != expected[k]]
+    if missing or extra or wrong:
+        n_model = sum(p.numel() for p in skeleton.parameters())
+        n_file = sum(t.numel() for t in state.values())
+        problems = wrong[:2] + ([f"it lacks {_few(missing)}"] if missing else []) + (
+            [f"it holds {_few(extra)} that the model has no place for"] if extra else [])
+        raise CorruptCheckpoint(
+            f"{_names(files)} does not fit its config.json: the config describes transformers' "
+            f"{type(skeleton).__name__} ({skeleton.config.model_type}) with {n_model:,} parameters, the file "
+            f"holds {n_file:,}; " + "; ".join(problems))
+    return {k: t for k, t in fitted.items() if k in expected}
+
+
+def _dims(shape) -> str:
+    return "×".join(str(int(n)) for n in shape) or "a scalar"
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def file_tie(state: dict[str, torch.Tensor], names: TieNames) -> tuple[bool, bool | None]:
+    """What the checkpoint file stores: (its own head weight?, that head equal to the stored embedding?
+    None when either is absent)."""
+    head, embedding = _stored(state, names.head), _stored(state, names.embedding)
+    return head is not None, (torch.equal(head, embedding) if head is not None and embedding is not None else None)
+
+
+def tie_report(eng: Engine, stored: tuple[bool, bool | None] | None, config_tied: bool) -> TieReport:
+    """Whether the engine's head weight is its embedding weight, under the model's own names, and what
+    the checkpoint file stores (`file_tie`; None for random weights)."""
+    names = eng.tie_names
+    head_w, emb_w = eng.head_weight, eng.embedding_weight
+    return TieReport(
+        tied=head_w is emb_w,
+        same_object=head_w is emb_w,
+        same_data_ptr=head_w.data_ptr() == emb_w.data_ptr(),
+        config_tie_word_embeddings=config_tied,
+        file_has_lm_head=None if stored is None else stored[0],
+        file_lm_head_equals_wte=None if stored is None else stored[1],
+        head_name=names.head,
+        embedding_name=names.embedding,
+        shape=tuple(head_w.shape),
+        own_softcap=eng.own_stages.get("softcap"),
+    )
+
+
+def _stored(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The file's tensor for the model's parameter `name` (file names are normalised: no `transformer.`)."""
+    return state.get(name, state.get(name.removeprefix("transformer.")))

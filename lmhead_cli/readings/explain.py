@@ -3,8 +3,10 @@
 The head scores token k by a dot product with its own row of the output matrix (with tied weights,
 the token's embedding row): z_k = e_k · h + b_k = |e_k| · |h| · cos θ_k + b_k. Every token shares
 the same h, so between two tokens only |e| and cos θ differ. h is the last position's residual
-vector after the final layer norm, which removes its mean, divides by its standard deviation
-(leaving norm √D) and applies a learned gain and bias.
+vector after the final norm: a LayerNorm (GPT-2) removes its mean, divides by its standard
+deviation (leaving norm √D) and applies a learned gain and bias; an RMSNorm (Llama, Gemma)
+divides by its root mean square (also leaving norm √D) and applies a gain. A model that soft-caps
+its own logits (Gemma-2) then turns z into c·tanh(z/c), reported as `own_softcap`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmhead_cli.errors import UnsupportedModel
 from lmhead_cli.head import check_finite, clamp_top_k, encode_target, encode_targets, log_softmax, rank_of
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
@@ -46,11 +49,13 @@ class Explanation:
     truncated: int
     token: str  # the text asked about
     pieces: list[str]  # its tokens; the first is explained
-    # The final layer norm's effect on the last position's vector:
+    # The final norm's effect on the last position's vector:
+    norm: str  # "LayerNorm" or "RMSNorm": what the final norm does
     norm_before: float  # |x|, the raw residual stream
-    mean_before: float  # mean of x's D entries: removed
-    std_before: float  # their standard deviation (with ln_f's eps): divided out
-    norm_standardised: float  # |(x - mean) / std| = √D
+    mean_before: float  # mean of x's D entries: removed by a LayerNorm, kept by an RMSNorm
+    std_before: float  # their standard deviation (with the norm's eps): divided out by a LayerNorm
+    rms_before: float  # their root mean square (with the norm's eps): divided out by an RMSNorm
+    norm_standardised: float  # |x̂| = |(x - mean) / std| (LayerNorm) or |x / rms| (RMSNorm), ≈ √D
     norm_after: float  # |h| = |γ ⊙ x̂ + β|, what the head sees
     width: int  # D
     vocab: int  # V
@@ -58,6 +63,7 @@ class Explanation:
     top_token: str  # rank 1
     runner_up_token: str  # rank 2
     top: list[LogitParts]  # the top few, then any --target outside them
+    own_softcap: float | None = None  # c when the model turns e·h + b into c·tanh(z/c) itself (Gemma-2)
 
 
 @torch.inference_mode()
@@ -77,8 +83,10 @@ def explain_logit(loaded: Loaded, prompt: str, token: str, top_k: int = 5,
     check_finite(logits)
     x_last, h_last = resid[0, -1].double(), h[0, 0].double()  # (D,)
 
-    eps = float(loaded.config.get("layer_norm_epsilon", 1e-5))
+    kind, eps = norm_kind(eng.final_norm_module)
     mean, std = x_last.mean(), (x_last.var(unbiased=False) + eps).sqrt()
+    rms = (x_last.pow(2).mean() + eps).sqrt()
+    standardised = (x_last - mean) / std if kind == "LayerNorm" else x_last / rms
 
     bias = getattr(eng.head_module, "bias", None)
     order = torch.argsort(logits, descending=True, stable=True)
@@ -103,10 +111,22 @@ def explain_logit(loaded: Loaded, prompt: str, token: str, top_k: int = 5,
         model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied,
         head_has_bias=bias is not None, prompt_tokens=[PromptToken(i, tok.token_text(i)) for i in ids],
         truncated=dropped, token=token, pieces=[tok.token_text(i) for i in pieces],
-        norm_before=float(x_last.norm()), mean_before=float(mean), std_before=float(std),
-        norm_standardised=float(((x_last - mean) / std).norm()), norm_after=h_norm, width=int(x_last.shape[0]),
+        norm=kind, norm_before=float(x_last.norm()), mean_before=float(mean), std_before=float(std),
+        rms_before=float(rms), norm_standardised=float(standardised.norm()), norm_after=h_norm,
+        width=int(x_last.shape[0]), own_softcap=eng.own_stages.get("softcap"),
         vocab=int(logits.shape[-1]),
         explained=parts(pieces[0]), top_token=tok.token_text(int(order[0])),
         runner_up_token=tok.token_text(int(order[1])), top=[parts(i) for i in dict.fromkeys(shown)],
     )
 
+
+
+def norm_kind(module) -> tuple[str, float]:
+    """("LayerNorm" | "RMSNorm", eps) of a final norm module; UnsupportedModel for any other."""
+    name = type(module).__name__
+    kind = "RMSNorm" if "RMSNorm" in name else "LayerNorm" if "LayerNorm" in name else None
+    if kind is None:
+        raise UnsupportedModel(f"taking a logit apart reads the final norm as a LayerNorm or an RMSNorm; "
+                               f"this model's is {name}")
+    eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", None) or 1e-5
+    return kind, float(eps)

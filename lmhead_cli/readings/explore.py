@@ -296,6 +296,8 @@ class Session:
         else:
             self.settings = apply(self.settings, cmd)
             self.show.settings(self.settings)
+            if cmd.name == "softcap":
+                self.show.own_softcap_notice(self.loaded.engine.own_stages.get("softcap"), self.settings.softcap)
         return True
 
     def _last(self, cmd: Command) -> str:

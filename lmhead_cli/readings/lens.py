@@ -1,8 +1,8 @@
 """`lmhead lens`: the logit lens. What would the model say if it stopped after the embeddings, or
 after block i, and went straight to the head?
 
-Each layer's residual vector at the last position goes through the final layer norm, recomputed
-for that vector (its own mean and variance, not the scale the last layer happened to have), and
+Each layer's residual vector at the last position goes through the model's own final norm
+(GPT-2's LayerNorm ln_f, Llama's RMSNorm), recomputed for that vector (its own mean and variance, not the scale the last layer happened to have), and
 the head. The last row is then `ln_f(x_L)` through the head: exactly `inspect`'s logits.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.errors import UsageError
+from lmhead_cli.engine.base import module_name
 from lmhead_cli.head import (TargetScore, check_finite, clamp_top_k, encode_targets, entropy, log_softmax,
                              target_score, top_tokens)
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
@@ -45,6 +46,8 @@ class Lens:
     heat: list[list[float]]
     top_columns: int  # how many columns are top tokens; the rest are targets
     peak: float  # the largest probability in the heat map: the darkest shade
+    norm: str  # the final norm every layer goes through, as the model names it ("ln_f", "model.norm")
+    tied: bool  # the head is the embedding table
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, (V,) float32
 
 
@@ -102,5 +105,6 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
     return Lens(model=loaded.source, random_weights=loaded.random_weights,
                 prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, position=at, layers=layers,
                 columns=[PromptToken(i, text(i)) for i in col_ids], heat=probs.tolist(), top_columns=n_top,
-                peak=float(probs.max()),
+                peak=float(probs.max()), norm=module_name(loaded.engine.module, loaded.engine.final_norm_module),
+                tied=loaded.tie.tied,
                 logits=per_layer)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import sys
+import unicodedata
 from typing import Any
 
 from rich.console import Console
@@ -50,6 +50,14 @@ def truncated(kept: int, dropped: int, n_ctx: int) -> None:
         warn(f"the prompt is {kept + dropped} tokens, longer than the context of {n_ctx}; keeping the last {kept}")
 
 
+def own_softcap_notice(own: float | None, softcap: float | None) -> None:
+    """One notice when a soft-cap stage (c = `softcap`) is asked of a model that soft-caps its own
+    logits at c = `own` (Gemma-2)."""
+    if own and softcap is not None:
+        notice(f"the model already soft-caps its own logits at c = {own:g}; the softcap stage "
+               f"(c = {softcap:g}) caps them a second time")
+
+
 def multi_piece_notices(targets) -> None:
     """A notice for each target that is several tokens: it is scored by its first."""
     for t in targets:
@@ -69,11 +77,15 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def json_text(doc: Any, *, lines: bool = False) -> str:
+    """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite."""
+    return json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
+                      indent=None if lines else 2)
+
+
 def print_json(doc: Any, *, lines: bool = False) -> None:
     """One JSON document on stdout (or one line per document with ``lines``), no colour."""
-    text = json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
-                      indent=None if lines else 2)
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(json_text(doc, lines=lines) + "\n")
     sys.stdout.flush()
 
 
@@ -107,19 +119,44 @@ def token_cell(text: str) -> str:
 
 
 def show_token(text: str) -> str:
-    """A token's text made visible: a leading space as '␣', newlines, tabs and other control characters escaped."""
-    shown = safe_text(text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r"))
+    """A token's text made visible: a leading space as '␣', control characters escaped."""
+    shown = visible(text)
     if shown.startswith(" "):
         shown = "␣" + shown[1:]
     return shown
 
 
-# Characters that would act on the terminal instead of showing: C0 controls but line feed and tab,
-# DEL, C1 controls (ESC sequences, BEL, CR, ...), and the bidirectional overrides that reorder text.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+def visible(text: str) -> str:
+    """Text with newlines, tabs and every other control character (ESC, BEL, DEL, C1) shown as escapes,
+    so data cannot drive the terminal."""
+    return _controls_escaped(text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r"))
 
 
 def safe_text(text: str) -> str:
-    """Running text (a file line, a scored text) for the terminal: line breaks and tabs kept, every
-    other control character shown escaped (ESC as \\x1b). For rich Text, not markup strings."""
-    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    """Running text (a scored text, a file line) for rich Text: line breaks and tabs kept, every other
+    control character shown as an escape (ESC as \\x1b), so data cannot drive the terminal."""
+    return _controls_escaped(text, keep="\n\t")
+
+
+def _controls_escaped(text: str, keep: str = "") -> str:
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in keep else c for c in text)
+
+
+def text_cell(text: str) -> str:
+    """Untrusted text (a prompt, a line) for rich output: control characters escaped, markup shown as it is."""
+    from rich.markup import escape
+
+    return escape(visible(text))
+
+
+def compact_table(title: str, *columns: tuple[str, str]):
+    """A rich table with no outer edge and collapsed padding, titled on the left, with these
+    (name, justify) columns that never wrap: the narrow form `diff` and `attribute` print."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+              collapse_padding=True)
+    for name, justify in columns:
+        t.add_column(name, justify=justify, no_wrap=True)
+    return t

@@ -33,19 +33,33 @@ def explanation(ex) -> None:
     if len(ex.pieces) > 1:
         con.print(f"{escape(repr(ex.token))} is {len(ex.pieces)} tokens; explaining the first, {tok(ex.pieces[0])}")
 
-    con.print(f"\n[bold]h[/]: the last position's residual vector x through the final layer norm (D = {ex.width})")
-    con.print(f"  x, the last block's output   |x| = {ex.norm_before:.4f}  (mean {ex.mean_before:.4f}, "
-              f"std {ex.std_before:.4f})")
-    con.print(f"  x̂ = (x − mean) / std         |x̂| = {ex.norm_standardised:.4f}  (≈ √D, whatever |x| was)")
-    con.print(f"  h = γ ⊙ x̂ + β                |h| = {ex.norm_after:.4f}")
+    if ex.norm == "RMSNorm":
+        con.print(f"\n[bold]h[/]: the last position's residual vector x through the final RMSNorm (D = {ex.width})")
+        con.print(f"  x, the last block's output   |x| = {ex.norm_before:.4f}  (root mean square {ex.rms_before:.4f}, "
+                  f"mean {ex.mean_before:.4f}, kept)")
+        con.print(f"  x̂ = x / rms                  |x̂| = {ex.norm_standardised:.4f}  (≈ √D, whatever |x| was)")
+        con.print(f"  h = γ ⊙ x̂                    |h| = {ex.norm_after:.4f}")
+    else:
+        con.print(f"\n[bold]h[/]: the last position's residual vector x through the final layer norm (D = {ex.width})")
+        con.print(f"  x, the last block's output   |x| = {ex.norm_before:.4f}  (mean {ex.mean_before:.4f}, "
+                  f"std {ex.std_before:.4f})")
+        con.print(f"  x̂ = (x − mean) / std         |x̂| = {ex.norm_standardised:.4f}  (≈ √D, whatever |x| was)")
+        con.print(f"  h = γ ⊙ x̂ + β                |h| = {ex.norm_after:.4f}")
 
     b = f" + {e.bias:.4f}" if ex.head_has_bias else ""
     plus_b = " + b" if ex.head_has_bias else ""
     con.print(f"\n[bold]z[/]: the dot product of h and the token's own {row} e"
               + ("" if ex.head_has_bias else " (no bias)"))
-    con.print(f"  z = e · h{plus_b}               = {e.dot:.4f}{b}   (the head's logit: {e.logit:.4f})")
-    con.print(f"    = |e| · |h| · cos θ{plus_b}   = {e.row_norm:.4f} × {ex.norm_after:.4f} × {e.cos:.4f}{b}"
-              f" = {e.product:.4f}")
+    if ex.own_softcap:
+        c = ex.own_softcap
+        con.print(f"  z = e · h{plus_b}               = {e.dot:.4f}{b}")
+        con.print(f"    = |e| · |h| · cos θ{plus_b}   = {e.row_norm:.4f} × {ex.norm_after:.4f} × {e.cos:.4f}{b}"
+                  f" = {e.product:.4f}")
+        con.print(f"  then the model's own soft-cap: {c:g}·tanh(z/{c:g}) = {e.logit:.4f}   (the logit it outputs)")
+    else:
+        con.print(f"  z = e · h{plus_b}               = {e.dot:.4f}{b}   (the head's logit: {e.logit:.4f})")
+        con.print(f"    = |e| · |h| · cos θ{plus_b}   = {e.row_norm:.4f} × {ex.norm_after:.4f} × {e.cos:.4f}{b}"
+                  f" = {e.product:.4f}")
     con.print(f"  margin to the top token {tok(ex.top_token)}: {e.margin_to_top:+.4f}; "
               f"to the runner-up {tok(ex.runner_up_token)}: {e.margin_to_runner_up:+.4f}")
     con.print()

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import bar, err, knobs_text, out, print_json
+from lmhead_cli.render import bar, err, knobs_text, out, own_softcap_notice, print_json
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.generate import stream
 from lmhead_cli.render.lens import lens_json, lens_table
@@ -124,6 +124,7 @@ class AsJson:
 
     intro = staticmethod(intro)
     error = staticmethod(error)
+    own_softcap_notice = staticmethod(own_softcap_notice)  # on stderr either way
     cancelled = staticmethod(cancelled)
 
     @staticmethod

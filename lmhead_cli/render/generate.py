@@ -6,6 +6,9 @@ brackets), flushed per piece so it shows token by token even through a pipe.
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import sys
 from dataclasses import asdict
 
@@ -47,7 +50,7 @@ def _settings_line(g) -> str:
     if g.mode == "sample":
         parts.append(f"seed {g.seed} (replay with --seed {g.seed})")
     if g.beam_score is not None:
-        parts.append(f"beam score {g.beam_score:.4f} (mean log p)")
+        parts.append(f"beam score {g.beam_score:.4f} (mean processed log p)")
     return " · ".join(parts)
 
 
@@ -69,19 +72,43 @@ def summary(g) -> None:
 
 
 def steps_table(g) -> None:
-    """One row per step: the chosen token, its probability and rank, and the best alternatives."""
+    """One row per step: the chosen token under the raw and the processed distribution, its rank,
+    what the filters removed, both entropies, and the best alternatives (processed)."""
     k = g.settings.show_steps
-    out().print(f"steps: the chosen token, its probability after every stage, its rank by raw logit, "
-                f"and the {k} most probable tokens", soft_wrap=True)
+    out().print(f"steps: the chosen token's raw probability (softmax of the logits) and processed one (after "
+                f"the stages: what it was drawn from), its rank by raw logit, the raw probability the filters "
+                f"removed, the entropy in nats before (H raw) and after (H) the stages, and the {k} most probable tokens (processed)",
+                soft_wrap=True)
     table = Table(show_edge=False)
-    for name, justify in (("step", "right"), ("chosen", "left"), ("prob", "right"), ("rank", "right"),
+    for name, justify in (("step", "right"), ("chosen", "left"), ("raw p", "right"), ("p", "right"),
+                          ("rank", "right"), ("removed", "right"), ("H raw", "right"), ("H", "right"),
                           ("the most probable", "left")):
         table.add_column(name, justify=justify)
     for i, s in enumerate(g.steps, 1):
         alts = "  ".join(f"[bold]{_tok(a.token)} {_pct(a.prob)}[/]" if a.id == s.id else f"{_tok(a.token)} {_pct(a.prob)}"
                          for a in s.alternatives)
-        table.add_row(str(i), _tok(s.token), _pct(s.prob), f"{s.rank:,}", alts)
+        table.add_row(str(i), _tok(s.token), _pct(math.exp(s.raw_logprob)), _pct(s.prob), f"{s.rank:,}",
+                      _pct(s.removed_mass), f"{s.raw_entropy:.2f}", f"{s.entropy:.2f}", alts)
     out().print(table)
+
+
+def beams_table(g) -> None:
+    """Beam search: every finished beam's score, its summed transition scores, and the check that
+    they add up (the arithmetic transformers #15869 and #16413 asked for)."""
+    from lmhead_cli.decoding.generate import LENGTH_PENALTY_RULE
+
+    con = out()
+    con.print(f"finished beams, best first; {LENGTH_PENALTY_RULE}. check: the beam's transition scores "
+              f"(each token's processed log p) sum to its sum log p", soft_wrap=True)
+    t = Table(show_edge=False)
+    for name, justify in (("beam", "right"), ("score", "right"), ("sum log p", "right"), ("tokens", "right"),
+                          ("check", "left")):
+        t.add_column(name, justify=justify)
+    t.add_column("text", overflow="fold")  # beams often differ only at the end: show all of it
+    for i, b in enumerate(g.beams, 1):
+        check = f"adds up (± {b.sum_error:.0e})" if b.adds_up else f"[red]off by {b.sum_error:.1e}[/]"
+        t.add_row(str(i), f"{b.score:.4f}", f"{b.logprob:.4f}", str(b.length), check, _tok(b.text))
+    con.print(t)
 
 
 def generation_json(g, loaded, prompt: str, preset: str | None) -> dict:
@@ -110,23 +137,94 @@ def generation_json(g, loaded, prompt: str, preset: str | None) -> dict:
         "decode_tokens_per_second": g.decode_tokens_per_second,
         "mean_entropy": g.mean_entropy,
         "beam_score": g.beam_score,
+        "length_penalty": _length_penalty() if g.mode == "beam" else None,
+        "beams": [_beam_json(b) for b in g.beams],
         "steps": [_step_json(st, s.show_steps) for st in g.steps],
     }
 
 
+def _length_penalty() -> dict:
+    from lmhead_cli.decoding.generate import LENGTH_PENALTY, LENGTH_PENALTY_RULE
+
+    return {"value": LENGTH_PENALTY, "rule": LENGTH_PENALTY_RULE}
+
+
+def _beam_json(b) -> dict:
+    return {"ids": b.ids, "text": b.text, "stop": b.stop, "length": b.length, "score": b.score,
+            "logprob": b.logprob, "transition_scores": b.transition_scores, "sum_error": b.sum_error,
+            "adds_up": b.adds_up}
+
+
 def _step_json(step, show_steps: int) -> dict:
-    doc = {"id": step.id, "token": step.token, "prob": step.prob, "logit": step.logit, "entropy": step.entropy,
-           "rank": step.rank}
+    doc = {"id": step.id, "token": step.token, "prob": step.prob, "logprob": step.logprob, "logit": step.logit,
+           "entropy": step.entropy, "rank": step.rank, "raw_logprob": step.raw_logprob,
+           "raw_entropy": step.raw_entropy, "removed_mass": step.removed_mass}
     if show_steps:
         doc["alternatives"] = [asdict(a) for a in step.alternatives]
     return doc
 
 
+# ---- --format openai -----------------------------------------------------------------------------
+
+DROPPED = -9999.0  # OpenAI's own stand-in for a log-probability too low to report; here log 0 (filtered out)
+FINISH = {"eos": "stop", "max_new_tokens": "length", "context": "length"}
+
+
+def openai_json(g, loaded) -> None:
+    """The run as one OpenAI chat completion object, written a token at a time so that
+    --top-logprobs up to V never builds the whole document in memory.
+
+    logprobs.content has one entry per token of the content: a final end-of-text is counted in
+    usage.completion_tokens but is not content, so it has no entry. Each logprob is from the
+    distribution Settings.logprobs names (raw or processed)."""
+    from lmhead_cli.render import json_text
+
+    s = g.settings
+    steps = g.steps[:-1] if g.stop == "eos" else g.steps
+    head = {"object": "chat.completion", "model": loaded.source}
+    choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": FINISH[g.stop]}
+    usage = {"prompt_tokens": len(g.prompt_ids), "completion_tokens": len(g.generated_ids),
+             "total_tokens": len(g.prompt_ids) + len(g.generated_ids)}
+    dump = functools.partial(json_text, lines=True)
+    entry = _OpenAIEntries(loaded.tokenizer)
+    w = sys.stdout.write
+    # {head, "choices": [{choice, "logprobs": {"content": [entries]}}], "usage": {...}}: dicts opened by
+    # dropping their closing brace, so each entry is written (and dropped) on its own
+    w(dump(head)[:-1] + ',"choices":[' + dump(choice)[:-1] + ',"logprobs":{"content":[')
+    for i, st in enumerate(steps):
+        lp = st.raw_logprob if s.logprobs == "raw" else st.logprob
+        top = "" if st.top is None else ",".join(map(entry, st.top.ids.tolist(), st.top.logprobs.tolist()))
+        w(("," if i else "") + "\n" + entry(st.id, lp)[:-1] + ',"top_logprobs":[' + top + "]}")
+    w("\n]}}]," + dump({"usage": usage})[1:] + "\n")
+    sys.stdout.flush()
+
+
+class _OpenAIEntries:
+    """{"token", "logprob", "bytes"} as JSON text. bytes are the token's own bytes, so a piece of a
+    character survives; each token's text and bytes are encoded once per run (at most V of them),
+    which is what makes --top-logprobs V affordable."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.known: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, token_id: int, logprob: float) -> str:
+        parts = self.known.get(token_id)
+        if parts is None:
+            text = json.dumps(self.tokenizer.token_text(token_id), ensure_ascii=False)
+            data = json.dumps(list(self.tokenizer.token_bytes(token_id)), separators=(",", ":"))
+            parts = self.known[token_id] = ('{"token":' + text + ',"logprob":', ',"bytes":' + data + "}")
+        return parts[0] + json.dumps(logprob if logprob != float("-inf") else DROPPED) + parts[1]
+
+
 # ---- inspect --stages ------------------------------------------------------------------------
 
-def stage_report(table) -> None:
-    """The top tokens followed through every stage: value and rank at each, then the probability."""
+def stage_report(table, own_softcap: float | None = None) -> None:
+    """The top tokens followed through every stage: value and rank at each, then the probability.
+    `own_softcap`: the c a model applies to its own logits (Gemma-2), already in the raw column."""
     con = out()
+    if own_softcap:
+        con.print(f"raw: the model's logits, already soft-capped by the model itself at c = {own_softcap:g}")
     on = knobs_text(table.knobs) or "none (T = 1)"
     con.print(f"through the stages: {on} → softmax", soft_wrap=True)
     t = Table(show_edge=False)
@@ -142,8 +240,9 @@ def stage_report(table) -> None:
               f"{table.entropy:.4f} nats; #n is the rank at that stage", soft_wrap=True)
 
 
-def stages_json(table) -> dict:
+def stages_json(table, own_softcap: float | None = None) -> dict:
     return {
+        "own_softcap": own_softcap,
         "knobs": asdict(table.knobs),
         "columns": table.columns,
         "kept": table.kept,

@@ -53,10 +53,18 @@ def random_banner(model: str, random_weights: bool) -> None:
 
 def tie_line(tie) -> str:
     if tie.tied:
-        return (f"tie: {tie.head_name} [bold]is[/] {tie.embedding_name} (same object, same data_ptr)\n"
+        line = (f"tie: {_cell(tie.head_name)} [bold]is[/] {_cell(tie.embedding_name)} (same object, same data_ptr)\n"
                 f"     W_out = E, so each logit is z_k = e_k · h")
-    return (f"tie: [bold]untied[/]: {tie.head_name} is its own {tie.shape[0]}×{tie.shape[1]} matrix "
-            f"(tie_word_embeddings: {str(tie.config_tie_word_embeddings).lower()})")
+    else:
+        line = (f"tie: [bold]untied[/]: {_cell(tie.head_name)} is its own {tie.shape[0]}×{tie.shape[1]} matrix "
+                f"(tie_word_embeddings: {str(tie.config_tie_word_embeddings).lower()})")
+    return line + (f"\n{own_softcap_line(tie.own_softcap)}" if tie.own_softcap else "")
+
+
+def own_softcap_line(cap: float) -> str:
+    """What a model that soft-caps its own logits (Gemma-2) does after the head."""
+    return (f"the model soft-caps its own logits: z → c·tanh(z/c) with c = {cap:g} (final_logit_softcapping), "
+            "so every logit shown is already capped")
 
 
 def inspection(result, tie) -> None:
@@ -119,13 +127,16 @@ def tie_report(loaded) -> None:
     def yes(v) -> str:
         return "n/a (no file)" if v is None else ("yes" if v else "no")
 
-    table.add_row(f"{tie.head_name} is {tie.embedding_name}", yes(tie.same_object))
+    table.add_row(f"{_cell(tie.head_name)} is {_cell(tie.embedding_name)}", yes(tie.same_object))
     table.add_row("same data_ptr", yes(tie.same_data_ptr))
     table.add_row("config tie_word_embeddings", str(tie.config_tie_word_embeddings).lower())
-    table.add_row("weights file stores its own lm_head.weight", yes(tie.file_has_lm_head))
+    table.add_row(f"weights file stores its own {_cell(tie.head_name)}", yes(tie.file_has_lm_head))
     if tie.file_has_lm_head:
-        table.add_row("  stored lm_head.weight equals wte.weight", yes(tie.file_lm_head_equals_wte))
+        table.add_row(f"  stored {_cell(tie.head_name)} equals {_cell(tie.embedding_name)}",
+                      yes(tie.file_lm_head_equals_wte))
     table.add_row("matrix shape (V × d)", f"{tie.shape[0]:,} × {tie.shape[1]:,}")
+    if tie.own_softcap:
+        table.add_row("the model's own soft-cap c", f"{tie.own_softcap:g}")
     table.add_row("engine", loaded.engine.name)
     table.add_row("source", f"random weights, seed {loaded.seed}" if loaded.random_weights
                   else f"{loaded.kind}: {loaded.path}")

@@ -27,6 +27,8 @@ def lens_json(lens) -> dict:
         "truncated": lens.truncated,
         "position": lens.position,
         "layers": [asdict(layer) for layer in lens.layers],
+        "norm": lens.norm,
+        "tied": lens.tied,
     }
 
 
@@ -36,8 +38,8 @@ def _header(lens) -> None:
     last = lens.position == len(lens.prompt_tokens) - 1
     where = ("the last position" if last else
              f"position {lens.position} ({tok(lens.prompt_tokens[lens.position].text)}: what would follow it)")
-    con.print(f"logit lens: the residual stream at {where} after each layer, through ln_f "
-              "(recomputed for that vector) and the tied head")
+    con.print(f"logit lens: the residual stream at {where} after each layer, through {tok(lens.norm)} "
+              f"(recomputed for that vector) and the {'tied' if lens.tied else 'untied'} head")
     con.print("prompt: " + " ".join(f"[{show_token(t.text)}]" for t in lens.prompt_tokens), markup=False)
 
 
