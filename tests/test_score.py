@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import PROMPT, assert_rank
+from helpers import PROMPT, assert_rank, nan_checkpoint
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -373,13 +373,5 @@ def test_stride_check_needs_no_model():
 
 
 def test_nan_weight_is_one_line_exit_1(tmp_path, tiny):
-    from safetensors.torch import load_file, save_file
-
-    folder, _ = tiny
-    state = load_file(folder / "model.safetensors")
-    state["transformer.ln_f.weight"][3] = float("nan")
-    for name in ("config.json", "vocab.json", "merges.txt"):
-        (tmp_path / name).write_bytes((folder / name).read_bytes())
-    save_file(state, tmp_path / "model.safetensors")
-    got = runner.invoke(app, ["score", TEXT, "--model", str(tmp_path)])
+    got = runner.invoke(app, ["score", TEXT, "--model", str(nan_checkpoint(tiny[0], tmp_path))])
     assert got.exit_code == 1 and "non-finite logits" in got.stderr and "Traceback" not in got.output
