@@ -1,4 +1,5 @@
-"""GPT-2's byte-level BPE through the `tokenizers` library (fast, and no transformers import).
+"""GPT-2's byte-level BPE through the `tokenizers` library (fast, and no transformers import), and
+any tokenizer.json a checkpoint ships (SentencePiece-style pieces such as Llama's map back to text too).
 
 The bundled vocab.json / merges.txt (lmhead_cli/data/gpt2-tokenizer, MIT, OpenAI 2019) serve
 `random:` models and checkpoints that ship no tokenizer files of their own.
@@ -6,6 +7,7 @@ The bundled vocab.json / merges.txt (lmhead_cli/data/gpt2-tokenizer, MIT, OpenAI
 
 from __future__ import annotations
 
+import re
 from array import array
 from functools import lru_cache
 from importlib import resources
@@ -15,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 EOT = "<|endoftext|>"
 PIECE_CHARS = 1 << 16  # characters per piece when a long text is encoded
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one raw byte
 
 
 @lru_cache(maxsize=1)
@@ -37,6 +40,9 @@ class GPT2Tokenizer:
     def __init__(self, tok: Tokenizer, origin: str):
         self.tok = tok
         self.origin = origin  # where the files came from, for reports
+        # GPT-2's byte-level pieces map back to bytes through its table; SentencePiece-style ones
+        # (Llama, Gemma: "▁the", byte fallback "<0x0A>") through their own rules.
+        self.byte_level = tok.decoder is None or isinstance(tok.decoder, decoders.ByteLevel)
 
     @classmethod
     def from_folder(cls, folder: Path) -> GPT2Tokenizer | None:
@@ -82,6 +88,9 @@ class GPT2Tokenizer:
         piece = self.tok.id_to_token(token_id)
         if piece is None:
             return b""
+        if not self.byte_level:
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte[1], 16)]) if byte else piece.replace("▁", " ").encode("utf-8")
         table = _byte_decoder()
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
