@@ -834,7 +834,8 @@ def diff_cmd(
 def attribute_cmd(
     prompt: Annotated[Optional[str], typer.Argument(help="The text whose next-token logit to take apart.")] = None,
     target: Annotated[
-        Optional[str], typer.Option("--target", "-t", help="The token whose logit to decompose, e.g. --target ' are'.")
+        Optional[str],
+        typer.Option("--target", "-t", help="The token whose logit to decompose (required), e.g. --target ' are'."),
     ] = None,
     vs: Annotated[
         Optional[str], typer.Option("--vs", help="Decompose the logit difference z(target) − z(vs) instead.")
