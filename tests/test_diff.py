@@ -100,6 +100,17 @@ def test_divergence_arithmetic_against_torch():
         assert ranks(za, ids).tolist() == [1 + int((za > za[i]).sum()) for i in ids]
 
 
+def test_the_head_runs_on_each_last_position_only(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu")
+    seen = []
+    hook = loaded.engine.head_module.register_forward_hook(lambda _m, i, o: seen.append((tuple(i[0].shape), tuple(o.shape))))
+    try:
+        diff_prompts(loaded, A, "The keys on the table, said", top_k=2)
+    finally:
+        hook.remove()
+    assert seen == [((1, 1, 64), (1, 1, 50257))] * 2  # two forwards, one (1, 1, D) row each
+
+
 def test_untied(tiny_untied):
     folder, model = tiny_untied
     d = diff_prompts(load_model(str(folder), device="cpu"), A, B, top_k=3)

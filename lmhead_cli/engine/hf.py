@@ -135,7 +135,7 @@ class TransformersEngine(Engine):
                                   (wte, wpe) if wte is not None and wpe is not None else None)
 
     def _taps(self, block: nn.Module) -> LayerTaps:
-        attn = getattr(block, "attn", None) or getattr(block, "self_attn", None)
+        attn = next((getattr(block, n) for n in ("attn", "self_attn", "attention") if hasattr(block, n)), None)
         proj = next((getattr(attn, n) for n in ("c_proj", "o_proj", "out_proj", "dense") if hasattr(attn, n)), None)
         mlp = getattr(block, "mlp", None)
         if proj is None or mlp is None:

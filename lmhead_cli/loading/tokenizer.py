@@ -8,6 +8,7 @@ The bundled vocab.json / merges.txt (lmhead_cli/data/gpt2-tokenizer, MIT, OpenAI
 from __future__ import annotations
 
 import re
+from array import array
 from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
@@ -17,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from lmhead_cli.errors import UsageError
 
 EOT = "<|endoftext|>"
+PIECE_CHARS = 1 << 16  # characters per piece when a long text is encoded
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one raw byte
 # Prompt text lmhead tokenizes in one piece at most. A longer prompt is cut at a boundary that
 # BPE cannot cross (see `encode_tail`); a tokenizer without that guarantee refuses it instead.
@@ -68,6 +70,24 @@ class GPT2Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_long(self, text: str, piece_chars: int = PIECE_CHARS) -> array:
+        """The ids of a text of any length, as a compact int32 array (4 bytes a token).
+
+        `tokenizers` holds ~150 bytes per token while it encodes (1.4 GB for a 10 MB text), so a long
+        text is encoded in pieces of about `piece_chars` characters, cut only at forced boundaries
+        (`_forced`, the proof is in `encode_tail`), so the ids are those of encoding the whole text
+        at once. Other tokenizers encode it whole."""
+        ids = array("i")
+        if len(text) <= piece_chars or not self._cuttable:
+            ids.extend(self.encode(text))
+            return ids
+        start = 0
+        while start < len(text):
+            end = _cut(text, start + piece_chars)
+            ids.extend(self.encode(text[start:end]))
+            start = end
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -174,6 +194,15 @@ def _forced(text: str, j: int) -> bool:
         return False
     ok = b not in _SPACE if kind_a == "S" else _class(b) not in ("", kind_a)
     return ok and EOT not in text[max(0, j - len(EOT) + 1): j + len(EOT) - 1]
+
+
+def _cut(text: str, at: int) -> int:
+    """The first forced boundary (`_forced`) at or after `at`, len(text) if none: where a long text
+    can be cut for `encode_long` and each piece encoded on its own."""
+    for i in range(max(at, 1), len(text)):
+        if _forced(text, i):
+            return i
+    return len(text)
 
 
 def _bpe(vocab: Path, merges: Path) -> Tokenizer:

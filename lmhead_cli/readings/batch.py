@@ -48,7 +48,7 @@ class PromptLines:
         self._number = 0
         self._offset = 0
         self._pending: PromptLine | None = None
-        self._stream = _open(name)
+        self._stream = open_input(name, "prompt file")
 
     def first(self) -> PromptLine:
         if self._pending is None:
@@ -88,19 +88,21 @@ class PromptLines:
             self.skipped_empty += 1
 
 
-def _open(name: str):
+def open_input(name: str, what: str):
+    """The binary stream behind a file option (`-`: stdin), opened now so that a bad path fails before
+    any model loads; a missing or unreadable file, or a closed stdin, is a UsageError that names it as `what`."""
     if name == STDIN:
         if sys.stdin is None or getattr(sys.stdin, "closed", False):
-            raise UsageError("--file -: stdin is closed; pass a file or pipe the prompts in")
+            raise UsageError(f"the {what} is stdin, and stdin is closed; pass a file or pipe it in")
         return getattr(sys.stdin, "buffer", sys.stdin)
     try:
-        return open(name, "rb")  # noqa: SIM115 - read line by line until the command ends
+        return open(name, "rb")  # noqa: SIM115 - the caller reads and closes it
     except FileNotFoundError:
-        raise UsageError(f"no such prompt file: {name}") from None
+        raise UsageError(f"no such {what}: {name}") from None
     except IsADirectoryError:
-        raise UsageError(f"{name} is a folder, not a prompt file") from None
+        raise UsageError(f"{name} is a folder, not a {what}") from None
     except OSError as e:
-        raise UsageError(f"cannot read the prompt file {name}: {e.strerror or e}") from None
+        raise UsageError(f"cannot read the {what} {name}: {e.strerror or e}") from None
 
 
 @dataclass(frozen=True)
