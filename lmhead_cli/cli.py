@@ -180,6 +180,23 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def _spellings(fn) -> dict[str, str]:
+    """How the user types each parameter of command `fn`: `--target` for an option, `the prompt` for an
+    argument (read from the Annotated typer.Option / typer.Argument of its signature)."""
+    from typing import get_args
+
+    spelled = {}
+    for p in pyinspect.signature(fn, eval_str=True).parameters.values():
+        info = next((a for a in get_args(p.annotation)[1:] if isinstance(a, (typer.models.ParameterInfo))), None)
+        if isinstance(info, typer.models.ArgumentInfo):
+            spelled[p.name] = f"the {p.name.replace('_', ' ')}"
+        elif info is not None:  # typer.Option("--target", "-t"): the first name can arrive as `default`
+            names = [d for d in (info.default, *(info.param_decls or ())) if isinstance(d, str) and d.startswith("-")]
+            if names:
+                spelled[p.name] = next((d for d in names if d.startswith("--")), names[0])
+    return spelled
+
+
 def _say(line: str) -> None:
     """One line on stderr, if there is a stderr to write to."""
     try:
@@ -210,13 +227,15 @@ def _boundary(fn, command: str):
     Ctrl-C exits 130 and keeps what was printed; a closed pipe (`| head`) ends quietly.
     Any other exception is a bug: one line too, with LMHEAD_DEBUG=1 for the traceback.
     """
+    spelled = _spellings(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             from lmhead_cli.inputs import check_args
 
-            check_args(kwargs)  # bytes that are not UTF-8 in any argument: a usage error, before anything
+            # bytes that are not UTF-8 in any argument: a usage error, before anything
+            check_args(kwargs, lambda name: spelled.get(name) or f"--{name.replace('_', '-')}")
             return fn(*args, **kwargs)
         except typer.Exit:
             raise

@@ -145,15 +145,16 @@ def test_inspect_file_prints_before_the_last_line_is_read(tiny):
         proc.kill()
 
 
+@pytest.mark.parametrize("command", ["inspect", "score"])
 @pytest.mark.parametrize("source, message", [
     ("/dev/zero", "line 1 is longer than 1,048,576 bytes"),
     ("long", "line 2 is longer than 1,048,576 bytes"),
 ])
-def test_prompt_lines_are_read_with_a_limit(tmp_path, source, message):
+def test_file_lines_are_read_with_a_limit(tmp_path, tiny, command, source, message):
     if source == "long":
         source = tmp_path / "long.txt"
-        source.write_bytes(b"ok\n" + b"a" * (1 << 20) + b"b\n")
-    got = invoke(["inspect", "--file", str(source), "--model", "random:gpt2"])
+        source.write_bytes(b"ok fine\n" + b"a" * (1 << 20) + b"b\n")
+    got = invoke([command, "--file", str(source), "--model", str(tiny[0])])
     assert got.exit_code == 2 and message in got.stderr
 
 
@@ -163,6 +164,8 @@ def test_stdin_prompt_is_read_with_a_limit(monkeypatch):
     monkeypatch.setattr(inputs, "MAX_STDIN_BYTES", 1000)
     got = invoke(["generate", "-", "--model", "random:gpt2"], input=b"\0" * 1001)
     assert got.exit_code == 2 and "the prompt on stdin is longer than 1,000 bytes" in got.stderr
+    got = invoke(["score", "-", "--model", "random:gpt2"], input=b"\0" * 1001)
+    assert got.exit_code == 2 and "the text on stdin is longer than 1,000 bytes" in got.stderr
 
 
 LONG_TEXTS = {

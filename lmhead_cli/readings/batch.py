@@ -17,7 +17,7 @@ import torch
 
 from lmhead_cli.errors import BadValue, LmheadError, UsageError
 from lmhead_cli.head import check_finite, clamp_top_k, encode_targets
-from lmhead_cli.inputs import MAX_LINE_BYTES, decode_utf8
+from lmhead_cli.inputs import MAX_LINE_BYTES, bounded_lines
 from lmhead_cli.readings.inspect import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
 from lmhead_cli.loading.sources import Loaded
 
@@ -45,10 +45,8 @@ class PromptLines:
         self.name, self.max_bytes = name, max_bytes
         self.label = "stdin" if name == STDIN else name
         self.skipped_empty = 0
-        self._number = 0
-        self._offset = 0
         self._pending: PromptLine | None = None
-        self._stream = open_input(name, "prompt file")
+        self._lines = bounded_lines(open_input(name, "prompt file"), self.label, max_bytes)
 
     def first(self) -> PromptLine:
         if self._pending is None:
@@ -67,25 +65,11 @@ class PromptLines:
         return line
 
     def _next(self) -> PromptLine | None:
-        while True:
-            try:
-                raw = self._stream.readline(self.max_bytes + 1)  # +1: room for the newline of a full line
-            except OSError as e:
-                raise UsageError(f"cannot read {self.label}: {e.strerror or e}") from None
-            if not raw:
-                return None
-            self._number += 1
-            if len(raw) > self.max_bytes and not raw.endswith(b"\n"):
-                raise UsageError(f"{self.label}: line {self._number:,} is longer than {self.max_bytes:,} bytes, the "
-                                 "limit for one prompt (the model reads only its last tokens anyway); shorten it")
-            if self._number == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
-            text = decode_utf8(raw, self.label, self._number, self._offset)
-            self._offset += len(raw)
-            text = text.removesuffix("\n").removesuffix("\r")
+        for number, _, text in self._lines:
             if text.strip():
-                return PromptLine(self._number, text)
+                return PromptLine(number, text)
             self.skipped_empty += 1
+        return None
 
 
 def open_input(name: str, what: str):
