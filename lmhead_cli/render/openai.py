@@ -12,7 +12,6 @@ bytes exactly), so a token that is half a character keeps them.
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -54,8 +53,9 @@ class Completion:
 
     def rows(self, ids, logprobs, top_ids=None, top_logprobs=None) -> None:
         """Several tokens at once: ids (n,), logprobs (n,), top_ids and top_logprobs (n, K) or None."""
-        tops = zip(top_ids.tolist(), top_logprobs.tolist()) if top_ids is not None else itertools.repeat(())
-        for token_id, logprob, top in zip(ids.tolist(), logprobs.tolist(), tops):
+        for i, (token_id, logprob) in enumerate(zip(ids.tolist(), logprobs.tolist())):
+            # one row's top tokens as Python numbers at a time: K of them, not n × K
+            top = (top_ids[i].tolist(), top_logprobs[i].tolist()) if top_ids is not None else ()
             self.entry(token_id, logprob, *top)
 
     def end(self, prompt_tokens: int, completion_tokens: int) -> None:
