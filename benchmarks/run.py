@@ -33,6 +33,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from checkpoint import gpt2_small  # noqa: E402
+import score_bench  # noqa: E402 - issue 11's rows, measured and written by benchmarks/score_bench.py
 from prompts import file_prompts  # noqa: E402
 
 PYTHON = sys.executable
@@ -720,6 +721,9 @@ def main() -> None:
         R["forms"] = probe("head-forms", str(folder), str(max(args.repeats * 4, 10)))
         section("distributed")
         R["distributed"] = distributed(folder, 256, 2, 1)
+    if cpu:  # issue 11: `lmhead score` (benchmarks/score_bench.py)
+        section("score")
+        R["score"] = score_bench.measure(folder, run, quick=args.quick)
     if bandwidths:
         # The best of the measurements (start, middle, end): other work can only make it look lower.
         R["bandwidth"] = {k: max(b[k] for b in bandwidths) if "gbs" in k else v for k, v in bandwidths[0].items()}
@@ -729,7 +733,7 @@ def main() -> None:
                        "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
     R["machine"] = machine()
     R["elapsed_s"] = time.perf_counter() - began
-    text = report(R, args)
+    text = report(R, args) + (score_bench.report(R["score"]) if "score" in R else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     print(text)

@@ -19,7 +19,7 @@ from typer.core import TyperCommand
 
 from lmhead_cli import __version__
 from lmhead_cli.decoding.stages import GEMMA2_CAP, STAGES, option  # the registry: no torch
-from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, UnsupportedModel, UsageError
+from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken, UnsupportedModel, UsageError
 
 app = typer.Typer(
     name="lmhead",
@@ -178,6 +178,8 @@ def message(e: LmheadError, command: str) -> str:
     """A domain error as one line, with the settings, modes and examples spelled for `lmhead COMMAND`."""
     if isinstance(e, BadValue):
         return e.spelled(option(e.key))
+    if isinstance(e, OneToken):
+        return f"{e}: add --bos to score it after <|endoftext|>"
     if isinstance(e, NoPrompt):
         return f'{e}, e.g. lmhead {command} "{DEFAULT_PROMPT}"'
     if isinstance(e, ModeConflict):
@@ -634,6 +636,10 @@ def lens_cmd(
         int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.",
                           min=1)
     ] = 8,
+    position: Annotated[
+        Optional[int], typer.Option("--position", help="Read the prompt at token I (0-based; -1 the last): "
+                                    "what each layer predicts after it.", show_default="the last")
+    ] = None,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -648,7 +654,7 @@ def lens_cmd(
 
     check_request(prompt, target, top_k)
     loaded = source.load()
-    result = lens_prompt(loaded, prompt, target, top_k)
+    result = lens_prompt(loaded, prompt, target, top_k, position)
     render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
     if json_out:
         render.print_json(lens_json(result))
@@ -706,6 +712,158 @@ def explore_cmd(
     finally:
         history.save()
         sys.stderr.write("\n")
+
+
+# ==== score (issue 11) ===========================================================================
+
+@command("score")
+def score_cmd(
+    text: Annotated[
+        Optional[str], typer.Argument(help="The text to score; - reads it from stdin.")
+    ] = None,
+    file: Annotated[
+        Optional[str], typer.Option("--file", "-f", help="Score every line of this file (- for stdin) as its own "
+                                    "text, streamed; a corpus summary at the end.")
+    ] = None,
+    bos: Annotated[
+        bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is scored too.")
+    ] = False,
+    stride: Annotated[
+        Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
+                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)
+    ] = None,
+    chunk: Annotated[
+        Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
+                                    "bytes of float32 logits (GPT-2: 201 kB a position) and as much again for "
+                                    "their log-softmax.", show_default="the most within 32 MiB: 166 for GPT-2",
+                                    min=1)
+    ] = None,
+    show_table: Annotated[
+        bool, typer.Option("--table", help="Also list every token's figures (a long text: the first and last rows).")
+    ] = False,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Score every token of a text you already have: log-probability, rank, entropy, surprisal, perplexity.
+
+    Each token is coloured by its rank (top-1, 10, 100, 1000, the rest); marked instead without colour.
+
+    Example: lmhead score "The keys on the table are on the table." --table
+    """
+    from lmhead_cli.readings import score as scoring
+    from lmhead_cli.readings.batch import open_input
+    from lmhead_cli.render import score as show
+
+    if file is not None:
+        if text is not None:
+            raise UsageError("give a text or --file, not both")
+        if show_table:
+            raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
+        stream = open_input(file, "text file")  # before the load: a bad path fails in an instant
+        try:
+            loaded = source.load()
+            if stride is not None:
+                scoring.check_stride(stride, loaded.engine.n_ctx)
+            corpus = scoring.Corpus()
+            items = scoring.score_lines(loaded, scoring.read_lines(stream, file), corpus, bos=bos, stride=stride,
+                                        chunk=chunk)
+            size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
+            show.file_report(items, corpus, loaded.source, loaded.random_weights, json_out, size)
+        finally:
+            if stream is not sys.stdin.buffer:
+                stream.close()
+        return
+    if text is None:
+        raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '
+                         "(- reads stdin; --file PATH scores one text a line)")
+    text = scoring.check_text(scoring.read_text(sys.stdin.buffer) if text == "-" else text)
+    loaded = source.load()
+    if stride is not None:
+        scoring.check_stride(stride, loaded.engine.n_ctx)
+    with show.Progress("scoring") as progress:
+        result = scoring.score_text(loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)
+    if json_out:
+        show.write_json(result)
+    else:
+        show.report(result, show_table)
+
+
+# ==== diff / attribute (issue 12) ================================================================
+
+@command("diff")
+def diff_cmd(
+    prompt_a: Annotated[Optional[str], typer.Argument(help="The first prompt (A).")] = None,
+    prompt_b: Annotated[Optional[str], typer.Argument(help="The second prompt (B).")] = None,
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="Rows per side, and N for the movers: the union of both top N.",
+                          min=1)
+    ] = 10,
+    target: TargetOpt = None,
+    movers: Annotated[int, typer.Option("--movers", help="How many risers and fallers to list.")] = 5,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Two prompts' next-token distributions side by side: KL both ways, Jensen–Shannon, total variation,
+    each side's top tokens with their rank on the other side, the biggest risers and fallers.
+
+    Example: lmhead diff "The key on the table" "The keys on the table" --target " is" --target " are"
+    """
+    from lmhead_cli import render
+    from lmhead_cli.readings.diff import diff_prompts
+    from lmhead_cli.readings.inspect import check_request
+    from lmhead_cli.render.diff import diff_json, diff_report
+
+    if prompt_a is None or prompt_b is None:
+        raise UsageError('give two prompts, e.g. lmhead diff "The key on the table" "The keys on the table"')
+    check_request(prompt_a, target, top_k)
+    check_request(prompt_b, target, top_k)
+    if movers < 0:
+        raise BadValue("movers", f"must be at least 0 (got {movers})")
+    loaded = source.load()
+    result = diff_prompts(loaded, prompt_a, prompt_b, top_k, target, movers)
+    for side in (result.a, result.b):
+        render.truncated(len(side.prompt_tokens), side.truncated, loaded.engine.n_ctx)
+    render.multi_piece_notices(result.targets)
+    if json_out:
+        render.print_json(diff_json(result))
+    else:
+        diff_report(result)
+
+
+@command("attribute")
+def attribute_cmd(
+    prompt: Annotated[Optional[str], typer.Argument(help="The text whose next-token logit to take apart.")] = None,
+    target: Annotated[
+        Optional[str],
+        typer.Option("--target", "-t", help="The token whose logit to decompose (required), e.g. --target ' are'."),
+    ] = None,
+    vs: Annotated[
+        Optional[str], typer.Option("--vs", help="Decompose the logit difference z(target) − z(vs) instead.")
+    ] = None,
+    heads: Annotated[bool, typer.Option("--heads", help="Also list every attention head's share.")] = False,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Direct logit attribution: a token's logit (or a logit difference) split exactly into the embeddings,
+    each layer's attention heads and MLP, and the final norm's bias, with the check that they add up.
+
+    Example: lmhead attribute "The keys on the table" --target " are" --vs " is" --heads
+    """
+    from lmhead_cli import render
+    from lmhead_cli.readings.attribute import attribute_logit, check_attribute
+    from lmhead_cli.render.attribute import attribution, attribution_json
+
+    if target is None and prompt is not None:
+        raise UsageError("attribute needs --target: the token whose logit to take apart, e.g. --target ' are'")
+    check_attribute(prompt, target, vs)
+    loaded = source.load()
+    result = attribute_logit(loaded, prompt, target, vs)
+    render.truncated(len(result.prompt_tokens), result.truncated, loaded.engine.n_ctx)
+    render.multi_piece_notices([t for t in (result.target, result.vs) if t is not None])
+    if json_out:
+        render.print_json(attribution_json(result))
+    else:
+        attribution(result, heads)
 
 
 def main() -> None:

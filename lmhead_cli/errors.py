@@ -56,6 +56,16 @@ class ModeConflict(UsageError):
         self.asked = asked
 
 
+class OneToken(UsageError):
+    """A text of a single token: the first token has nothing before it to be predicted from, so there is
+    nothing to score. The CLI says how to put a beginning-of-text token before it."""
+
+    def __init__(self, token: str):
+        super().__init__(f"the text is one token ({token!r}), and the first token has nothing before it to be "
+                         "predicted from")
+        self.token = token
+
+
 class ModelNotFound(LmheadError):
     """A model source that is neither a cached/reachable hub id, a local folder nor a random: name."""
 

@@ -36,42 +36,58 @@ class TargetScore:
     prob: float
 
 
+NON_FINITE_ADVICE = ("the weights hold non-finite values or overflowed in this dtype; check the checkpoint "
+                     "or try float32")
+
+
 def check_finite(logits: torch.Tensor) -> None:
     """Raise NonFiniteLogits if any logit is NaN or infinite (safetensors does not check values)."""
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
-        raise NonFiniteLogits(f"the head produced {bad} non-finite logits (NaN or inf): the weights "
-                              "hold non-finite values or overflowed in this dtype; check the checkpoint "
-                              "or try float32")
+        raise NonFiniteLogits(f"the head produced {bad} non-finite logits (NaN or inf): {NON_FINITE_ADVICE}")
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V);
-    a filtered token (-inf) gets -inf."""
+    a filtered token (-inf) gets -inf. `inplace` overwrites float32 logits with their log-probabilities,
+    so that no second (..., V) buffer is held (`score`'s chunks)."""
+    if inplace:
+        z = logits.float()
+        return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
     return torch.log_softmax(logits.float(), dim=-1)
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats per distribution, (..., V) log-probabilities -> (...) float32.
 
-    A dropped token (p = 0, log p = -inf) adds nothing: -inf is clamped to the lowest finite float,
-    so 0·log 0 counts as 0 (torch.special.entr is ~10x slower on CPU).
+    A dropped token (p = 0, log p = -inf) adds nothing: its 0·(-inf) = NaN is counted as 0
+    (torch.special.entr is ~10x slower on CPU). p is multiplied in place, so a (N, V) input needs one
+    more (N, V) buffer, not three (`score` runs this on chunks of logits).
     """
-    return -(logprobs.exp() * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(dim=-1)
+    p = logprobs.exp()
+    return -p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)
 
 
 def nats_to_bits(nats: float) -> float:
     return nats / math.log(2)
 
 
+RANKS_BY_COMPARISON = 64  # up to this many tokens, (K, V) booleans beat a sort of V
+
+
 def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The rank of each token in `ids` among `logits`: 1 + the tokens scored strictly higher.
 
-    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. One comparison
-    of (..., K, V) booleans, so K should be the handful of tokens a table shows, not V.
+    logits (..., V), ids (..., K) long -> (..., K) long. Ties share the better rank. A handful of
+    tokens (a table's rows) take one comparison of (..., K, V) booleans; more (`diff -k 50000` ranks
+    every row on the other side) take one sort and a binary search each, so memory stays O(V).
     """
     picked = logits.gather(-1, ids)  # (..., K)
-    return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+    if ids.shape[-1] <= RANKS_BY_COMPARISON:
+        return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
+    ascending = torch.sort(logits, dim=-1).values  # (..., V)
+    not_higher = torch.searchsorted(ascending, picked.contiguous(), right=True)  # (..., K): how many ≤ z
+    return 1 + logits.shape[-1] - not_higher
 
 
 def rank_of(logits: torch.Tensor, token_id: int) -> int:
@@ -122,3 +138,54 @@ def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) ->
     first = ids[0]
     return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=rank_of(logits, first),
                        logit=float(logits[first]), prob=float(log_softmax(logits)[first].exp()))
+
+
+@dataclass(frozen=True)
+class RowScores:
+    """How a distribution rated a given token, row by row; every field has the rows' shape (N,)."""
+
+    logprob: torch.Tensor  # log p(id), float32
+    rank: torch.Tensor  # 1 = the model's own top-1, int64
+    entropy: torch.Tensor  # nats, float32
+    top_id: torch.Tensor  # the model's own top-1 token, int64
+    top_logprob: torch.Tensor  # its log-probability, float32
+
+
+def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
+    """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row.
+
+    The logits are overwritten with their log-probabilities, so the N rows take about two (N, V)
+    float32 buffers at most (the logits and, for the entropy, the probabilities): a caller bounds the
+    memory by how many rows it passes (`lmhead score --chunk`)."""
+    rank = ranks(logits, ids[:, None])[:, 0]
+    logprobs = log_softmax(logits, inplace=True)  # (N, V) float32, in the logits' place
+    top_logprob, top_id = logprobs.max(-1)
+    if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)
+        raise NonFiniteLogits("the head produced non-finite logits (NaN or inf) at "
+                              f"{int((~torch.isfinite(top_logprob)).sum())} positions: " + NON_FINITE_ADVICE)
+    return RowScores(logprob=logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rank=rank,
+                     entropy=entropy(logprobs), top_id=top_id, top_logprob=top_logprob)
+
+
+# ---- two distributions compared (`diff`) -------------------------------------------------------
+# Divergences are summed in float64 over log-probabilities, so identical inputs give exactly 0 and
+# tokens with p = 0 in float32 (a logprob of -inf never arises: softmax of finite logits is > 0) add
+# nothing spurious.
+
+def kl_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """KL(p‖q) = Σ p (log p − log q) in nats, for two distributions given by log-probabilities (V,)."""
+    logp, logq = logp.double(), logq.double()
+    return float((logp.exp() * (logp - logq)).sum())
+
+
+def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Jensen–Shannon divergence ½ KL(p‖m) + ½ KL(q‖m), m = (p + q)/2, in nats (at most ln 2)."""
+    logp, logq = logp.double(), logq.double()
+    logm = torch.logaddexp(logp, logq) - math.log(2)
+    return 0.5 * kl_divergence(logp, logm) + 0.5 * kl_divergence(logq, logm)
+
+
+def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Total variation distance ½ Σ |p − q|: the most probability any set of tokens gains or loses, in [0, 1]."""
+    return float(0.5 * (logp.double().exp() - logq.double().exp()).abs().sum())
+

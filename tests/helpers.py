@@ -51,6 +51,19 @@ def with_ln_f(folder, *, seed: int, n_layer: int = 2):
     return folder, model
 
 
+def nan_checkpoint(folder: Path, into: Path) -> Path:
+    """A copy of the checkpoint in `folder`, saved in `into`, with one NaN in ln_f's weight: safetensors
+    loads it, and every logit comes out NaN."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    state["transformer.ln_f.weight"][3] = float("nan")
+    for name in ("config.json", "vocab.json", "merges.txt"):
+        (into / name).write_bytes((folder / name).read_bytes())
+    save_file(state, into / "model.safetensors")
+    return into
+
+
 def assert_rank(rank: int, z: torch.Tensor, i: int, atol: float = 1e-4) -> None:
     """rank = 1 + the tokens scored higher than i, give or take those within float noise of z[i]."""
     higher, close = int((z > z[i] + atol).sum()), int(((z - z[i]).abs() <= atol).sum())

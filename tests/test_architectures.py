@@ -239,6 +239,64 @@ def test_explore_piped_answers_with_the_forwards_top_token(arch):
     assert show_token(top) in got.stdout and "block 2" in got.stdout and "2 tokens sampled" in got.stdout
 
 
+# ---- diff, attribute --------------------------------------------------------------------------
+
+def test_diff_against_the_forwards_distributions(arch):
+    _, model = arch
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    other = "The key on the table"
+    d = doc(arch, "diff", other, PROMPT, "-k", "3", "-t", " are")
+    lp = torch.log_softmax(forward(model, GPT2Tokenizer.bundled().encode(other)).logits[0, -1].double(), -1)
+    lq = torch.log_softmax(forward(model).logits[0, -1].double(), -1)  # capped by Gemma-2 itself
+    assert d["kl_ab"] == pytest.approx(float((lp.exp() * (lp - lq)).sum()), abs=2e-6) and d["kl_ab"] > 1e-4
+    assert d["tv"] == pytest.approx(float((lp.exp() - lq.exp()).abs().sum() / 2), abs=1e-6)
+    assert [t["id"] for t in d["b"]["top"]] == torch.topk(lq, 3).indices.tolist()
+    assert d["targets"][0]["delta"] == pytest.approx(float(lq[389] - lp[389]), abs=1e-4)
+
+
+def test_attribute_llama_through_its_rmsnorm(llama):
+    """RMSNorm has no centring and no β; no position table, so the embedding is the first layer's input.
+    Each part against the module's own output (hooks), the sum against the forward's logit difference."""
+    _, model = llama
+    got: dict = {}
+    layers = model.model.layers
+    hooks = [layers[0].register_forward_pre_hook(
+        lambda _m, args, kw: got.__setitem__("embed.token", (args[0] if args else kw["hidden_states"])[0, -1]),
+        with_kwargs=True),
+        layers[-1].register_forward_hook(
+            lambda _m, _i, o: got.__setitem__("resid", (o[0] if isinstance(o, tuple) else o)[0, -1]))]
+    for i, layer in enumerate(layers):
+        hooks.append(layer.self_attn.register_forward_hook(lambda _m, _i, o, i=i: got.__setitem__(f"attn.{i}", o[0][0, -1])))
+        hooks.append(layer.mlp.register_forward_hook(lambda _m, _i, o, i=i: got.__setitem__(f"mlp.{i}", o[0, -1])))
+    try:
+        z = forward(model).logits[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    d = doc(llama, "attribute", PROMPT, "-t", " are", "--vs", " is")
+    norm = model.model.norm
+    x = got["resid"].double()
+    rms = (x.pow(2).mean() + norm.variance_epsilon).sqrt()
+    W = model.lm_head.weight.detach().double()
+    e = W[389] - W[318]
+    parts = {p["name"]: p["value"] for p in d["parts"]}
+    assert list(parts) == ["embed.token", "attn.0", "mlp.0", "attn.1", "mlp.1"]  # no position table, no β
+    for name, value in parts.items():
+        v = got[name].double()
+        assert value == pytest.approx(float(e @ (norm.weight.detach().double() * v / rms)), abs=1e-5), name
+    assert len(d["heads"]) == 2 * 4
+    assert d["sum"] == pytest.approx(float(z[389] - z[318]), abs=1e-4) and abs(d["error"]) < 1e-4
+
+
+def test_attribute_refuses_gemma2_in_one_line(gemma2):
+    """Gemma-2 normalises each attention and MLP output before adding it: no plain sum to split."""
+    got = run(gemma2, "attribute", PROMPT, "-t", " are")
+    assert got.exit_code == 1 and got.stdout == ""
+    assert got.stderr == ("lmhead: error: gemma2 layers normalise their outputs before adding them to the residual "
+                          "stream (post_feedforward_layernorm), so the stream is not a sum of the layers' outputs\n")
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 def test_params_refuses_in_one_line_naming_the_model_type(arch):

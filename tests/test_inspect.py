@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, nan_checkpoint
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
@@ -180,15 +180,7 @@ def test_bad_input_gets_one_line_and_an_exit_code(args, code, message):
 
 
 def test_nan_weight_is_a_clear_error(tmp_path, tiny):
-    from safetensors.torch import load_file, save_file
-
-    folder, _ = tiny
-    state = load_file(folder / "model.safetensors")
-    state["transformer.ln_f.weight"][3] = float("nan")
-    for name in ("config.json", "vocab.json", "merges.txt"):
-        (tmp_path / name).write_bytes((folder / name).read_bytes())
-    save_file(state, tmp_path / "model.safetensors")
-    r = run("inspect", PROMPT, "--model", str(tmp_path))
+    r = run("inspect", PROMPT, "--model", str(nan_checkpoint(tiny[0], tmp_path)))
     assert r.exit_code == 1
     assert "non-finite logits" in r.stderr and "Traceback" not in r.output
 

@@ -137,3 +137,38 @@ def test_cli_bad_input_exits_2(ckpt, args, message):
     got = runner.invoke(app, ["lens", *args, "--model", str(folder)])
     assert got.exit_code == 2
     assert message in got.stderr
+
+
+# ---- --position (issue 11): the lens at any position of the prompt ----------------------------------
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_any_position_matches_transformers(ckpt, engine):
+    """The model is causal, so position i of the prompt is the last position of its first i + 1 tokens:
+    transformers' rows for that prefix are the oracle."""
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    for position in (0, 2, -2):
+        at = position % len(PROMPT_IDS)
+        lens = lens_prompt(loaded, PROMPT, [" are"], position=position)
+        assert lens.position == at
+        for row, ours, theirs in zip(lens.layers, lens.logits, reference_rows(model, PROMPT_IDS[: at + 1])):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+            assert row.top_id == int(theirs.argmax())
+    assert lens_prompt(loaded, PROMPT).position == len(PROMPT_IDS) - 1  # the default stays the last
+
+
+def test_cli_position_json_and_range(ckpt, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    folder, _ = ckpt
+    got = runner.invoke(app, ["lens", PROMPT, "--position", "1", "--model", str(folder), "--json"])
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    assert doc["position"] == 1
+    last = json.loads(runner.invoke(app, ["lens", PROMPT, "--model", str(folder), "--json"]).stdout)
+    assert last["position"] == len(PROMPT_IDS) - 1 and last["layers"] != doc["layers"]
+    table = runner.invoke(app, ["lens", PROMPT, "--position", "1", "--model", str(folder)])
+    assert "position 1 (␣keys" in table.stdout
+    assert "what `lmhead score` reports for token 2" in table.stdout
+    for bad in ("5", "-6"):
+        got = runner.invoke(app, ["lens", PROMPT, "--position", bad, "--model", str(folder)])
+        assert got.exit_code == 2 and "outside the prompt's 5 tokens" in got.stderr

@@ -208,7 +208,8 @@ def test_openai_document_matches_transformers(tiny):
         assert e["logprob"] == pytest.approx(float(raw[ids[i]]), abs=1e-4)
         best = torch.topk(raw, 3)
         assert [t["logprob"] for t in e["top_logprobs"]] == pytest.approx(best.values.tolist(), abs=1e-4)
-    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", "replace") == d["choices"][0]["message"]["content"]
+    joined = b"".join(bytes(e["bytes"]) for e in content)
+    assert joined.decode("utf-8", "replace") == d["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("command", ["greedy", "sample", "softcap"])

@@ -34,3 +34,23 @@ def test_token_text_shows_bytes_of_partial_characters():
         assert "\ufffd" not in tok.token_text(ids[0])
         assert tok.token_text(ids[0]).startswith("\\x")
     assert tok.token_text(8251) == " keys"
+
+
+def test_a_sentencepiece_style_tokenizer_json_maps_pieces_back_to_bytes(tmp_path):
+    """Llama- and Gemma-style pieces: "▁" is a space and "<0xF0>" one raw byte (byte fallback), so the
+    pieces' bytes join to exactly what the tokenizer's own decoder makes of the ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = [("<unk>", 0.0)] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    pieces += [(p, -1.0) for p in ["▁The", "▁keys", "▁on", "▁the", "▁table"]]
+    sp = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sp.save(str(tmp_path / "tokenizer.json"))
+
+    tok = GPT2Tokenizer.from_folder(tmp_path)
+    text = "The keys on the table\n😀"
+    ids = tok.encode(text)
+    assert len(ids) == 10  # five words, a newline byte and the emoji's four bytes
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == tok.decode(ids) == " " + text
+    assert [tok.token_text(i) for i in ids[4:7]] == [" table", "\n", "\\xf0"]

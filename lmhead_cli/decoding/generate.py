@@ -100,6 +100,10 @@ class Step:
     alternatives: list[Choice] = field(default_factory=list)  # the K most probable, processed (show_steps)
     top: Top | None = None  # the top_logprobs most probable, raw or processed (Settings.logprobs)
 
+    @property
+    def raw_prob(self) -> float:
+        return math.exp(self.raw_logprob)
+
 
 @dataclass(frozen=True)
 class FinishedBeam:

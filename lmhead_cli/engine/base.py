@@ -10,7 +10,7 @@ Shapes: B batch, T positions, D width, V vocabulary, L layers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,125 @@ class TieNames:
     embedding: str  # e.g. "transformer.wte.weight" or "model.embed_tokens.weight"
 
 
+@dataclass(frozen=True)
+class NormLinearisation:
+    """The final norm N(x) = γ ⊙ C(x) / σ(x) + β with σ held at its value for one residual vector x, which
+    makes it linear in x: N(Σ parts) = Σ γ ⊙ C(part) / σ + β, exactly, for that x.
+
+    LayerNorm: C centres (x − mean x), σ = √(var x + eps), β its bias. RMSNorm: C is the identity,
+    σ = √(mean x² + eps), no β.
+    """
+
+    centred: bool
+    gamma: torch.Tensor  # (D,), the effective gain (Gemma's RMSNorm multiplies by 1 + weight)
+    beta: torch.Tensor | None  # (D,), or None
+    eps: float
+
+    def sigma(self, x: torch.Tensor) -> torch.Tensor:
+        """σ of residual vectors x (..., D) -> (..., 1), in x's dtype."""
+        if self.centred:
+            return (x.var(-1, unbiased=False, keepdim=True) + self.eps).sqrt()
+        return (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+    def apply(self, part: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """γ ⊙ C(part) / σ for parts (..., D) and the scale σ of the vector they sum to (broadcastable)."""
+        if self.centred:
+            part = part - part.mean(-1, keepdim=True)
+        return self.gamma.to(part.dtype) * part / sigma
+
+
+def linearise_norm(norm: nn.Module) -> NormLinearisation | None:
+    """The linearisation of a final-norm module: nn.LayerNorm, or an RMSNorm (by class name), else None."""
+    if isinstance(norm, nn.LayerNorm):
+        return NormLinearisation(centred=True, gamma=norm.weight.detach(),
+                                 beta=None if norm.bias is None else norm.bias.detach(), eps=norm.eps)
+    if type(norm).__name__.endswith("RMSNorm") and getattr(norm, "weight", None) is not None:
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if eps is None:
+            return None
+        gamma = norm.weight.detach()
+        # Gemma's RMSNorm scales by (1 + weight), its weights stored around 0.
+        return NormLinearisation(centred=False, gamma=gamma + 1 if "Gemma" in type(norm).__name__ else gamma,
+                                 beta=None, eps=float(eps))
+    return None
+
+
+@dataclass
+class Components:
+    """The residual stream at the last position as a sum of named parts, and the final norm linearised.
+
+    embed[name] + Σ_l (Σ_h heads[:, l, h] + attn_bias[l]) + Σ_l mlp[:, l] = resid, up to float rounding.
+    Shapes: B batch, L layers, H heads, D width; all in the model's dtype.
+    """
+
+    embed: dict[str, torch.Tensor]  # "token" and, where the model has a position table, "position": (B, D) each
+    heads: torch.Tensor  # (B, L, H, D): each head's write, its slice of the output projection's input times its rows
+    attn_bias: torch.Tensor  # (L, D): the attention output projection's bias (zeros when it has none)
+    mlp: torch.Tensor  # (B, L, D): each layer's MLP output
+    resid: torch.Tensor  # (B, D): the final residual as the forward computed it, before the final norm
+    norm: NormLinearisation
+
+
+@dataclass(frozen=True)
+class LayerTaps:
+    """Where one layer writes into the residual stream: the attention output projection and the MLP."""
+
+    out_proj: nn.Module  # its input is the heads' outputs side by side, (..., H·hd)
+    weight: torch.Tensor  # the projection as (H·hd, D): x @ weight (+ bias)
+    bias: torch.Tensor | None  # (D,)
+    mlp: nn.Module  # its output is added to the residual stream
+
+
+def capture_components(run: Callable[[], Any], n_head: int, taps: list[LayerTaps], blocks: nn.ModuleList,
+                       norm: NormLinearisation, position_table: tuple[nn.Module, nn.Module] | None) -> Components:
+    """Run the model's own forward (`run`) once with hooks and read the parts off it, last position only.
+
+    position_table: (token embedding, position embedding) modules whose outputs are the two embedding
+    parts; None to take the first block's input as the one "token" part (models without a position
+    table, or that scale the embeddings). Memory: O(L·H·D) per row, whatever the prompt's length.
+    """
+    got: dict[str, Any] = {"attn_in": {}, "mlp": {}}
+
+    def last(t: torch.Tensor) -> torch.Tensor:  # (B, T, D) or (T, D) -> (B, D)
+        return t[..., -1, :].reshape(-1, t.shape[-1])
+
+    def output(t):
+        return t[0] if isinstance(t, tuple) else t
+
+    handles = []
+    try:
+        if position_table is None:
+            handles.append(blocks[0].register_forward_pre_hook(
+                lambda _m, args, kwargs: got.__setitem__("token", last(args[0] if args else kwargs["hidden_states"])),
+                with_kwargs=True))
+        else:
+            for name, module in zip(("token", "position"), position_table):
+                handles.append(module.register_forward_hook(
+                    lambda _m, _i, o, name=name: got.__setitem__(name, last(o))))
+        for i, tap in enumerate(taps):
+            handles.append(tap.out_proj.register_forward_pre_hook(
+                lambda _m, args, i=i: got["attn_in"].__setitem__(i, last(args[0]))))
+            handles.append(tap.mlp.register_forward_hook(lambda _m, _i, o, i=i: got["mlp"].__setitem__(i, last(output(o)))))
+        handles.append(blocks[-1].register_forward_hook(lambda _m, _i, o: got.__setitem__("resid", last(output(o)))))
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+
+    heads = []
+    for i, tap in enumerate(taps):
+        y = got["attn_in"][i]  # (B, H·hd): the heads' outputs side by side
+        B, width = y.shape
+        w = tap.weight.reshape(n_head, width // n_head, -1)  # (H, hd, D): each head's rows of the projection
+        heads.append(torch.einsum("bhk,hkd->bhd", y.reshape(B, n_head, -1), w))  # (B, H, D)
+    B = got["resid"].shape[0]
+    embed = {name: got[name].expand(B, -1) for name in ("token", "position") if name in got}
+    zeros = torch.zeros_like(got["resid"][0])
+    return Components(embed=embed, heads=torch.stack(heads, 1),
+                      attn_bias=torch.stack([zeros if t.bias is None else t.bias.detach() for t in taps]),
+                      mlp=torch.stack([got["mlp"][i] for i in range(len(taps))], 1), resid=got["resid"], norm=norm)
+
+
 def module_name(root: nn.Module, module: nn.Module) -> str:
     """`module`'s path inside `root` as the model names it, e.g. "model.norm" or "lm_head"."""
     return next(name for name, m in root.named_modules() if m is module)
@@ -37,6 +156,7 @@ class Engine(ABC):
 
     body(ids, cache, attention_mask) -> hidden states after the final norm, (B, T, D)
     residuals(ids) -> the residual stream after the embeddings and after each block, L + 1 × (B, T, D)
+    components(ids) -> the last position's final residual as named parts (heads split), see Components
     final_norm(x) -> the model's own final norm (LayerNorm, RMSNorm, ...), (..., D); final_norm_module, its module
     head(h) -> logits, (..., V), with whatever the model itself does after its head (own_stages)
     new_cache(B, T_max) / reorder_cache(cache, rows) -> the KV cache, and beam search's reordering
@@ -87,6 +207,12 @@ class Engine(ABC):
     @abstractmethod
     def final_norm_module(self) -> nn.Module | None:
         """The module behind `final_norm` (nn.LayerNorm, LlamaRMSNorm, ...), or None if the model has none."""
+
+    @abstractmethod
+    def components(self, ids: torch.Tensor) -> Components:
+        """The residual stream at the last position of `ids` (B, T) split into its parts (embeddings, each
+        layer's heads, attention bias and MLP) and the final norm's linearisation: see `Components`.
+        Raises UnsupportedModel, naming what is missing, for a model whose layers it cannot find."""
 
     @abstractmethod
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lmhead_cli.engine.base import Engine, TieNames, module_name
+from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components,
+                                     linearise_norm, module_name)
 from lmhead_cli.errors import UnsupportedModel
 
 
@@ -112,6 +113,38 @@ class TransformersEngine(Engine):
         if cap:
             logits = torch.tanh(logits / cap) * cap  # as Gemma2ForCausalLM.forward writes it
         return logits
+
+    def components(self, ids: torch.Tensor) -> Components:
+        """The last position's final residual split into parts, read with hooks on transformers' own modules:
+        each decoder layer's attention output projection (GPT-2's c_proj, Llama's o_proj) and MLP, the
+        final norm; the embeddings are GPT-2's wte + wpe, or else the first layer's input (as scaled)."""
+        layers = self._need(self.layers, "decoder layers (a ModuleList of num_hidden_layers blocks)")
+        post = [n for n in ("post_feedforward_layernorm", "post_attention_norm") if hasattr(layers[0], n)]
+        if post:
+            raise UnsupportedModel(f"{self.kind} layers normalise their outputs before adding them to the residual "
+                                   f"stream ({post[0]}), so the stream is not a sum of the layers' outputs")
+        taps = [self._taps(layer) for layer in layers]
+        norm = self._need(self.norm, "final norm (a norm module beside the decoder layers)")
+        lin = linearise_norm(norm)
+        if lin is None:
+            raise UnsupportedModel(f"the final norm of this {self.kind} model ({type(norm).__name__}) is neither a "
+                                   "LayerNorm nor an RMSNorm, so it cannot be linearised")
+        wte, wpe = getattr(self.base, "wte", None), getattr(self.base, "wpe", None)
+        n_head = int(self.config.get("n_head") or self.config.get("num_attention_heads"))
+        return capture_components(lambda: self.body(ids), n_head, taps, layers, lin,
+                                  (wte, wpe) if wte is not None and wpe is not None else None)
+
+    def _taps(self, block: nn.Module) -> LayerTaps:
+        attn = next((getattr(block, n) for n in ("attn", "self_attn", "attention") if hasattr(block, n)), None)
+        proj = next((getattr(attn, n) for n in ("c_proj", "o_proj", "out_proj", "dense") if hasattr(attn, n)), None)
+        mlp = getattr(block, "mlp", None)
+        if proj is None or mlp is None:
+            raise UnsupportedModel(f"{self.kind} layers have no attention output projection (c_proj, o_proj) or no "
+                                   ".mlp to read the residual stream's parts from")
+        # transformers' Conv1D stores (in, out); nn.Linear stores (out, in).
+        weight = proj.weight.detach() if type(proj).__name__ == "Conv1D" else proj.weight.detach().t()
+        bias = proj.bias.detach() if getattr(proj, "bias", None) is not None else None
+        return LayerTaps(out_proj=proj, weight=weight, bias=bias, mlp=mlp)
 
     # -- the KV cache ----------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import Engine, TieNames
+from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm
 
 # One position at a time (inspect's last position, every decoding step) the body's and the head's
 # products are matrix-vector products that do nothing but stream weights, and how they are laid out
@@ -359,6 +359,13 @@ class LeanGPT2(Engine):
     @property
     def final_norm_module(self) -> nn.Module:
         return self.gpt.ln_f
+
+    def components(self, ids: torch.Tensor) -> Components:
+        """The last position's final residual as wte + wpe + each head of each layer + c_proj biases + MLPs."""
+        taps = [LayerTaps(out_proj=b.attn.c_proj, weight=b.attn.c_proj.weight.detach(),
+                          bias=b.attn.c_proj.bias.detach(), mlp=b.mlp) for b in self.gpt.h]
+        return capture_components(lambda: self.body(ids), self.config["n_head"], taps, self.gpt.h,
+                                  linearise_norm(self.gpt.ln_f), (self.gpt.wte, self.gpt.wpe))
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -46,19 +46,32 @@ class BatchRun:
     wins: list[TargetWins]
 
 
+def open_input(name: str, what: str):
+    """The binary stream behind a file option (`-`: stdin), opened now so that a bad path fails before
+    any model loads; a missing or unreadable file is a UsageError that names it as `what`."""
+    if name == STDIN:
+        return sys.stdin.buffer
+    try:
+        return open(name, "rb")  # noqa: SIM115 - the caller reads and closes it
+    except FileNotFoundError:
+        raise UsageError(f"no such {what}: {name}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{name} is a folder, not a {what}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read the {what} {name}: {e.strerror or e}") from None
+
+
 def read_prompts(name: str) -> PromptFile:
     """The prompts of a file (one a line; `-` reads stdin). Empty lines are skipped and counted.
 
     A missing, unreadable or non-UTF-8 file is a UsageError naming it."""
     label = "stdin" if name == STDIN else name
+    stream = open_input(name, "prompt file")
     try:
-        data = sys.stdin.buffer.read() if name == STDIN else open(name, "rb").read()  # noqa: SIM115
-    except FileNotFoundError:
-        raise UsageError(f"no such prompt file: {name}") from None
-    except IsADirectoryError:
-        raise UsageError(f"{name} is a folder, not a prompt file") from None
-    except OSError as e:
-        raise UsageError(f"cannot read the prompt file {name}: {e.strerror or e}") from None
+        data = stream.read()
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmhead_cli.engine.base import linearise_norm
 from lmhead_cli.errors import UnsupportedModel
 from lmhead_cli.head import check_finite, clamp_top_k, encode_target, encode_targets, log_softmax, rank_of
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
@@ -120,13 +121,11 @@ def explain_logit(loaded: Loaded, prompt: str, token: str, top_k: int = 5,
     )
 
 
-
 def norm_kind(module) -> tuple[str, float]:
-    """("LayerNorm" | "RMSNorm", eps) of a final norm module; UnsupportedModel for any other."""
-    name = type(module).__name__
-    kind = "RMSNorm" if "RMSNorm" in name else "LayerNorm" if "LayerNorm" in name else None
-    if kind is None:
+    """("LayerNorm" | "RMSNorm", eps) of a final norm module (engine.base.linearise_norm tells them
+    apart); UnsupportedModel for any other."""
+    lin = linearise_norm(module) if module is not None else None
+    if lin is None:
         raise UnsupportedModel(f"taking a logit apart reads the final norm as a LayerNorm or an RMSNorm; "
-                               f"this model's is {name}")
-    eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", None) or 1e-5
-    return kind, float(eps)
+                               f"this model's is {type(module).__name__}")
+    return ("LayerNorm" if lin.centred else "RMSNorm"), float(lin.eps)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmhead_cli.errors import UsageError
 from lmhead_cli.engine.base import module_name
 from lmhead_cli.head import (TargetScore, check_finite, clamp_top_k, encode_targets, entropy, log_softmax,
                              target_score, top_tokens)
@@ -37,6 +38,7 @@ class Lens:
     random_weights: bool
     prompt_tokens: list[PromptToken]
     truncated: int
+    position: int  # the prompt position read (0-based, after any truncation): what comes after that token
     layers: list[LensLayer]  # embeddings first, the last block last
     # The heat map: the last layer's top tokens (then any targets not among them) as columns,
     # and every layer's probability for each, shape (layers, columns).
@@ -49,29 +51,42 @@ class Lens:
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, (V,) float32
 
 
+def check_position(position: int | None, T: int) -> int:
+    """The prompt position to read, 0 ≤ i < T (None: the last; negative counts from the end)."""
+    if position is None:
+        return T - 1
+    if not -T <= position < T:
+        raise UsageError(f"--position {position} is outside the prompt's {T} tokens: give 0 to {T - 1}, "
+                         "or -1 for the last")
+    return position % T
+
+
 @torch.inference_mode()
-def layer_logits(loaded: Loaded, ids: list[int]) -> list[torch.Tensor]:
-    """Logits (V,) float32 at the last position for the residual stream after the embeddings and after
-    each block, each through ln_f recomputed for that vector, then the head."""
+def layer_logits(loaded: Loaded, ids: list[int], position: int = -1) -> list[torch.Tensor]:
+    """Logits (V,) float32 at `position` (default the last) for the residual stream after the embeddings
+    and after each block, each through ln_f recomputed for that vector, then the head."""
     eng = loaded.engine
     x = torch.tensor([ids], device=eng.device)  # (1, T)
     out = []
     for resid in eng.residuals(x):  # (1, T, D), raw: before ln_f
         # ln_f on all positions then slice, as `body` does, so the last row is bit-identical to inspect's.
-        h = eng.final_norm(resid)[:, -1:, :]  # (1, 1, D)
+        h = eng.final_norm(resid)[:, position, :][:, None]  # (1, 1, D)
         logits = eng.head(h)  # (1, 1, V)
         check_finite(logits)
         out.append(logits[0, 0].float())
     return out
 
 
-def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, columns: int = 8) -> Lens:
-    """Run the logit lens on `prompt`; `columns` of the last layer's top tokens go into the heat map."""
+def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, columns: int = 8,
+                position: int | None = None) -> Lens:
+    """Run the logit lens on `prompt` at `position` (None: the last; what comes after that token);
+    `columns` of the last layer's top tokens go into the heat map."""
     ids, dropped = encode_prompt(loaded, prompt)
+    at = check_position(position, len(ids))
     k = clamp_top_k(columns, loaded.engine.vocab_size)
     text = loaded.tokenizer.token_text
     target_ids = encode_targets(loaded.tokenizer, targets)
-    per_layer = layer_logits(loaded, ids)
+    per_layer = layer_logits(loaded, ids, at)
 
     layers = []
     for i, logits in enumerate(per_layer):
@@ -88,7 +103,7 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
             col_ids.append(tid[0])
     probs = torch.stack([log_softmax(z) for z in per_layer]).exp()[:, col_ids]  # (layers, columns)
     return Lens(model=loaded.source, random_weights=loaded.random_weights,
-                prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, layers=layers,
+                prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, position=at, layers=layers,
                 columns=[PromptToken(i, text(i)) for i in col_ids], heat=probs.tolist(), top_columns=n_top,
                 peak=float(probs.max()), norm=module_name(loaded.engine.module, loaded.engine.final_norm_module),
                 tied=loaded.tie.tied,

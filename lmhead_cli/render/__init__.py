@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import sys
+import unicodedata
 from typing import Any
 
 from rich.console import Console
@@ -118,8 +119,44 @@ def token_cell(text: str) -> str:
 
 
 def show_token(text: str) -> str:
-    """A token's text made visible: a leading space as '␣', newlines and tabs escaped."""
-    shown = text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    """A token's text made visible: a leading space as '␣', control characters escaped."""
+    shown = visible(text)
     if shown.startswith(" "):
         shown = "␣" + shown[1:]
     return shown
+
+
+def visible(text: str) -> str:
+    """Text with newlines, tabs and every other control character (ESC, BEL, DEL, C1) shown as escapes,
+    so data cannot drive the terminal."""
+    return _controls_escaped(text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r"))
+
+
+def safe_text(text: str) -> str:
+    """Running text (a scored text, a file line) for rich Text: line breaks and tabs kept, every other
+    control character shown as an escape (ESC as \\x1b), so data cannot drive the terminal."""
+    return _controls_escaped(text, keep="\n\t")
+
+
+def _controls_escaped(text: str, keep: str = "") -> str:
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in keep else c for c in text)
+
+
+def text_cell(text: str) -> str:
+    """Untrusted text (a prompt, a line) for rich output: control characters escaped, markup shown as it is."""
+    from rich.markup import escape
+
+    return escape(visible(text))
+
+
+def compact_table(title: str, *columns: tuple[str, str]):
+    """A rich table with no outer edge and collapsed padding, titled on the left, with these
+    (name, justify) columns that never wrap: the narrow form `diff` and `attribute` print."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+              collapse_padding=True)
+    for name, justify in columns:
+        t.add_column(name, justify=justify, no_wrap=True)
+    return t

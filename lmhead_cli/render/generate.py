@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import sys
 from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import knobs_text, notice, out, sparkline
+from lmhead_cli.render import json_text, knobs_text, notice, out, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -77,8 +76,8 @@ def steps_table(g) -> None:
     k = g.settings.show_steps
     out().print(f"steps: the chosen token's raw probability (softmax of the logits) and processed one (after "
                 f"the stages: what it was drawn from), its rank by raw logit, the raw probability the filters "
-                f"removed, the entropy in nats before (H raw) and after (H) the stages, and the {k} most probable tokens (processed)",
-                soft_wrap=True)
+                f"removed, the entropy in nats before (H raw) and after (H) the stages, and the {k} most "
+                f"probable tokens (processed)", soft_wrap=True)
     table = Table(show_edge=False)
     for name, justify in (("step", "right"), ("chosen", "left"), ("raw p", "right"), ("p", "right"),
                           ("rank", "right"), ("removed", "right"), ("H raw", "right"), ("H", "right"),
@@ -87,7 +86,7 @@ def steps_table(g) -> None:
     for i, s in enumerate(g.steps, 1):
         alts = "  ".join(f"[bold]{_tok(a.token)} {_pct(a.prob)}[/]" if a.id == s.id else f"{_tok(a.token)} {_pct(a.prob)}"
                          for a in s.alternatives)
-        table.add_row(str(i), _tok(s.token), _pct(math.exp(s.raw_logprob)), _pct(s.prob), f"{s.rank:,}",
+        table.add_row(str(i), _tok(s.token), _pct(s.raw_prob), _pct(s.prob), f"{s.rank:,}",
                       _pct(s.removed_mass), f"{s.raw_entropy:.2f}", f"{s.entropy:.2f}", alts)
     out().print(table)
 
@@ -177,8 +176,6 @@ def openai_json(g, loaded) -> None:
     logprobs.content has one entry per token of the content: a final end-of-text is counted in
     usage.completion_tokens but is not content, so it has no entry. Each logprob is from the
     distribution Settings.logprobs names (raw or processed)."""
-    from lmhead_cli.render import json_text
-
     s = g.settings
     steps = g.steps[:-1] if g.stop == "eos" else g.steps
     head = {"object": "chat.completion", "model": loaded.source}

@@ -25,6 +25,7 @@ def lens_json(lens) -> dict:
         "random_weights": lens.random_weights,
         "prompt_tokens": [asdict(t) for t in lens.prompt_tokens],
         "truncated": lens.truncated,
+        "position": lens.position,
         "layers": [asdict(layer) for layer in lens.layers],
         "norm": lens.norm,
         "tied": lens.tied,
@@ -34,7 +35,10 @@ def lens_json(lens) -> dict:
 def _header(lens) -> None:
     con = out()
     random_banner(lens.model, lens.random_weights)
-    con.print(f"logit lens: the residual stream at the last position after each layer, through {tok(lens.norm)} "
+    last = lens.position == len(lens.prompt_tokens) - 1
+    where = ("the last position" if last else
+             f"position {lens.position} ({tok(lens.prompt_tokens[lens.position].text)}: what would follow it)")
+    con.print(f"logit lens: the residual stream at {where} after each layer, through {tok(lens.norm)} "
               f"(recomputed for that vector) and the {'tied' if lens.tied else 'untied'} head")
     con.print("prompt: " + " ".join(f"[{show_token(t.text)}]" for t in lens.prompt_tokens), markup=False)
 
@@ -56,7 +60,11 @@ def lens_table(lens) -> None:
             cells += [f"{t.rank:,}", f"{t.prob:.4%}"]
         table.add_row(*cells)
     out().print(table)
-    out().print("entropy in nats; the last row is what `lmhead inspect` shows")
+    if lens.position == len(lens.prompt_tokens) - 1:
+        out().print("entropy in nats; the last row is what `lmhead inspect` shows")
+    else:
+        out().print(f"entropy in nats; the last row is the model's own prediction after token {lens.position}: "
+                    f"what `lmhead score` reports for token {lens.position + 1}")
 
 
 def lens_heat(lens) -> None:

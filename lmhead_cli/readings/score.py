@@ -1,0 +1,398 @@
+"""`lmhead score`: how the model rates every token of a text the user already has.
+
+For each token: the log-probability the model gave it from the tokens before it, its rank among
+all V, the entropy of that prediction and the model's own top-1 there; for the text: the total and
+mean negative log-likelihood, the perplexity and the bits per byte.
+
+Two things keep the memory bounded by the options, whatever the length of the text:
+
+* **Sliding windows.** A text longer than the context n_ctx is read in windows of n_ctx tokens that
+  begin at 0, S, 2S, … (S = `stride`). A window scores the tokens after the previous window's end,
+  each predicted from the tokens of its own window before it, so every token is scored once, with
+  at least n_ctx − S tokens of context once the first window is past (transformers' guide
+  "Perplexity of fixed-length models", summed per token rather than weighted per window).
+* **The head in chunks.** The body runs once per window; its hidden states (L, D) then go through
+  the head `chunk` positions at a time, and each chunk's (chunk, V) logits are reduced to five
+  figures per position and dropped. The full (T, V) logits never exist.
+
+Shapes: T tokens, L positions in a window, D width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from lmhead_cli.errors import BadValue, NoPrompt, OneToken, UsageError
+from lmhead_cli.head import nats_to_bits, score_rows
+from lmhead_cli.readings.batch import STDIN
+from lmhead_cli.loading.sources import Loaded
+
+FLOAT32_BYTES = 4
+CHUNK_BYTES = 32 * 2**20  # the default chunk's float32 logits stay within this
+
+
+# ---- the plan: windows and chunks --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Window:
+    """Sequence positions [begin, end) go through the body; tokens [first, end) are scored."""
+
+    begin: int
+    end: int
+    first: int
+
+
+def windows(T: int, n_ctx: int, stride: int) -> Iterator[Window]:
+    """The windows over a sequence of T tokens: begin = 0, S, 2S, …, each covering
+    [begin, min(begin + n_ctx, T)) and scoring from the previous window's end (from 1 in the first).
+
+    A token needs a token of its own window before it, so with stride = n_ctx (no overlap) a
+    window's first token stays unscored, as token 0 does."""
+    check_stride(stride, n_ctx)
+    prev_end = 1
+    for begin in range(0, T, stride):
+        end = min(begin + n_ctx, T)
+        yield Window(begin, end, max(prev_end, begin + 1))
+        prev_end = end
+        if end == T:
+            return
+
+
+def check_stride(stride: int, n_ctx: int) -> None:
+    if not 0 < stride <= n_ctx:
+        raise BadValue("stride", f"must be between 1 and the context of {n_ctx} (got {stride})")
+
+
+def check_chunk(chunk: int | None) -> None:
+    if chunk is not None and chunk < 1:
+        raise BadValue("chunk", f"must be at least 1 position (got {chunk})")
+
+
+def default_chunk(vocab: int) -> int:
+    """The most positions whose float32 logits (chunk, V) fit in CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (vocab * FLOAT32_BYTES))
+
+
+# Rank buckets, as GLTR colours a text: (the largest rank in the bucket, its name); the last is open.
+BUCKETS = ((1, "top-1"), (10, "top-10"), (100, "top-100"), (1000, "top-1000"), (math.inf, "rest"))
+
+
+def bucket(rank: int) -> int:
+    """The index in BUCKETS of a rank (1 = the model's own top-1)."""
+    return next(i for i, (top, _) in enumerate(BUCKETS) if rank <= top)
+
+
+# ---- the result ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ScoredToken:
+    """One token of the text, as `score --json` lists it. The figures are None when unscored."""
+
+    index: int  # in the text's tokens (a --bos token is not counted)
+    id: int
+    token: str
+    scored: bool
+    logprob: float | None  # natural log of the probability the model gave this token
+    prob: float | None
+    rank: int | None  # 1 = the model's own top-1
+    entropy: float | None  # nats, of the whole predicted distribution
+    surprisal_bits: float | None  # -log2 p
+    top_id: int | None  # the model's own top-1 there
+    top_token: str | None
+    top_prob: float | None
+
+
+@dataclass
+class Score:
+    """Every token of one text, as columns of T values (4 or 8 bytes a token, no (T, V) anywhere)."""
+
+    model: str
+    random_weights: bool
+    text: str
+    bos: bool  # an end-of-text token was put before the text, so its first token is scored too
+    window: int  # tokens per window (the model's context)
+    stride: int
+    chunk: int  # positions per head chunk
+    windows: int  # how many windows ran
+    ids: torch.Tensor  # (T,) int64, the text's tokens
+    scored: torch.Tensor  # (T,) bool
+    logprob: torch.Tensor  # (T,) float32, NaN where unscored
+    rank: torch.Tensor  # (T,) int64, 0 where unscored
+    entropy: torch.Tensor  # (T,) float32 nats, NaN where unscored
+    top_id: torch.Tensor  # (T,) int64, -1 where unscored
+    top_logprob: torch.Tensor  # (T,) float32, NaN where unscored
+    nll: float  # total negative log-likelihood of the scored tokens, nats (summed in float64)
+    bytes: int  # UTF-8 bytes of the scored tokens
+    token_text: Callable[[int], str] = field(repr=False)
+    token_bytes: Callable[[int], bytes] = field(repr=False)
+
+    @property
+    def scored_tokens(self) -> int:
+        return int(self.scored.sum())
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / self.scored_tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.mean_nll)
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        """Total NLL in bits over the UTF-8 bytes of the scored tokens (None if they have none)."""
+        return nats_to_bits(self.nll) / self.bytes if self.bytes else None
+
+    @property
+    def surprisal_bits(self) -> torch.Tensor:
+        """(T,) float32: -log2 p of each token, NaN where unscored."""
+        return -self.logprob / math.log(2)
+
+    def token(self, i: int) -> ScoredToken:
+        """Token i of the text with its figures."""
+        tid = int(self.ids[i])
+        if not bool(self.scored[i]):
+            return ScoredToken(i, tid, self.token_text(tid), False, *([None] * 8))
+        lp, top = float(self.logprob[i]), int(self.top_id[i])
+        return ScoredToken(index=i, id=tid, token=self.token_text(tid), scored=True, logprob=lp,
+                           prob=math.exp(lp), rank=int(self.rank[i]), entropy=float(self.entropy[i]),
+                           surprisal_bits=-lp / math.log(2), top_id=top, top_token=self.token_text(top),
+                           top_prob=math.exp(float(self.top_logprob[i])))
+
+    def tokens(self) -> Iterator[ScoredToken]:
+        """Every token in order, made one at a time."""
+        return (self.token(i) for i in range(len(self.ids)))
+
+    def bucket_counts(self) -> list[int]:
+        """How many scored tokens fall in each of BUCKETS (GLTR's view of a text)."""
+        edges = torch.tensor([b for b, _ in BUCKETS[:-1]])
+        ranks = self.rank[self.scored]
+        return torch.bincount(torch.bucketize(ranks, edges), minlength=len(BUCKETS)).tolist()
+
+    def spans(self) -> Iterator[tuple[str, int | None]]:
+        """The text as (piece, rank) in order: each piece one token, or the few tokens that share one
+        UTF-8 character (byte-level tokens can split one), with the worst rank among them; rank None
+        for unscored tokens."""
+        buf, worst = b"", 0
+        for i in range(len(self.ids)):
+            buf += self.token_bytes(int(self.ids[i]))
+            r = int(self.rank[i])
+            worst = None if worst is None or r == 0 else max(worst, r)
+            try:
+                piece = buf.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if e.reason == "unexpected end of data" and len(buf) - e.start < 4 and i + 1 < len(self.ids):
+                    continue  # the character goes on in the next token
+                piece = buf.decode("utf-8", errors="backslashreplace")
+            yield piece, worst
+            buf, worst = b"", 0
+
+    def most_surprising(self, k: int = 5) -> list[ScoredToken]:
+        """The k scored tokens with the lowest probability, the most surprising first."""
+        lp = self.logprob.nan_to_num(nan=math.inf)
+        n = min(k, self.scored_tokens)
+        return [self.token(int(i)) for i in torch.topk(lp, n, largest=False).indices]
+
+    def profile(self, width: int) -> tuple[list[float], int]:
+        """Surprisal in bits for a sparkline of at most `width` marks: the scored tokens in order,
+        each mark the mean of `per` consecutive ones. Returns (values, per)."""
+        bits = self.surprisal_bits[self.scored]
+        per = max(1, math.ceil(len(bits) / max(width, 1)))
+        pad = (-len(bits)) % per
+        if pad:
+            bits = torch.cat([bits, bits.new_full((pad,), math.nan)])
+        return bits.view(-1, per).nanmean(-1).tolist(), per
+
+
+# ---- the computation ---------------------------------------------------------------------------
+
+def check_text(text: str, source: str = "the text") -> str:
+    """The text, or a UsageError when it is empty or not valid Unicode (undecodable bytes in argv
+    arrive as lone surrogates)."""
+    if not text or not text.strip():
+        raise NoPrompt(given=True)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{source} is not valid UTF-8 (at character {e.start}); save it as UTF-8") from None
+    return text
+
+
+def read_text(stream) -> str:
+    """One text from a binary stream (`score -` reads stdin), strictly UTF-8, less the one line
+    break a shell or an editor puts at the end."""
+    data = stream.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"the text on stdin is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         "save it as UTF-8") from None
+    return text.removesuffix("\n").removesuffix("\r")
+
+
+def bos_id(loaded: Loaded) -> int:
+    """The token that opens a text for this model (GPT-2: <|endoftext|>, 50256)."""
+    cfg = loaded.config
+    tid = cfg.get("bos_token_id", loaded.engine.eos_token_id)
+    if tid is None:
+        raise UsageError(f"{loaded.source} declares no beginning-of-text token to put before the text")
+    return int(tid[0] if isinstance(tid, list) else tid)
+
+
+def text_ids(loaded: Loaded, text: str, bos: bool) -> torch.Tensor:
+    """The text's token ids (T,) int64; a UsageError when there is nothing to score."""
+    ids = torch.frombuffer(loaded.tokenizer.encode_long(text), dtype=torch.int32).long()
+    if len(ids) == 0:
+        raise UsageError("the text encodes to no tokens")
+    if len(ids) == 1 and not bos:
+        raise OneToken(loaded.tokenizer.token_text(int(ids[0])))
+    return ids
+
+
+@torch.inference_mode()
+def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
+              chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Score token ids (T,) window by window, the head in chunks. Returns the Score's columns.
+
+    `progress(done, total)` is called after each chunk with the tokens scored so far."""
+    eng = loaded.engine
+    n_ctx = eng.n_ctx
+    stride = n_ctx // 2 if stride is None else stride
+    check_chunk(chunk)
+    chunk = chunk or default_chunk(eng.vocab_size)
+    seq = torch.cat([ids.new_tensor([bos_id(loaded)]), ids]) if bos else ids  # (T + bos,)
+    T = len(seq)
+    plan = list(windows(T, n_ctx, stride))
+    logprob = torch.full((T,), math.nan)
+    entropy, top_logprob = logprob.clone(), logprob.clone()
+    rank = torch.zeros(T, dtype=torch.long)
+    top_id = torch.full((T,), -1, dtype=torch.long)
+    total, done = sum(w.end - w.first for w in plan), 0
+    for w in plan:
+        hidden = eng.body(seq[None, w.begin:w.end].to(eng.device))[0]  # (L, D), after the final norm
+        # Window position p predicts token p + 1: tokens [first, end) come from positions [first - 1, end - 1).
+        pred = hidden[w.first - 1 - w.begin: w.end - 1 - w.begin]  # (n, D)
+        for c in range(0, len(pred), chunk):
+            lo, hi = w.first + c, min(w.first + c + chunk, w.end)
+            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device))  # (chunk, V) dropped here
+            logprob[lo:hi], rank[lo:hi], entropy[lo:hi] = rows.logprob.cpu(), rows.rank.cpu(), rows.entropy.cpu()
+            top_id[lo:hi], top_logprob[lo:hi] = rows.top_id.cpu(), rows.top_logprob.cpu()
+            done += hi - lo
+            if progress is not None:
+                progress(done, total)
+        del hidden, pred
+    keep = slice(1, None) if bos else slice(None)  # back to the text's own tokens
+    return {"windows": len(plan), "stride": stride, "chunk": chunk, "logprob": logprob[keep], "rank": rank[keep],
+            "entropy": entropy[keep], "top_id": top_id[keep], "top_logprob": top_logprob[keep],
+            "scored": rank[keep] > 0}
+
+
+def scored_bytes(loaded: Loaded, ids: torch.Tensor) -> int:
+    """UTF-8 bytes of these tokens: GPT-2's byte-level tokens map to bytes exactly."""
+    uniq, counts = torch.unique(ids, return_counts=True)
+    return sum(len(loaded.tokenizer.token_bytes(int(i))) * int(n) for i, n in zip(uniq, counts))
+
+
+def score_text(loaded: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
+               chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Score:
+    """Score every token of one text. The one function a caller needs per text (`--file` runs it
+    on each line)."""
+    ids = text_ids(loaded, check_text(text), bos)
+    return _score(loaded, text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk,
+                                                    progress=progress))
+
+
+def _score(loaded: Loaded, text: str, bos: bool, ids: torch.Tensor, cols: dict) -> Score:
+    """The Score of `text` from its ids (T,) and the columns score_ids returned."""
+    scored = cols["scored"]
+    return Score(model=loaded.source, random_weights=loaded.random_weights, text=text, bos=bos,
+                 window=loaded.engine.n_ctx, ids=ids, nll=-float(cols["logprob"][scored].double().sum()),
+                 bytes=scored_bytes(loaded, ids[scored]), token_text=loaded.tokenizer.token_text,
+                 token_bytes=loaded.tokenizer.token_bytes, **cols)
+
+
+# ---- many texts: --file ----------------------------------------------------------------------
+
+@dataclass
+class Corpus:
+    """Running totals over the texts of a file; nothing per text is kept."""
+
+    texts: int = 0
+    skipped_empty: int = 0
+    skipped_short: int = 0  # one-token lines without --bos
+    tokens: int = 0
+    nll: float = 0.0
+    bytes: int = 0
+
+    def add(self, score: Score) -> None:
+        self.texts += 1
+        self.tokens += score.scored_tokens
+        self.nll += score.nll
+        self.bytes += score.bytes
+
+    @property
+    def mean_nll(self) -> float | None:
+        return self.nll / self.tokens if self.tokens else None
+
+    @property
+    def perplexity(self) -> float | None:
+        """exp(total NLL / total scored tokens): every token weighs the same, whatever its line."""
+        return math.exp(self.mean_nll) if self.tokens else None
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        return nats_to_bits(self.nll) / self.bytes if self.bytes else None
+
+
+@dataclass(frozen=True)
+class Line:
+    number: int  # 1-based line number in the file
+    text: str | None  # None: empty or white space only, skipped
+    end: int = 0  # bytes of the file read up to the end of this line (for progress)
+
+
+def read_lines(stream, name: str) -> Iterator[Line]:
+    """The lines of a file one at a time (constant memory), each checked as UTF-8."""
+    label = "stdin" if name == STDIN else name
+    end = 0
+    for number, raw in enumerate(stream, 1):
+        end += len(raw)
+        if number == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not text
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"line {number} of {label} is not UTF-8 (byte 0x{raw[e.start]:02x}); "
+                             "save it as UTF-8") from None
+        line = line.removesuffix("\n").removesuffix("\r")
+        yield Line(number, line if line.strip() else None, end)
+
+
+@dataclass(frozen=True)
+class FileItem:
+    line: int
+    score: Score | None  # None: skipped (see `skipped`)
+    skipped: str | None = None  # "empty" or "one token"
+    end: int = 0  # bytes of the file read so far
+
+
+def score_lines(loaded: Loaded, lines: Iterator[Line], corpus: Corpus, *, bos: bool = False,
+                stride: int | None = None, chunk: int | None = None) -> Iterator[FileItem]:
+    """Score each line lazily, one at a time, adding it to `corpus`; skipped lines are counted."""
+    for line in lines:
+        if line.text is None:
+            corpus.skipped_empty += 1
+            yield FileItem(line.number, None, "empty", line.end)
+            continue
+        ids = text_ids(loaded, line.text, bos=True)  # never refuses: a one-token line is skipped below
+        if len(ids) < 2 and not bos:
+            corpus.skipped_short += 1
+            yield FileItem(line.number, None, "one token", line.end)
+            continue
+        score = _score(loaded, line.text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk))
+        corpus.add(score)
+        yield FileItem(line.number, score, end=line.end)

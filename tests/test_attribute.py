@@ -1,0 +1,186 @@
+"""`lmhead attribute`: every part against transformers' own module outputs captured with hooks, the sum
+against transformers' logit, on both engines, tied and untied. Llama (through the engine contract) and
+Gemma-2 (refused in one line) are in test_architectures.py, beside every other command on them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint
+from typer.testing import CliRunner
+
+from lmhead_cli.cli import app
+from lmhead_cli.loading.sources import load_model
+from lmhead_cli.readings.attribute import attribute_logit
+
+runner = CliRunner()
+ARE, IS = 389, 318
+
+
+def perturbed(folder, *, tied: bool, seed: int):
+    """A tiny GPT-2 (3 layers, 4 heads) whose biases and layer-norm gains are random, not 0 and 1, so the
+    attention output bias, ln_f's β and γ all carry real weight in the decomposition."""
+    model = build_checkpoint(folder, tied=tied, n_layer=3, n_head=4, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def ckpt(request, tmp_path_factory):
+    return perturbed(tmp_path_factory.mktemp("attr"), tied=request.param, seed=7 if request.param else 8)
+
+
+def hooked(model, ids=PROMPT_IDS) -> dict:
+    """transformers' own forward, with each module's output (and each c_proj's input) kept at the last position."""
+    got: dict = {"c_proj_in": {}, "attn": {}, "mlp": {}}
+    t = model.transformer
+    hooks = [t.wte.register_forward_hook(lambda _m, _i, o: got.__setitem__("wte", o[0, -1])),
+             t.wpe.register_forward_hook(lambda _m, _i, o: got.__setitem__("wpe", o[0, -1])),
+             t.h[-1].register_forward_hook(
+                 lambda _m, _i, o: got.__setitem__("resid", (o[0] if isinstance(o, tuple) else o)[0, -1]))]
+    for i, block in enumerate(t.h):
+        hooks.append(block.attn.c_proj.register_forward_pre_hook(
+            lambda _m, args, i=i: got["c_proj_in"].__setitem__(i, args[0][0, -1])))
+        hooks.append(block.attn.register_forward_hook(lambda _m, _i, o, i=i: got["attn"].__setitem__(i, o[0][0, -1])))
+        hooks.append(block.mlp.register_forward_hook(lambda _m, _i, o, i=i: got["mlp"].__setitem__(i, o[0, -1])))
+    try:
+        with torch.no_grad():
+            got["logits"] = model(torch.tensor([ids])).logits[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: ({i: x.double() for i, x in v.items()} if isinstance(v, dict) else v.double()) for k, v in got.items()}
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+@pytest.mark.parametrize("vs", [None, " is"])
+def test_every_part_against_transformers_hooks(ckpt, engine, vs):
+    folder, model = ckpt
+    a = attribute_logit(load_model(str(folder), device="cpu", engine=engine), PROMPT, " are", vs)
+    ref = hooked(model)
+    ln = model.transformer.ln_f
+    gamma, beta = ln.weight.detach().double(), ln.bias.detach().double()
+    x = ref["resid"]
+    sigma = (x.var(unbiased=False) + model.config.layer_norm_epsilon).sqrt()  # from the actual final residual
+    W = model.lm_head.weight.detach().double()
+    e = W[ARE] - (W[IS] if vs else 0)
+
+    def share(v):  # e · (γ ⊙ centre(v)) / σ, written out here
+        return float(e @ (gamma * (v - v.mean()) / sigma))
+
+    want = {"embed.token": share(ref["wte"]), "embed.position": share(ref["wpe"]), "ln_f.bias": float(e @ beta)}
+    for i in range(3):
+        want[f"attn.{i}"], want[f"mlp.{i}"] = share(ref["attn"][i]), share(ref["mlp"][i])
+    got = {p.name: p.value for p in a.parts}
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, abs=1e-4), name
+    assert abs(got["ln_f.bias"]) > 1e-5 and a.sigma == pytest.approx(float(sigma), rel=1e-5)
+
+    c_proj = model.transformer.h[0].attn.c_proj
+    hd = 64 // 4
+    for h in a.heads:  # each head: its slice of c_proj's input times its rows of c_proj's weight
+        w = model.transformer.h[h.layer].attn.c_proj.weight.detach().double()[h.head * hd:(h.head + 1) * hd]
+        assert h.value == pytest.approx(share(ref["c_proj_in"][h.layer][h.head * hd:(h.head + 1) * hd] @ w), abs=1e-4)
+    assert len(a.heads) == 12 and len(a.attn_bias) == 3
+    for b in a.attn_bias:
+        bias = model.transformer.h[b.layer].attn.c_proj.bias.detach().double()
+        assert b.value == pytest.approx(share(bias), abs=1e-4) and abs(b.value) > 1e-4
+        heads = sum(h.value for h in a.heads if h.layer == b.layer)
+        assert heads + b.value == pytest.approx(got[f"attn.{b.layer}"], abs=1e-9)
+    assert c_proj.weight.shape == (64, 64)
+
+    z = ref["logits"]
+    logit = float(z[ARE] - (z[IS] if vs else 0))
+    assert a.logit == pytest.approx(logit, abs=1e-4)
+    assert a.sum == pytest.approx(logit, abs=1e-4)
+    assert a.sum == pytest.approx(sum(got.values()), abs=1e-12)
+    assert abs(a.error) < 1e-4 and a.error == pytest.approx(a.sum - a.logit, abs=1e-12)
+    assert a.tied == model.config.tie_word_embeddings
+
+
+def test_engines_agree_and_untied_head_uses_its_own_rows(tmp_path):
+    folder, model = perturbed(tmp_path / "u", tied=False, seed=9)
+    lean = attribute_logit(load_model(str(folder), device="cpu", engine="lean"), PROMPT, " are")
+    hf = attribute_logit(load_model(str(folder), device="cpu", engine="transformers"), PROMPT, " are")
+    for p, q in zip(lean.parts, hf.parts):
+        assert (p.name, p.kind, p.layer) == (q.name, q.kind, q.layer) and p.value == pytest.approx(q.value, abs=1e-5)
+    ln = model.transformer.ln_f
+    beta = ln.bias.detach().double()
+    assert lean.parts[-1].value == pytest.approx(float(model.lm_head.weight[ARE].detach().double() @ beta), abs=1e-6)
+    assert lean.parts[-1].value != pytest.approx(float(model.transformer.wte.weight[ARE].detach().double() @ beta), abs=1e-4)
+
+
+def test_cli_table_and_check(tiny):
+    r = runner.invoke(app, ["attribute", PROMPT, "-t", " are", "--vs", " is", "--heads", "--model", str(tiny[0])])
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    for text in ("z(␣are) − z(␣is)", "check: Σ parts = ", "parts, largest first", "per layer",
+                 "4 heads (2 layers × 2)", "attention = Σ heads + output bias", "ln_f.bias", "embed.position"):
+        assert text in out, text
+
+
+def test_cli_json_has_exactly_the_documented_fields(tiny):
+    r = runner.invoke(app, ["attribute", PROMPT, "-t", " are", "--vs", " is", "--json", "--model", str(tiny[0])])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"target", "vs", "logit", "parts", "heads", "attn_bias", "sum", "error"}
+    assert doc["target"] == " are" and doc["vs"] == " is"
+    assert {p["kind"] for p in doc["parts"]} == {"embed", "attn", "mlp", "ln_f_bias"}
+    assert all(set(p) == {"name", "layer", "kind", "value"} for p in doc["parts"])
+    assert set(doc["heads"][0]) == {"layer", "head", "value"} and set(doc["attn_bias"][0]) == {"layer", "value"}
+    assert doc["sum"] == pytest.approx(sum(p["value"] for p in doc["parts"]), abs=1e-12)
+    assert abs(doc["error"]) < 1e-4
+
+
+def test_multi_token_target_uses_its_first_token(tiny):
+    r = runner.invoke(app, ["attribute", PROMPT, "-t", " keys on", "--model", str(tiny[0])])
+    assert r.exit_code == 0, r.output
+    assert "is 2 tokens" in r.stderr and "z(␣keys) after" in r.stdout
+    assert "heads (" not in r.stdout  # only with --heads
+
+
+@pytest.mark.parametrize("args, message", [
+    ([PROMPT], "attribute needs --target"),
+    (["-t", " are"], "give a prompt"),
+    (["", "-t", " are"], "the prompt is empty"),
+    ([PROMPT, "-t", ""], "encodes to no tokens"),
+    ([PROMPT, "-t", " are", "--vs", ""], "--vs '' encodes to no tokens"),
+])
+def test_bad_input_exits_2(args, message):
+    r = runner.invoke(app, ["attribute", *args, "--model", "random:distilgpt2"])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_bfloat16_runs_and_reports_its_rounding(tiny):
+    a = attribute_logit(load_model(str(tiny[0]), device="cpu", dtype="bfloat16"), PROMPT, " are", " is")
+    assert abs(a.error) < 0.05 and a.error == pytest.approx(a.sum - a.logit, abs=1e-12)
+
+
+def test_a_stream_that_is_not_the_sum_of_the_parts_is_refused(tiny, monkeypatch):
+    """The guard: if the parts read off a model did not add up to its residual (a layer adding
+    something the hooks do not see), attribution refuses instead of printing wrong shares."""
+    from lmhead_cli.errors import UnsupportedModel
+
+    loaded = load_model(str(tiny[0]), device="cpu")
+    own = loaded.engine.components
+
+    def without_mlps(ids):
+        c = own(ids)
+        c.mlp = c.mlp * 0
+        return c
+
+    monkeypatch.setattr(loaded.engine, "components", without_mlps)
+    with pytest.raises(UnsupportedModel, match="not the sum of its embeddings, attention and MLP outputs"):
+        attribute_logit(loaded, PROMPT, " are")

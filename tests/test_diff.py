@@ -1,0 +1,170 @@
+"""`lmhead diff`: every figure against transformers' own forward and divergences computed here with torch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import assert_rank
+from typer.testing import CliRunner
+
+from lmhead_cli.cli import app
+from lmhead_cli.loading.sources import load_model
+from lmhead_cli.readings.diff import diff_prompts
+
+runner = CliRunner()
+A, B = "The key on the table", "The keys on the table"
+A_IDS, B_IDS = [464, 1994, 319, 262, 3084], [464, 8251, 319, 262, 3084]
+IS, ARE = 318, 389
+
+
+def reference(model, ids) -> torch.Tensor:
+    """Log-probabilities (V,) float64 at the last position from transformers' full forward."""
+    with torch.no_grad():
+        z = model(torch.tensor([ids])).logits[0, -1]
+    return torch.log_softmax(z.double(), -1)
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_divergences_and_ranks_against_transformers(tiny, engine):
+    folder, model = tiny
+    d = diff_prompts(load_model(str(folder), device="cpu", engine=engine), A, B, top_k=6, targets=[" is", " are"],
+                     movers=4)
+    lp, lq = reference(model, A_IDS), reference(model, B_IDS)
+    p, q = lp.exp(), lq.exp()
+    # torch's own KL (input = log q, target = log p gives KL(p‖q)), and JS/TV by their definitions.
+    kl_pq = float(torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="sum"))
+    kl_qp = float(torch.nn.functional.kl_div(lp, lq, log_target=True, reduction="sum"))
+    m = (p + q) / 2
+    js = 0.5 * float((p * (p / m).log()).sum()) + 0.5 * float((q * (q / m).log()).sum())
+    assert [t.id for t in d.a.prompt_tokens] == A_IDS and [t.id for t in d.b.prompt_tokens] == B_IDS
+    # The engines' float32 logits differ from transformers' by ~1e-6: the divergences (~3e-4 here) to 2e-6.
+    assert d.kl_ab == pytest.approx(kl_pq, abs=2e-6) and d.kl_ab > 1e-4
+    assert d.kl_ba == pytest.approx(kl_qp, abs=2e-6)
+    assert d.js == pytest.approx(js, abs=1e-6)
+    assert d.tv == pytest.approx(0.5 * float((p - q).abs().sum()), rel=1e-4)
+    assert d.kl_ab_bits == pytest.approx(d.kl_ab / math.log(2)) and d.js_bits == pytest.approx(d.js / math.log(2))
+    assert 0 < d.js <= math.log(2) and 0 < d.tv <= 1
+    assert d.a.entropy == pytest.approx(float(-(p * lp).sum()), rel=1e-4)
+    assert d.b.entropy == pytest.approx(float(-(q * lq).sum()), rel=1e-4)
+
+    for side, mine, other in ((d.a, lp, lq), (d.b, lq, lp)):
+        assert [t.id for t in side.top] == torch.topk(mine, 6).indices.tolist()
+        for t in side.top:
+            assert t.logprob == pytest.approx(float(mine[t.id]), abs=1e-4)
+            assert_rank(t.other_rank, other, t.id)
+
+    pool = set(torch.topk(lp, 6).indices.tolist()) | set(torch.topk(lq, 6).indices.tolist())
+    delta = {i: float(lq[i] - lp[i]) for i in pool}
+    up = sorted((i for i in pool if delta[i] > 0), key=lambda i: -delta[i])[:4]
+    down = sorted((i for i in pool if delta[i] < 0), key=lambda i: delta[i])[:4]
+    assert d.pool == len(pool)
+    assert [r.id for r in d.risers] == up and [f.id for f in d.fallers] == down
+    for r in d.risers + d.fallers:
+        assert r.delta == pytest.approx(delta[r.id], abs=1e-4)
+        assert r.delta == pytest.approx(r.logprob_b - r.logprob_a, abs=1e-9)
+
+    for t, i in zip(d.targets, (IS, ARE)):
+        assert t.id == i
+        assert (t.logprob_a, t.logprob_b) == (pytest.approx(float(lp[i]), abs=1e-4), pytest.approx(float(lq[i]), abs=1e-4))
+        assert (t.prob_a, t.prob_b) == (pytest.approx(float(p[i]), rel=1e-4), pytest.approx(float(q[i]), rel=1e-4))
+        assert_rank(t.rank_a, lp, i)
+        assert_rank(t.rank_b, lq, i)
+        assert t.delta == pytest.approx(float(lq[i] - lp[i]), abs=1e-4)
+
+
+def test_divergence_arithmetic_against_torch():
+    """head.py's divergences on two clearly different distributions, against torch's kl_div and definitions."""
+    from lmhead_cli.head import RANKS_BY_COMPARISON, js_divergence, kl_divergence, log_softmax, ranks, total_variation
+
+    g = torch.Generator().manual_seed(0)
+    za, zb = torch.randn(1000, generator=g) * 3, torch.randn(1000, generator=g) * 2
+    lp, lq = log_softmax(za), log_softmax(zb)
+    kl = torch.nn.functional.kl_div
+    assert kl_divergence(lp, lq) == pytest.approx(float(kl(lq.double(), lp.double(), log_target=True, reduction="sum")), rel=1e-9)
+    assert kl_divergence(lq, lp) == pytest.approx(float(kl(lp.double(), lq.double(), log_target=True, reduction="sum")), rel=1e-9)
+    assert abs(kl_divergence(lp, lq) - kl_divergence(lq, lp)) > 0.1  # asymmetric: the direction is tested
+    p, q = lp.double().exp(), lq.double().exp()
+    m = (p + q) / 2
+    assert js_divergence(lp, lq) == pytest.approx(float(0.5 * (p * (p / m).log()).sum() + 0.5 * (q * (q / m).log()).sum()), rel=1e-9)
+    assert js_divergence(lp, lq) == pytest.approx(js_divergence(lq, lp), rel=1e-12)
+    assert total_variation(lp, lq) == pytest.approx(float((p - q).abs().sum() / 2), rel=1e-9)
+    assert kl_divergence(lp, lp) == js_divergence(lp, lp) == total_variation(lp, lp) == 0.0
+    # ranks: a few tokens by comparison, many by a sort; both 1 + the tokens scored strictly higher.
+    few = torch.tensor([0, 5, int(za.argmax()), int(za.argmin())])
+    many = torch.arange(RANKS_BY_COMPARISON + 1)
+    za[7] = za[9]  # a tie shares the better rank on both paths
+    for ids in (few, many):
+        assert ranks(za, ids).tolist() == [1 + int((za > za[i]).sum()) for i in ids]
+
+
+def test_the_head_runs_on_each_last_position_only(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu")
+    seen = []
+    hook = loaded.engine.head_module.register_forward_hook(lambda _m, i, o: seen.append((tuple(i[0].shape), tuple(o.shape))))
+    try:
+        diff_prompts(loaded, A, "The keys on the table, said", top_k=2)
+    finally:
+        hook.remove()
+    assert seen == [((1, 1, 64), (1, 1, 50257))] * 2  # two forwards, one (1, 1, D) row each
+
+
+def test_untied(tiny_untied):
+    folder, model = tiny_untied
+    d = diff_prompts(load_model(str(folder), device="cpu"), A, B, top_k=3)
+    lp, lq = reference(model, A_IDS), reference(model, B_IDS)
+    assert d.kl_ab == pytest.approx(float((lp.exp() * (lp - lq)).sum()), abs=2e-6)
+
+
+def test_identical_prompts_give_zero(tiny):
+    r = runner.invoke(app, ["diff", B, B, "--model", str(tiny[0]), "--json", "-t", " are"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["kl_ab"] == doc["kl_ba"] == doc["js"] == doc["tv"] == 0.0
+    assert doc["risers"] == doc["fallers"] == []
+    assert doc["targets"][0]["delta"] == 0.0 and doc["targets"][0]["rank_a"] == doc["targets"][0]["rank_b"]
+    assert [t["other_rank"] for t in doc["a"]["top"]] == [t["rank"] for t in doc["a"]["top"]]
+
+
+def test_json_has_exactly_the_documented_fields(tiny):
+    r = runner.invoke(app, ["diff", A, B, "--model", str(tiny[0]), "--json", "-k", "3", "-t", " is", "-t", " keys on"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"a", "b", "kl_ab", "kl_ba", "js", "tv", "risers", "fallers", "targets"}
+    assert set(doc["a"]) == set(doc["b"]) == {"prompt", "prompt_tokens", "top", "entropy"}
+    assert doc["a"]["prompt"] == A and doc["b"]["prompt_tokens"][1] == {"id": 8251, "text": " keys"}
+    assert set(doc["a"]["top"][0]) == {"rank", "id", "token", "logit", "prob", "logprob", "other_rank"}
+    for m in doc["risers"] + doc["fallers"]:
+        assert set(m) == {"id", "token", "logprob_a", "logprob_b", "delta"}
+    assert set(doc["targets"][0]) == {"token", "id", "logprob_a", "logprob_b", "rank_a", "rank_b", "delta"}
+    # A target of several tokens: a notice, and its first token is used, as in inspect.
+    assert doc["targets"][1]["token"] == " keys on" and doc["targets"][1]["id"] == 8251
+    assert "is 2 tokens" in r.stderr
+
+
+def test_table_shows_data_literally(tiny):
+    r = runner.invoke(app, ["diff", "[bold]x[/]", "\x1b[31mred", "--model", str(tiny[0]), "-k", "3", "-t", " is",
+                            "-t", " are"])
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    for text in ("KL(A‖B)", "KL(B‖A)", "Jensen–Shannon", "total variation", "and its rank on the other side", "risers", "fallers",
+                 "targets", "␣is", "␣are", 'A: "[bold]x[/]"', 'B: "\\x1b[31mred"'):
+        assert text in out, text
+    assert "\x1b" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    ([A], "give two prompts"),
+    ([], "give two prompts"),
+    ([A, ""], "the prompt is empty"),
+    ([A, B, "-k", "0"], "--top-k must be at least 1"),
+    ([A, B, "--movers", "-1"], "--movers must be at least 0"),
+    ([A, B, "--target", ""], "encodes to no tokens"),
+])
+def test_bad_input_exits_2(tiny, args, message):
+    r = runner.invoke(app, ["diff", *args, "--model", str(tiny[0])])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0]

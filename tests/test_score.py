@@ -1,0 +1,377 @@
+"""`lmhead score`: every token's figures against transformers' own forward and log_softmax, the window
+procedure recomputed independently with transformers, chunked = unchunked, bits per byte from the
+token bytes, the renderings (colour, marks, table, JSON, --file), and bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+from helpers import PROMPT, assert_rank, nan_checkpoint
+from rich.console import Console
+from typer.testing import CliRunner
+
+from lmhead_cli.cli import app
+from lmhead_cli.errors import UsageError
+from lmhead_cli.loading.sources import load_model
+from lmhead_cli.readings import score as scoring
+from lmhead_cli.readings.score import Corpus, Line, score_lines, score_text, windows
+from lmhead_cli.render.score import MARKS, UNSCORED_MARK, Progress
+
+runner = CliRunner()
+TEXT = "The keys on the table are on the table. The keys on the table are here, and the dog is asleep."
+WORDS = ("the keys on table are here and dog is asleep a cat sat mat of house by window door it was "
+         "not so much that he ran but she said , . yes no").split()
+ATOL = 1e-4
+
+
+def words(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def oracle(model, ids: list[int]) -> torch.Tensor:
+    """transformers' own forward and log_softmax: (T, V) float32 log-probabilities."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def assert_matches_oracle(score, lp: torch.Tensor, first: int) -> None:
+    """Token i of the text is predicted by row i - 1 + first of the oracle's (T, V) log-probabilities
+    (first = 1 with a BOS before the text). Unscored tokens are the ones before `first`'s offset."""
+    for t in score.tokens():
+        row = t.index - 1 + first
+        if row < 0:
+            assert not t.scored and t.logprob is None and t.rank is None and t.top_token is None
+            continue
+        ref = lp[row]
+        assert t.scored
+        assert t.logprob == pytest.approx(float(ref[t.id]), abs=ATOL)
+        assert t.prob == pytest.approx(math.exp(float(ref[t.id])), abs=ATOL)
+        assert t.surprisal_bits == pytest.approx(-float(ref[t.id]) / math.log(2), abs=ATOL)
+        assert t.entropy == pytest.approx(float(-(ref.exp() * ref).sum()), abs=ATOL)
+        assert_rank(t.rank, ref, t.id)
+        assert t.top_id == int(ref.argmax()) and t.top_prob == pytest.approx(float(ref.max().exp()), abs=ATOL)
+
+
+# ---- transformers is the oracle -----------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+@pytest.mark.parametrize("bos", [False, True])
+def test_every_token_matches_transformers_tiny(tiny, engine, bos):
+    folder, model = tiny
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    score = score_text(loaded, TEXT, bos=bos, chunk=7)  # several chunks, the last one short
+    ids = loaded.tokenizer.encode(TEXT)
+    assert score.ids.tolist() == ids
+    lp = oracle(model, [50256] + ids if bos else ids)
+    assert_matches_oracle(score, lp, first=1 if bos else 0)
+    assert score.scored_tokens == len(ids) - (not bos)
+    assert score.nll == pytest.approx(-sum(float(lp[t.index - 1 + bos, t.id]) for t in score.tokens() if t.scored),
+                                      abs=1e-3)
+    assert score.perplexity == pytest.approx(math.exp(score.nll / score.scored_tokens), rel=1e-9)
+
+
+def test_every_token_matches_transformers_full_size():
+    """GPT-2 small's shapes (12 layers, D 768, V 50,257), seeded random weights, on the transformers
+    engine: our windows and chunks against the same GPT2LMHeadModel's own forward and log_softmax.
+    (The lean engine against transformers on the same weights: the tiny cases above and test_engine_parity.)"""
+    hf = load_model("random:gpt2", device="cpu", engine="transformers")
+    text = PROMPT + " are on the shelf, and the dog is asleep by the door."
+    ids = hf.tokenizer.encode(text)
+    for bos in (False, True):
+        score = score_text(hf, text, bos=bos, chunk=10)
+        assert_matches_oracle(score, oracle(hf.engine.model, [50256] + ids if bos else ids), first=int(bos))
+
+
+def reference_windows(model, ids: list[int], n_ctx: int, stride: int) -> dict[int, float]:
+    """The window procedure as the issue words it, on transformers' own forward: windows begin at
+    0, S, 2S, … and cover [begin, min(begin + n_ctx, T)); each scores the tokens after the previous
+    window's end (the first from token 1) that have a token of their window before them."""
+    T, out, prev_end, begin = len(ids), {}, 1, 0
+    while True:
+        end = min(begin + n_ctx, T)
+        lp = oracle(model, ids[begin:end])  # (end - begin, V)
+        for t in range(max(prev_end, begin + 1), end):
+            assert t not in out
+            out[t] = float(lp[t - 1 - begin, ids[t]])
+        if end == T:
+            return out
+        prev_end, begin = end, begin + stride
+
+
+@pytest.fixture(scope="module")
+def long_text(tiny):
+    """About 2,500 tokens: longer than two contexts of 1,024."""
+    loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
+    text = words(2500, seed=1)
+    n = len(loaded.tokenizer.encode(text))
+    assert 2400 <= n <= 2600
+    return loaded, text
+
+
+@pytest.mark.parametrize("stride", [512, 1024])
+def test_windows_match_the_procedure_on_transformers(tiny, long_text, stride, monkeypatch):
+    loaded, text = long_text
+    eng, rows, lengths = loaded.engine, [], []
+    head, body = eng.head, eng.body
+    monkeypatch.setattr(eng, "head", lambda h: rows.append(h.shape[0]) or head(h))
+    monkeypatch.setattr(eng, "body", lambda ids, *a, **k: lengths.append(ids.shape[1]) or body(ids, *a, **k))
+    score = score_text(loaded, text, stride=stride, chunk=200)
+    # The head never sees more than a chunk, nor the body more than a window.
+    assert max(rows) == 200 and sum(rows) == score.scored_tokens
+    assert max(lengths) == 1024 and len(lengths) == score.windows
+    ids = score.ids.tolist()
+    ref = reference_windows(tiny[1], ids, 1024, stride)
+    scored = {t.index: t.logprob for t in score.tokens() if t.scored}
+    assert scored.keys() == ref.keys()
+    for i, lp in ref.items():
+        assert scored[i] == pytest.approx(lp, abs=ATOL)
+    nll = -sum(ref.values())
+    assert score.nll == pytest.approx(nll, rel=1e-6)
+    assert score.perplexity == pytest.approx(math.exp(nll / len(ref)), rel=1e-6)
+    assert score.windows == len(list(windows(len(ids), 1024, stride)))
+    if stride == 512:  # overlapping windows: every token after the first is scored exactly once
+        assert len(ref) == len(ids) - 1
+    else:  # no overlap: each later window's first token has nothing of its window before it
+        assert len(ref) == len(ids) - 1 - (score.windows - 1)
+
+
+@pytest.mark.parametrize("T,n_ctx,stride", [(2500, 1024, 512), (2500, 1024, 1024), (2500, 1024, 1), (5, 1024, 512),
+                                            (1024, 1024, 512), (1025, 1024, 300)])
+def test_window_plan(T, n_ctx, stride):
+    plan = list(windows(T, n_ctx, stride))
+    scored = [t for w in plan for t in range(w.first, w.end)]
+    assert len(scored) == len(set(scored)) and plan[-1].end == T and plan[0].first == 1
+    assert all(w.end - w.begin <= n_ctx and w.begin % stride == 0 and w.first > w.begin for w in plan)
+    if stride < n_ctx:
+        assert scored == list(range(1, T))
+        assert all(w.first - w.begin >= n_ctx - stride for w in plan[1:])  # the context a later window keeps
+
+
+def test_chunked_and_unchunked_heads_agree(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
+    text = words(150, seed=1)
+    whole = score_text(loaded, text, chunk=100_000)  # the whole window's logits at once
+    for chunk in (1, 5, 64, 166):
+        other = score_text(loaded, text, chunk=chunk)
+        assert other.chunk == chunk
+        assert torch.equal(other.rank, whole.rank) and torch.equal(other.top_id, whole.top_id)
+        for name in ("logprob", "entropy", "top_logprob"):
+            a, b = getattr(other, name), getattr(whole, name)
+            if chunk >= 64:  # the same BLAS kernel as the whole window: bit for bit
+                assert torch.equal(a.nan_to_num(), b.nan_to_num())
+            else:  # a handful of rows take other kernels (and the lean engine's blocked product)
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=2e-6, equal_nan=True)
+
+
+def test_bits_per_byte_from_the_token_bytes(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
+    text = "Naïve café, 日本語 and <b>tags</b>: 3.14!"
+    plain = score_text(loaded, text)
+    first = len(loaded.tokenizer.token_bytes(int(plain.ids[0])))
+    assert plain.bytes == len(text.encode("utf-8")) - first  # the unscored first token's bytes are left out
+    assert plain.bits_per_byte == pytest.approx(plain.nll / math.log(2) / plain.bytes, rel=1e-12)
+    with_bos = score_text(loaded, text, bos=True)
+    assert with_bos.bytes == len(text.encode("utf-8"))
+
+
+def test_real_gpt2_perplexity_is_sane(real_gpt2):
+    loaded = load_model(str(real_gpt2), device="cpu", engine="lean")
+    passage = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks "
+               "were striking thirteen. The history of the world is the history of a few people who had faith "
+               "in themselves.")
+    score = score_text(loaded, passage, bos=True)
+    assert 5 < score.perplexity < 150
+    assert score.bucket_counts()[0] > score.scored_tokens / 5  # real weights often rank the next token first
+
+
+# ---- the long-text machinery --------------------------------------------------------------------
+
+def test_long_texts_are_encoded_in_pieces_with_the_same_ids(tiny, monkeypatch):
+    tok = load_model(str(tiny[0]), device="cpu", engine="lean").tokenizer
+    text = words(3000, seed=2) + "  \n\n x <|endoftext|> 日本語\ty  " + words(500, seed=3)
+    whole = tok.encode(text)
+    seen = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda t: seen.append(len(t)) or encode(t))
+    assert list(tok.encode_long(text, piece_chars=300)) == whole
+    assert len(seen) > 10 and max(seen) < 400
+
+
+def test_file_lines_are_scored_lazily(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
+
+    def lines():
+        yield Line(1, "The keys on the table")
+        raise AssertionError("read past the first line before it was used")
+
+    items = score_lines(loaded, lines(), Corpus())
+    first = next(items)
+    assert first.line == 1 and first.score.scored_tokens == 4
+
+
+def test_progress_appears_only_after_a_second_and_only_on_a_terminal():
+    now = [0.0]
+    shown = Progress("scoring", clock=lambda: now[0], console=Console(file=io.StringIO(), force_terminal=True))
+    shown(10, 100)
+    assert not shown.shown
+    now[0] = 1.5
+    shown(20, 100)
+    assert shown.shown
+    shown.close()
+    piped = Progress("scoring", clock=lambda: now[0], console=Console(file=io.StringIO(), force_terminal=False))
+    now[0] = 5.0
+    piped(20, 100)
+    assert not piped.shown
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def score_json(folder, *args: str, **kwargs) -> dict:
+    got = runner.invoke(app, ["score", *args, "--model", str(folder), "--json"], **kwargs)
+    assert got.exit_code == 0, got.output
+    return json.loads(got.stdout)
+
+
+def test_json_has_exactly_the_documented_fields(tiny):
+    doc = score_json(tiny[0], TEXT, "--chunk", "9", "--stride", "300")
+    assert list(doc) == ["model", "random_weights", "text", "bos", "window", "stride", "chunk", "tokens",
+                         "scored_tokens", "nll", "mean_nll", "perplexity", "bytes", "bits_per_byte"]
+    assert (doc["text"], doc["bos"], doc["window"], doc["stride"], doc["chunk"]) == (TEXT, False, 1024, 300, 9)
+    fields = ["index", "id", "token", "scored", "logprob", "prob", "rank", "entropy", "surprisal_bits", "top_id",
+              "top_token", "top_prob"]
+    assert all(list(t) == fields for t in doc["tokens"])
+    first, rest = doc["tokens"][0], doc["tokens"][1:]
+    assert first["scored"] is False and all(first[k] is None for k in fields[4:])
+    assert all(t["scored"] for t in rest) and doc["scored_tokens"] == len(rest)
+    assert "".join(t["token"] for t in doc["tokens"]) == TEXT
+    assert doc["nll"] == pytest.approx(-sum(t["logprob"] for t in rest), rel=1e-9)
+    assert doc["mean_nll"] == pytest.approx(doc["nll"] / len(rest), rel=1e-12)
+    assert doc["perplexity"] == pytest.approx(math.exp(doc["mean_nll"]), rel=1e-12)
+    assert doc["bits_per_byte"] == pytest.approx(doc["nll"] / math.log(2) / doc["bytes"], rel=1e-12)
+    with_bos = score_json(tiny[0], TEXT, "--bos")
+    assert with_bos["bos"] is True and all(t["scored"] for t in with_bos["tokens"])
+
+
+def test_stdin_text_and_the_same_figures(tiny):
+    doc = score_json(tiny[0], "-", input=TEXT + "\n")
+    assert doc["text"] == TEXT  # the one line break a shell adds is not part of the text
+    assert doc == score_json(tiny[0], TEXT)
+
+
+def test_marks_without_colour_rebuild_the_text(tiny, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "500")
+    text = "The keys on the table\nare here."
+    got = runner.invoke(app, ["score", text, "--model", str(tiny[0])])
+    assert got.exit_code == 0
+    shown = got.stdout.split("rank buckets:")[0].rstrip("\n")
+    doc = score_json(tiny[0], text)
+    marks = [UNSCORED_MARK if not t["scored"] else MARKS[scoring.bucket(t["rank"])] for t in doc["tokens"]]
+    expected = "".join(t["token"].rstrip("\n") + m + t["token"][len(t["token"].rstrip("\n")):]
+                       for t, m in zip(doc["tokens"], marks))
+    assert shown == expected
+    assert "\x1b[" not in got.stdout
+    counts = [sum(1 for t in doc["tokens"] if t["scored"] and scoring.bucket(t["rank"]) == b) for b in range(5)]
+    legend = got.stdout.split("rank buckets:")[1]
+    for (_, name), n in zip(scoring.BUCKETS, counts):
+        assert re.search(rf"{name} {n}( \(|\s)", legend)
+
+
+@pytest.mark.parametrize("no_color", [False, True])
+def test_colour_on_a_terminal_and_marks_under_no_color(tiny, monkeypatch, no_color):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    if no_color:
+        monkeypatch.setenv("NO_COLOR", "1")
+    got = runner.invoke(app, ["score", TEXT, "--model", str(tiny[0])])
+    assert got.exit_code == 0
+    text_part = got.stdout.split("rank buckets:")[0]
+    has_marks = any(m in text_part for m in (*MARKS, UNSCORED_MARK))
+    assert has_marks == no_color
+    assert ("\x1b[3" in text_part) != no_color  # a foreground colour code
+
+
+def test_table_long_text_shows_first_and_last_rows(tiny, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    got = runner.invoke(app, ["score", words(200), "--model", str(tiny[0]), "--table"])
+    assert got.exit_code == 0
+    lines = got.stdout.splitlines()
+    first_col = [ln.split()[0] for ln in lines if ln.strip() and ln.split()[0].isdigit()]
+    T = int(next(ln for ln in lines if ln.startswith("scored ")).split()[3].replace(",", ""))
+    table_rows = first_col[: 2 * 10]
+    assert table_rows == [str(i) for i in range(10)] + [str(i) for i in range(T - 10, T)]
+    assert f"{T - 20:,} rows not shown" in got.stdout
+    assert "surprisal" in got.stdout and "perplexity" in got.stdout and "most surprising" in got.stdout
+
+
+def test_hostile_text_is_shown_inert_and_kept_exact_in_json(tiny):
+    text = "[bold red]x[/] \x1b[31mred\x07 done"
+    got = runner.invoke(app, ["score", text, "--model", str(tiny[0]), "--table"])
+    assert got.exit_code == 0
+    assert "\x1b" not in got.stdout and "\x07" not in got.stdout
+    shown = got.stdout.split("\nrank buckets:")[0]
+    for mark in (*MARKS, UNSCORED_MARK):
+        shown = shown.replace(mark, "")
+    assert shown == "[bold red]x[/] \\x1b[31mred\\x07 done"  # markup literal, control characters escaped
+    assert score_json(tiny[0], text)["text"] == text
+
+
+def test_file_streams_json_lines_and_a_corpus_summary(tiny, tmp_path):
+    path = tmp_path / "texts.txt"
+    lines = ["The keys on the table.", "", "   ", "Hello", "The dog is asleep by the door."]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    got = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0]), "--json"])
+    assert got.exit_code == 0, got.output
+    docs = [json.loads(ln) for ln in got.stdout.splitlines()]
+    assert [d["text"] for d in docs] == [lines[0], lines[4]]
+    for d in docs:
+        assert d == score_json(tiny[0], d["text"])  # each line is scored as its own text
+    tokens, nll = sum(d["scored_tokens"] for d in docs), sum(d["nll"] for d in docs)
+    assert "2 texts scored" in got.stderr and "2 empty lines" in got.stderr and "1 line of one token" in got.stderr
+    assert f"corpus perplexity {math.exp(nll / tokens):,.4f}" in got.stderr
+    human = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0])])
+    assert human.exit_code == 0 and "skipped: empty" in human.stdout and "corpus perplexity" in human.stdout
+    with_bos = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0]), "--json", "--bos"])
+    assert [json.loads(ln)["text"] for ln in with_bos.stdout.splitlines()] == [lines[0], lines[3], lines[4]]
+
+
+@pytest.mark.parametrize("args,stdin,message", [
+    (["score", ""], None, "empty"),
+    (["score", "Hello"], None, "add --bos"),
+    (["score", TEXT, "--stride", "0"], None, "--stride"),
+    (["score", TEXT, "--stride", "1025"], None, "between 1 and the context of 1024"),
+    (["score", TEXT, "--chunk", "0"], None, "--chunk"),
+    (["score", "-"], b"caf\xe9 au lait", "not UTF-8"),
+    (["score", "-"], b"", "empty"),
+    (["score", "bad \udce9 bytes"], None, "not valid UTF-8"),
+    (["score", TEXT, "--file", "x.txt"], None, "not both"),
+    (["score", "--file", "/nonexistent/texts.txt"], None, "no such text file"),
+    (["score", "--file", "-", "--table"], None, "--table"),
+    (["score"], None, "give a text"),
+])
+def test_bad_input_exits_2_with_one_line(tiny, args, stdin, message):
+    got = runner.invoke(app, [*args, "--model", str(tiny[0])], input=stdin)
+    assert got.exit_code == 2, got.output
+    assert message in got.stderr and got.stderr.count("\n") == 1 and "Traceback" not in got.output
+
+
+def test_a_file_line_that_is_not_utf8_names_the_line(tiny, tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"The keys on the table\ncaf\xe9\n")
+    got = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0]), "--json"])
+    assert got.exit_code == 2 and "line 2" in got.stderr
+
+
+def test_stride_check_needs_no_model():
+    with pytest.raises(UsageError, match="between 1 and the context of 1024"):
+        list(windows(10, 1024, 2000))
+
+
+def test_nan_weight_is_one_line_exit_1(tmp_path, tiny):
+    got = runner.invoke(app, ["score", TEXT, "--model", str(nan_checkpoint(tiny[0], tmp_path))])
+    assert got.exit_code == 1 and "non-finite logits" in got.stderr and "Traceback" not in got.output
