@@ -466,7 +466,7 @@ def output_kind(json_out: bool, output_format: str | None, top_logprobs: int, lo
         raise UsageError(f"--json and --format {kind} ask for two different outputs; give one")
     if kind != "openai" and (top_logprobs or logprobs is not None):
         given = "--top-logprobs" if top_logprobs else "--logprobs"
-        raise UsageError(f"{given} is reported by --format openai; --json always has both raw_logprob and logprob")
+        raise UsageError(f"{given} is reported by --format openai only")
     return kind
 
 
@@ -789,6 +789,8 @@ def score_cmd(
     ] = False,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
+    output_format: FormatOpt = None,
+    top_logprobs: TopLogprobsOpt = 0,
 ) -> None:
     """Score every token of a text you already have: log-probability, rank, entropy, surprisal, perplexity.
 
@@ -796,10 +798,15 @@ def score_cmd(
 
     Example: lmhead score "The keys on the table are on the table." --table
     """
+    from lmhead_cli.decoding.stages import check
     from lmhead_cli.readings import score as scoring
     from lmhead_cli.readings.batch import open_input
     from lmhead_cli.render import score as show
 
+    kind = output_kind(json_out, output_format, top_logprobs, None)
+    check({"top_logprobs": top_logprobs})
+    if file is not None and kind == "openai":
+        raise UsageError("--format openai scores one text; give it as an argument or on stdin, not with --file")
     if file is not None:
         if text is not None:
             raise UsageError("give a text or --file, not both")
@@ -814,7 +821,7 @@ def score_cmd(
             items = scoring.score_lines(loaded, scoring.read_lines(stream, file), corpus, bos=bos, stride=stride,
                                         chunk=chunk)
             size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
-            show.file_report(items, corpus, loaded.source, loaded.random_weights, json_out, size)
+            show.file_report(items, corpus, loaded.source, loaded.random_weights, kind == "json", size)
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
@@ -826,9 +833,13 @@ def score_cmd(
     loaded = source.load()
     if stride is not None:
         scoring.check_stride(stride, loaded.engine.n_ctx)
+    doc = show.openai_document(loaded, text) if kind == "openai" else None  # written as each chunk is scored
     with show.Progress("scoring") as progress:
-        result = scoring.score_text(loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)
-    if json_out:
+        result = scoring.score_text(loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress,
+                                    top_logprobs=top_logprobs, on_rows=doc.rows if doc else None)
+    if doc is not None:
+        show.openai_end(doc, result)
+    elif kind == "json":
         show.write_json(result)
     else:
         show.report(result, show_table)

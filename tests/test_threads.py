@@ -56,20 +56,23 @@ def test_a_tie_keeps_torchs_count(monkeypatch, restore_threads):
 
 
 def test_a_slowdown_starts_a_new_trial(monkeypatch, restore_threads):
-    """Chosen at 1 s a call; three calls in a row at 3 s (> 1.5 × best) try both counts again."""
+    """Chosen, then 5 calls at 1 s (the reference); once the median of the last 5 is over 2 s (the
+    third call at 3 s), both counts are timed again."""
     torch.set_num_threads(2)
     chooser = ThreadChooser()
-    clock(monkeypatch, [1, 4] + [1, 3, 3, 3] + [9, 2])
-    seen = counts_seen(chooser, 9)
-    assert seen[:7] == [2, 2, 1, 2, 2, 2, 2]
-    assert seen[7:] == [2, 1] and chooser.choices == [2, 1]
+    clock(monkeypatch, [1, 4] + [1] * 5 + [3] * 3 + [9, 2])
+    seen = counts_seen(chooser, 13)
+    assert seen[:11] == [2, 2, 1] + [2] * 8
+    assert seen[11:] == [2, 1] and chooser.choices == [2, 1]
 
 
-def test_both_counts_are_tried_again_every_recheck_calls(monkeypatch, restore_threads):
+def test_a_kept_count_doubles_the_calls_to_the_next_trial(monkeypatch, restore_threads):
     torch.set_num_threads(2)
     chooser = ThreadChooser(recheck=3)
-    clock(monkeypatch, [1, 2] + [1, 1, 1] + [2, 1])
-    assert counts_seen(chooser, 8) == [2, 2, 1, 2, 2, 2, 2, 1] and chooser.choices == [2, 1]
+    clock(monkeypatch, [1, 2] + [1] * 3 + [1, 2] + [1] * 6 + [2, 1] + [1])
+    seen = counts_seen(chooser, 17)
+    assert seen == [2, 2, 1] + [2] * 3 + [2, 1] + [2] * 6 + [2, 1] + [1]
+    assert chooser.choices == [2, 2, 1]
 
 
 def test_units_normalise_the_work(monkeypatch, restore_threads):

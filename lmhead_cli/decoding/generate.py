@@ -32,7 +32,7 @@ from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.presets import merge
 from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.errors import BadValue, ModeConflict
-from lmhead_cli.head import check_finite, entropy, log_softmax, ranks
+from lmhead_cli.head import check_finite, check_top_logprobs, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
 
 DEFAULT_MAX_NEW_TOKENS = 40
@@ -202,8 +202,7 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     (Chinese, emoji) arrives once all its bytes are there. A final end-of-text is not text.
     """
     eng = loaded.engine
-    if s.top_logprobs > eng.vocab_size:
-        raise BadValue("top_logprobs", f"must be at most the vocabulary size, {eng.vocab_size} (got {s.top_logprobs})")
+    check_top_logprobs(s.top_logprobs, eng.vocab_size)
     eos = eng.eos_token_id if eos_token_id is None else eos_token_id
     stop_at = None if s.ignore_eos else eos
     max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))

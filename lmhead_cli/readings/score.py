@@ -28,7 +28,7 @@ import torch
 
 from lmhead_cli.errors import BadValue, NoPrompt, OneToken, UsageError
 from lmhead_cli import inputs
-from lmhead_cli.head import nats_to_bits, score_rows
+from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
 
@@ -244,12 +244,20 @@ def text_ids(loaded: Loaded, text: str, bos: bool) -> torch.Tensor:
     return ids
 
 
+# on_rows(ids (n,), logprob (n,), top ids (n, K) | None, top log p (n, K) | None), on the CPU: the
+# scored tokens of one head chunk, in text order, as soon as they are scored.
+OnRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+
+
 @torch.inference_mode()
 def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
-              chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+              chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
+              top_logprobs: int = 0, on_rows: OnRows | None = None) -> dict:
     """Score token ids (T,) window by window, the head in chunks. Returns the Score's columns.
 
-    `progress(done, total)` is called after each chunk with the tokens scored so far."""
+    `progress(done, total)` is called after each chunk with the tokens scored so far. With
+    `on_rows`, each chunk's scored tokens are also handed over with their `top_logprobs` most
+    probable tokens, which are not kept: the memory stays chunk × top_logprobs, whatever T is."""
     eng = loaded.engine
     n_ctx = eng.n_ctx
     stride = n_ctx // 2 if stride is None else stride
@@ -269,9 +277,13 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
         pred = hidden[w.first - 1 - w.begin: w.end - 1 - w.begin]  # (n, D)
         for c in range(0, len(pred), chunk):
             lo, hi = w.first + c, min(w.first + c + chunk, w.end)
-            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device))  # (chunk, V) dropped here
+            # (chunk, V) logits, dropped here
+            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device), top_logprobs)
             logprob[lo:hi], rank[lo:hi], entropy[lo:hi] = rows.logprob.cpu(), rows.rank.cpu(), rows.entropy.cpu()
             top_id[lo:hi], top_logprob[lo:hi] = rows.top_id.cpu(), rows.top_logprob.cpu()
+            if on_rows is not None:
+                on_rows(seq[lo:hi], logprob[lo:hi], *((rows.top_ids.cpu(), rows.top_logprobs.cpu())
+                                                      if top_logprobs else (None, None)))
             done += hi - lo
             if progress is not None:
                 progress(done, total)
@@ -289,12 +301,15 @@ def scored_bytes(loaded: Loaded, ids: torch.Tensor) -> int:
 
 
 def score_text(loaded: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
-               chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Score:
+               chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
+               top_logprobs: int = 0, on_rows: OnRows | None = None) -> Score:
     """Score every token of one text. The one function a caller needs per text (`--file` runs it
-    on each line)."""
+    on each line). `top_logprobs` and `on_rows`: see score_ids."""
     ids = text_ids(loaded, check_text(text), bos)
+    check_top_logprobs(top_logprobs, loaded.engine.vocab_size)
     return _score(loaded, text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk,
-                                                    progress=progress))
+                                                    progress=progress, top_logprobs=top_logprobs,
+                                                    on_rows=on_rows))
 
 
 def _score(loaded: Loaded, text: str, bos: bool, ids: torch.Tensor, cols: dict) -> Score:

@@ -182,6 +182,21 @@ def write_json(score, lines: bool = False) -> None:
 FILE_HEADER = f"{'line':>6}  {'tokens':>7}  {'NLL':>11}  {'perplexity':>12}  {'bits/byte':>9}  text"
 
 
+def openai_document(loaded, text: str):
+    """`score --format openai`: the text as the assistant's message and each scored token's logprob
+    (render.openai.Completion; its `rows` is score_text's `on_rows`). Scoring has no stages, so the
+    logprobs are raw. finish_reason is "stop": the text ends where it ends."""
+    from lmhead_cli.render.openai import Completion
+
+    return Completion(loaded.tokenizer, loaded.source, text, "stop")
+
+
+def openai_end(doc, score) -> None:
+    """usage: the scored tokens are the completion; the tokens read but not scored (--bos's token or the
+    text's first, and with --stride n_ctx each later window's first) are the prompt."""
+    doc.end(len(score.ids) + score.bos - score.scored_tokens, score.scored_tokens)
+
+
 def file_row(item, width: int) -> str:
     if item.score is None:
         return f"{item.line:>6}  skipped: {item.skipped}"
