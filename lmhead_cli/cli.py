@@ -447,7 +447,7 @@ FormatOpt = Annotated[
                                 "completion object, logprobs included.", show_default="text")
 ]
 TopLogprobsOpt = Annotated[
-    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at each step, "
+    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at every position, "
                       "from 0 up to the vocabulary size (no cap at 20).")
 ]
 LogprobsOpt = Annotated[
