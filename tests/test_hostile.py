@@ -339,6 +339,8 @@ BAD_CHECKPOINTS = {
     "index names ../": (_shards("shard.safetensors", "../other/model.safetensors"), "outside its folder"),
     "index names /": (_shards("/etc/passwd"), "outside its folder"),
     "index names a missing shard": (_shards("shard.safetensors", "gone.safetensors"), "listed in the index but missing"),
+    "weights a broken link": (lambda f: ((f / "model.safetensors").unlink(), os.symlink("../blobs/gone", f / "model.safetensors")),
+                              "model.safetensors is a link to ../blobs/gone, which does not exist"),
 }
 
 
@@ -417,3 +419,67 @@ def test_memory_is_estimated_before_the_model_is_built(monkeypatch):
     assert got.exit_code == 0 and "random:distilgpt2: loading needs about 328 MB" in got.stderr
     monkeypatch.setattr(checks, "available_memory", lambda device: 1)
     assert invoke(["tie", "--model", "random:distilgpt2", "--ignore-memory"]).exit_code == 0
+
+
+# ---- 6. what a newcomer meets -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [["generate"], ["greedy"], ["sample"], ["softcap"], ["generate", "--beams", "2"]])
+def test_every_text_output_of_random_weights_says_so(command):
+    got = invoke([*command, "The keys", "-n", "2", "--seed", "1", "--model", "random:distilgpt2"]
+                 if command[0] not in ("greedy",) and "--beams" not in command else
+                 [*command, "The keys", "-n", "2", "--model", "random:distilgpt2"])
+    assert got.exit_code == 0, got.output
+    assert got.stdout.startswith("random weights (random:distilgpt2, seeded)")
+
+
+def test_a_long_prompt_shows_a_bounded_number_of_rows(tiny):
+    prompt = "The keys on the table " * 240  # 1,200 tokens, longer than... the tiny model's 1,024
+    got = invoke(["inspect", prompt, "--model", str(tiny[0]), "-k", "1"])
+    rows = [line for line in got.stdout.splitlines().__iter__() if "│" in line]
+    assert got.exit_code == 0 and "1,000 more tokens (--json lists them all)" in got.stdout
+    assert len(rows) < 40  # 24 prompt tokens, the top token, no 1,024 rows
+    assert "keeping the last 1024" in got.stderr.replace("\n", " ") or "1024" in got.stderr
+
+
+def test_a_narrow_terminal_never_cuts_figures(tiny, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    got = invoke(["params"])
+    assert "38,597,376" in got.stdout and "124,439,808" in got.stdout and "7,087,872" in got.stdout
+    doc = json.loads(invoke(["inspect", "The keys", "--model", str(tiny[0]), "-k", "3", "--json"]).stdout)
+    table = invoke(["inspect", "The keys", "--model", str(tiny[0]), "-k", "3"]).stdout
+    for t in doc["top"]:
+        assert f"{t['logit']:.4f}" in table and f"{t['prob']:.4%}" in table and f"{t['logprob']:.4f}" in table
+    steps = invoke(["greedy", "The keys", "-n", "2", "--show-steps", "3", "--model", str(tiny[0])]).stdout
+    assert not any("…" in line for line in steps.splitlines() if "│" in line)
+
+
+def test_explore_completion_and_offline_advice(tiny):
+    got = invoke(["explore", "--model", str(tiny[0])], input=":foo\n:top-k 100000\nThe keys\n")
+    assert got.exit_code == 0 and got.stderr.count("unknown command :foo; :help lists the commands") == 1
+    assert ":softcap C|off" not in got.stdout and "50,257" in got.stdout  # every token's row, ranked by a sort
+    assert "--install-completion" in invoke(["--help"]).stdout
+    got = invoke(["tie", "--model", "distilgpt2"])
+    assert got.exit_code == 1 and "--model random:distilgpt2" in got.stderr
+
+
+def test_beams_are_bounded_by_the_memory_they_need(tiny, monkeypatch):
+    from lmhead_cli.loading import checks
+
+    monkeypatch.setattr(checks, "available_memory", lambda device: 10**9)
+    got = invoke(["generate", "x", "--beams", "1000000", "-n", "3", "--model", str(tiny[0])])
+    assert got.exit_code == 2 and "--beams of 1,000,000 need about" in got.stderr
+    assert "but 1.0 GB is available; at most " in got.stderr
+
+
+def test_out_of_memory_on_the_cpu_gives_no_advice_to_use_the_cpu(tiny):
+    import torch
+
+    from lmhead_cli.errors import LmheadError
+    from lmhead_cli.loading.sources import load_model
+    from lmhead_cli.readings.batch import inspect_batch
+
+    def no_memory(loaded, rows):
+        raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(LmheadError, match="even for a single prompt of 1 tokens on cpu$"):
+        inspect_batch(load_model(str(tiny[0]), device="cpu"), ["Hello"], run=no_memory)

@@ -84,15 +84,20 @@ def check_vocabularies(tokenizer_size: int, vocab_size: int, origin: str, path) 
 
 # ---- the files -------------------------------------------------------------------------------
 
+def read_json(path: Path):
+    """A checkpoint's JSON file (config.json, the shard index), or a CorruptCheckpoint naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror or e}") from None
+
+
 def shard_files(index: Path) -> list[Path]:
     """The shard files named by `model.safetensors.index.json`, each confined to the index's folder:
     a plain file name or a relative path below it, never absolute, never through `..`."""
-    try:
-        doc = json.loads(index.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(f"{index} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise CorruptCheckpoint(f"{index} cannot be read: {e.strerror or e}") from None
+    doc = read_json(index)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CorruptCheckpoint(f"{index} has no weight_map (tensor name -> shard file)")

@@ -6,7 +6,6 @@ Nothing here prints: progress bars are huggingface_hub's own, on stderr.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -246,12 +245,7 @@ def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise ModelNotFound(f"{folder} holds no config.json (expected config.json and model.safetensors)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(f"{path} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror or e}") from None
+    config = checks.read_json(path)
     checks.check_config(config, path)
     return config
 
@@ -274,6 +268,9 @@ def weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         return checks.shard_files(index)
+    if (folder / "model.safetensors").is_symlink() and not (folder / "model.safetensors").exists():
+        raise CorruptCheckpoint(f"{folder / 'model.safetensors'} is a link to {os.readlink(folder / 'model.safetensors')}, "
+                                "which does not exist (an interrupted download?)")
     if (folder / "model.safetensors").exists():
         return [folder / "model.safetensors"]
     if (folder / "pytorch_model.bin").exists():
