@@ -4,6 +4,7 @@ exhaust memory, or end in the catch-all "unexpected". One test per class, its ca
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -483,3 +484,31 @@ def test_out_of_memory_on_the_cpu_gives_no_advice_to_use_the_cpu(tiny):
 
     with pytest.raises(LmheadError, match="even for a single prompt of 1 tokens on cpu$"):
         inspect_batch(load_model(str(tiny[0]), device="cpu"), ["Hello"], run=no_memory)
+
+
+# ---- 7. numbers at the edges ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["sample", "x", "--temperature", "1e-39"], "--temperature must be a finite number of at least 1e-06 (got 1e-39)"),
+    (["inspect", "x", "--stages", "--temperature", "1e-39"], "--temperature must be a finite number of at least 1e-06"),
+    (["inspect", "x", "--stages", "--softcap", "1e-39"], "--softcap must be a finite number of at least 1e-06"),
+    (["toy", "--hidden", "1e308,1e308,1e308"], "--hidden numbers must lie within ±1e+06"),
+    (["toy", "-t", "1e-308"], "--temperature must be a finite number of at least 1e-06; got 1e-308"),
+])
+def test_numbers_at_the_edges_are_refused_with_the_limit(tiny, args, message):
+    got = invoke([*args, "--model", str(tiny[0])] if args[0] != "toy" else args)
+    assert got.exit_code == 2 and message in got.stderr
+
+
+def test_numbers_at_the_limits_stay_finite(tiny):
+    got = invoke(["inspect", "x", "--stages", "--temperature", "1e-6", "--softcap", "1e-6", "-k", "3",
+                  "--model", str(tiny[0]), "--json"])
+    stages = json.loads(got.stdout)["stages"]
+    assert got.exit_code == 0 and all(math.isfinite(r["prob"]) for r in stages["rows"])
+    assert stages["entropy"] >= 0 and "nan" not in got.stdout.lower()
+    toy = json.loads(invoke(["toy", "--hidden", "1e6,-1e6,1e6", "-t", "1e-6", "--json"]).stdout)
+    assert toy["probs"] == [1.0, 0.0, 0.0, 0.0] and toy["entropy_bits"] == 0
+    assert "temperature 1e-06" in invoke(["toy", "-t", "1e-6"]).stdout
+    got = invoke(["explore", "--model", str(tiny[0])], input=":temp 1e-39\n:temp 1e-6\nThe keys\n")
+    assert got.exit_code == 0 and ":temp must be a finite number of at least 1e-06" in got.stderr
+    assert "» The keys" in got.stdout
