@@ -299,15 +299,10 @@ def scored_bytes(loaded: Loaded, ids: torch.Tensor) -> int:
 
 def score_text(loaded: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
                chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Score:
-    """Score every token of one text. The one function a caller needs per text (`--file` runs it
-    on each line)."""
+    """Score every token of one text. The one function a caller needs per text (`--file` runs it on
+    each line)."""
     ids = text_ids(loaded, check_text(text), bos)
-    return _score(loaded, text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk,
-                                                    progress=progress))
-
-
-def _score(loaded: Loaded, text: str, bos: bool, ids: torch.Tensor, cols: dict) -> Score:
-    """The Score of `text` from its ids (T,) and the columns score_ids returned."""
+    cols = score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk, progress=progress)
     scored = cols["scored"]
     return Score(model=loaded.source, random_weights=loaded.random_weights, text=text, bos=bos,
                  window=loaded.engine.n_ctx, ids=ids, nll=-float(cols["logprob"][scored].double().sum()),
@@ -382,17 +377,18 @@ class FileItem:
 
 def score_lines(loaded: Loaded, lines: Iterator[Line], corpus: Corpus, *, bos: bool = False,
                 stride: int | None = None, chunk: int | None = None) -> Iterator[FileItem]:
-    """Score each line lazily, one at a time, adding it to `corpus`; skipped lines are counted."""
+    """Score each line lazily with `score_text`, one at a time, adding it to `corpus`; empty lines and
+    one-token lines without `bos` are skipped and counted."""
     for line in lines:
         if line.text is None:
             corpus.skipped_empty += 1
             yield FileItem(line.number, None, "empty", line.end)
             continue
-        ids = text_ids(loaded, line.text, bos=True)  # never refuses: a one-token line is skipped below
-        if len(ids) < 2 and not bos:
+        try:
+            score = score_text(loaded, line.text, bos=bos, stride=stride, chunk=chunk)
+        except OneToken:
             corpus.skipped_short += 1
             yield FileItem(line.number, None, "one token", line.end)
             continue
-        score = _score(loaded, line.text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk))
         corpus.add(score)
         yield FileItem(line.number, score, end=line.end)
