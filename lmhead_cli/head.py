@@ -51,9 +51,10 @@ def log_softmax(logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V);
     a filtered token (-inf) gets -inf. `inplace` overwrites float32 logits with their log-probabilities,
     so that no second (..., V) buffer is held (`score`'s chunks)."""
-    if inplace:
+    if inplace:  # z - max, then - log Σ exp: one temporary (..., V) buffer (torch.logsumexp takes two)
         z = logits.float()
-        return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+        z.sub_(z.amax(dim=-1, keepdim=True))
+        return z.sub_(z.exp().sum(dim=-1, keepdim=True).log_())
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -140,6 +141,9 @@ def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) ->
                        logit=float(logits[first]), prob=float(log_softmax(logits)[first].exp()))
 
 
+RANK_ROWS = 8  # rows per rank comparison in score_rows: (8, V) int64 is 3.2 MB for GPT-2
+
+
 @dataclass(frozen=True)
 class RowScores:
     """How a distribution rated a given token, row by row; every field has the rows' shape (N,)."""
@@ -154,10 +158,12 @@ class RowScores:
 def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
     """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row.
 
-    The logits are overwritten with their log-probabilities, so the N rows take about two (N, V)
-    float32 buffers at most (the logits and, for the entropy, the probabilities): a caller bounds the
-    memory by how many rows it passes (`lmhead score --chunk`)."""
-    rank = ranks(logits, ids[:, None])[:, 0]
+    The logits are overwritten with their log-probabilities, so the N rows take two (N, V) float32
+    buffers at most (the logits, and a temporary for the softmax's sum and then for the entropy's
+    probabilities): a caller bounds the memory by how many rows it passes (`lmhead score --chunk`)."""
+    # ranks' comparison is summed through an int64 copy of (rows, V): a few rows at a time keeps it small.
+    rank = torch.cat([ranks(logits[i:i + RANK_ROWS], ids[i:i + RANK_ROWS, None])[:, 0]
+                      for i in range(0, len(ids), RANK_ROWS)])
     logprobs = log_softmax(logits, inplace=True)  # (N, V) float32, in the logits' place
     top_logprob, top_id = logprobs.max(-1)
     if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)

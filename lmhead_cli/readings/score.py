@@ -32,7 +32,10 @@ from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
-CHUNK_BYTES = 32 * 2**20  # the default chunk's float32 logits stay within this
+# The default chunk's working memory stays within this: its float32 logits and one more buffer of
+# the same size (head.score_rows), so 32 MiB is 83 positions for GPT-2's 50,257 tokens.
+CHUNK_BYTES = 32 * 2**20
+BUFFERS_PER_CHUNK = 2
 
 
 # ---- the plan: windows and chunks --------------------------------------------------------------
@@ -73,8 +76,8 @@ def check_chunk(chunk: int | None) -> None:
 
 
 def default_chunk(vocab: int) -> int:
-    """The most positions whose float32 logits (chunk, V) fit in CHUNK_BYTES."""
-    return max(1, CHUNK_BYTES // (vocab * FLOAT32_BYTES))
+    """The most positions whose two (chunk, V) float32 buffers fit in CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (BUFFERS_PER_CHUNK * vocab * FLOAT32_BYTES))
 
 
 # Rank buckets, as GLTR colours a text: (the largest rank in the bucket, its name); the last is open.
