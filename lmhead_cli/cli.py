@@ -734,8 +734,8 @@ def score_cmd(
     ] = None,
     chunk: Annotated[
         Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
-                                    "bytes of float32 logits (GPT-2: 201 kB a position) and as much again for "
-                                    "their log-softmax.", show_default="the most within 32 MiB: 166 for GPT-2",
+                                    "bytes of float32 logits (GPT-2: 201 kB a position) and one more buffer of "
+                                    "that size.", show_default="the most within 32 MiB: 83 for GPT-2",
                                     min=1)
     ] = None,
     show_table: Annotated[
