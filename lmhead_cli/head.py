@@ -62,10 +62,11 @@ def entropy(logprobs: torch.Tensor) -> torch.Tensor:
 
     A dropped token (p = 0, log p = -inf) adds nothing: its 0·(-inf) = NaN is counted as 0
     (torch.special.entr is ~10x slower on CPU). p is multiplied in place, so a (N, V) input needs one
-    more (N, V) buffer, not three (`score` runs this on chunks of logits).
+    more (N, V) buffer, not three (`score` runs this on chunks of logits). Entropy is never negative:
+    a one-hot distribution's -0.0 (or a rounding speck below 0) is 0, never "-0.0000" in a table.
     """
     p = logprobs.exp()
-    return -p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)
+    return (-p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)).clamp_min(0.0) + 0.0
 
 
 def nats_to_bits(nats: float) -> float:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.errors import BadValue, NoPrompt, OneToken, UsageError
+from lmhead_cli import inputs
 from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
@@ -215,23 +216,13 @@ def check_text(text: str, source: str = "the text") -> str:
     arrive as lone surrogates)."""
     if not text or not text.strip():
         raise NoPrompt(given=True)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UsageError(f"{source} is not valid UTF-8 (at character {e.start}); save it as UTF-8") from None
-    return text
+    return inputs.check_text(text, source)
 
 
 def read_text(stream) -> str:
     """One text from a binary stream (`score -` reads stdin), strictly UTF-8, less the one line
     break a shell or an editor puts at the end."""
-    data = stream.read()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"the text on stdin is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         "save it as UTF-8") from None
-    return text.removesuffix("\n").removesuffix("\r")
+    return inputs.read_stdin("the text on stdin", stream=stream).removesuffix("\n").removesuffix("\r")
 
 
 def bos_id(loaded: Loaded) -> int:
@@ -371,19 +362,9 @@ class Line:
 
 
 def read_lines(stream, name: str) -> Iterator[Line]:
-    """The lines of a file one at a time (constant memory), each checked as UTF-8."""
-    label = "stdin" if name == STDIN else name
-    end = 0
-    for number, raw in enumerate(stream, 1):
-        end += len(raw)
-        if number == 1:
-            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not text
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"line {number} of {label} is not UTF-8 (byte 0x{raw[e.start]:02x}); "
-                             "save it as UTF-8") from None
-        line = line.removesuffix("\n").removesuffix("\r")
+    """The lines of a file one at a time (constant memory: each line read with a limit), each checked
+    as UTF-8 (inputs.bounded_lines)."""
+    for number, end, line in inputs.bounded_lines(stream, "stdin" if name == STDIN else name):
         yield Line(number, line if line.strip() else None, end)
 
 

@@ -1,7 +1,8 @@
 """Output for generate / greedy / sample / softcap and `inspect --stages`.
 
 Text streams to stdout as plain writes (never through rich markup: generated text may hold
-brackets), flushed per piece so it shows token by token even through a pipe.
+brackets), terminal-safe (control characters but newline and tab made visible), flushed per piece
+so it shows token by token even through a pipe.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import sys
 from dataclasses import asdict
 
 from rich.table import Table
+from rich.text import Text
 
-from lmhead_cli.render import knobs_text, notice, out, sparkline
+from lmhead_cli.render import knobs_text, notice, out, safe_text, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -24,12 +26,13 @@ def _pct(p: float) -> str:
 
 def begin(prompt: str) -> None:
     """The prompt, in bold on a terminal, before the generated text."""
-    out().print(prompt, style="bold", end="", markup=False, soft_wrap=True)
+    out().print(Text(safe_text(prompt, keep="\n\t"), style="bold"), end="", soft_wrap=True)
     sys.stdout.flush()
 
 
 def stream(piece: str) -> None:
-    sys.stdout.write(piece)
+    """One piece of generated text, terminal-safe, at once."""
+    sys.stdout.write(safe_text(piece, keep="\n\t"))
     sys.stdout.flush()
 
 
@@ -82,8 +85,8 @@ def steps_table(g) -> None:
                           ("the most probable", "left")):
         table.add_column(name, justify=justify)
     for i, s in enumerate(g.steps, 1):
-        alts = "  ".join(f"[bold]{_tok(a.token)} {_pct(a.prob)}[/]" if a.id == s.id else f"{_tok(a.token)} {_pct(a.prob)}"
-                         for a in s.alternatives)
+        alts = Text("  ").join(_tok(a.token, "bold" if a.id == s.id else "") + Text(f" {_pct(a.prob)}",
+                               "bold" if a.id == s.id else "") for a in s.alternatives)
         table.add_row(str(i), _tok(s.token), _pct(s.raw_prob), _pct(s.prob), f"{s.rank:,}",
                       _pct(s.removed_mass), f"{s.raw_entropy:.2f}", f"{s.entropy:.2f}", alts)
     out().print(table)

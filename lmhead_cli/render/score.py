@@ -37,7 +37,7 @@ def coloured(con) -> bool:
 # ---- the text view ----------------------------------------------------------------------------
 
 def _piece(text: Text, piece: str, rank: int | None, colour: bool) -> None:
-    shown = safe_text(piece)
+    shown = safe_text(piece, keep="\n\t")
     if colour:
         text.append(shown, style=UNSCORED_STYLE if rank is None else STYLES[bucket(rank)])
         return
@@ -202,7 +202,7 @@ def file_row(item, width: int) -> str:
         return f"{item.line:>6}  skipped: {item.skipped}"
     s = item.score
     bpb = "n/a" if s.bits_per_byte is None else f"{s.bits_per_byte:.4f}"
-    text = safe_text(s.text).replace("\n", "\\n").replace("\t", "\\t")
+    text = safe_text(s.text)
     room = max(8, width - len(FILE_HEADER) + 4)
     text = text if len(text) <= room else text[: room - 1] + "…"
     return f"{item.line:>6}  {s.scored_tokens:>7,}  {s.nll:>11,.3f}  {s.perplexity:>12,.3f}  {bpb:>9}  {text}"
