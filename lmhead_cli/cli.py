@@ -371,8 +371,13 @@ def stage_knobs(stages: bool, preset: str | None, given: dict):
 
 
 def inspect_file(prompt, file, batch_size, explain, top_k, target, source: ModelChoice, json_out) -> None:
-    """`inspect --file`: read a batch of lines, compute it, write it, forget it; counts at the end."""
-    from lmhead_cli.readings.batch import BatchStats, PromptLines, inspect_stream
+    """`inspect --file`: read a batch of lines, compute it, write it, forget it; counts at the end.
+
+    Under torchrun each rank computes every N-th batch and rank 0 writes them all in order (distributed.py)."""
+    import dataclasses
+
+    from lmhead_cli.distributed import Ranks
+    from lmhead_cli.readings.batch import STDIN, BatchStats, PromptLines, inspect_stream
     from lmhead_cli.readings.inspect import check_targets
     from lmhead_cli.render.batch import JsonLinesWriter, TableWriter, file_notices
     from lmhead_cli.render.inspect import inspection_json
@@ -386,16 +391,23 @@ def inspect_file(prompt, file, batch_size, explain, top_k, target, source: Model
     if batch_size < 1:
         raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
     targets = check_targets(target)
+    ranks = Ranks.from_env()
+    if ranks.world > 1 and file == STDIN:
+        raise UsageError("under torchrun every rank reads the prompts itself: give --file a file, not - (stdin)")
     lines = PromptLines(file)
     lines.first()  # before the load: a missing, empty or undecodable file fails in an instant
-    loaded = source.load()
+    loaded = dataclasses.replace(source, device=ranks.start(source.device)).load()
     writer = (JsonLinesWriter(lambda r: inspection_json(r, loaded.tie)) if json_out
-              else TableWriter(loaded.source, loaded.random_weights, targets))
+              else TableWriter(loaded.source, loaded.random_weights, targets)) if ranks.writer else None
     stats = BatchStats(batch_size, targets)
-    for batch in inspect_stream(loaded, lines, top_k, targets, batch_size, stats):
-        writer.write(batch)
-    writer.end(stats)
-    file_notices(lines, stats, loaded.engine.n_ctx)
+    mine = ranks.share(lines, batch_size)  # every line on one rank; all of them alone
+    for batch in ranks.merge(inspect_stream(loaded, mine, top_k, targets, batch_size, stats)):
+        writer.write(batch)  # rank 0 only: the others' merge yields nothing
+    stats = BatchStats.merged(ranks.gather(stats))
+    if ranks.writer:
+        writer.end(stats)
+        file_notices(lines, stats, loaded.engine.n_ctx)
+    ranks.finish()
 
 
 def inspect_explain(prompt, explain, top_k, target, source: ModelChoice, json_out) -> None:
@@ -762,6 +774,9 @@ def explore_cmd(
 
 # ==== score (issue 11) ===========================================================================
 
+SCORE_LINES_PER_ROUND = 8  # under torchrun: the lines each rank scores before the ranks hand over
+
+
 @command("score")
 def score_cmd(
     text: Annotated[
@@ -800,7 +815,11 @@ def score_cmd(
     """
     from lmhead_cli.decoding.stages import check
     from lmhead_cli.readings import score as scoring
-    from lmhead_cli.readings.batch import open_input
+    import collections
+    import dataclasses
+
+    from lmhead_cli.distributed import Ranks
+    from lmhead_cli.readings.batch import STDIN, open_input
     from lmhead_cli.render import score as show
 
     kind = output_kind(json_out, output_format, top_logprobs, None)
@@ -812,19 +831,33 @@ def score_cmd(
             raise UsageError("give a text or --file, not both")
         if show_table:
             raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
+        ranks = Ranks.from_env()  # under torchrun each rank scores every N-th group of lines (distributed.py)
+        if ranks.world > 1 and file == STDIN:
+            raise UsageError("under torchrun every rank reads the texts itself: give --file a file, not - (stdin)")
         stream = open_input(file, "text file")  # before the load: a bad path fails in an instant
         try:
-            loaded = source.load()
+            loaded = dataclasses.replace(source, device=ranks.start(source.device)).load()
             if stride is not None:
                 scoring.check_stride(stride, loaded.engine.n_ctx)
             corpus = scoring.Corpus()
-            items = scoring.score_lines(loaded, scoring.read_lines(stream, file), corpus, bos=bos, stride=stride,
-                                        chunk=chunk)
+            items = ranks.spread(scoring.read_lines(stream, file), SCORE_LINES_PER_ROUND,
+                                 lambda lines: scoring.score_lines(loaded, lines, corpus, bos=bos, stride=stride,
+                                                                   chunk=chunk))
+
+            def totalled():  # every rank's items, then every rank's counts in `corpus`, for the summary
+                yield from items
+                for name, value in vars(scoring.Corpus.merged(ranks.gather(corpus))).items():
+                    setattr(corpus, name, value)
+
             size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
-            show.file_report(items, corpus, loaded.source, loaded.random_weights, kind == "json", size)
+            if ranks.writer:
+                show.file_report(totalled(), corpus, loaded.source, loaded.random_weights, kind == "json", size)
+            else:
+                collections.deque(totalled(), maxlen=0)  # compute and hand over; rank 0 writes
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+            ranks.finish()
         return
     if text is None:
         raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '

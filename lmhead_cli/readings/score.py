@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -333,6 +333,11 @@ class Corpus:
     tokens: int = 0
     nll: float = 0.0
     bytes: int = 0
+
+    @staticmethod
+    def merged(every: list[Corpus]) -> Corpus:
+        """The totals of several runs over parts of one file (torchrun's ranks), as one."""
+        return Corpus(**{f.name: sum(getattr(c, f.name) for c in every) for f in fields(Corpus)})
 
     def add(self, score: Score) -> None:
         self.texts += 1
