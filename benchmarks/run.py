@@ -691,7 +691,7 @@ def main() -> None:
     section("inspect")
     R["inspect"] = inspect(folder, args.repeats, args.device)
     section("inspect --file")
-    R["batch"] = batch(folder, 16 if args.quick else 64, args.repeats, not args.quick, args.device)
+    R["batch"] = batch(folder, 16 if args.quick else 32, args.repeats, not args.quick, args.device)
     section("decode")
     if cpu and not args.quick:
         bandwidths.append(probe("bandwidth"))

@@ -25,7 +25,7 @@ app = typer.Typer(
     name="lmhead",
     help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish and PowerShell
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -57,6 +57,7 @@ class ModelChoice:
     engine: str = "auto"
     allow_pickle: bool = False
     threads: int | None = None
+    ignore_memory: bool = False
 
     def load(self):
         """Load the model (importing torch only now); every model command goes through here."""
@@ -64,9 +65,11 @@ class ModelChoice:
 
         threads = prepare(self.threads)  # OpenMP's wait policy is read when torch is imported: before that
         from lmhead_cli.loading.sources import load_model
+        from lmhead_cli.render import notice
 
         return load_model(self.model, device=self.device, dtype=self.dtype, engine=self.engine,
-                          allow_pickle=self.allow_pickle, threads=threads)
+                          allow_pickle=self.allow_pickle, threads=threads, ignore_memory=self.ignore_memory,
+                          announce=notice)
 
 
 def _param(name: str, annotation, default) -> pyinspect.Parameter:
@@ -91,6 +94,8 @@ MODEL_OPTIONS = [
         "--threads", envvar="LMHEAD_THREADS", show_default="chosen by timing",
         help="CPU threads for torch. Default: torch's count or 1, whichever runs the work faster, timed on the "
         "first steps (batches, prompts) and again when speed drops.")], None),
+    _param("ignore_memory", Annotated[bool, typer.Option(
+        "--ignore-memory", help="Load even when the model's estimated memory exceeds what is available.")], False),
 ]
 
 
@@ -157,21 +162,50 @@ class _Command(TyperCommand):
         except typer.BadParameter as e:
             p = e.param
             low, high = getattr(p, "min", None), getattr(p, "max", None)
-            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if low or high else None
+            ranged = low is not None or high is not None
+            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if ranged else None
             try:
                 value = int(raw)
             except (TypeError, ValueError):
                 raise e from None  # not a number, or no range: click's own message
-            must = f"at least {low:,}" if high is None else f"between {low:,} and {high:,}"
+            must = (f"at least {low:,}" if high is None else f"at most {high:,}" if low is None
+                    else f"between {low:,} and {high:,}")
             _fail(f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}", 2)
 
 
 # ---- the error boundary -------------------------------------------------------------------------
 
 def _fail(message: str, code: int) -> None:
-    sys.stderr.write(f"lmhead: error: {message}\n")
-    sys.stderr.flush()
+    from lmhead_cli.render import safe_text
+
+    _say(f"lmhead: error: {safe_text(message)}")  # the message may quote a prompt, a path or a file's line
     raise typer.Exit(code)
+
+
+def _spellings(fn) -> dict[str, str]:
+    """How the user types each parameter of command `fn`: `--target` for an option, `the prompt` for an
+    argument (read from the Annotated typer.Option / typer.Argument of its signature)."""
+    from typing import get_args
+
+    spelled = {}
+    for p in pyinspect.signature(fn, eval_str=True).parameters.values():
+        info = next((a for a in get_args(p.annotation)[1:] if isinstance(a, (typer.models.ParameterInfo))), None)
+        if isinstance(info, typer.models.ArgumentInfo):
+            spelled[p.name] = f"the {p.name.replace('_', ' ')}"
+        elif info is not None:  # typer.Option("--target", "-t"): the first name can arrive as `default`
+            names = [d for d in (info.default, *(info.param_decls or ())) if isinstance(d, str) and d.startswith("-")]
+            if names:
+                spelled[p.name] = next((d for d in names if d.startswith("--")), names[0])
+    return spelled
+
+
+def _say(line: str) -> None:
+    """One line on stderr, if there is a stderr to write to."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # stderr closed too: the exit code must do
+        pass
 
 
 def message(e: LmheadError, command: str) -> str:
@@ -195,10 +229,15 @@ def _boundary(fn, command: str):
     Ctrl-C exits 130 and keeps what was printed; a closed pipe (`| head`) ends quietly.
     Any other exception is a bug: one line too, with LMHEAD_DEBUG=1 for the traceback.
     """
+    spelled = _spellings(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            from lmhead_cli.inputs import check_args
+
+            # bytes that are not UTF-8 in any argument: a usage error, before anything
+            check_args(kwargs, lambda name: spelled.get(name) or f"--{name.replace('_', '-')}")
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
@@ -211,11 +250,11 @@ def _boundary(fn, command: str):
         except BrokenPipeError:
             # The reader went away (`lmhead ... | head`): stop quietly, and keep Python from
             # complaining when it flushes stdout at exit.
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            except (OSError, ValueError):  # stdout is not a real file (tests)
-                pass
+            _quiet_stdout()
             raise typer.Exit(0)
+        except OutputError as e:
+            _quiet_stdout()
+            _fail(e.strerror, 1)
         except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
             if os.environ.get("LMHEAD_DEBUG"):
                 raise
@@ -334,28 +373,43 @@ def stage_knobs(stages: bool, preset: str | None, given: dict):
 
 
 def inspect_file(prompt, file, batch_size, explain, top_k, target, source: ModelChoice, json_out) -> None:
-    """`inspect --file`: many prompts, batched, one reading each."""
-    from lmhead_cli import render
-    from lmhead_cli.readings.batch import inspect_batch, read_prompts
+    """`inspect --file`: read a batch of lines, compute it, write it, forget it; counts at the end.
+
+    Under torchrun each rank computes every N-th batch and rank 0 writes them all in order (distributed.py)."""
+    import dataclasses
+
+    from lmhead_cli.distributed import Ranks
+    from lmhead_cli.readings.batch import STDIN, BatchStats, PromptLines, inspect_stream
     from lmhead_cli.readings.inspect import check_targets
-    from lmhead_cli.render.batch import batch_table, file_notices, summary
+    from lmhead_cli.render.batch import JsonLinesWriter, TableWriter, file_notices
     from lmhead_cli.render.inspect import inspection_json
 
     if explain is not None:
         raise UsageError("--explain takes apart one prompt's logit; it cannot be combined with --file")
     if prompt is not None:
         raise UsageError("give a prompt or --file, not both")
-    check_targets(target)
-    prompts = read_prompts(file)  # before the load: a bad file fails in an instant
-    loaded = source.load()
-    run = inspect_batch(loaded, prompts.prompts, top_k, target, batch_size)
-    file_notices(prompts, run, loaded.engine.n_ctx)
-    if json_out:
-        for result in run.results:
-            render.print_json(inspection_json(result, loaded.tie), lines=True)
-        render.err().print(summary(run), markup=False, style="dim")
-    else:
-        batch_table(run, loaded.source, loaded.random_weights)
+    if top_k < 1:
+        raise BadValue("top_k", f"must be at least 1 (got {top_k})")
+    if batch_size < 1:
+        raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
+    targets = check_targets(target)
+    ranks = Ranks.from_env()
+    if ranks.world > 1 and file == STDIN:
+        raise UsageError("under torchrun every rank reads the prompts itself: give --file a file, not - (stdin)")
+    lines = PromptLines(file)
+    lines.first()  # before the load: a missing, empty or undecodable file fails in an instant
+    loaded = dataclasses.replace(source, device=ranks.start(source.device)).load()
+    writer = (JsonLinesWriter(lambda r: inspection_json(r, loaded.tie)) if json_out
+              else TableWriter(loaded.source, loaded.random_weights, targets)) if ranks.writer else None
+    stats = BatchStats(batch_size, targets)
+    mine = ranks.share(lines, batch_size)  # every line on one rank; all of them alone
+    for batch in ranks.merge(inspect_stream(loaded, mine, top_k, targets, batch_size, stats)):
+        writer.write(batch)  # rank 0 only: the others' merge yields nothing
+    stats = BatchStats.merged(ranks.gather(stats))
+    if ranks.writer:
+        writer.end(stats)
+        file_notices(lines, stats, loaded.engine.n_ctx)
+    ranks.finish()
 
 
 def inspect_explain(prompt, explain, top_k, target, source: ModelChoice, json_out) -> None:
@@ -407,7 +461,7 @@ FormatOpt = Annotated[
                                 "completion object, logprobs included.", show_default="text")
 ]
 TopLogprobsOpt = Annotated[
-    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at each step, "
+    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at every position, "
                       "from 0 up to the vocabulary size (no cap at 20).")
 ]
 LogprobsOpt = Annotated[
@@ -426,7 +480,7 @@ def output_kind(json_out: bool, output_format: str | None, top_logprobs: int, lo
         raise UsageError(f"--json and --format {kind} ask for two different outputs; give one")
     if kind != "openai" and (top_logprobs or logprobs is not None):
         given = "--top-logprobs" if top_logprobs else "--logprobs"
-        raise UsageError(f"{given} is reported by --format openai; --json always has both raw_logprob and logprob")
+        raise UsageError(f"{given} is reported by --format openai only")
     return kind
 
 
@@ -495,6 +549,7 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.decoding.generate import generate, resolve
+    from lmhead_cli.inputs import read_stdin
     from lmhead_cli.readings.inspect import check_prompt, encode_prompt
     from lmhead_cli.render import generate as show
 
@@ -505,13 +560,16 @@ def _decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, 
                        greedy=greedy or mode.get("greedy", False), beams=beams, ignore_eos=ignore_eos, seed=seed,
                        show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
                        logprobs=logprobs or "raw", **knobs)
-    text = check_prompt(sys.stdin.read().rstrip("\n") if prompt == "-" else DEFAULT_PROMPT if prompt is None
-                        else prompt)
+    text = check_prompt(read_stdin("the prompt on stdin").rstrip("\n") if prompt == "-"
+                        else DEFAULT_PROMPT if prompt is None else prompt)
     loaded = source.load()
     render.own_softcap_notice(loaded.engine.own_stages.get("softcap"), settings.knobs.softcap)
     ids, dropped = encode_prompt(loaded, text)
     render.truncated(len(ids), dropped, loaded.engine.n_ctx)
     if not json_out:
+        from lmhead_cli.render.inspect import random_banner
+
+        random_banner(loaded.source, loaded.random_weights)  # every output made from random weights says so
         show.begin(loaded.tokenizer.decode(ids))
     result = generate(loaded, ids, settings, on_text=None if json_out else show.stream)
     if not json_out:
@@ -695,6 +753,8 @@ def explore_cmd(
     stages.check(knobs)  # before the load
     check_threads(source.threads)
     settings = explore.Settings(top_k=top_k, **knobs, targets=tuple(check_targets(target)))
+    if sys.stdin is None or sys.stdin.closed:
+        raise UsageError("stdin is closed; explore reads its prompts from the terminal or a pipe")
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     loaded = source.load()
@@ -715,6 +775,9 @@ def explore_cmd(
 
 
 # ==== score (issue 11) ===========================================================================
+
+SCORE_LINES_PER_ROUND = 8  # under torchrun: the lines each rank scores before the ranks hand over
+
 
 @command("score")
 def score_cmd(
@@ -743,6 +806,8 @@ def score_cmd(
     ] = False,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
+    output_format: FormatOpt = None,
+    top_logprobs: TopLogprobsOpt = 0,
 ) -> None:
     """Score every token of a text you already have: log-probability, rank, entropy, surprisal, perplexity.
 
@@ -750,28 +815,51 @@ def score_cmd(
 
     Example: lmhead score "The keys on the table are on the table." --table
     """
+    from lmhead_cli.decoding.stages import check
     from lmhead_cli.readings import score as scoring
-    from lmhead_cli.readings.batch import open_input
+    import collections
+    import dataclasses
+
+    from lmhead_cli.distributed import Ranks
+    from lmhead_cli.readings.batch import STDIN, open_input
     from lmhead_cli.render import score as show
 
+    kind = output_kind(json_out, output_format, top_logprobs, None)
+    check({"top_logprobs": top_logprobs})
+    if file is not None and kind == "openai":
+        raise UsageError("--format openai scores one text; give it as an argument or on stdin, not with --file")
     if file is not None:
         if text is not None:
             raise UsageError("give a text or --file, not both")
         if show_table:
             raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
+        ranks = Ranks.from_env()  # under torchrun each rank scores every N-th group of lines (distributed.py)
+        if ranks.world > 1 and file == STDIN:
+            raise UsageError("under torchrun every rank reads the texts itself: give --file a file, not - (stdin)")
         stream = open_input(file, "text file")  # before the load: a bad path fails in an instant
         try:
-            loaded = source.load()
+            loaded = dataclasses.replace(source, device=ranks.start(source.device)).load()
             if stride is not None:
                 scoring.check_stride(stride, loaded.engine.n_ctx)
             corpus = scoring.Corpus()
-            items = scoring.score_lines(loaded, scoring.read_lines(stream, file), corpus, bos=bos, stride=stride,
-                                        chunk=chunk)
+            items = ranks.spread(scoring.read_lines(stream, file), SCORE_LINES_PER_ROUND,
+                                 lambda lines: scoring.score_lines(loaded, lines, corpus, bos=bos, stride=stride,
+                                                                   chunk=chunk))
+
+            def totalled():  # every rank's items, then every rank's counts in `corpus`, for the summary
+                yield from items
+                for name, value in vars(scoring.Corpus.merged(ranks.gather(corpus))).items():
+                    setattr(corpus, name, value)
+
             size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
-            show.file_report(items, corpus, loaded.source, loaded.random_weights, json_out, size)
+            if ranks.writer:
+                show.file_report(totalled(), corpus, loaded.source, loaded.random_weights, kind == "json", size)
+            else:
+                collections.deque(totalled(), maxlen=0)  # compute and hand over; rank 0 writes
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+            ranks.finish()
         return
     if text is None:
         raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '
@@ -780,9 +868,13 @@ def score_cmd(
     loaded = source.load()
     if stride is not None:
         scoring.check_stride(stride, loaded.engine.n_ctx)
+    doc = show.openai_document(loaded, text) if kind == "openai" else None  # written as each chunk is scored
     with show.Progress("scoring") as progress:
-        result = scoring.score_text(loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)
-    if json_out:
+        result = scoring.score_text(loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress,
+                                    top_logprobs=top_logprobs, on_rows=doc.rows if doc else None)
+    if doc is not None:
+        show.openai_end(doc, result)
+    elif kind == "json":
         show.write_json(result)
     else:
         show.report(result, show_table)
@@ -799,7 +891,7 @@ def diff_cmd(
                           min=1)
     ] = 10,
     target: TargetOpt = None,
-    movers: Annotated[int, typer.Option("--movers", help="How many risers and fallers to list.")] = 5,
+    movers: Annotated[int, typer.Option("--movers", min=0, help="How many risers and fallers to list.")] = 5,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -817,8 +909,6 @@ def diff_cmd(
         raise UsageError('give two prompts, e.g. lmhead diff "The key on the table" "The keys on the table"')
     check_request(prompt_a, target, top_k)
     check_request(prompt_b, target, top_k)
-    if movers < 0:
-        raise BadValue("movers", f"must be at least 0 (got {movers})")
     loaded = source.load()
     result = diff_prompts(loaded, prompt_a, prompt_b, top_k, target, movers)
     for side in (result.a, result.b):
@@ -866,9 +956,98 @@ def attribute_cmd(
         attribution(result, heads)
 
 
+class OutputError(OSError):
+    """Writing to stdout failed for another reason than a closed pipe (a full disk, /dev/full)."""
+
+
+class _GuardedStdout:
+    """sys.stdout, with a failed write or flush raised as OutputError (a closed pipe stays
+    BrokenPipeError), so the boundary can tell our output's failures from a file's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.pipe_closed = False  # set on the first closed-pipe error, whoever catches it (click, rich)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _guard(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            self.pipe_closed = True
+            raise
+        except OSError as e:
+            raise OutputError(e.errno, f"cannot write the output: {e.strerror or e}") from None
+
+    def write(self, text):
+        return self._guard(self._stream.write, text)
+
+    def flush(self):
+        return self._guard(self._stream.flush)
+
+
+def _quiet_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's last flush of a dead stdout says nothing."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout is not a real file (tests)
+        pass
+
+
+def _streams_for_any_terminal() -> None:
+    """Output that any stdout can take: a stdout whose encoding is not UTF-8 (PYTHONIOENCODING=ascii,
+    a latin-1 terminal) gets non-ASCII escaped instead of a UnicodeEncodeError; stdin hands bytes
+    that are not UTF-8 over as lone surrogates, for inputs.check_text to name."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and "utf" not in (getattr(stream, "encoding", "") or "").lower():
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (AttributeError, ValueError):
+                pass
+    if sys.stdin is not None:
+        try:
+            sys.stdin.reconfigure(errors="surrogateescape")
+        except (AttributeError, ValueError):
+            pass
+
+
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: the app, and the one place where a closed or full stdout ends,
+    --help and --version included: one line on stderr and exit 1, or exit 0 for a closed pipe."""
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        _say("lmhead: error: stdout is closed; there is nowhere to write the output")
+        sys.exit(1)
+    _streams_for_any_terminal()
+    sys.stdout = guarded = _GuardedStdout(sys.stdout)
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        # click and rich (the help) end a closed pipe themselves with exit 1: a closed pipe all the same.
+        code = 0 if guarded.pipe_closed else e.code
+    except BrokenPipeError:
+        code = 0
+    except OutputError as e:  # --help or --version into a full disk: click lets it through
+        _say(f"lmhead: error: {e.strerror}")
+        code = 1
+    try:  # what is still buffered must get out too
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass
+    except OSError as e:
+        _say(f"lmhead: error: {e.strerror}")
+        code = code or 1
+    finally:
+        _quiet_stdout_if_dead()
+    sys.exit(code)
+
+
+def _quiet_stdout_if_dead() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _quiet_stdout()
 
 
 if __name__ == "__main__":

@@ -63,10 +63,11 @@ def entropy(logprobs: torch.Tensor) -> torch.Tensor:
 
     A dropped token (p = 0, log p = -inf) adds nothing: its 0·(-inf) = NaN is counted as 0
     (torch.special.entr is ~10x slower on CPU). p is multiplied in place, so a (N, V) input needs one
-    more (N, V) buffer, not three (`score` runs this on chunks of logits).
+    more (N, V) buffer, not three (`score` runs this on chunks of logits). Entropy is never negative:
+    a one-hot distribution's -0.0 (or a rounding speck below 0) is 0, never "-0.0000" in a table.
     """
     p = logprobs.exp()
-    return -p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)
+    return (-p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)).clamp_min(0.0) + 0.0
 
 
 def nats_to_bits(nats: float) -> float:
@@ -153,10 +154,13 @@ class RowScores:
     entropy: torch.Tensor  # nats, float32
     top_id: torch.Tensor  # the model's own top-1 token, int64
     top_logprob: torch.Tensor  # its log-probability, float32
+    top_ids: torch.Tensor | None = None  # (N, K) the K most probable when asked (score --top-logprobs), int64
+    top_logprobs: torch.Tensor | None = None  # (N, K) their log-probabilities, float32
 
 
-def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
-    """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row.
+def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScores:
+    """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row,
+    and with `top` = K the K most probable of each row too.
 
     The logits are overwritten with their log-probabilities, so the N rows take two (N, V) float32
     buffers at most (the logits, and a temporary for the softmax's sum and then for the entropy's
@@ -169,8 +173,16 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> RowScores:
     if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)
         raise NonFiniteLogits("the head produced non-finite logits (NaN or inf) at "
                               f"{int((~torch.isfinite(top_logprob)).sum())} positions: " + NON_FINITE_ADVICE)
+    best = torch.topk(logprobs, top, dim=-1) if top else None
     return RowScores(logprob=logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rank=rank,
-                     entropy=entropy(logprobs), top_id=top_id, top_logprob=top_logprob)
+                     entropy=entropy(logprobs), top_id=top_id, top_logprob=top_logprob,
+                     top_ids=best.indices if best else None, top_logprobs=best.values if best else None)
+
+
+def check_top_logprobs(n: int, vocab: int) -> None:
+    """How many of the most probable tokens to list per position: 0 up to the whole vocabulary."""
+    if not 0 <= n <= vocab:
+        raise BadValue("top_logprobs", f"must be between 0 and the vocabulary size, {vocab} (got {n})")
 
 
 # ---- two distributions compared (`diff`) -------------------------------------------------------

@@ -171,6 +171,32 @@ def test_sampling_replays_with_its_seed(arch):
     assert a["generated_ids"][0] in top20
 
 
+def test_raw_and_processed_logprobs_and_beam_scores_match_transformers(arch):
+    """Raw: log softmax of the model's own output (Gemma-2's already capped by the model); processed:
+    transformers' warpers on it; beam transition scores: compute_transition_scores."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    _, model = arch
+    d = doc(arch, "sample", PROMPT, "-n", "3", "--seed", "3", "--temperature", "0.7", "--top-k", "10")
+    ids = PROMPT_IDS + d["generated_ids"]
+    logits = forward(model, ids).logits[0].float()
+    chain = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(10)])
+    for i, step in enumerate(d["steps"]):
+        z = logits[len(PROMPT_IDS) - 1 + i]
+        raw = torch.log_softmax(z, -1)
+        processed = torch.log_softmax(chain(torch.tensor([ids[:len(PROMPT_IDS) + i]]), z[None].clone())[0], -1)
+        assert step["raw_logprob"] == pytest.approx(float(raw[step["id"]]), abs=1e-4)
+        assert step["logprob"] == pytest.approx(float(processed[step["id"]]), abs=1e-4)
+        assert step["removed_mass"] == pytest.approx(float(raw.exp()[~torch.isfinite(processed)].sum()), abs=1e-5)
+    beams = doc(arch, "generate", PROMPT, "-n", "4", "--beams", "2")
+    out = model.generate(torch.tensor([PROMPT_IDS]), num_beams=2, num_return_sequences=2, do_sample=False,
+                         max_new_tokens=4, output_scores=True, return_dict_in_generate=True, pad_token_id=EOS)
+    ts = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
+    for b, row, score in zip(beams["beams"], ts, out.sequences_scores):
+        assert b["transition_scores"] == pytest.approx(row[:b["length"]].tolist(), abs=1e-4)
+        assert b["score"] == pytest.approx(float(score), abs=1e-5) and b["adds_up"]
+
+
 # ---- lens, explain, batches, explore ---------------------------------------------------------------
 
 def test_lens_uses_the_models_own_norm_on_its_hidden_states(arch):
@@ -181,7 +207,8 @@ def test_lens_uses_the_models_own_norm_on_its_hidden_states(arch):
     assert len(d["layers"]) == len(hidden) == model.config.num_hidden_layers + 1
     assert d["norm"] == "model.norm" and d["tied"] is model.config.tie_word_embeddings
     for layer, h in zip(d["layers"][:-1], hidden[:-1]):
-        z = head_of(model, model.model.norm(h[0, -1]))
+        with torch.no_grad():
+            z = head_of(model, model.model.norm(h[0, -1]))
         logprobs = torch.log_softmax(z.double(), -1)
         assert layer["top_id"] == int(z.argmax())
         assert layer["top_prob"] == pytest.approx(float(logprobs.max().exp()), abs=1e-5)

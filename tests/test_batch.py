@@ -151,7 +151,7 @@ def test_empty_lines_are_skipped_and_counted(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (None, "no such prompt file"),
-    (b"caf\xe9\nok\n", "is not UTF-8 text (byte 0xe9 on line 1)"),
+    (b"caf\xe9\nok\n", "is not UTF-8 text (byte 0xe9 on line 1, at byte 3)"),
     (b"\n\n  \n", "holds no prompts"),
 ])
 def test_bad_prompt_files(tmp_path, content, message):

@@ -194,10 +194,10 @@ def test_entropy():
 # ---- checks ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value,words", [
-    ("temperature", 0.0, "lmhead greedy"), ("temperature", -1.0, "greater than 0"),
+    ("temperature", 0.0, "lmhead greedy"), ("temperature", -1.0, "at least 1e-06"),
     ("temperature", float("nan"), "finite"), ("temperature", float("inf"), "finite"),
     ("top_k", 0, "at least 1"), ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"), ("top_p", float("nan"), "(0, 1]"),
-    ("min_p", 1.0, "[0, 1)"), ("min_p", -0.1, "[0, 1)"), ("softcap", 0.0, "greater than 0"),
+    ("min_p", 1.0, "[0, 1)"), ("min_p", -0.1, "[0, 1)"), ("softcap", 0.0, "at least 1e-06"),
     ("softcap", float("inf"), "finite"), ("beams", 0, "at least 1"), ("max_new_tokens", 0, "at least 1"),
 ])
 def test_check_names_the_setting_and_the_range(key, value, words):

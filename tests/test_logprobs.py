@@ -297,7 +297,7 @@ def test_top_logprobs_kept_per_step_is_what_was_asked(tiny):
 @pytest.mark.parametrize("args, words", [
     (["--format", "openai", "--top-logprobs", "-1"], "--top-logprobs must be 0 or more (got -1)"),
     (["--format", "openai", "--top-logprobs", str(V + 1)],
-     f"--top-logprobs must be at most the vocabulary size, {V} (got {V + 1})"),
+     f"--top-logprobs must be between 0 and the vocabulary size, {V} (got {V + 1})"),
     (["--format", "openai", "--logprobs", "cooked"], "--logprobs must be raw or processed (got 'cooked')"),
     (["--format", "xml"], "--format must be text, json or openai (got 'xml')"),
     (["--format", "openai", "--json"], "--json and --format openai ask for two different outputs"),
@@ -322,3 +322,73 @@ def test_settings_check_top_logprobs_and_distribution():
 def test_help_states_the_default_distribution():
     got = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
     assert "raw (the default" in got.stdout and "no cap at 20" in got.stdout
+
+
+# ---- score --format openai -------------------------------------------------------------------------
+
+def test_score_openai_matches_transformers_and_keeps_every_byte(tiny):
+    folder, model = tiny
+    text = "你好 🙂, the keys"  # characters split across byte-level tokens
+    d = openai(tiny, "score", text, "--bos", "--top-logprobs", "3")
+    content = check_shape(d, 3)
+    assert d["choices"][0]["message"]["content"] == text and d["choices"][0]["finish_reason"] == "stop"
+    ids = load(folder).tokenizer.encode(text)
+    assert d["usage"] == {"prompt_tokens": 1, "completion_tokens": len(ids), "total_tokens": len(ids) + 1}
+    # with --bos every token is scored, so the entries' bytes are the text's bytes exactly
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
+    assert any(len(e["bytes"]) and bytes(e["bytes"]).decode("utf-8", "replace") != e["token"] for e in content)
+    lp = torch.log_softmax(forward_logits(model, [EOS] + ids), -1)  # position i predicts token i + 1
+    for i, e in enumerate(content):
+        assert e["logprob"] == pytest.approx(float(lp[i, ids[i]]), abs=1e-4)
+        assert [t["logprob"] for t in e["top_logprobs"]] == pytest.approx(torch.topk(lp[i], 3).values.tolist(),
+                                                                          abs=1e-4)
+    plain = openai(tiny, "score", text)  # without --bos the first token has nothing before it
+    assert len(plain["choices"][0]["logprobs"]["content"]) == len(ids) - 1
+    assert plain["usage"] == {"prompt_tokens": 1, "completion_tokens": len(ids) - 1, "total_tokens": len(ids)}
+
+
+def test_score_openai_streams_chunk_by_chunk_through_windows(tmp_path):
+    from helpers import build_checkpoint
+
+    from lmhead_cli.readings.score import score_text
+
+    folder = tmp_path / "short"
+    build_checkpoint(folder, n_positions=16)
+    text = "The keys on the table are here, and the dog is in the garden by the old red door."
+    args = ["score", text, "--stride", "16", "--chunk", "3", "--model", str(folder)]  # no overlap: gaps
+    ref = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    got = runner.invoke(app, [*args, "--format", "openai", "--top-logprobs", "5"])
+    d = json.loads(got.stdout)
+    content = check_shape(d, 5)
+    scored = [t for t in ref["tokens"] if t["scored"]]
+    assert len(ref["tokens"]) > 16 and len(scored) < len(ref["tokens"]) - 1  # two windows, a gap at the second
+    assert [e["token"] for e in content] == [t["token"] for t in scored]
+    assert [e["logprob"] for e in content] == pytest.approx([t["logprob"] for t in scored], abs=1e-6)
+    assert [math.exp(e["top_logprobs"][0]["logprob"]) for e in content] == pytest.approx(
+        [t["top_prob"] for t in scored], rel=1e-5)
+    assert d["usage"]["prompt_tokens"] == len(ref["tokens"]) - len(scored)
+    # each chunk is handed over as it is scored, with only its own top tokens: (at most 3, 5)
+    shapes = []
+    score_text(load(folder), text, stride=16, chunk=3, top_logprobs=5,
+               on_rows=lambda ids, lp, top_ids, top_lp: shapes.append((len(ids), tuple(top_ids.shape))))
+    assert sum(n for n, _ in shapes) == len(scored) and all(n <= 3 and s == (n, 5) for n, s in shapes)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--format", "openai", "--top-logprobs", "-1"], "--top-logprobs must be 0 or more (got -1)"),
+    (["--format", "openai", "--top-logprobs", str(V + 1)],
+     f"--top-logprobs must be between 0 and the vocabulary size, {V} (got {V + 1})"),
+    (["--top-logprobs", "2"], "--top-logprobs is reported by --format openai only"),
+    (["--format", "openai", "--json"], "--json and --format openai ask for two different outputs"),
+])
+def test_score_openai_bad_input_exits_2_with_one_line(tiny, args, words):
+    got = runner.invoke(app, ["score", PROMPT, "--model", str(tiny[0]), *args])
+    assert got.exit_code == 2, got.output
+    assert got.stderr.count("\n") == 1 and words in got.stderr and got.stdout == ""
+
+
+def test_score_openai_refuses_file(tiny, tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_text("one line\n")
+    got = runner.invoke(app, ["score", "--file", str(path), "--format", "openai", "--model", str(tiny[0])])
+    assert got.exit_code == 2 and "--format openai scores one text" in got.stderr

@@ -348,7 +348,7 @@ def test_file_streams_json_lines_and_a_corpus_summary(tiny, tmp_path):
     (["score", TEXT, "--chunk", "0"], None, "--chunk"),
     (["score", "-"], b"caf\xe9 au lait", "not UTF-8"),
     (["score", "-"], b"", "empty"),
-    (["score", "bad \udce9 bytes"], None, "not valid UTF-8"),
+    (["score", "bad \udce9 bytes"], None, "the text is not UTF-8 text (byte 0xe9 at byte 4)"),
     (["score", TEXT, "--file", "x.txt"], None, "not both"),
     (["score", "--file", "/nonexistent/texts.txt"], None, "no such text file"),
     (["score", "--file", "-", "--table"], None, "--table"),

@@ -121,8 +121,8 @@ def test_cli_json_and_own_numbers():
         (["--hidden", "1,,2"], "--hidden must be 3 comma-separated numbers, like 1,0,1; got '1,,2'"),
         (["--hidden", "nan,1,2"], "--hidden must be finite numbers (no nan or inf); got 'nan,1,2'"),
         (["--hidden", "1,inf,2"], "--hidden must be finite numbers (no nan or inf); got '1,inf,2'"),
-        (["--temperature", "0"], "--temperature must be a finite number above 0; got 0.0"),
-        (["--temperature", "nan"], "--temperature must be a finite number above 0; got nan"),
+        (["--temperature", "0"], "--temperature must be a finite number of at least 1e-06; got 0.0"),
+        (["--temperature", "nan"], "--temperature must be a finite number of at least 1e-06; got nan"),
         (["--draws", "0"], "--draws must be between 1 and 100,000; got 0"),
     ],
 )

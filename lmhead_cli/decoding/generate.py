@@ -32,7 +32,7 @@ from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.presets import merge
 from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.errors import BadValue, ModeConflict
-from lmhead_cli.head import check_finite, entropy, log_softmax, ranks
+from lmhead_cli.head import check_finite, check_top_logprobs, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
 
 DEFAULT_MAX_NEW_TOKENS = 40
@@ -202,8 +202,7 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     (Chinese, emoji) arrives once all its bytes are there. A final end-of-text is not text.
     """
     eng = loaded.engine
-    if s.top_logprobs > eng.vocab_size:
-        raise BadValue("top_logprobs", f"must be at most the vocabulary size, {eng.vocab_size} (got {s.top_logprobs})")
+    check_top_logprobs(s.top_logprobs, eng.vocab_size)
     eos = eng.eos_token_id if eos_token_id is None else eos_token_id
     stop_at = None if s.ignore_eos else eos
     max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))
@@ -211,6 +210,8 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     text = _Text(loaded.tokenizer)
     steps: list[Step] = []
 
+    if s.mode == "beam":
+        check_beam_memory(eng, s.beams, len(ids) + max_new)
     start = time.perf_counter()
     first = None
     if s.mode == "beam":
@@ -244,6 +245,32 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
                       generated_ids=[st.id for st in steps], text=text.text, steps=steps, stop=stop,
                       elapsed_s=elapsed, first_token_s=first or elapsed,
                       beam_score=beams[0].score if beams else None, beams=beams)
+
+
+# Per beam and step, beam search holds about this many (V,) float32 rows: the logits, the stages'
+# output, the log-probabilities, the scores, and the copies gather/topk make of them.
+BEAM_ROWS = 8
+
+
+def beam_memory(eng, beams: int, positions: int) -> tuple[int, int]:
+    """(bytes for `beams` beams, bytes per beam): each beam's KV cache for `positions` positions,
+    2 x layers x width x positions, plus BEAM_ROWS float32 rows of the vocabulary."""
+    config = eng.config
+    layers = config.get("n_layer") or config.get("num_hidden_layers") or 1
+    width = config.get("n_embd") or config.get("hidden_size") or 1
+    per_beam = 2 * layers * width * positions * eng.dtype.itemsize + BEAM_ROWS * eng.vocab_size * 4
+    return beams * per_beam, per_beam
+
+
+def check_beam_memory(eng, beams: int, positions: int) -> None:
+    """BadValue for more beams than the memory there is can hold, with the figures."""
+    from lmhead_cli.loading.checks import available_memory, gb
+
+    need, per_beam = beam_memory(eng, beams, positions)
+    free = available_memory(eng.device.type)
+    if free is not None and need > free:
+        raise BadValue("beams", f"of {beams:,} need about {gb(need)} ({gb(per_beam)} of cache and logits per beam), "
+                                f"but {gb(free)} is available; at most {max(1, free // per_beam):,} beams fit")
 
 
 class _Text:

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     import torch
 
 GEMMA2_CAP = 30.0  # Gemma 2 soft-caps its final logits at 30
+# The smallest temperature and soft-cap accepted. Both divide the logits (z / T, z / c) in float32,
+# whose largest value is 3.4e38: at 1e-6 that holds for any |z| up to 3.4e32, far beyond any
+# model's logits, while a T of 1e-39 overflows (inf - inf = NaN in softmax). Below 1e-6 the
+# distribution is already greedy's for any logit gap above 1e-4 (exp(-100) is 0 in float32).
+MIN_SCALE = 1e-6
 
 
 # ---- the stages: (..., V) -> (..., V) --------------------------------------------------------
@@ -137,19 +142,20 @@ class Stage(Setting):
         return self.key
 
 
-def _positive(v) -> bool:
-    return math.isfinite(v) and v > 0
+def _scale(v) -> bool:
+    return math.isfinite(v) and v >= MIN_SCALE
 
 
 # The one documented order. A new stage is one function above plus one entry here (and its test):
 # Knobs, presets, the command-line options of generate/greedy/sample/softcap and inspect --stages,
 # and the stage table's columns all follow from this list.
 STAGES: tuple[Stage, ...] = (
-    Stage("softcap", float, Rule(_positive, "a finite number greater than 0, e.g. 30 as in Gemma 2"),
+    Stage("softcap", float, Rule(_scale, f"a finite number of at least {MIN_SCALE:g}, e.g. 30 as in Gemma 2"),
           help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).", options=("--softcap", "--cap"),
           apply=softcap, column="soft-capped", name="softcap"),
     Stage("temperature", float,
-          Rule(_positive, "a finite number greater than 0", "for the most likely token every time, use lmhead greedy"),
+          Rule(_scale, f"a finite number of at least {MIN_SCALE:g}",
+               "for the most likely token every time, use lmhead greedy"),
           help="Divide the logits by T > 0 before softmax (1 = as is).",
           apply=temperature, column="tempered", name="temperature"),
     Stage("top_k", int, Rule(lambda v: v >= 1, "at least 1"), help="Keep only the k most likely tokens.",
@@ -269,6 +275,11 @@ def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> St
         if getattr(knobs, s.key) is not None:
             z = s.apply(z, getattr(knobs, s.key))
         snapshots[s.column] = z  # the last stage of a column leaves its value
+    if bool(torch.isnan(z).any() | torch.isposinf(z).any()):  # only logits beyond 3.4e32 get here
+        from lmhead_cli.errors import NonFiniteLogits
+
+        raise NonFiniteLogits("the stages pushed the logits past float32's range (NaN or inf); "
+                              "a larger temperature or soft-cap keeps them finite")
     lp = log_softmax(z)
     ids = torch.topk(logits.float(), min(rows, logits.shape[-1])).indices  # (rows,)
     columns = torch.stack([snapshots[c] for c in COLUMNS])  # (C, V)

@@ -10,7 +10,8 @@ Three things follow (figures in README, Performance):
   waiting for that very core (measured on 2 busy cores: 1.5 tok/s spinning, 25 tok/s passive).
 * `ThreadChooser` times the first calls of repeated work (decoding steps, batches of a file, prompts
   in a session) with torch's thread count and with one thread, keeps the faster, and times both
-  again when its speed drops well below the best it has seen, or every `recheck` calls anyway.
+  again when its speed halves, or after `recheck` calls (twice as many after each trial that kept
+  the count: on a busy machine the call on the slower count can take many times longer).
   A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
 * `--threads N` / LMHEAD_THREADS fix the count, and nothing is timed.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections import deque
 from typing import Callable, TypeVar
@@ -49,15 +51,20 @@ def prepare(threads: int | None = None) -> int | None:
 class ThreadChooser:
     """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster.
 
-    `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up
-    (first-call set-up is not what is compared); the next 2 × trials calls alternate between the two
-    counts and the faster (best time per unit each) is kept; then, once the last 3 calls each took
-    more than `slack` × the best time per unit seen since the choice, or after `recheck` calls, the
-    trial runs again. With `fixed` (or one core, or a GPU) nothing is timed.
+    `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
+    one thread (first-call set-up is not what is compared); the next 2 × trials calls alternate
+    between the two counts, and the faster (best time per unit each) is kept. Then the median of the
+    last 5 calls is watched against the median of the first 5 after the choice: when it is more than
+    `slack` times slower, or after `recheck` calls, the trial runs again. A trial costs a call on the
+    slower count, which on a busy machine can take many times longer, so a trial that keeps the same
+    count multiplies the calls until the next by how many times slower the other count was (at least
+    2, up to `max_recheck` calls). With `fixed` (or one core, or a GPU) nothing is timed.
     """
 
+    WINDOW = 5
+
     def __init__(self, fixed: int | None = None, device_type: str = "cpu", trials: int = 1,
-                 slack: float = 1.5, recheck: int = 64):
+                 slack: float = 2.0, recheck: int = 64, max_recheck: int = 1024):
         import torch
 
         check(fixed)
@@ -66,12 +73,13 @@ class ThreadChooser:
         self.fixed = fixed
         most = torch.get_num_threads()
         self.candidates = [most, 1] if fixed is None and device_type == "cpu" and most > 1 else []
-        self.trials, self.slack, self.recheck = trials, slack, recheck
+        self.trials, self.slack, self.recheck, self.max_recheck = trials, slack, recheck, max_recheck
         self.choices: list[int] = []  # the count each trial chose, in order
         self._pending: list[int] = []
         self._timed: dict[int, float] = {}
-        self._recent: deque[float] = deque(maxlen=3)
-        self._best, self._since = math.inf, 0
+        self._window: deque[float] = deque(maxlen=self.WINDOW)
+        self._reference: float | None = None
+        self._interval, self._since = recheck, 0
         self._warm_up = bool(self.candidates)
         if self.candidates:
             self._start_trial()
@@ -90,14 +98,29 @@ class ThreadChooser:
         self._pending = self.candidates * self.trials  # alternating: drift hits both alike
         self._timed = {}
 
+    def _choose(self) -> None:
+        import torch
+
+        best = min(self._timed, key=self._timed.get)
+        torch.set_num_threads(best)
+        kept = bool(self.choices) and self.choices[-1] == best
+        self.choices.append(best)
+        # The slower count's call is what a trial costs: the more it lost by, the longer until the next.
+        lost_by = max(self._timed.values()) / max(self._timed[best], 1e-12)
+        self._interval = min(int(self._interval * max(2.0, lost_by)), self.max_recheck) if kept else self.recheck
+        self._since, self._reference = 0, None
+        self._window.clear()
+
     def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
         """fn(), timed per unit when the count is being chosen or watched."""
         if not self.candidates:
             return fn()
-        if self._warm_up:
-            self._warm_up = False
-            return fn()
         import torch
+
+        if self._warm_up:  # on one thread: on a busy machine the other count can take many times longer
+            self._warm_up = False
+            torch.set_num_threads(1)
+            return fn()
 
         if self._pending:
             torch.set_num_threads(self._pending[0])
@@ -108,17 +131,17 @@ class ThreadChooser:
             n = self._pending.pop(0)
             self._timed[n] = min(self._timed.get(n, math.inf), per_unit)
             if not self._pending:
-                best = min(self._timed, key=self._timed.get)
-                torch.set_num_threads(best)
-                self.choices.append(best)
-                self._best, self._since = self._timed[best], 0
-                self._recent.clear()
+                self._choose()
             return out
-        self._best = min(self._best, per_unit)
         self._since += 1
-        self._recent.append(per_unit)
-        slowed = len(self._recent) == self._recent.maxlen and min(self._recent) > self.slack * self._best
-        if slowed or self._since >= self.recheck:
+        self._window.append(per_unit)
+        full = len(self._window) == self.WINDOW
+        if self._reference is None:
+            if full:
+                self._reference = statistics.median(self._window)
+        elif full and statistics.median(self._window) > self.slack * self._reference:
+            self._start_trial()
+        if self._since >= self._interval:
             self._start_trial()
         return out
 

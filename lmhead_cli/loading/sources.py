@@ -7,6 +7,7 @@ Nothing here prints: progress bars are huggingface_hub's own, on stderr.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -23,6 +24,7 @@ from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UnsupportedModel, UsageError)
+from lmhead_cli.loading import checks
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
@@ -97,9 +99,15 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
-               allow_pickle: bool = False, threads: int | None = None) -> Loaded:
+               allow_pickle: bool = False, threads: int | None = None, ignore_memory: bool = False,
+               announce=lambda line: None) -> Loaded:
     """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`, on `threads` CPU
-    threads (None: chosen by timing the work, see engine/threads.py)."""
+    threads (None: chosen by timing the work, see engine/threads.py).
+
+    Before any tensor is allocated the config is checked (types, ranges), a checkpoint's tensor
+    header against it, and the memory the model needs against the memory there is (loading/checks.py):
+    a large model is announced with `announce(line)`, one that cannot fit is refused unless
+    `ignore_memory`."""
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -113,13 +121,26 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
             raise UsageError(f"unknown random model {source!r}; choose one of: "
                              + ", ".join(RANDOM_PREFIX + n for n in config_names()))
         config = load_config(name)
+        n = sum(math.prod(shape) for shape in checks.gpt2_shapes(config).values())
+        checks.check_memory(checks.plan_memory(n, dtype, 4 * n, dev.type), source, ignore_memory, announce)
         state = random_state(config, RANDOM_SEED)
         kind, folder, files = "random", None, []
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
         _choose_engine(engine, config)  # refuse a wrong engine before reading any weights
-        state, files = read_weights(folder, allow_pickle)
+        files = weight_files(folder, allow_pickle)
+        header = checks.read_header(files) if files[0].suffix == ".safetensors" else None
+        if header is not None:
+            if config.get("model_type") == "gpt2":
+                checks.check_gpt2_header(config, header, files, folder / "config.json", _NOT_WEIGHTS)
+            weights = {k: t for k, t in header.items() if not k.endswith(_NOT_WEIGHTS)}
+            n, size = sum(math.prod(t.shape) for t in weights.values()), sum(t.nbytes for t in weights.values())
+        else:  # a pickle has no header: its size on disk is the estimate
+            size = sum(f.stat().st_size for f in files)
+            n = size // 4
+        checks.check_memory(checks.plan_memory(n, dtype, size, dev.type), source, ignore_memory, announce)
+        state = read_weights(files)
 
     engine_name = _choose_engine(engine, config)
     tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
@@ -132,6 +153,9 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         stored = file_tie(state, eng.tie_names) if files else None
     state.clear()  # the model holds what it needs
     tie = tie_report(eng, stored, config_tied)
+    # After the build, whose own checks name an unsupported model first; before any prompt is read.
+    checks.check_vocabularies(tokenizer.vocab_size, eng.vocab_size, tokenizer.origin,
+                              (folder / "config.json") if folder else source)
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
                   config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
@@ -164,8 +188,11 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
     from huggingface_hub.errors import HFValidationError
 
     patterns = HUB_FILES + (["pytorch_model.bin"] if allow_pickle else [])
+    name = repo_id.rsplit("/", 1)[-1]  # openai-community/gpt2-medium -> the bundled gpt2-medium
+    stand_in = RANDOM_PREFIX + (name if name in config_names() else "gpt2")
     advice = ("connect once to download it, pass a local folder (--model ./my-gpt2), or use "
-              "--model random:gpt2 for random weights offline")
+              f"--model {stand_in} for {'its architecture with ' if name in config_names() else ''}random weights "
+              "offline")
     cache_dir = _hub_cache()
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, cache_dir=cache_dir))
@@ -220,9 +247,13 @@ def _read_config(folder: Path) -> dict:
     if not path.is_file():
         raise ModelNotFound(f"{folder} holds no config.json (expected config.json and model.safetensors)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpoint(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror or e}") from None
+    checks.check_config(config, path)
+    return config
 
 
 def _choose_engine(engine: str, config: dict) -> str:
@@ -237,27 +268,32 @@ def _choose_engine(engine: str, config: dict) -> str:
 
 # ---- weights ---------------------------------------------------------------------------------
 
-def read_weights(folder: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], list[Path]]:
-    """All tensors of a checkpoint folder, names normalised to GPT-2's (no `transformer.` prefix)."""
+def weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
+    """The weight files of a checkpoint folder: its shards (confined to the folder), its one
+    model.safetensors, or (with --allow-pickle only) its pytorch_model.bin."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = [folder / f for f in sorted(set(weight_map.values()))]
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    elif (folder / "pytorch_model.bin").is_file():
+        return checks.shard_files(index)
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    if (folder / "pytorch_model.bin").exists():
         if not allow_pickle:
             raise UnsafeCheckpoint(
                 f"{folder / 'pytorch_model.bin'} is a pickle file, and unpickling can run arbitrary code; "
                 "convert it to safetensors, or pass --allow-pickle to load it with torch.load(weights_only=True)")
-        return _normalise(_read_pickle(folder / "pytorch_model.bin")), [folder / "pytorch_model.bin"]
-    else:
-        raise ModelNotFound(f"{folder} holds no weights (looked for model.safetensors, "
-                            "model.safetensors.index.json and pytorch_model.bin)")
+        return [folder / "pytorch_model.bin"]
+    raise ModelNotFound(f"{folder} holds no weights (looked for model.safetensors, "
+                        "model.safetensors.index.json and pytorch_model.bin)")
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of `files` (weight_files), names normalised to GPT-2's (no `transformer.` prefix)."""
+    if files[0].suffix != ".safetensors":
+        return _normalise(_read_pickle(files[0]))
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(_read_safetensors(f))
-    return _normalise(state), files
+    return _normalise(state)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -268,15 +304,31 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
+    except PermissionError as e:
+        raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror}") from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CorruptCheckpoint(f"{path} cannot be read (truncated or corrupt?): {e}") from None
 
 
 def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """A pickle of tensors, with torch's weights-only unpickler. What it refuses is reported as the
+    refusal itself: torch's own advice (weights_only=False "will likely succeed") would run the code."""
+    import warnings
+
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's protocol warnings are noise next to the one line below
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise CorruptCheckpoint(f"{path} cannot be read with weights_only=True: {e}") from None
+        text = str(e)
+        why = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text \
+            else text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise UnsafeCheckpoint(f"{path} holds more than tensors, which lmhead never unpickles ({why[:200]}); "
+                               "convert the weights to safetensors from a trusted copy") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CorruptCheckpoint(f"{path} does not hold a dict of named tensors")
+    return state
 
 
 def _normalise(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import re
 from array import array
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from lmhead_cli.errors import UsageError
+
 EOT = "<|endoftext|>"
 PIECE_CHARS = 1 << 16  # characters per piece when a long text is encoded
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one raw byte
+# Prompt text lmhead tokenizes in one piece at most. A longer prompt is cut at a boundary that
+# BPE cannot cross (see `encode_tail`); a tokenizer without that guarantee refuses it instead.
+CHUNK_CHARS = 1 << 16
+MAX_UNSPLIT_CHARS = 1 << 20
+# Unicode White_Space (what \s means in the tokenizers' regex) and Python's str.isspace, together.
+_SPACE = frozenset("\t\n\v\f\r \x1c\x1d\x1e\x1f\x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                   + "".join(map(chr, range(0x2000, 0x200B))))
 
 
 @lru_cache(maxsize=1)
@@ -66,12 +75,11 @@ class GPT2Tokenizer:
         """The ids of a text of any length, as a compact int32 array (4 bytes a token).
 
         `tokenizers` holds ~150 bytes per token while it encodes (1.4 GB for a 10 MB text), so a long
-        text is encoded in pieces of about `piece_chars` characters, cut only where a byte-level
-        pre-tokenizer always starts a new word: at a white-space character between two others
-        that are not (GPT-2's pattern never joins across it, and no special token holds one). The
-        ids are those of encoding the whole text at once. Other tokenizers encode it whole."""
+        text is encoded in pieces of about `piece_chars` characters, cut only at forced boundaries
+        (`_forced`, the proof is in `encode_tail`), so the ids are those of encoding the whole text
+        at once. Other tokenizers encode it whole."""
         ids = array("i")
-        if len(text) <= piece_chars or not isinstance(self.tok.pre_tokenizer, pre_tokenizers.ByteLevel):
+        if len(text) <= piece_chars or not self._cuttable:
             ids.extend(self.encode(text))
             return ids
         start = 0
@@ -83,6 +91,72 @@ class GPT2Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
+
+    def encode_tail(self, text: str, keep: int) -> tuple[list[int], int]:
+        """The last `keep` token ids of `text` and how many came before them, with memory bounded by
+        `keep` and CHUNK_CHARS whatever the length of `text`: (ids, dropped).
+
+        Why cutting is exact. GPT-2's tokenizer first splits out the added tokens (<|endoftext|>),
+        then splits the rest with its pre-tokenizer regex ('s|'t|... | ?\\p{L}+| ?\\p{N}+|
+        ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+), and BPE merges only inside one regex piece. The regex
+        looks ahead but never behind, so where a piece starts depends only on the text from there on.
+        A position j is a *forced* boundary when no alternative can match across it, whatever came
+        before: an ASCII letter, digit or punctuation mark (not the apostrophe, which starts 's and
+        't) followed by an ASCII character of another class, or a white-space character other than
+        the space (which ` ?` glues to the next word) followed by a non-space. Every split of the
+        whole text therefore has a piece starting at j, and tokenizing text[j:] on its own gives
+        exactly the whole text's tokens after j (`_cut` also keeps j outside every added token).
+        So the text is tokenized in chunks cut at forced boundaries: the ids of the tail, and only
+        the count of the rest. A token is at most `max_token_bytes` bytes (128 for GPT-2), hence at
+        most that many characters, so a tail of keep x max_token_bytes characters holds at least
+        `keep` tokens: the kept ids all come from the last chunk.
+        """
+        if len(text) <= CHUNK_CHARS or not self._cuttable:
+            if len(text) > MAX_UNSPLIT_CHARS:
+                raise UsageError(f"the prompt is {len(text):,} characters; this tokenizer is tokenized in one "
+                                 f"piece, up to {MAX_UNSPLIT_CHARS:,} characters")
+            ids = self.encode(text)
+            return ids[max(0, len(ids) - keep):], max(0, len(ids) - keep)
+        # Only backwards: the tail must keep at least keep x max_token_bytes characters.
+        tail_start = self._cut(text, max(0, len(text) - keep * self.max_token_bytes - 1))
+        tail = self.encode(text[tail_start:])
+        dropped, pos = 0, 0
+        while pos < tail_start:  # the head, counted a chunk at a time and not kept
+            end = tail_start if tail_start - pos <= CHUNK_CHARS else \
+                self._cut(text, pos + CHUNK_CHARS, floor=pos + 1, ceiling=tail_start)
+            dropped += len(self.encode(text[pos:end]))
+            pos = end
+        cut = max(0, len(tail) - keep)
+        return tail[cut:], dropped + cut
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's length in bytes (128 for GPT-2's vocabulary)."""
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+
+    @cached_property
+    def _cuttable(self) -> bool:
+        """True for GPT-2's own set-up, the one `encode_tail`'s proof is about: no normalizer, the
+        byte-level regex, BPE, and <|endoftext|> as the only added token."""
+        pre = self.tok.pre_tokenizer
+        added = [t.content for t in self.tok.get_added_tokens_decoder().values()]
+        return (self.tok.normalizer is None and isinstance(pre, pre_tokenizers.ByteLevel)
+                and pre.use_regex and not pre.add_prefix_space and isinstance(self.tok.model, models.BPE)
+                and added in ([], [EOT]))
+
+    @staticmethod
+    def _cut(text: str, at: int, floor: int = 0, ceiling: int | None = None) -> int:
+        """The last forced boundary in [floor, at], else (with `ceiling`) the first in (at, ceiling];
+        position 0 counts as one. A UsageError when MAX_UNSPLIT_CHARS of text hold none."""
+        for j in range(at, max(floor, at - MAX_UNSPLIT_CHARS) - 1, -1):
+            if j == 0 or _forced(text, j):
+                return j
+        for j in range(at + 1, min(ceiling or 0, at + MAX_UNSPLIT_CHARS) + 1):
+            if _forced(text, j):
+                return j
+        raise UsageError(f"the prompt holds {MAX_UNSPLIT_CHARS:,} characters with no break the tokenizer can be "
+                         "cut at (a line break, punctuation, a digit after a letter); lmhead tokenizes at most "
+                         "that much in one piece")
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self.tok.id_to_token(token_id)
@@ -105,11 +179,28 @@ class GPT2Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
 
+def _class(c: str) -> str:
+    """ASCII character classes of the GPT-2 regex: letter, digit, space, other; "" if not ASCII."""
+    if not c.isascii() or "\x1c" <= c <= "\x1f":  # not ASCII, or white space to Python only
+        return ""
+    return "L" if c.isalpha() else "N" if c.isdigit() else "S" if c in _SPACE else "P"
+
+
+def _forced(text: str, j: int) -> bool:
+    """Whether no piece of GPT-2's pre-tokenizer can span text[j-1:j+1], nor <|endoftext|> (see encode_tail)."""
+    a, b = text[j - 1], text[j]
+    kind_a = _class(a)
+    if a in (" ", "'") or not kind_a:
+        return False
+    ok = b not in _SPACE if kind_a == "S" else _class(b) not in ("", kind_a)
+    return ok and EOT not in text[max(0, j - len(EOT) + 1): j + len(EOT) - 1]
+
+
 def _cut(text: str, at: int) -> int:
-    """The first safe place to cut `text` at or after `at` (len(text) if none): a white-space
-    character with a non-white-space character on each side."""
-    for i in range(max(at, 1), len(text) - 1):
-        if text[i].isspace() and not text[i - 1].isspace() and not text[i + 1].isspace():
+    """The first forced boundary (`_forced`) at or after `at`, len(text) if none: where a long text
+    can be cut for `encode_long` and each piece encoded on its own."""
+    for i in range(max(at, 1), len(text)):
+        if _forced(text, i):
             return i
     return len(text)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from lmhead_cli.errors import BadValue, LmheadError, UsageError
+from lmhead_cli.inputs import MAX_LINE_BYTES, check_text
 
 PROMPT = "lmhead> "
 HISTORY_LENGTH = 1000
@@ -217,13 +218,26 @@ class History:
             pass
 
     def save(self) -> None:
+        """Write the history atomically: to a new file beside it, then renamed over it. The rename
+        replaces a symlink at `path` itself, so nothing is ever written through one, and no other
+        file is truncated."""
         if self.readline is None:
             return
+        import tempfile
+
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.readline.write_history_file(self.path)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".history.")
+            os.close(fd)
+            self.readline.write_history_file(tmp)
+            os.replace(tmp, self.path)
         except (OSError, ValueError):
-            pass
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
 
 def terminal_lines(prompt: str = PROMPT, on_cancel: Callable[[], None] = lambda: None) -> Iterator[str]:
@@ -237,10 +251,26 @@ def terminal_lines(prompt: str = PROMPT, on_cancel: Callable[[], None] = lambda:
             return
 
 
-def piped_lines(stream=None) -> Iterator[str]:
-    """Lines from a pipe or file, without a prompt string."""
-    for line in stream or sys.stdin:
-        yield line.rstrip("\n").removesuffix("\r")
+def piped_lines(stream=None, max_bytes: int = MAX_LINE_BYTES) -> Iterator[str | UsageError]:
+    """Lines from a pipe or file (stdin unless `stream`), without a prompt string.
+
+    stdin is read a line at a time with a limit: a longer line is skipped (drained, never held)
+    and handed over as a UsageError for the session to show; bytes that are not UTF-8 arrive as
+    lone surrogates, for Session.handle to name."""
+    if stream is not None:
+        for line in stream:
+            yield line.rstrip("\n").removesuffix("\r")
+        return
+    source = sys.stdin.buffer
+    number = 0
+    while raw := source.readline(max_bytes + 1):
+        number += 1
+        if len(raw) > max_bytes and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = source.readline(max_bytes + 1)
+            yield UsageError(f"line {number:,} is longer than {max_bytes:,} bytes, the limit for one prompt; skipped")
+            continue
+        yield raw.decode("utf-8", "surrogateescape").rstrip("\n").removesuffix("\r")
 
 
 class Session:
@@ -254,6 +284,9 @@ class Session:
 
     def run(self, lines: Iterable[str]) -> None:
         for line in lines:
+            if isinstance(line, LmheadError):  # a line the source could not hand over
+                self.show.error(str(line))
+                continue
             try:
                 if not self.handle(line):
                     return
@@ -266,6 +299,7 @@ class Session:
 
     def handle(self, line: str) -> bool:
         """Answer one line; False once the session should end."""
+        check_text(line, "this line")  # bytes that are not UTF-8: one error, and the session goes on
         if not line.strip():
             return True  # an empty line is ignored
         if not line.startswith(":"):

@@ -74,11 +74,11 @@ def check_request(prompt: str | None, targets: list[str] | None, top_k: int) -> 
 
 
 def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
-    """Token ids of `prompt`, keeping the last n_ctx; returns (ids, number dropped from the front)."""
-    ids = loaded.tokenizer.encode(check_prompt(prompt))
-    n_ctx = loaded.engine.n_ctx
-    dropped = max(0, len(ids) - n_ctx)
-    return ids[dropped:], dropped
+    """Token ids of `prompt`, keeping the last n_ctx; returns (ids, number dropped from the front).
+
+    Memory is bounded by n_ctx, not by the prompt: the tokenizer cuts a long text at boundaries its
+    BPE cannot cross and keeps only the last ids (GPT2Tokenizer.encode_tail has the proof)."""
+    return loaded.tokenizer.encode_tail(check_prompt(prompt), loaded.engine.n_ctx)
 
 
 def shape_walk(T: int, D: int, V: int) -> ShapeWalk:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from lmhead_cli.errors import BadValue, NoPrompt, OneToken, UsageError
-from lmhead_cli.head import nats_to_bits, score_rows
+from lmhead_cli import inputs
+from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
 
@@ -218,23 +219,13 @@ def check_text(text: str, source: str = "the text") -> str:
     arrive as lone surrogates)."""
     if not text or not text.strip():
         raise NoPrompt(given=True)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UsageError(f"{source} is not valid UTF-8 (at character {e.start}); save it as UTF-8") from None
-    return text
+    return inputs.check_text(text, source)
 
 
 def read_text(stream) -> str:
     """One text from a binary stream (`score -` reads stdin), strictly UTF-8, less the one line
     break a shell or an editor puts at the end."""
-    data = stream.read()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"the text on stdin is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         "save it as UTF-8") from None
-    return text.removesuffix("\n").removesuffix("\r")
+    return inputs.read_stdin("the text on stdin", stream=stream).removesuffix("\n").removesuffix("\r")
 
 
 def bos_id(loaded: Loaded) -> int:
@@ -256,12 +247,20 @@ def text_ids(loaded: Loaded, text: str, bos: bool) -> torch.Tensor:
     return ids
 
 
+# on_rows(ids (n,), logprob (n,), top ids (n, K) | None, top log p (n, K) | None), on the CPU: the
+# scored tokens of one head chunk, in text order, as soon as they are scored.
+OnRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+
+
 @torch.inference_mode()
 def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
-              chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+              chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
+              top_logprobs: int = 0, on_rows: OnRows | None = None) -> dict:
     """Score token ids (T,) window by window, the head in chunks. Returns the Score's columns.
 
-    `progress(done, total)` is called after each chunk with the tokens scored so far."""
+    `progress(done, total)` is called after each chunk with the tokens scored so far. With
+    `on_rows`, each chunk's scored tokens are also handed over with their `top_logprobs` most
+    probable tokens, which are not kept: the memory stays chunk × top_logprobs, whatever T is."""
     eng = loaded.engine
     n_ctx = eng.n_ctx
     stride = n_ctx // 2 if stride is None else stride
@@ -281,9 +280,13 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
         pred = hidden[w.first - 1 - w.begin: w.end - 1 - w.begin]  # (n, D)
         for c in range(0, len(pred), chunk):
             lo, hi = w.first + c, min(w.first + c + chunk, w.end)
-            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device))  # (chunk, V) dropped here
+            # (chunk, V) logits, dropped here
+            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device), top_logprobs)
             logprob[lo:hi], rank[lo:hi], entropy[lo:hi] = rows.logprob.cpu(), rows.rank.cpu(), rows.entropy.cpu()
             top_id[lo:hi], top_logprob[lo:hi] = rows.top_id.cpu(), rows.top_logprob.cpu()
+            if on_rows is not None:
+                on_rows(seq[lo:hi], logprob[lo:hi], *((rows.top_ids.cpu(), rows.top_logprobs.cpu())
+                                                      if top_logprobs else (None, None)))
             done += hi - lo
             if progress is not None:
                 progress(done, total)
@@ -301,11 +304,19 @@ def scored_bytes(loaded: Loaded, ids: torch.Tensor) -> int:
 
 
 def score_text(loaded: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
-               chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Score:
-    """Score every token of one text. The one function a caller needs per text (`--file` runs it on
-    each line)."""
+               chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
+               top_logprobs: int = 0, on_rows: OnRows | None = None) -> Score:
+    """Score every token of one text. The one function a caller needs per text (`--file` runs it
+    on each line). `top_logprobs` and `on_rows`: see score_ids."""
     ids = text_ids(loaded, check_text(text), bos)
-    cols = score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk, progress=progress)
+    check_top_logprobs(top_logprobs, loaded.engine.vocab_size)
+    return _score(loaded, text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk,
+                                                    progress=progress, top_logprobs=top_logprobs,
+                                                    on_rows=on_rows))
+
+
+def _score(loaded: Loaded, text: str, bos: bool, ids: torch.Tensor, cols: dict) -> Score:
+    """The Score of `text` from its ids (T,) and the columns score_ids returned."""
     scored = cols["scored"]
     return Score(model=loaded.source, random_weights=loaded.random_weights, text=text, bos=bos,
                  window=loaded.engine.n_ctx, ids=ids, nll=-float(cols["logprob"][scored].double().sum()),
@@ -325,6 +336,11 @@ class Corpus:
     tokens: int = 0
     nll: float = 0.0
     bytes: int = 0
+
+    @staticmethod
+    def merged(every: list[Corpus]) -> Corpus:
+        """The totals of several runs over parts of one file (torchrun's ranks), as one."""
+        return Corpus(**{f.name: sum(getattr(c, f.name) for c in every) for f in fields(Corpus)})
 
     def add(self, score: Score) -> None:
         self.texts += 1
@@ -354,19 +370,9 @@ class Line:
 
 
 def read_lines(stream, name: str) -> Iterator[Line]:
-    """The lines of a file one at a time (constant memory), each checked as UTF-8."""
-    label = "stdin" if name == STDIN else name
-    end = 0
-    for number, raw in enumerate(stream, 1):
-        end += len(raw)
-        if number == 1:
-            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not text
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"line {number} of {label} is not UTF-8 (byte 0x{raw[e.start]:02x}); "
-                             "save it as UTF-8") from None
-        line = line.removesuffix("\n").removesuffix("\r")
+    """The lines of a file one at a time (constant memory: each line read with a limit), each checked
+    as UTF-8 (inputs.bounded_lines)."""
+    for number, end, line in inputs.bounded_lines(stream, "stdin" if name == STDIN else name):
         yield Line(number, line if line.strip() else None, end)
 
 

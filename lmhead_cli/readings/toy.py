@@ -22,6 +22,10 @@ SHIFT = 10.0  # added to every logit in the shift demo
 SCALES = (2.0, 0.5)  # h x 2 sharpens, h x 0.5 flattens
 CAP = 1.0  # a small soft cap, so that it visibly flattens
 SAME = 1e-12  # probabilities closer than this count as unchanged
+# Bounds that keep every figure finite: |z| <= 3e6 (x 2 in the scale demo), / T >= 1e-6, all far
+# inside a double's range, so exp, fsum and the ratios never overflow.
+MAX_HIDDEN = 1e6
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -162,12 +166,14 @@ def parse_hidden(text: str, dims: int = len(HIDDEN)) -> tuple[float, ...]:
                        f"in {text!r}")
     if not all(math.isfinite(v) for v in values):
         raise BadValue("hidden", f"must be finite numbers (no nan or inf); got {text!r}")
+    if any(abs(v) > MAX_HIDDEN for v in values):
+        raise BadValue("hidden", f"numbers must lie within ±{MAX_HIDDEN:g}, so every figure stays finite; got {text!r}")
     return values
 
 
 def check_temperature(temperature: float) -> float:
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise BadValue("temperature", f"must be a finite number above 0; got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise BadValue("temperature", f"must be a finite number of at least {MIN_TEMPERATURE:g}; got {temperature}")
     return temperature
 
 

@@ -2,6 +2,11 @@
 
 Consoles are made per call (not at import) so they write to whatever sys.stdout is
 at that moment: a terminal, a pipe, or Typer's CliRunner in tests.
+
+Data (prompts, tokens, targets, file lines, paths, generated text) is untrusted for the terminal.
+It reaches human output only through `safe_text` (control characters such as ESC, BEL, CR, DEL
+and the C1 range made visible as \\x1b, ...) and, inside rich output, only as `Text` objects
+(`data`, `token_cell`, `compose`), so markup in data is never parsed. JSON stays exact.
 """
 
 from __future__ import annotations
@@ -9,11 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
-import unicodedata
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
 
 BAR_WIDTH = 16
 SPARK = "▁▂▃▄▅▆▇█"
@@ -25,6 +34,20 @@ class _Console(Console):
         self.quiet = True
         raise BrokenPipeError
 
+    def print(self, *objects, **kwargs) -> None:
+        """A table narrower than it needs would have rich cut its cells with "…", figures included
+        (38,597… at COLUMNS=60): it is printed at its own width instead, and the terminal wraps the
+        lines. Nothing is ever cut."""
+        tables = [o for o in objects if isinstance(o, Table)]
+        need = max((Measurement.get(self, self.options.update_width(1 << 16), t).maximum for t in tables), default=0)
+        if need <= self.width:
+            return super().print(*objects, **kwargs)
+        width, self.width = self.width, need
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self.width = width
+
 
 def out() -> Console:
     """Console on stdout (tables, text)."""
@@ -33,15 +56,74 @@ def out() -> Console:
 
 def err() -> Console:
     """Console on stderr (warnings, notices, progress)."""
-    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    return _Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    err().print(f"[yellow]warning:[/] {message}", markup=True)
+    """A warning on stderr; `message` is plain text (it may hold data), shown terminal-safe."""
+    err().print(compose("[yellow]warning:[/] ", data(message)))
 
 
 def notice(message: str) -> None:
-    err().print(f"[dim]{message}[/]", markup=True)
+    """A dim notice on stderr; `message` is plain text, shown terminal-safe."""
+    err().print(data(message, "dim"))
+
+
+# ---- terminal-safe text --------------------------------------------------------------------------
+# C0 and C1 controls, DEL, lone surrogates (undecodable bytes), and the characters that reorder or
+# break lines (bidi overrides and isolates, line and paragraph separators).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                     "\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def safe_text(text: str, keep: str = "") -> str:
+    """`text` with every control character made visible (ESC as \\x1b, BEL as \\x07, newline as \\n),
+    except those in `keep` (streamed text keeps "\\n\\t"). Nothing else changes."""
+
+    def visible(m: re.Match) -> str:
+        ch = m.group()
+        if ch in keep:
+            return ch
+        return _NAMED.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+
+    return _UNSAFE.sub(visible, text)
+
+
+def data(text: str, style: str = "") -> Text:
+    """Data for rich output: terminal-safe and never parsed as markup."""
+    return Text(safe_text(text), style=style)
+
+
+def compose(*parts: str | Text) -> Text:
+    """One line from constant markup (str, parsed) and data (Text, as it is)."""
+    return Text.assemble(*(p if isinstance(p, Text) else Text.from_markup(p) for p in parts))
+
+
+def quoted(text: str) -> str:
+    """A token or target in quotes for a message: 'are', safe, without repr's doubled backslashes."""
+    return "'" + safe_text(text) + "'"
+
+
+PROMPT_ROWS = 24  # prompt tokens shown at most: the first and the last halves, and a count between
+
+
+def elided(items: list, keep: int = PROMPT_ROWS) -> tuple[list, int, list]:
+    """(first, how many are left out, last) of a long list, so a 1,024-token prompt shows 24 rows."""
+    if len(items) <= keep:
+        return list(items), 0, []
+    half = keep // 2
+    return list(items[:half]), len(items) - 2 * half, list(items[-half:])
+
+
+def short_cell(text: str, width: int) -> str:
+    """Terminal-safe `text` cut to `width` terminal cells, with … when cut."""
+    shown = safe_text(text)
+    if cell_len(shown) <= width:
+        return shown
+    from rich.cells import set_cell_size
+
+    return set_cell_size(shown, width - 1) + "…"
 
 
 def truncated(kept: int, dropped: int, n_ctx: int) -> None:
@@ -62,7 +144,9 @@ def multi_piece_notices(targets) -> None:
     """A notice for each target that is several tokens: it is scored by its first."""
     for t in targets:
         if len(t.pieces) > 1:
-            notice(f"target {t.token!r} is {len(t.pieces)} tokens {t.pieces}; using the first, {t.pieces[0]!r}")
+            pieces = ", ".join(map(quoted, t.pieces))
+            notice(f"target {quoted(t.token)} is {len(t.pieces)} tokens ({pieces}); using the first, "
+                   f"{quoted(t.pieces[0])}")
 
 
 def _plain(obj: Any) -> Any:
@@ -77,15 +161,18 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def json_text(doc: Any, *, lines: bool = False) -> str:
-    """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite."""
-    return json.dumps(_plain(doc), ensure_ascii=False, separators=(",", ":") if lines else None,
+def json_text(doc: Any, *, lines: bool = False, ascii: bool = False) -> str:  # noqa: A002
+    """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite;
+    non-ASCII as \\u escapes with ``ascii``."""
+    return json.dumps(_plain(doc), ensure_ascii=ascii, separators=(",", ":") if lines else None,
                       indent=None if lines else 2)
 
 
 def print_json(doc: Any, *, lines: bool = False) -> None:
     """One JSON document on stdout (or one line per document with ``lines``), no colour."""
-    sys.stdout.write(json_text(doc, lines=lines) + "\n")
+    # Exact either way: a stdout that cannot encode UTF-8 gets JSON's own \\u escapes instead.
+    utf8 = "utf" in (getattr(sys.stdout, "encoding", None) or "utf-8").lower()
+    sys.stdout.write(json_text(doc, lines=lines, ascii=not utf8) + "\n")
     sys.stdout.flush()
 
 
@@ -111,42 +198,22 @@ def knobs_text(knobs, sep: str = " → ") -> str:
     return sep.join(f"{key.replace('_', '-')} {value:g}" for key, value in knobs.active().items())
 
 
-def token_cell(text: str) -> str:
-    """A token for rich output: visible spaces, and markup-like text such as '[/' shown as it is."""
-    from rich.markup import escape
-
-    return escape(show_token(text))
+def token_cell(text: str, style: str = "") -> Text:
+    """A token for rich output: visible spaces and controls, and markup-like text such as '[/' as it is."""
+    return Text(show_token(text), style=style)
 
 
 def show_token(text: str) -> str:
     """A token's text made visible: a leading space as '␣', control characters escaped."""
-    shown = visible(text)
+    shown = safe_text(text)
     if shown.startswith(" "):
         shown = "␣" + shown[1:]
     return shown
 
 
-def visible(text: str) -> str:
-    """Text with newlines, tabs and every other control character (ESC, BEL, DEL, C1) shown as escapes,
-    so data cannot drive the terminal."""
-    return _controls_escaped(text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r"))
-
-
-def safe_text(text: str) -> str:
-    """Running text (a scored text, a file line) for rich Text: line breaks and tabs kept, every other
-    control character shown as an escape (ESC as \\x1b), so data cannot drive the terminal."""
-    return _controls_escaped(text, keep="\n\t")
-
-
-def _controls_escaped(text: str, keep: str = "") -> str:
-    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in keep else c for c in text)
-
-
-def text_cell(text: str) -> str:
-    """Untrusted text (a prompt, a line) for rich output: control characters escaped, markup shown as it is."""
-    from rich.markup import escape
-
-    return escape(visible(text))
+def text_cell(text: str) -> Text:
+    """Untrusted text (a prompt, a line) for rich output: `data`, terminal-safe and never parsed."""
+    return data(text)
 
 
 def compact_table(title: str, *columns: tuple[str, str]):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from lmhead_cli.render import bar, compact_table, out, text_cell
+from rich.text import Text
+
+from lmhead_cli.render import bar, compact_table, compose, out, text_cell
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -34,14 +36,16 @@ def diverging(value: float, scale: float) -> str:
 def attribution(a, show_heads: bool = False) -> None:
     con = out()
     random_banner(a.model, a.random_weights)
-    what = f"z({tok(a.target.pieces[0])})" + (f" − z({tok(a.vs.pieces[0])})" if a.vs is not None else "")
-    row = f"row({tok(a.target.pieces[0])})" + (f" − row({tok(a.vs.pieces[0])})" if a.vs is not None else "")
+    def named(kind: str) -> Text:  # z(␣are) − z(␣is): tokens as data, never parsed
+        return compose(f"{kind}(", tok(a.target.pieces[0]), ")",
+                       *((f" − {kind}(", tok(a.vs.pieces[0]), ")") if a.vs is not None else ()))
+
     prompt = text_cell("".join(t.text for t in a.prompt_tokens))
-    con.print(f"direct logit attribution: {what} after \"{prompt}\"")
+    con.print(compose("direct logit attribution: ", named("z"), ' after "', prompt, '"'))
     centre = "centre(part)" if a.norm == "LayerNorm" else "part"
-    con.print(f"each part's share = e · (γ ⊙ {centre}) / σ\n"
-              f"  e = {row} of the {'tied' if a.tied else 'untied'} head\n"
-              f"  σ = {a.sigma:.6f}: the final {a.norm}'s scale, from the actual final residual")
+    con.print(compose(f"each part's share = e · (γ ⊙ {centre}) / σ\n  e = ", named("row"),
+                      f" of the {'tied' if a.tied else 'untied'} head\n"
+                      f"  σ = {a.sigma:.6f}: the final {a.norm}'s scale, from the actual final residual"))
     con.print(f"check: Σ parts = {a.sum:.6f}, the head's own {'difference' if a.vs is not None else 'logit'} "
               f"= {a.logit:.6f} (error {a.error:+.1e})")
 

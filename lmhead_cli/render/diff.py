@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from lmhead_cli.render import compact_table, out, text_cell
+from lmhead_cli.render import compact_table, compose, out, text_cell
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -28,15 +28,15 @@ def diff_json(d) -> dict:
     }
 
 
-def _prompt(side) -> str:
+def _prompt(side):
     return text_cell("".join(t.text for t in side.prompt_tokens))
 
 
 def diff_report(d) -> None:
     con = out()
     random_banner(d.model, d.random_weights)
-    con.print(f"A: \"{_prompt(d.a)}\" ({len(d.a.prompt_tokens)} tokens)\n"
-              f"B: \"{_prompt(d.b)}\" ({len(d.b.prompt_tokens)} tokens)")
+    con.print(compose('A: "', _prompt(d.a), f'" ({len(d.a.prompt_tokens)} tokens)\nB: "', _prompt(d.b),
+                      f'" ({len(d.b.prompt_tokens)} tokens)'))
 
     div = compact_table("how far apart: p after A, q after B", ("", "left"), ("nats", "right"),
                         ("bits", "right"), ("", "left"))

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from rich import box
-from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import out
+from lmhead_cli.render import compose, data, elided, out, quoted
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -27,11 +26,14 @@ def explanation(ex) -> None:
     random_banner(ex.model, ex.random_weights)
     e = ex.explained
     row = "embedding row" if ex.tied else "row of the (untied) output matrix"
-    prompt = escape("".join(t.text for t in ex.prompt_tokens))
-    con.print(f"one logit taken apart: [bold]{tok(e.token)}[/] (id {e.id}) after \"{prompt}\": "
-              f"rank {e.rank:,} of {ex.vocab:,}")
+    first, left_out, last = elided(ex.prompt_tokens)
+    prompt = "".join(t.text for t in first) + (f" … {left_out:,} tokens … " if left_out else "") \
+        + "".join(t.text for t in last)
+    con.print(compose("one logit taken apart: ", tok(e.token, "bold"), f" (id {e.id}) after \"", data(prompt),
+                      f"\": rank {e.rank:,} of {ex.vocab:,}"))
     if len(ex.pieces) > 1:
-        con.print(f"{escape(repr(ex.token))} is {len(ex.pieces)} tokens; explaining the first, {tok(ex.pieces[0])}")
+        con.print(compose(data(quoted(ex.token)), f" is {len(ex.pieces)} tokens; explaining the first, ",
+                          tok(ex.pieces[0])))
 
     if ex.norm == "RMSNorm":
         con.print(f"\n[bold]h[/]: the last position's residual vector x through the final RMSNorm (D = {ex.width})")
@@ -60,8 +62,8 @@ def explanation(ex) -> None:
         con.print(f"  z = e · h{plus_b}               = {e.dot:.4f}{b}   (the head's logit: {e.logit:.4f})")
         con.print(f"    = |e| · |h| · cos θ{plus_b}   = {e.row_norm:.4f} × {ex.norm_after:.4f} × {e.cos:.4f}{b}"
                   f" = {e.product:.4f}")
-    con.print(f"  margin to the top token {tok(ex.top_token)}: {e.margin_to_top:+.4f}; "
-              f"to the runner-up {tok(ex.runner_up_token)}: {e.margin_to_runner_up:+.4f}")
+    con.print(compose("  margin to the top token ", tok(ex.top_token), f": {e.margin_to_top:+.4f}; to the runner-up ",
+                      tok(ex.runner_up_token), f": {e.margin_to_runner_up:+.4f}"))
     con.print()
 
     table = Table(title="side by side: one h for every token, so only |e| and cos θ differ", title_justify="left",

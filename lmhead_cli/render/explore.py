@@ -8,7 +8,7 @@ from dataclasses import asdict
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.render import bar, err, knobs_text, out, own_softcap_notice, print_json
+from lmhead_cli.render import bar, compose, data, err, knobs_text, out, own_softcap_notice, print_json
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.generate import stream
 from lmhead_cli.render.lens import lens_json, lens_table
@@ -28,8 +28,8 @@ def intro(model: str, random_weights: bool, load_s: float, settings, interactive
     con = err()
     weights = " [bold yellow](random weights: the predictions are not real)[/]" if random_weights else ""
     on = f", {threads} CPU thread{'s' * (threads != 1)}" if threads else ""
-    con.print(f"lmhead explore: {escape(model)} loaded in {load_s:.1f} s{on}{weights}", markup=True)
-    con.print(f"settings: {escape(describe(settings))}", markup=True)
+    con.print(compose("lmhead explore: ", data(model), f" loaded in {load_s:.1f} s{on}{weights}"))
+    con.print(compose("settings: ", data(describe(settings))))
     if interactive:
         con.print("type a prompt, or :help for the commands; Ctrl-C cancels a line, Ctrl-D or :quit leaves",
                   markup=False)
@@ -40,8 +40,8 @@ def reading(r) -> None:
     stages = knobs_text(r.knobs)
     scaled = bool(stages)
     cut = f", first {r.truncated} dropped" if r.truncated else ""
-    con.print(f"» {escape(r.prompt)}  [dim]({r.n_tokens} tokens{cut}; stages: {escape(stages or 'none')}; "
-              f"{r.elapsed_ms:.0f} ms)[/]")
+    con.print(compose("» ", data(r.prompt), f"  [dim]({r.n_tokens} tokens{cut}; stages: ", data(stages or "none", "dim"),
+                      f"[dim]; {r.elapsed_ms:.0f} ms)[/]"))
     table = Table(show_edge=False, pad_edge=False)
     columns = [("rank", "right"), ("id", "right"), ("token", "left"), ("logit", "right")]
     columns += [("scaled", "right")] if scaled else []
@@ -67,7 +67,7 @@ def reading(r) -> None:
 
 
 def settings(s, con=None) -> None:
-    (con or out()).print(f"settings: {escape(describe(s))}")
+    (con or out()).print(compose("settings: ", data(describe(s))))
 
 
 def help(commands, con=None) -> None:  # noqa: A001 - the :help command
@@ -83,12 +83,12 @@ def help(commands, con=None) -> None:  # noqa: A001 - the :help command
 
 
 def unknown(name: str, commands, con=None) -> None:
-    err().print(f"unknown command :{escape(name)}", markup=True)
-    help(commands, con)
+    """One line: the unknown command and where the list is."""
+    err().print(compose("unknown command :", data(name), "; :help lists the commands"))
 
 
 def error(message: str) -> None:
-    err().print(f"[red]error:[/] {escape(message)}", markup=True)
+    err().print(compose("[red]error:[/] ", data(message)))
 
 
 def cancelled() -> None:

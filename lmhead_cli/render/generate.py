@@ -1,19 +1,19 @@
 """Output for generate / greedy / sample / softcap and `inspect --stages`.
 
 Text streams to stdout as plain writes (never through rich markup: generated text may hold
-brackets), flushed per piece so it shows token by token even through a pipe.
+brackets), terminal-safe (control characters but newline and tab made visible), flushed per piece
+so it shows token by token even through a pipe.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import sys
 from dataclasses import asdict
 
 from rich.table import Table
+from rich.text import Text
 
-from lmhead_cli.render import json_text, knobs_text, notice, out, sparkline
+from lmhead_cli.render import knobs_text, notice, out, safe_text, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -26,12 +26,13 @@ def _pct(p: float) -> str:
 
 def begin(prompt: str) -> None:
     """The prompt, in bold on a terminal, before the generated text."""
-    out().print(prompt, style="bold", end="", markup=False, soft_wrap=True)
+    out().print(Text(safe_text(prompt, keep="\n\t"), style="bold"), end="", soft_wrap=True)
     sys.stdout.flush()
 
 
 def stream(piece: str) -> None:
-    sys.stdout.write(piece)
+    """One piece of generated text, terminal-safe, at once."""
+    sys.stdout.write(safe_text(piece, keep="\n\t"))
     sys.stdout.flush()
 
 
@@ -84,8 +85,8 @@ def steps_table(g) -> None:
                           ("the most probable", "left")):
         table.add_column(name, justify=justify)
     for i, s in enumerate(g.steps, 1):
-        alts = "  ".join(f"[bold]{_tok(a.token)} {_pct(a.prob)}[/]" if a.id == s.id else f"{_tok(a.token)} {_pct(a.prob)}"
-                         for a in s.alternatives)
+        alts = Text("  ").join(_tok(a.token, "bold" if a.id == s.id else "") + Text(f" {_pct(a.prob)}",
+                               "bold" if a.id == s.id else "") for a in s.alternatives)
         table.add_row(str(i), _tok(s.token), _pct(s.raw_prob), _pct(s.prob), f"{s.rank:,}",
                       _pct(s.removed_mass), f"{s.raw_entropy:.2f}", f"{s.entropy:.2f}", alts)
     out().print(table)
@@ -165,53 +166,24 @@ def _step_json(step, show_steps: int) -> dict:
 
 # ---- --format openai -----------------------------------------------------------------------------
 
-DROPPED = -9999.0  # OpenAI's own stand-in for a log-probability too low to report; here log 0 (filtered out)
 FINISH = {"eos": "stop", "max_new_tokens": "length", "context": "length"}
 
 
 def openai_json(g, loaded) -> None:
-    """The run as one OpenAI chat completion object, written a token at a time so that
-    --top-logprobs up to V never builds the whole document in memory.
+    """The run as one OpenAI chat completion object (render.openai), a token at a time.
 
     logprobs.content has one entry per token of the content: a final end-of-text is counted in
     usage.completion_tokens but is not content, so it has no entry. Each logprob is from the
     distribution Settings.logprobs names (raw or processed)."""
-    s = g.settings
-    steps = g.steps[:-1] if g.stop == "eos" else g.steps
-    head = {"object": "chat.completion", "model": loaded.source}
-    choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": FINISH[g.stop]}
-    usage = {"prompt_tokens": len(g.prompt_ids), "completion_tokens": len(g.generated_ids),
-             "total_tokens": len(g.prompt_ids) + len(g.generated_ids)}
-    dump = functools.partial(json_text, lines=True)
-    entry = _OpenAIEntries(loaded.tokenizer)
-    w = sys.stdout.write
-    # {head, "choices": [{choice, "logprobs": {"content": [entries]}}], "usage": {...}}: dicts opened by
-    # dropping their closing brace, so each entry is written (and dropped) on its own
-    w(dump(head)[:-1] + ',"choices":[' + dump(choice)[:-1] + ',"logprobs":{"content":[')
-    for i, st in enumerate(steps):
-        lp = st.raw_logprob if s.logprobs == "raw" else st.logprob
-        top = "" if st.top is None else ",".join(map(entry, st.top.ids.tolist(), st.top.logprobs.tolist()))
-        w(("," if i else "") + "\n" + entry(st.id, lp)[:-1] + ',"top_logprobs":[' + top + "]}")
-    w("\n]}}]," + dump({"usage": usage})[1:] + "\n")
-    sys.stdout.flush()
+    from lmhead_cli.render.openai import Completion
 
-
-class _OpenAIEntries:
-    """{"token", "logprob", "bytes"} as JSON text. bytes are the token's own bytes, so a piece of a
-    character survives; each token's text and bytes are encoded once per run (at most V of them),
-    which is what makes --top-logprobs V affordable."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.known: dict[int, tuple[str, str]] = {}
-
-    def __call__(self, token_id: int, logprob: float) -> str:
-        parts = self.known.get(token_id)
-        if parts is None:
-            text = json.dumps(self.tokenizer.token_text(token_id), ensure_ascii=False)
-            data = json.dumps(list(self.tokenizer.token_bytes(token_id)), separators=(",", ":"))
-            parts = self.known[token_id] = ('{"token":' + text + ',"logprob":', ',"bytes":' + data + "}")
-        return parts[0] + json.dumps(logprob if logprob != float("-inf") else DROPPED) + parts[1]
+    raw = g.settings.logprobs == "raw"
+    doc = Completion(loaded.tokenizer, loaded.source, g.text, FINISH[g.stop])
+    for st in g.steps[:-1] if g.stop == "eos" else g.steps:
+        top = st.top
+        doc.entry(st.id, st.raw_logprob if raw else st.logprob, *((top.ids.tolist(), top.logprobs.tolist()) if top
+                                                                   else ()))
+    doc.end(len(g.prompt_ids), len(g.generated_ids))
 
 
 # ---- inspect --stages ------------------------------------------------------------------------

@@ -6,8 +6,9 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import bar, out
+from lmhead_cli.render import bar, compose, data, elided, out
 from lmhead_cli.render import token_cell as _cell
+
 
 
 def _shape(shape) -> str:
@@ -47,18 +48,19 @@ def inspection_json(result, tie) -> dict:
 
 def random_banner(model: str, random_weights: bool) -> None:
     if random_weights:
-        out().print(f"[bold yellow]random weights[/] ({model}, seeded): the architecture and the arithmetic "
-                    "are real, the predictions are not.")
+        out().print(compose("[bold yellow]random weights[/] (", data(model), ", seeded): the architecture and "
+                            "the arithmetic are real, the predictions are not."))
 
 
-def tie_line(tie) -> str:
+def tie_line(tie):
+    """The tie in one or two lines (a Text: the model's parameter names are shown, never parsed)."""
     if tie.tied:
-        line = (f"tie: {_cell(tie.head_name)} [bold]is[/] {_cell(tie.embedding_name)} (same object, same data_ptr)\n"
-                f"     W_out = E, so each logit is z_k = e_k · h")
+        line = compose("tie: ", data(tie.head_name), " [bold]is[/] ", data(tie.embedding_name),
+                       " (same object, same data_ptr)\n     W_out = E, so each logit is z_k = e_k · h")
     else:
-        line = (f"tie: [bold]untied[/]: {_cell(tie.head_name)} is its own {tie.shape[0]}×{tie.shape[1]} matrix "
-                f"(tie_word_embeddings: {str(tie.config_tie_word_embeddings).lower()})")
-    return line + (f"\n{own_softcap_line(tie.own_softcap)}" if tie.own_softcap else "")
+        line = compose("tie: [bold]untied[/]: ", data(tie.head_name), f" is its own {tie.shape[0]}×{tie.shape[1]} "
+                       f"matrix (tie_word_embeddings: {str(tie.config_tie_word_embeddings).lower()})")
+    return compose(line, f"\n{own_softcap_line(tie.own_softcap)}") if tie.own_softcap else line
 
 
 def own_softcap_line(cap: float) -> str:
@@ -79,7 +81,12 @@ def inspection(result, tie) -> None:
     tokens.add_column("#", justify="right", style="dim")
     tokens.add_column("id", justify="right")
     tokens.add_column("token")
-    for i, t in enumerate(result.prompt_tokens):
+    first, left_out, last = elided(list(enumerate(result.prompt_tokens)))
+    for i, t in first:
+        tokens.add_row(str(i), str(t.id), _cell(t.text))
+    if left_out:
+        tokens.add_row("…", "", f"[dim]{left_out:,} more tokens (--json lists them all)[/]")
+    for i, t in last:
         tokens.add_row(str(i), str(t.id), _cell(t.text))
     con.print(tokens)
 
@@ -122,22 +129,22 @@ def tie_report(loaded) -> None:
     con.print(tie_line(tie))
     table = Table(show_header=False, show_edge=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # a long path wraps; it is never cut
 
     def yes(v) -> str:
         return "n/a (no file)" if v is None else ("yes" if v else "no")
 
-    table.add_row(f"{_cell(tie.head_name)} is {_cell(tie.embedding_name)}", yes(tie.same_object))
+    table.add_row(compose(data(tie.head_name), " is ", data(tie.embedding_name)), yes(tie.same_object))
     table.add_row("same data_ptr", yes(tie.same_data_ptr))
     table.add_row("config tie_word_embeddings", str(tie.config_tie_word_embeddings).lower())
-    table.add_row(f"weights file stores its own {_cell(tie.head_name)}", yes(tie.file_has_lm_head))
+    table.add_row(compose("weights file stores its own ", data(tie.head_name)), yes(tie.file_has_lm_head))
     if tie.file_has_lm_head:
-        table.add_row(f"  stored {_cell(tie.head_name)} equals {_cell(tie.embedding_name)}",
+        table.add_row(compose("  stored ", data(tie.head_name), " equals ", data(tie.embedding_name)),
                       yes(tie.file_lm_head_equals_wte))
     table.add_row("matrix shape (V × d)", f"{tie.shape[0]:,} × {tie.shape[1]:,}")
     if tie.own_softcap:
         table.add_row("the model's own soft-cap c", f"{tie.own_softcap:g}")
     table.add_row("engine", loaded.engine.name)
     table.add_row("source", f"random weights, seed {loaded.seed}" if loaded.random_weights
-                  else f"{loaded.kind}: {loaded.path}")
+                  else data(f"{loaded.kind}: {loaded.path}"))
     con.print(table)

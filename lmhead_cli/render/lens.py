@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import out, show_token
+from lmhead_cli.render import compose, elided, out, show_token
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -36,11 +36,14 @@ def _header(lens) -> None:
     con = out()
     random_banner(lens.model, lens.random_weights)
     last = lens.position == len(lens.prompt_tokens) - 1
-    where = ("the last position" if last else
-             f"position {lens.position} ({tok(lens.prompt_tokens[lens.position].text)}: what would follow it)")
-    con.print(f"logit lens: the residual stream at {where} after each layer, through {tok(lens.norm)} "
-              f"(recomputed for that vector) and the {'tied' if lens.tied else 'untied'} head")
-    con.print("prompt: " + " ".join(f"[{show_token(t.text)}]" for t in lens.prompt_tokens), markup=False)
+    where = (("the last position",) if last else
+             (f"position {lens.position} (", tok(lens.prompt_tokens[lens.position].text), ": what would follow it)"))
+    con.print(compose("logit lens: the residual stream at ", *where, " after each layer, through ", tok(lens.norm),
+                      f" (recomputed for that vector) and the {'tied' if lens.tied else 'untied'} head"))
+    first, left_out, last_tokens = elided(lens.prompt_tokens)
+    shown = [f"[{show_token(t.text)}]" for t in first] + ([f"… {left_out:,} more …"] if left_out else []) \
+        + [f"[{show_token(t.text)}]" for t in last_tokens]
+    con.print("prompt: " + " ".join(shown), markup=False)
 
 
 def lens_table(lens) -> None:
@@ -51,8 +54,8 @@ def lens_table(lens) -> None:
         table.add_column(name, justify=justify)
     targets = lens.layers[0].targets if lens.layers else []
     for t in targets:
-        table.add_column(f"{tok(t.token)} rank", justify="right")
-        table.add_column(f"{tok(t.token)} prob", justify="right")
+        table.add_column(compose(tok(t.token), " rank"), justify="right")
+        table.add_column(compose(tok(t.token), " prob"), justify="right")
     for row in lens.layers:
         cells = [layer_name(row.layer), tok(row.top_token), str(row.top_id), f"{row.top_prob:.4%}",
                  f"{row.entropy:.4f}"]

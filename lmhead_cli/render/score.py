@@ -37,7 +37,7 @@ def coloured(con) -> bool:
 # ---- the text view ----------------------------------------------------------------------------
 
 def _piece(text: Text, piece: str, rank: int | None, colour: bool) -> None:
-    shown = safe_text(piece)
+    shown = safe_text(piece, keep="\n\t")
     if colour:
         text.append(shown, style=UNSCORED_STYLE if rank is None else STYLES[bucket(rank)])
         return
@@ -182,12 +182,27 @@ def write_json(score, lines: bool = False) -> None:
 FILE_HEADER = f"{'line':>6}  {'tokens':>7}  {'NLL':>11}  {'perplexity':>12}  {'bits/byte':>9}  text"
 
 
+def openai_document(loaded, text: str):
+    """`score --format openai`: the text as the assistant's message and each scored token's logprob
+    (render.openai.Completion; its `rows` is score_text's `on_rows`). Scoring has no stages, so the
+    logprobs are raw. finish_reason is "stop": the text ends where it ends."""
+    from lmhead_cli.render.openai import Completion
+
+    return Completion(loaded.tokenizer, loaded.source, text, "stop")
+
+
+def openai_end(doc, score) -> None:
+    """usage: the scored tokens are the completion; the tokens read but not scored (--bos's token or the
+    text's first, and with --stride n_ctx each later window's first) are the prompt."""
+    doc.end(len(score.ids) + score.bos - score.scored_tokens, score.scored_tokens)
+
+
 def file_row(item, width: int) -> str:
     if item.score is None:
         return f"{item.line:>6}  skipped: {item.skipped}"
     s = item.score
     bpb = "n/a" if s.bits_per_byte is None else f"{s.bits_per_byte:.4f}"
-    text = safe_text(s.text).replace("\n", "\\n").replace("\t", "\\t")
+    text = safe_text(s.text)
     room = max(8, width - len(FILE_HEADER) + 4)
     text = text if len(text) <= room else text[: room - 1] + "…"
     return f"{item.line:>6}  {s.scored_tokens:>7,}  {s.nll:>11,.3f}  {s.perplexity:>12,.3f}  {bpb:>9}  {text}"

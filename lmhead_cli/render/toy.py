@@ -13,6 +13,8 @@ from lmhead_cli.readings.toy import Sample, ToyExample, Variant
 
 def short_number(x: float) -> str:
     """2.0 -> '2', 0.5 -> '0.5', 0.9640 -> '0.964': at most three decimals, no trailing zeros."""
+    if 0 < abs(x) < 0.0005:  # a temperature of 1e-06 keeps three significant digits, not "0"
+        return f"{x:.3g}"
     text = f"{x:.3f}".rstrip("0").rstrip(".")
     return "0" if text == "-0" else text
 

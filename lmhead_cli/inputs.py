@@ -1,0 +1,78 @@
+"""Text that comes from outside (arguments, stdin, files), checked before anything uses it.
+
+Everything here is bounded: stdin is read up to a limit, and bytes that are not UTF-8 are a
+UsageError naming where the first bad byte is, never a TypeError deep in a tokenizer.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lmhead_cli.errors import UsageError
+
+MAX_STDIN_BYTES = 1 << 24  # a prompt piped to `generate -` (16 MiB); it is cut to the context anyway
+MAX_LINE_BYTES = 1 << 20  # one prompt line of a file or of explore at most (1 MiB)
+
+
+def decode_utf8(data: bytes, what: str, line: int | None = None, offset: int = 0,
+                advice: str = "save it as UTF-8") -> str:
+    """`data` as UTF-8, or a UsageError naming `what`, the first bad byte and its position (from 0)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        on = f" on line {line:,}," if line is not None else ""
+        raise UsageError(f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x}{on} at byte {offset + e.start:,}); "
+                         f"{advice}") from None
+
+
+def check_text(value: str | None, what: str) -> str | None:
+    """An argument as the shell gave it. Python decodes argv with surrogateescape, so a byte that is
+    not UTF-8 arrives as a lone surrogate (U+DC80-U+DCFF): found here, it is a UsageError naming
+    the byte and its position, instead of a TypeError later."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        decode_utf8(value.encode("utf-8", "surrogateescape"), what, advice="pass text in UTF-8")
+    return value
+
+
+def check_args(values: dict, spelled=lambda name: f"--{name.replace('_', '-')}") -> None:
+    """check_text on every string (or list of strings) among a command's parameters; `spelled(name)`
+    says how the user typed the parameter (`--target`, `the prompt`)."""
+    for name, value in values.items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, str):
+                check_text(v, spelled(name))
+
+
+def read_stdin(what: str = "stdin", limit: int | None = None, stream=None) -> str:
+    """All of stdin (or the binary `stream`) as text, at most `limit` bytes (MAX_STDIN_BYTES; a
+    UsageError beyond, so /dev/zero ends at once); a byte-order mark is dropped."""
+    limit = limit or MAX_STDIN_BYTES
+    if stream is None:
+        if sys.stdin is None or getattr(sys.stdin, "closed", False):
+            raise UsageError(f"{what}: stdin is closed; pipe the text in, or pass it as an argument")
+        stream = getattr(sys.stdin, "buffer", None)
+    data = stream.read(limit + 1) if stream is not None else sys.stdin.read(limit + 1).encode("utf-8", "surrogateescape")
+    if len(data) > limit:
+        raise UsageError(f"{what} is longer than {limit:,} bytes, the limit for one text (the model reads only "
+                         "its last tokens anyway)")
+    return decode_utf8(data.removeprefix(b"\xef\xbb\xbf"), what)
+
+
+def bounded_lines(stream, label: str, max_bytes: int | None = None):
+    """(line number, bytes read so far, text without its line break) for every line of a binary
+    stream, read one at a time with a limit (MAX_LINE_BYTES): a longer line, or one that is not
+    UTF-8, is a UsageError naming `label`, the line and the byte. Memory: one line."""
+    max_bytes = max_bytes or MAX_LINE_BYTES
+    number = offset = 0
+    while raw := stream.readline(max_bytes + 1):  # +1: room for the line break of a full line
+        number += 1
+        if len(raw) > max_bytes and not raw.endswith(b"\n"):
+            raise UsageError(f"{label}: line {number:,} is longer than {max_bytes:,} bytes, the limit for one line "
+                             "(the model reads only its last tokens anyway); shorten it")
+        text = decode_utf8(raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw, label, number, offset)
+        offset += len(raw)
+        yield number, offset, text.removesuffix("\n").removesuffix("\r")
