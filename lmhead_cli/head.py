@@ -85,6 +85,8 @@ def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     every row on the other side) take one sort and a binary search each, so memory stays O(V).
     """
     picked = logits.gather(-1, ids)  # (..., K)
+    if ids.shape[-1] == 1:  # one token per row (`score`): a plain comparison, counted through int32, not int64
+        return 1 + (logits > picked).sum(-1, keepdim=True, dtype=torch.int32).long()
     if ids.shape[-1] <= RANKS_BY_COMPARISON:
         return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
     ascending = torch.sort(logits, dim=-1).values  # (..., V)
@@ -142,9 +144,6 @@ def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) ->
                        logit=float(logits[first]), prob=float(log_softmax(logits)[first].exp()))
 
 
-RANK_ROWS = 8  # rows per rank comparison in score_rows: (8, V) int64 is 3.2 MB for GPT-2
-
-
 @dataclass(frozen=True)
 class RowScores:
     """How a distribution rated a given token, row by row; every field has the rows' shape (N,)."""
@@ -165,9 +164,7 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     The logits are overwritten with their log-probabilities, so the N rows take two (N, V) float32
     buffers at most (the logits, and a temporary for the softmax's sum and then for the entropy's
     probabilities): a caller bounds the memory by how many rows it passes (`lmhead score --chunk`)."""
-    # ranks' comparison is summed through an int64 copy of (rows, V): a few rows at a time keeps it small.
-    rank = torch.cat([ranks(logits[i:i + RANK_ROWS], ids[i:i + RANK_ROWS, None])[:, 0]
-                      for i in range(0, len(ids), RANK_ROWS)])
+    rank = ranks(logits, ids[:, None])[:, 0]  # its int32 count is the one other (N, V) buffer, for a moment
     logprobs = log_softmax(logits, inplace=True)  # (N, V) float32, in the logits' place
     top_logprob, top_id = logprobs.max(-1)
     if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)
