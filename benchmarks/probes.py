@@ -135,9 +135,6 @@ def decode(folder: str, prompt: str, n: int, dtype: str, products: str) -> dict:
     """Greedy decoding straight over the engine, timed as `lmhead greedy` times itself (prefill and
     every step, no warm-up; and the rate after the first token). products "plain" turns the blocked
     matrix-vector products off (the engine as it was before them), "blocked" leaves them on."""
-    from lmhead_cli.engine.threads import prepare
-
-    prepare()  # OpenMP's wait policy, as the CLI sets it (before torch's import)
     import torch
 
     from lmhead_cli.engine import lean as engine
@@ -287,6 +284,9 @@ def imports(args: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    from lmhead_cli.engine.threads import prepare
+
+    prepare()  # OpenMP's wait policy as lmhead sets it, before torch's import: every probe runs as lmhead runs
     what, rest = argv[0], argv[1:]
     if what == "bandwidth":
         result = bandwidth()

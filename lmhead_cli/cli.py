@@ -162,12 +162,14 @@ class _Command(TyperCommand):
         except typer.BadParameter as e:
             p = e.param
             low, high = getattr(p, "min", None), getattr(p, "max", None)
-            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if low or high else None
+            ranged = low is not None or high is not None
+            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if ranged else None
             try:
                 value = int(raw)
             except (TypeError, ValueError):
                 raise e from None  # not a number, or no range: click's own message
-            must = f"at least {low:,}" if high is None else f"between {low:,} and {high:,}"
+            must = (f"at least {low:,}" if high is None else f"at most {high:,}" if low is None
+                    else f"between {low:,} and {high:,}")
             _fail(f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}", 2)
 
 
@@ -371,8 +373,13 @@ def stage_knobs(stages: bool, preset: str | None, given: dict):
 
 
 def inspect_file(prompt, file, batch_size, explain, top_k, target, source: ModelChoice, json_out) -> None:
-    """`inspect --file`: read a batch of lines, compute it, write it, forget it; counts at the end."""
-    from lmhead_cli.readings.batch import BatchStats, PromptLines, inspect_stream
+    """`inspect --file`: read a batch of lines, compute it, write it, forget it; counts at the end.
+
+    Under torchrun each rank computes every N-th batch and rank 0 writes them all in order (distributed.py)."""
+    import dataclasses
+
+    from lmhead_cli.distributed import Ranks
+    from lmhead_cli.readings.batch import STDIN, BatchStats, PromptLines, inspect_stream
     from lmhead_cli.readings.inspect import check_targets
     from lmhead_cli.render.batch import JsonLinesWriter, TableWriter, file_notices
     from lmhead_cli.render.inspect import inspection_json
@@ -386,16 +393,23 @@ def inspect_file(prompt, file, batch_size, explain, top_k, target, source: Model
     if batch_size < 1:
         raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
     targets = check_targets(target)
+    ranks = Ranks.from_env()
+    if ranks.world > 1 and file == STDIN:
+        raise UsageError("under torchrun every rank reads the prompts itself: give --file a file, not - (stdin)")
     lines = PromptLines(file)
     lines.first()  # before the load: a missing, empty or undecodable file fails in an instant
-    loaded = source.load()
+    loaded = dataclasses.replace(source, device=ranks.start(source.device)).load()
     writer = (JsonLinesWriter(lambda r: inspection_json(r, loaded.tie)) if json_out
-              else TableWriter(loaded.source, loaded.random_weights, targets))
+              else TableWriter(loaded.source, loaded.random_weights, targets)) if ranks.writer else None
     stats = BatchStats(batch_size, targets)
-    for batch in inspect_stream(loaded, lines, top_k, targets, batch_size, stats):
-        writer.write(batch)
-    writer.end(stats)
-    file_notices(lines, stats, loaded.engine.n_ctx)
+    mine = ranks.share(lines, batch_size)  # every line on one rank; all of them alone
+    for batch in ranks.merge(inspect_stream(loaded, mine, top_k, targets, batch_size, stats)):
+        writer.write(batch)  # rank 0 only: the others' merge yields nothing
+    stats = BatchStats.merged(ranks.gather(stats))
+    if ranks.writer:
+        writer.end(stats)
+        file_notices(lines, stats, loaded.engine.n_ctx)
+    ranks.finish()
 
 
 def inspect_explain(prompt, explain, top_k, target, source: ModelChoice, json_out) -> None:
@@ -762,6 +776,9 @@ def explore_cmd(
 
 # ==== score (issue 11) ===========================================================================
 
+SCORE_LINES_PER_ROUND = 8  # under torchrun: the lines each rank scores before the ranks hand over
+
+
 @command("score")
 def score_cmd(
     text: Annotated[
@@ -780,8 +797,8 @@ def score_cmd(
     ] = None,
     chunk: Annotated[
         Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
-                                    "bytes of float32 logits (GPT-2: 201 kB a position) and as much again for "
-                                    "their log-softmax.", show_default="the most within 32 MiB: 166 for GPT-2",
+                                    "bytes of float32 logits (GPT-2: 201 kB a position) and one more buffer of "
+                                    "that size.", show_default="the most within 32 MiB: 83 for GPT-2",
                                     min=1)
     ] = None,
     show_table: Annotated[
@@ -800,7 +817,11 @@ def score_cmd(
     """
     from lmhead_cli.decoding.stages import check
     from lmhead_cli.readings import score as scoring
-    from lmhead_cli.readings.batch import open_input
+    import collections
+    import dataclasses
+
+    from lmhead_cli.distributed import Ranks
+    from lmhead_cli.readings.batch import STDIN, open_input
     from lmhead_cli.render import score as show
 
     kind = output_kind(json_out, output_format, top_logprobs, None)
@@ -812,19 +833,33 @@ def score_cmd(
             raise UsageError("give a text or --file, not both")
         if show_table:
             raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
+        ranks = Ranks.from_env()  # under torchrun each rank scores every N-th group of lines (distributed.py)
+        if ranks.world > 1 and file == STDIN:
+            raise UsageError("under torchrun every rank reads the texts itself: give --file a file, not - (stdin)")
         stream = open_input(file, "text file")  # before the load: a bad path fails in an instant
         try:
-            loaded = source.load()
+            loaded = dataclasses.replace(source, device=ranks.start(source.device)).load()
             if stride is not None:
                 scoring.check_stride(stride, loaded.engine.n_ctx)
             corpus = scoring.Corpus()
-            items = scoring.score_lines(loaded, scoring.read_lines(stream, file), corpus, bos=bos, stride=stride,
-                                        chunk=chunk)
+            items = ranks.spread(scoring.read_lines(stream, file), SCORE_LINES_PER_ROUND,
+                                 lambda lines: scoring.score_lines(loaded, lines, corpus, bos=bos, stride=stride,
+                                                                   chunk=chunk))
+
+            def totalled():  # every rank's items, then every rank's counts in `corpus`, for the summary
+                yield from items
+                for name, value in vars(scoring.Corpus.merged(ranks.gather(corpus))).items():
+                    setattr(corpus, name, value)
+
             size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
-            show.file_report(items, corpus, loaded.source, loaded.random_weights, kind == "json", size)
+            if ranks.writer:
+                show.file_report(totalled(), corpus, loaded.source, loaded.random_weights, kind == "json", size)
+            else:
+                collections.deque(totalled(), maxlen=0)  # compute and hand over; rank 0 writes
         finally:
             if stream is not sys.stdin.buffer:
                 stream.close()
+            ranks.finish()
         return
     if text is None:
         raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '
@@ -856,7 +891,7 @@ def diff_cmd(
                           min=1)
     ] = 10,
     target: TargetOpt = None,
-    movers: Annotated[int, typer.Option("--movers", help="How many risers and fallers to list.")] = 5,
+    movers: Annotated[int, typer.Option("--movers", min=0, help="How many risers and fallers to list.")] = 5,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -874,8 +909,6 @@ def diff_cmd(
         raise UsageError('give two prompts, e.g. lmhead diff "The key on the table" "The keys on the table"')
     check_request(prompt_a, target, top_k)
     check_request(prompt_b, target, top_k)
-    if movers < 0:
-        raise BadValue("movers", f"must be at least 0 (got {movers})")
     loaded = source.load()
     result = diff_prompts(loaded, prompt_a, prompt_b, top_k, target, movers)
     for side in (result.a, result.b):

@@ -23,6 +23,7 @@ from typing import Callable, TypeVar
 from lmhead_cli.errors import LmheadError, UsageError
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -108,15 +109,21 @@ class Ranks:
                     if got is not None:
                         yield got
 
-    def total(self, counts: T, combine: Callable[[list[T]], T]) -> T:
-        """Every rank's `counts` combined on every rank (combine([rank 0's, rank 1's, ...]))."""
+    def spread(self, items: Iterable[T], size: int, work: Callable[[Iterator[T]], Iterator[R]]) -> Iterator[R]:
+        """`work` (one result per item, in order) over this rank's share of `items` in groups of
+        `size`; on rank 0, every rank's results in the items' order (share, then merge)."""
+        results = work(self.share(items, size))
+        yield from itertools.chain.from_iterable(self.merge(iter(lambda: list(itertools.islice(results, size)), [])))
+
+    def gather(self, counts: T) -> list[T]:
+        """Every rank's `counts`, in rank order, on every rank ([counts] alone)."""
         if self.world == 1:
-            return counts
+            return [counts]
         import torch.distributed as dist
 
         every: list = [None] * self.world
         dist.all_gather_object(every, counts)
-        return combine(every)
+        return every
 
     def finish(self) -> None:
         if self.world > 1:

@@ -44,7 +44,7 @@ def test_warm_up_then_trial_keeps_the_faster(monkeypatch, restore_threads):
     chooser = ThreadChooser(trials=2)
     assert chooser.candidates == [2, 1] and chooser.deciding
     clock(monkeypatch, [5, 1, 5, 1, 1, 1])  # after the untimed warm-up: 2 threads 5 s a call, 1 thread 1 s
-    assert counts_seen(chooser, 7) == [2, 2, 1, 2, 1, 1, 1]
+    assert counts_seen(chooser, 7) == [1, 2, 1, 2, 1, 1, 1]
     assert chooser.choices == [1] and torch.get_num_threads() == 1 and not chooser.deciding
 
 
@@ -52,7 +52,7 @@ def test_a_tie_keeps_torchs_count(monkeypatch, restore_threads):
     torch.set_num_threads(2)
     chooser = ThreadChooser()
     clock(monkeypatch, [1, 1])
-    assert counts_seen(chooser, 3) == [2, 2, 1] and chooser.choices == [2] and torch.get_num_threads() == 2
+    assert counts_seen(chooser, 3) == [1, 2, 1] and chooser.choices == [2] and torch.get_num_threads() == 2
 
 
 def test_a_slowdown_starts_a_new_trial(monkeypatch, restore_threads):
@@ -62,17 +62,19 @@ def test_a_slowdown_starts_a_new_trial(monkeypatch, restore_threads):
     chooser = ThreadChooser()
     clock(monkeypatch, [1, 4] + [1] * 5 + [3] * 3 + [9, 2])
     seen = counts_seen(chooser, 13)
-    assert seen[:11] == [2, 2, 1] + [2] * 8
+    assert seen[:11] == [1, 2, 1] + [2] * 8
     assert seen[11:] == [2, 1] and chooser.choices == [2, 1]
 
 
-def test_a_kept_count_doubles_the_calls_to_the_next_trial(monkeypatch, restore_threads):
+def test_a_kept_count_waits_longer_for_the_next_trial(monkeypatch, restore_threads):
+    """recheck 3: a trial that keeps 2 threads, 1 thread 2× slower, doubles it to 6; one where 1
+    thread was 5× slower multiplies it by 5 (30); a trial that changes the count goes back to 3."""
     torch.set_num_threads(2)
     chooser = ThreadChooser(recheck=3)
-    clock(monkeypatch, [1, 2] + [1] * 3 + [1, 2] + [1] * 6 + [2, 1] + [1])
-    seen = counts_seen(chooser, 17)
-    assert seen == [2, 2, 1] + [2] * 3 + [2, 1] + [2] * 6 + [2, 1] + [1]
-    assert chooser.choices == [2, 2, 1]
+    clock(monkeypatch, [1, 2] + [1] * 3 + [1, 2] + [1] * 6 + [1, 5] + [1] * 30 + [2, 1] + [1] * 3)
+    seen = counts_seen(chooser, 1 + 2 + 3 + 2 + 6 + 2 + 30 + 2 + 3)
+    assert seen == [1, 2, 1] + [2] * 3 + [2, 1] + [2] * 6 + [2, 1] + [2] * 30 + [2, 1] + [1] * 3
+    assert chooser.choices == [2, 2, 2, 1]
 
 
 def test_units_normalise_the_work(monkeypatch, restore_threads):

@@ -51,14 +51,14 @@ def prepare(threads: int | None = None) -> int | None:
 class ThreadChooser:
     """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster.
 
-    `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up
-    (first-call set-up is not what is compared); the next 2 × trials calls alternate between the two
-    counts, and the faster (best time per unit each) is kept. Then the median of the last 5 calls is
-    watched against the median of the first 5 after the choice: when it is more than `slack` times
-    slower, or after `recheck` calls, the trial runs again. A trial costs a call on the slower count,
-    which on a busy machine can take many times longer, so each trial that keeps the same count
-    doubles the calls until the next (up to `max_recheck`). With `fixed` (or one core, or a GPU)
-    nothing is timed.
+    `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
+    one thread (first-call set-up is not what is compared); the next 2 × trials calls alternate
+    between the two counts, and the faster (best time per unit each) is kept. Then the median of the
+    last 5 calls is watched against the median of the first 5 after the choice: when it is more than
+    `slack` times slower, or after `recheck` calls, the trial runs again. A trial costs a call on the
+    slower count, which on a busy machine can take many times longer, so a trial that keeps the same
+    count multiplies the calls until the next by how many times slower the other count was (at least
+    2, up to `max_recheck` calls). With `fixed` (or one core, or a GPU) nothing is timed.
     """
 
     WINDOW = 5
@@ -105,7 +105,9 @@ class ThreadChooser:
         torch.set_num_threads(best)
         kept = bool(self.choices) and self.choices[-1] == best
         self.choices.append(best)
-        self._interval = min(2 * self._interval, self.max_recheck) if kept else self.recheck
+        # The slower count's call is what a trial costs: the more it lost by, the longer until the next.
+        lost_by = max(self._timed.values()) / max(self._timed[best], 1e-12)
+        self._interval = min(int(self._interval * max(2.0, lost_by)), self.max_recheck) if kept else self.recheck
         self._since, self._reference = 0, None
         self._window.clear()
 
@@ -113,10 +115,12 @@ class ThreadChooser:
         """fn(), timed per unit when the count is being chosen or watched."""
         if not self.candidates:
             return fn()
-        if self._warm_up:
-            self._warm_up = False
-            return fn()
         import torch
+
+        if self._warm_up:  # on one thread: on a busy machine the other count can take many times longer
+            self._warm_up = False
+            torch.set_num_threads(1)
+            return fn()
 
         if self._pending:
             torch.set_num_threads(self._pending[0])

@@ -130,6 +130,19 @@ class BatchStats:
     def wins(self) -> list[TargetWins]:
         return [TargetWins(token=t, best_of_targets=b, top1=n) for t, b, n in zip(self.targets, self.best, self.top1)]
 
+    @staticmethod
+    def merged(every: list[BatchStats]) -> BatchStats:
+        """The counts of several runs over parts of one file (torchrun's ranks, in rank order), as one."""
+        out = BatchStats(every[0].batch_size, every[0].targets)
+        for s in every:
+            out.prompts, out.batches, out.splits = out.prompts + s.prompts, out.batches + s.batches, out.splits + s.splits
+            out.max_rows, out.truncated = max(out.max_rows, s.max_rows), out.truncated + s.truncated
+            out.truncated_lines = sorted(out.truncated_lines + s.truncated_lines)[:TRUNCATED_SHOWN]
+            if s.best:
+                out.best = [a + b for a, b in zip(out.best or [0] * len(s.best), s.best)]
+                out.top1 = [a + b for a, b in zip(out.top1 or [0] * len(s.top1), s.top1)]
+        return out
+
     def count(self, line: PromptLine, r: Inspection) -> None:
         self.prompts += 1
         if r.truncated:
