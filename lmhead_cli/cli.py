@@ -162,12 +162,14 @@ class _Command(TyperCommand):
         except typer.BadParameter as e:
             p = e.param
             low, high = getattr(p, "min", None), getattr(p, "max", None)
-            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if low or high else None
+            ranged = low is not None or high is not None
+            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if ranged else None
             try:
                 value = int(raw)
             except (TypeError, ValueError):
                 raise e from None  # not a number, or no range: click's own message
-            must = f"at least {low:,}" if high is None else f"between {low:,} and {high:,}"
+            must = (f"at least {low:,}" if high is None else f"at most {high:,}" if low is None
+                    else f"between {low:,} and {high:,}")
             _fail(f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}", 2)
 
 
@@ -795,8 +797,8 @@ def score_cmd(
     ] = None,
     chunk: Annotated[
         Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
-                                    "bytes of float32 logits (GPT-2: 201 kB a position) and as much again for "
-                                    "their log-softmax.", show_default="the most within 32 MiB: 166 for GPT-2",
+                                    "bytes of float32 logits (GPT-2: 201 kB a position) and one more buffer of "
+                                    "that size.", show_default="the most within 32 MiB: 83 for GPT-2",
                                     min=1)
     ] = None,
     show_table: Annotated[
@@ -889,7 +891,7 @@ def diff_cmd(
                           min=1)
     ] = 10,
     target: TargetOpt = None,
-    movers: Annotated[int, typer.Option("--movers", help="How many risers and fallers to list.")] = 5,
+    movers: Annotated[int, typer.Option("--movers", min=0, help="How many risers and fallers to list.")] = 5,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -907,8 +909,6 @@ def diff_cmd(
         raise UsageError('give two prompts, e.g. lmhead diff "The key on the table" "The keys on the table"')
     check_request(prompt_a, target, top_k)
     check_request(prompt_b, target, top_k)
-    if movers < 0:
-        raise BadValue("movers", f"must be at least 0 (got {movers})")
     loaded = source.load()
     result = diff_prompts(loaded, prompt_a, prompt_b, top_k, target, movers)
     for side in (result.a, result.b):

@@ -51,9 +51,10 @@ def log_softmax(logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V);
     a filtered token (-inf) gets -inf. `inplace` overwrites float32 logits with their log-probabilities,
     so that no second (..., V) buffer is held (`score`'s chunks)."""
-    if inplace:
+    if inplace:  # z - max, then - log Σ exp: one temporary (..., V) buffer (torch.logsumexp takes two)
         z = logits.float()
-        return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+        z.sub_(z.amax(dim=-1, keepdim=True))
+        return z.sub_(z.exp().sum(dim=-1, keepdim=True).log_())
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -84,6 +85,8 @@ def ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     every row on the other side) take one sort and a binary search each, so memory stays O(V).
     """
     picked = logits.gather(-1, ids)  # (..., K)
+    if ids.shape[-1] == 1:  # one token per row (`score`): a plain comparison, counted through int32, not int64
+        return 1 + (logits > picked).sum(-1, keepdim=True, dtype=torch.int32).long()
     if ids.shape[-1] <= RANKS_BY_COMPARISON:
         return 1 + (logits[..., None, :] > picked[..., :, None]).sum(-1)
     ascending = torch.sort(logits, dim=-1).values  # (..., V)
@@ -158,10 +161,10 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row,
     and with `top` = K the K most probable of each row too.
 
-    The logits are overwritten with their log-probabilities, so the N rows take about two (N, V)
-    float32 buffers at most (the logits and, for the entropy, the probabilities): a caller bounds the
-    memory by how many rows it passes (`lmhead score --chunk`)."""
-    rank = ranks(logits, ids[:, None])[:, 0]
+    The logits are overwritten with their log-probabilities, so the N rows take two (N, V) float32
+    buffers at most (the logits, and a temporary for the softmax's sum and then for the entropy's
+    probabilities): a caller bounds the memory by how many rows it passes (`lmhead score --chunk`)."""
+    rank = ranks(logits, ids[:, None])[:, 0]  # its int32 count is the one other (N, V) buffer, for a moment
     logprobs = log_softmax(logits, inplace=True)  # (N, V) float32, in the logits' place
     top_logprob, top_id = logprobs.max(-1)
     if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)

@@ -207,7 +207,8 @@ def test_lens_uses_the_models_own_norm_on_its_hidden_states(arch):
     assert len(d["layers"]) == len(hidden) == model.config.num_hidden_layers + 1
     assert d["norm"] == "model.norm" and d["tied"] is model.config.tie_word_embeddings
     for layer, h in zip(d["layers"][:-1], hidden[:-1]):
-        z = head_of(model, model.model.norm(h[0, -1]))
+        with torch.no_grad():
+            z = head_of(model, model.model.norm(h[0, -1]))
         logprobs = torch.log_softmax(z.double(), -1)
         assert layer["top_id"] == int(z.argmax())
         assert layer["top_prob"] == pytest.approx(float(logprobs.max().exp()), abs=1e-5)

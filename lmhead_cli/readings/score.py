@@ -33,7 +33,10 @@ from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
-CHUNK_BYTES = 32 * 2**20  # the default chunk's float32 logits stay within this
+# The default chunk's working memory stays within this: its float32 logits and one more buffer of
+# the same size (head.score_rows), so 32 MiB is 83 positions for GPT-2's 50,257 tokens.
+CHUNK_BYTES = 32 * 2**20
+BUFFERS_PER_CHUNK = 2
 
 
 # ---- the plan: windows and chunks --------------------------------------------------------------
@@ -74,8 +77,8 @@ def check_chunk(chunk: int | None) -> None:
 
 
 def default_chunk(vocab: int) -> int:
-    """The most positions whose float32 logits (chunk, V) fit in CHUNK_BYTES."""
-    return max(1, CHUNK_BYTES // (vocab * FLOAT32_BYTES))
+    """The most positions whose two (chunk, V) float32 buffers fit in CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (BUFFERS_PER_CHUNK * vocab * FLOAT32_BYTES))
 
 
 # Rank buckets, as GLTR colours a text: (the largest rank in the bucket, its name); the last is open.
@@ -383,17 +386,18 @@ class FileItem:
 
 def score_lines(loaded: Loaded, lines: Iterator[Line], corpus: Corpus, *, bos: bool = False,
                 stride: int | None = None, chunk: int | None = None) -> Iterator[FileItem]:
-    """Score each line lazily, one at a time, adding it to `corpus`; skipped lines are counted."""
+    """Score each line lazily with `score_text`, one at a time, adding it to `corpus`; empty lines and
+    one-token lines without `bos` are skipped and counted."""
     for line in lines:
         if line.text is None:
             corpus.skipped_empty += 1
             yield FileItem(line.number, None, "empty", line.end)
             continue
-        ids = text_ids(loaded, line.text, bos=True)  # never refuses: a one-token line is skipped below
-        if len(ids) < 2 and not bos:
+        try:
+            score = score_text(loaded, line.text, bos=bos, stride=stride, chunk=chunk)
+        except OneToken:
             corpus.skipped_short += 1
             yield FileItem(line.number, None, "one token", line.end)
             continue
-        score = _score(loaded, line.text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk))
         corpus.add(score)
         yield FileItem(line.number, score, end=line.end)
