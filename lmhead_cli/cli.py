@@ -11,7 +11,7 @@ import functools
 import inspect as pyinspect
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Annotated, Callable, Optional
 
 import typer
