@@ -372,21 +372,18 @@ def targets(R: dict) -> list[tuple[str, str, bool | None]]:
     out.append(("start-up without torch", f"{len(lm)} commands, torch imported by "
                 f"{sum('torch' in r['imported'] for r in lm)}", no_torch))
     idle, bw = R["decode"], R.get("bandwidth")
-    f32, b16 = row(idle, "float32", "lmhead"), row(idle, "bfloat16", "lmhead")
-    if f32:
-        x = f32["steady"] / f32["hf_steady"]
-        out.append((f"float32 greedy ≥ {t['decode_ratio']}× generate()", f"{x:.2f}×", x >= t["decode_ratio"]))
+    f32 = row(idle, "float32", "lmhead")
+    for dtype, ratio_key, fraction_key, vs, bound_name in (
+            ("float32", "decode_ratio", "bound_fraction", "generate()", "the bandwidth bound"),
+            ("bfloat16", "bf16_ratio", "bf16_bound_fraction", "generate() in bfloat16", "the bfloat16 bound")):
+        r = row(idle, dtype, "lmhead")
+        if not r:
+            continue
+        x = r["steady"] / r["hf_steady"]
+        out.append((f"{dtype} greedy ≥ {t[ratio_key]}× {vs}", f"{x:.2f}×", x >= t[ratio_key]))
         if bw:
-            f = f32["steady"] / bound(f32, bw["copy_gbs"])
-            out.append((f"float32 ≥ {t['bound_fraction']} of the bandwidth bound", f"{f:.2f}",
-                        f >= t["bound_fraction"]))
-    if b16:
-        x = b16["steady"] / b16["hf_steady"]
-        out.append((f"bfloat16 greedy ≥ {t['bf16_ratio']}× generate() in bfloat16", f"{x:.2f}×", x >= t["bf16_ratio"]))
-        if bw:
-            f = b16["steady"] / bound(b16, bw["copy_gbs"])
-            out.append((f"bfloat16 ≥ {t['bf16_bound_fraction']} of the bfloat16 bound", f"{f:.2f}",
-                        f >= t["bf16_bound_fraction"]))
+            f = r["steady"] / bound(r, bw["copy_gbs"])
+            out.append((f"{dtype} ≥ {t[fraction_key]} of {bound_name}", f"{f:.2f}", f >= t[fraction_key]))
     busy = R.get("busy")
     if busy and f32:
         lb = row(busy, "float32", "lmhead")
