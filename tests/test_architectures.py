@@ -35,7 +35,7 @@ def _build(folder, model):
         norm.copy_(torch.rand(norm.shape, generator=g) + 0.5)
     model.save_pretrained(folder)
     _tokenizer_files(folder)
-    return folder, model.eval()
+    return folder, model.eval().requires_grad_(False)  # an oracle: no autograd, no scalar warnings
 
 
 @pytest.fixture(scope="session")
