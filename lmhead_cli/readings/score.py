@@ -31,6 +31,7 @@ from lmhead_cli import inputs
 from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.loading.sources import Loaded
+from lmhead_cli.engine.heap import fix_mmap_threshold
 
 FLOAT32_BYTES = 4
 # The default chunk's working memory stays within this: its float32 logits and one more buffer of
@@ -261,6 +262,7 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     `progress(done, total)` is called after each chunk with the tokens scored so far. With
     `on_rows`, each chunk's scored tokens are also handed over with their `top_logprobs` most
     probable tokens, which are not kept: the memory stays chunk × top_logprobs, whatever T is."""
+    fix_mmap_threshold()  # the chunks' buffers go back to the OS, not into a growing heap (engine/heap.py)
     eng = loaded.engine
     n_ctx = eng.n_ctx
     stride = n_ctx // 2 if stride is None else stride
