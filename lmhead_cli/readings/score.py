@@ -26,10 +26,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from lmhead_cli.errors import BadValue, NoPrompt, OneToken, UsageError
+from lmhead_cli.errors import BadValue, OneToken, UsageError
 from lmhead_cli import inputs
 from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
+from lmhead_cli.readings.inspect import check_prompt
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.engine.heap import fix_mmap_threshold
 
@@ -218,9 +219,7 @@ class Score:
 def check_text(text: str, source: str = "the text") -> str:
     """The text, or a UsageError when it is empty or not valid Unicode (undecodable bytes in argv
     arrive as lone surrogates)."""
-    if not text or not text.strip():
-        raise NoPrompt(given=True)
-    return inputs.check_text(text, source)
+    return inputs.check_text(check_prompt(text), source)
 
 
 def read_text(stream) -> str:
