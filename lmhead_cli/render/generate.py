@@ -111,21 +111,22 @@ def beams_table(g) -> None:
     con.print(t)
 
 
-def generation_json(g, loaded, prompt: str, preset: str | None) -> dict:
-    """The documented `--json` document: enough to replay the run."""
+def generation_json(result) -> dict:
+    """The documented `--json` document, from an api.results.GenerateResult: enough to replay the run."""
+    g, src = result.reading, result.source
     s = g.settings
     return {
-        "model": loaded.source,
-        "random_weights": loaded.random_weights,
-        "engine": loaded.engine.name,
-        "device": str(loaded.engine.device),
-        "dtype": str(loaded.engine.dtype).removeprefix("torch."),
+        "model": src.model,
+        "random_weights": src.random_weights,
+        "engine": src.engine,
+        "device": src.device,
+        "dtype": src.dtype,
         "mode": g.mode,
-        "preset": preset,
+        "preset": result.preset,
         "settings": {**asdict(s.knobs), "greedy": s.greedy, "beams": s.beams, "max_new_tokens": s.max_new_tokens,
                      "ignore_eos": s.ignore_eos},
         "seed": g.seed,
-        "prompt": prompt,
+        "prompt": result.prompt,
         "prompt_ids": g.prompt_ids,
         "generated_ids": g.generated_ids,
         "text": g.text,
@@ -169,7 +170,7 @@ def _step_json(step, show_steps: int) -> dict:
 FINISH = {"eos": "stop", "max_new_tokens": "length", "context": "length"}
 
 
-def openai_json(g, loaded) -> None:
+def openai_json(result) -> None:
     """The run as one OpenAI chat completion object (render.openai), a token at a time.
 
     logprobs.content has one entry per token of the content: a final end-of-text is counted in
@@ -177,8 +178,9 @@ def openai_json(g, loaded) -> None:
     distribution Settings.logprobs names (raw or processed)."""
     from lmhead_cli.render.openai import Completion
 
+    g = result.reading
     raw = g.settings.logprobs == "raw"
-    doc = Completion(loaded.tokenizer, loaded.source, g.text, FINISH[g.stop])
+    doc = Completion(result, result.source.model, g.text, FINISH[g.stop])
     for st in g.steps[:-1] if g.stop == "eos" else g.steps:
         top = st.top
         doc.entry(st.id, st.raw_logprob if raw else st.logprob, *((top.ids.tolist(), top.logprobs.tolist()) if top

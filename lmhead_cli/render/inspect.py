@@ -20,10 +20,10 @@ def tie_json(tie) -> dict:
     return asdict(tie)
 
 
-def tie_document(loaded) -> dict:
-    """The documented `tie --json` document."""
-    return {"model": loaded.source, "random_weights": loaded.random_weights, "engine": loaded.engine.name,
-            **tie_json(loaded.tie)}
+def tie_document(result) -> dict:
+    """The documented `tie --json` document, from an api.results.TieResult."""
+    src = result.source
+    return {"model": src.model, "random_weights": src.random_weights, "engine": src.engine, **tie_json(result.tie)}
 
 
 def inspection_json(result, tie) -> dict:
@@ -122,10 +122,11 @@ def inspection(result, tie) -> None:
         con.print(tg)
 
 
-def tie_report(loaded) -> None:
-    tie = loaded.tie
+def tie_report(result) -> None:
+    """`lmhead tie`'s table, from an api.results.TieResult."""
+    tie, src = result.tie, result.source
     con = out()
-    random_banner(loaded.source, loaded.random_weights)
+    random_banner(src.model, src.random_weights)
     con.print(tie_line(tie))
     table = Table(show_header=False, show_edge=False)
     table.add_column(style="bold")
@@ -144,7 +145,7 @@ def tie_report(loaded) -> None:
     table.add_row("matrix shape (V × d)", f"{tie.shape[0]:,} × {tie.shape[1]:,}")
     if tie.own_softcap:
         table.add_row("the model's own soft-cap c", f"{tie.own_softcap:g}")
-    table.add_row("engine", loaded.engine.name)
-    table.add_row("source", f"random weights, seed {loaded.seed}" if loaded.random_weights
-                  else data(f"{loaded.kind}: {loaded.path}"))
+    table.add_row("engine", src.engine)
+    table.add_row("source", f"random weights, seed {src.seed}" if src.random_weights
+                  else data(f"{src.kind}: {src.path}"))
     con.print(table)

@@ -7,7 +7,6 @@ import dataclasses
 from rich import box
 from rich.table import Table
 
-from lmhead_cli.readings.params import HeadCost, LogitsMemory, ParamAccount
 from lmhead_cli.render import out, print_json
 
 COUNTED_FROM = {
@@ -28,12 +27,18 @@ def _share(n: int, total: int) -> str:
     return f"{100 * n / total:.1f}%" if total else ""
 
 
-def render_params(model: str, counted_from: str, acc: ParamAccount, cost: HeadCost, memory: LogitsMemory,
-                  *, as_json: bool = False) -> None:
+def params_document(result) -> dict:
+    """The documented `params --json` document, from an api.results.ParamsResult."""
+    return {"model": result.model, "counted_from": result.counted_from, **dataclasses.asdict(result.account),
+            "head_cost": result.head_cost, "logits_memory": result.logits_memory}
+
+
+def render_params(result, *, as_json: bool = False) -> None:
     if as_json:
-        print_json({"model": model, "counted_from": counted_from, **dataclasses.asdict(acc),
-                    "head_cost": cost, "logits_memory": memory})
+        print_json(params_document(result))
         return
+    model, counted_from = result.model, result.counted_from
+    acc, cost, memory = result.account, result.head_cost, result.logits_memory
     V, P, d, inner, L, b = acc.vocab_size, acc.n_positions, acc.n_embd, acc.n_inner, acc.n_layer, acc.block
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
     for name, justify in (("key", "left"), ("what", "left"), ("shape", "left"), ("parameters", "right"),

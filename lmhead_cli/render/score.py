@@ -154,15 +154,21 @@ def report(score, show_table: bool) -> None:
 
 # ---- JSON ----------------------------------------------------------------------------------------
 
+def json_ends(score) -> tuple[dict, dict]:
+    """The `score --json` document's fields before its "tokens" and after them."""
+    head = {"model": score.model, "random_weights": score.random_weights, "text": score.text, "bos": score.bos,
+            "window": score.window, "stride": score.stride, "chunk": score.chunk}
+    tail = {"scored_tokens": score.scored_tokens, "nll": score.nll, "mean_nll": score.mean_nll,
+            "perplexity": score.perplexity, "bytes": score.bytes, "bits_per_byte": score.bits_per_byte}
+    return head, tail
+
+
 def write_json(score, lines: bool = False) -> None:
     """The documented `score --json` document, written token by token (no list of T dicts is built):
     indented with one token a line, or on one line for JSON Lines."""
     dump = (lambda v: json.dumps(_plain(v), ensure_ascii=False, separators=(",", ":"))) if lines else \
         (lambda v: json.dumps(_plain(v), ensure_ascii=False))
-    head = {"model": score.model, "random_weights": score.random_weights, "text": score.text, "bos": score.bos,
-            "window": score.window, "stride": score.stride, "chunk": score.chunk}
-    tail = {"scored_tokens": score.scored_tokens, "nll": score.nll, "mean_nll": score.mean_nll,
-            "perplexity": score.perplexity, "bytes": score.bytes, "bits_per_byte": score.bits_per_byte}
+    head, tail = json_ends(score)
     sep, indent, nl = ("", "", "") if lines else (" ", "  ", "\n")
     write = sys.stdout.write
     write("{" + nl)
@@ -182,13 +188,13 @@ def write_json(score, lines: bool = False) -> None:
 FILE_HEADER = f"{'line':>6}  {'tokens':>7}  {'NLL':>11}  {'perplexity':>12}  {'bits/byte':>9}  text"
 
 
-def openai_document(loaded, text: str):
+def openai_document(tokenizer, model: str, text: str):
     """`score --format openai`: the text as the assistant's message and each scored token's logprob
     (render.openai.Completion; its `rows` is score_text's `on_rows`). Scoring has no stages, so the
     logprobs are raw. finish_reason is "stop": the text ends where it ends."""
     from lmhead_cli.render.openai import Completion
 
-    return Completion(loaded.tokenizer, loaded.source, text, "stop")
+    return Completion(tokenizer, model, text, "stop")
 
 
 def openai_end(doc, score) -> None:

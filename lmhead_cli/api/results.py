@@ -1,0 +1,226 @@
+"""What the Model's methods return: a reading's result plus the provenance its document needs.
+
+Each result's `to_dict()` is exactly the document `lmhead COMMAND --json` prints for the same call
+(the CLI prints `to_dict()` itself, or streams the same fields for score); `_repr_html_` shows it as
+a table in a notebook and `__rich__` in a terminal. Any other attribute is the reading's own
+(`result.top`, `result.entropy`...), so a result can be used as the reading it wraps.
+Renderers (lmhead_cli.render) take these results, never the loaded model.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+HTML_ROWS = 20  # rows of a list shown in a notebook table; the rest are counted
+
+
+class Result:
+    """Base of every result: the document, and the two views of it. A subclass that wraps a reading
+    keeps it in the field `reading`."""
+
+    def __getattr__(self, name: str):  # only for names the result does not have itself
+        reading = self.__dict__.get("reading")
+        if reading is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(reading, name)
+
+    def document(self) -> dict:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict:
+        """The CLI's --json document for the same call, as plain Python values (infinities made finite
+        and NaN None, as the JSON text has them)."""
+        from lmhead_cli.render import _plain
+
+        return _plain(self.document())
+
+    def _repr_html_(self) -> str:
+        return html_table(self.to_dict())
+
+    def __rich__(self):
+        from rich.table import Table
+
+        from lmhead_cli.render import data
+
+        table = Table(show_header=False, show_edge=False)
+        table.add_column(style="bold")
+        table.add_column(overflow="fold")
+        for key, value in self.to_dict().items():
+            table.add_row(key, data(_short(value)))
+        return table
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """One cell's text: scalars as JSON, lists and objects as JSON cut to `limit` characters."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def html_table(doc: dict) -> str:
+    """A document as an HTML table, every value escaped; a list of objects as a nested table of its
+    first HTML_ROWS rows."""
+    rows = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            cols = list(value[0])
+            head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(_short(v.get(c), 60))}</td>" for c in cols) + "</tr>"
+                           for v in value[:HTML_ROWS])
+            more = f"<p>… {len(value) - HTML_ROWS:,} more</p>" if len(value) > HTML_ROWS else ""
+            cell = f"<table><tr>{head}</tr>{body}</table>{more}"
+        else:
+            cell = html.escape(_short(value))
+        rows.append(f"<tr><th style='text-align:left'>{html.escape(str(key))}</th><td>{cell}</td></tr>")
+    return "<table>" + "".join(rows) + "</table>"
+
+
+@dataclass(eq=False)
+class Provenance:
+    """Where a result came from: the model as the user named it, and how it ran."""
+
+    model: str
+    random_weights: bool
+    engine: str
+    device: str
+    dtype: str
+    kind: str = ""  # hub, local or random
+    path: str | None = None
+    seed: int | None = None  # the random weights' seed
+
+
+@dataclass(eq=False)
+class InspectResult(Result):
+    """inspect: readings.inspect.Inspection, the tie report, and with stages= the stage table."""
+
+    reading: Any
+    tie: Any
+    stages: Any = None  # decoding.stages.StageTable
+    own_softcap: float | None = None  # the c a model soft-caps its own logits at (Gemma-2)
+
+    def document(self) -> dict:
+        from lmhead_cli.render.generate import stages_json
+        from lmhead_cli.render.inspect import inspection_json
+
+        doc = inspection_json(self.reading, self.tie)
+        return doc | ({"stages": stages_json(self.stages, self.own_softcap)} if self.stages is not None else {})
+
+
+@dataclass(eq=False)
+class ExplainResult(Result):
+    """inspect --explain: readings.explain.Explanation."""
+
+    reading: Any
+
+    def document(self) -> dict:
+        from lmhead_cli.render.explain import explanation_json
+
+        return explanation_json(self.reading)
+
+
+@dataclass(eq=False)
+class DiffResult(Result):
+    """diff: readings.diff.Diff."""
+
+    reading: Any
+
+    def document(self) -> dict:
+        from lmhead_cli.render.diff import diff_json
+
+        return diff_json(self.reading)
+
+
+@dataclass(eq=False)
+class AttributeResult(Result):
+    """attribute: readings.attribute.Attribution."""
+
+    reading: Any
+
+    def document(self) -> dict:
+        from lmhead_cli.render.attribute import attribution_json
+
+        return attribution_json(self.reading)
+
+
+@dataclass(eq=False)
+class LensResult(Result):
+    """lens: readings.lens.Lens."""
+
+    reading: Any
+
+    def document(self) -> dict:
+        from lmhead_cli.render.lens import lens_json
+
+        return lens_json(self.reading)
+
+
+@dataclass(eq=False)
+class TieResult(Result):
+    """tie: loading.sources.TieReport and where the model came from."""
+
+    tie: Any
+    source: Provenance
+
+    def document(self) -> dict:
+        from lmhead_cli.render.inspect import tie_document
+
+        return tie_document(self)
+
+
+@dataclass(eq=False)
+class ParamsResult(Result):
+    """params: the parameter account, the head's cost and the logits' memory (readings.params)."""
+
+    model: str
+    counted_from: str  # "config" or "tensors"
+    account: Any
+    head_cost: Any
+    logits_memory: Any
+
+    def document(self) -> dict:
+        from lmhead_cli.render.params import params_document
+
+        return params_document(self)
+
+
+@dataclass(eq=False)
+class GenerateResult(Result):
+    """generate: decoding.generate.Generation, the prompt as given, the preset, and the model's
+    provenance; `token_text`/`token_bytes` spell ids for the OpenAI document."""
+
+    reading: Any
+    source: Provenance
+    prompt: str
+    preset: str | None
+    token_text: Callable[[int], str] = field(repr=False)
+    token_bytes: Callable[[int], bytes] = field(repr=False)
+
+    def document(self) -> dict:
+        from lmhead_cli.render.generate import generation_json
+
+        return generation_json(self)
+
+
+@dataclass(eq=False)
+class ScoreResult(Result):
+    """score: readings.score.Score (T values a column; `tokens()` yields one row at a time)."""
+
+    reading: Any
+
+    def document(self) -> dict:
+        from dataclasses import asdict
+
+        from lmhead_cli.render.score import json_ends
+
+        head, tail = json_ends(self.reading)
+        return {**head, "tokens": [asdict(t) for t in self.reading.tokens()], **tail}
+
+    def to_html(self) -> str:
+        """The text coloured by each token's rank, for notebooks. Hook: until the coloured view lands
+        (render/score), the document as a table."""
+        return html_table(self.to_dict())
+
+    def _repr_html_(self) -> str:
+        return self.to_html()

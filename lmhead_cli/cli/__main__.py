@@ -1,0 +1,3 @@
+from lmhead_cli.cli import main
+
+main()

@@ -1,0 +1,231 @@
+"""The CLI's one error boundary, and the stdout it writes to.
+
+Domain errors (lmhead_cli.errors) become one line and an exit code here, and only here; this is also
+the one place where a setting's key (`top_k`) is spelled as the option the user typed (`--top-k`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect as pyinspect
+import os
+import sys
+
+import typer
+from typer.core import TyperCommand
+
+from lmhead_cli.decoding.stages import option  # the registry: no torch
+from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken
+
+DEFAULT_PROMPT = "The keys on the table"
+
+# How a command quotes a bad value: params and toy say "; got 0", as their other messages do.
+GOT = {"params": "; got {}", "toy": "; got {}"}
+
+
+class Command(TyperCommand):
+    """Typer's command, but a number outside its option's `min=`/`max=` fails like every other bad
+    value: one line, "--threads must be at least 1 (got 0)", exit code 2 (not click's usage panel).
+
+    Why this re-parses argv: click's BadParameter for a range carries the option but not the value
+    the user typed, and the ranges must stay on the options (click shows them in --help as `x>=1`);
+    re-parsing the arguments (without the range callbacks) is the one way to quote the value."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)
+        try:
+            return super().make_context(info_name, list(args), parent=parent, **extra)
+        except typer.BadParameter as e:
+            p = e.param
+            low, high = getattr(p, "min", None), getattr(p, "max", None)
+            ranged = low is not None or high is not None
+            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if ranged else None
+            try:
+                value = int(raw)
+            except (TypeError, ValueError):
+                raise e from None  # not a number, or no range: click's own message
+            must = (f"at least {low:,}" if high is None else f"at most {high:,}" if low is None
+                    else f"between {low:,} and {high:,}")
+            fail(f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}", 2)
+
+
+def fail(message: str, code: int) -> None:
+    from lmhead_cli.render import safe_text
+
+    say(f"lmhead: error: {safe_text(message)}")  # the message may quote a prompt, a path or a file's line
+    raise typer.Exit(code)
+
+
+def spellings(fn) -> dict[str, str]:
+    """How the user types each parameter of command `fn`: `--target` for an option, `the prompt` for an
+    argument (read from the Annotated typer.Option / typer.Argument of its signature)."""
+    from typing import get_args
+
+    spelled = {}
+    for p in pyinspect.signature(fn, eval_str=True).parameters.values():
+        info = next((a for a in get_args(p.annotation)[1:] if isinstance(a, (typer.models.ParameterInfo))), None)
+        if isinstance(info, typer.models.ArgumentInfo):
+            spelled[p.name] = f"the {p.name.replace('_', ' ')}"
+        elif info is not None:  # typer.Option("--target", "-t"): the first name can arrive as `default`
+            names = [d for d in (info.default, *(info.param_decls or ())) if isinstance(d, str) and d.startswith("-")]
+            if names:
+                spelled[p.name] = next((d for d in names if d.startswith("--")), names[0])
+    return spelled
+
+
+def say(line: str) -> None:
+    """One line on stderr, if there is a stderr to write to."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # stderr closed too: the exit code must do
+        pass
+
+
+def message(e: LmheadError, command: str) -> str:
+    """A domain error as one line, with the settings, modes and examples spelled for `lmhead COMMAND`."""
+    if isinstance(e, BadValue):
+        return e.spelled(option(e.key))
+    if isinstance(e, OneToken):
+        return f"{e}: add --bos to score it after <|endoftext|>"
+    if isinstance(e, NoPrompt):
+        return f'{e}, e.g. lmhead {command} "{DEFAULT_PROMPT}"'
+    if isinstance(e, ModeConflict):
+        what = "--greedy" if "greedy" in e.asked else f"--beams {e.asked['beams']}"
+        return (f"lmhead {command} draws tokens at random, which {what} does not; "
+                f"use lmhead greedy{'' if 'greedy' in e.asked else ' ' + what}")
+    return str(e)
+
+
+def boundary(fn, command: str):
+    """Turn domain errors into one line on stderr and an exit code (1 runtime, 2 usage).
+
+    Ctrl-C exits 130 and keeps what was printed; a closed pipe (`| head`) ends quietly.
+    Any other exception is a bug: one line too, with LMHEAD_DEBUG=1 for the traceback.
+    """
+    spelled = spellings(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            from lmhead_cli.inputs import check_args
+
+            # bytes that are not UTF-8 in any argument: a usage error, before anything
+            check_args(kwargs, lambda name: spelled.get(name) or f"--{name.replace('_', '-')}")
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except LmheadError as e:
+            fail(message(e, command), e.exit_code)
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            sys.stderr.write("\ninterrupted\n")
+            raise typer.Exit(130)
+        except BrokenPipeError:
+            # The reader went away (`lmhead ... | head`): stop quietly, and keep Python from
+            # complaining when it flushes stdout at exit.
+            quiet_stdout()
+            raise typer.Exit(0)
+        except OutputError as e:
+            quiet_stdout()
+            fail(e.strerror, 1)
+        except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+            if os.environ.get("LMHEAD_DEBUG"):
+                raise
+            fail(f"unexpected {type(e).__name__}: {e} (set LMHEAD_DEBUG=1 for the traceback)", 1)
+
+    return wrapper
+
+
+class OutputError(OSError):
+    """Writing to stdout failed for another reason than a closed pipe (a full disk, /dev/full)."""
+
+
+class GuardedStdout:
+    """sys.stdout, with a failed write or flush raised as OutputError (a closed pipe stays
+    BrokenPipeError), so the boundary can tell our output's failures from a file's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.pipe_closed = False  # set on the first closed-pipe error, whoever catches it (click, rich)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _guard(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            self.pipe_closed = True
+            raise
+        except OSError as e:
+            raise OutputError(e.errno, f"cannot write the output: {e.strerror or e}") from None
+
+    def write(self, text):
+        return self._guard(self._stream.write, text)
+
+    def flush(self):
+        return self._guard(self._stream.flush)
+
+
+def quiet_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's last flush of a dead stdout says nothing."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout is not a real file (tests)
+        pass
+
+
+def streams_for_any_terminal() -> None:
+    """Output that any stdout can take: a stdout whose encoding is not UTF-8 (PYTHONIOENCODING=ascii,
+    a latin-1 terminal) gets non-ASCII escaped instead of a UnicodeEncodeError; stdin hands bytes
+    that are not UTF-8 over as lone surrogates, for inputs.check_text to name."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and "utf" not in (getattr(stream, "encoding", "") or "").lower():
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (AttributeError, ValueError):
+                pass
+    if sys.stdin is not None:
+        try:
+            sys.stdin.reconfigure(errors="surrogateescape")
+        except (AttributeError, ValueError):
+            pass
+
+
+def run(app) -> None:
+    """Console-script body: the app, and the one place where a closed or full stdout ends,
+    --help and --version included: one line on stderr and exit 1, or exit 0 for a closed pipe."""
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        say("lmhead: error: stdout is closed; there is nowhere to write the output")
+        sys.exit(1)
+    streams_for_any_terminal()
+    sys.stdout = guarded = GuardedStdout(sys.stdout)
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        # click and rich (the help) end a closed pipe themselves with exit 1: a closed pipe all the same.
+        code = 0 if guarded.pipe_closed else e.code
+    except BrokenPipeError:
+        code = 0
+    except OutputError as e:  # --help or --version into a full disk: click lets it through
+        say(f"lmhead: error: {e.strerror}")
+        code = 1
+    try:  # what is still buffered must get out too
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass
+    except OSError as e:
+        say(f"lmhead: error: {e.strerror}")
+        code = code or 1
+    finally:
+        quiet_stdout_if_dead()
+    sys.exit(code)
+
+
+def quiet_stdout_if_dead() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError:
+        quiet_stdout()

@@ -1,0 +1,105 @@
+"""`lmhead lens` (the logit lens) and `lmhead explore` (an interactive session)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from lmhead_cli.cli.options import JsonOpt, ModelChoice, command, stage_options
+from lmhead_cli.errors import UsageError
+
+
+@command("lens")
+def lens_cmd(
+    prompt: Annotated[Optional[str], typer.Argument(help="The text whose next token to follow through the layers.")] = None,
+    target: Annotated[
+        Optional[list[str]],
+        typer.Option("--target", "-t", help="A token to follow (repeatable): its rank and probability per layer."),
+    ] = None,
+    heat: Annotated[
+        bool, typer.Option("--heat", help="Show a heat map (layers × top tokens, probabilities as shades) instead.")
+    ] = False,
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.",
+                          min=1)
+    ] = 8,
+    position: Annotated[
+        Optional[int], typer.Option("--position", help="Read the prompt at token I (0-based; -1 the last): "
+                                    "what each layer predicts after it.", show_default="the last")
+    ] = None,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Logit lens: what the head would predict from the residual stream after the embeddings and each block.
+
+    Example: lmhead lens "The keys on the table" --target " are" --heat
+    """
+    from lmhead_cli import render
+    from lmhead_cli.api import checks
+    from lmhead_cli.render.lens import lens_heat, lens_table
+
+    checks.one_prompt(prompt, target, top_k)
+    model = source.load()
+    result = model.lens(prompt, position, target or (), top_k)
+    render.truncated(len(result.prompt_tokens), result.truncated, model.n_ctx)
+    if json_out:
+        render.print_json(result.to_dict())
+    elif heat:
+        lens_heat(result.reading)
+    else:
+        lens_table(result.reading)
+
+
+@command("explore", knobs=stage_options(only=("softcap", "temperature")))  # the start values of :softcap, :temp
+def explore_cmd(
+    top_k: Annotated[
+        int, typer.Option("--top-k", "-k", help="How many tokens each table lists (:top-k).", min=1)
+    ] = 10,
+    knobs: dict = None,
+    target: Annotated[
+        Optional[list[str]], typer.Option("--target", "-t", help="Follow a token in every table (:target).")
+    ] = None,
+    source: ModelChoice = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Each answer (a prompt, :lens, :gen) as one JSON line "
+                                           "on stdout; settings, help and errors on stderr.")] = False,
+) -> None:
+    """An interactive session: the model loads once, each line you type is a prompt answered at once.
+
+    Commands: :temp 0.8, :softcap 30, :top-k 20, :target " are", :gen 20, :lens, :help, :quit.
+    Input can be piped, one prompt a line; --json answers in JSON lines.
+
+    Example: printf 'The keys on the table\\n:temp 0.5\\nThe key on the table\\n' | lmhead explore
+    """
+    import time
+
+    from lmhead_cli.api import checks
+    from lmhead_cli.engine.threads import check as check_threads
+    from lmhead_cli.readings import explore
+    from lmhead_cli.readings.inspect import check_targets
+    from lmhead_cli.render import explore as show
+
+    checks.settings(knobs)  # before the load
+    check_threads(source.threads)
+    settings = explore.Settings(top_k=top_k, **knobs, targets=tuple(check_targets(target)))
+    if sys.stdin is None or sys.stdin.closed:
+        raise UsageError("stdin is closed; explore reads its prompts from the terminal or a pipe")
+    interactive = sys.stdin.isatty()
+    start = time.perf_counter()
+    model = source.load()
+    loaded = model.loaded
+    show.own_softcap_notice(model.own_softcap, knobs.get("softcap"))
+    n_threads = explore.warm_up(loaded)
+    show.intro(model.source, model.random_weights, time.perf_counter() - start, settings, interactive,
+               n_threads if loaded.engine.device.type == "cpu" else None)
+    session = explore.Session(loaded, settings, show.AsJson if json_out else show)
+    if not interactive:
+        session.run(explore.piped_lines())
+        return
+    history = explore.History(explore.history_file())
+    try:
+        session.run(explore.terminal_lines(on_cancel=lambda: sys.stderr.write("\n")))
+    finally:
+        history.save()
+        sys.stderr.write("\n")

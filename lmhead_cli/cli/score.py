@@ -1,0 +1,115 @@
+"""`lmhead score`: every token of a text (or of each line of a file) scored."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from lmhead_cli.cli.options import FormatOpt, JsonOpt, ModelChoice, TopLogprobsOpt, command, output_kind
+from lmhead_cli.errors import UsageError
+
+SCORE_LINES_PER_ROUND = 8  # under torchrun: the lines each rank scores before the ranks hand over
+
+
+@command("score")
+def score_cmd(
+    text: Annotated[
+        Optional[str], typer.Argument(help="The text to score; - reads it from stdin.")
+    ] = None,
+    file: Annotated[
+        Optional[str], typer.Option("--file", "-f", help="Score every line of this file (- for stdin) as its own "
+                                    "text, streamed; a corpus summary at the end.")
+    ] = None,
+    bos: Annotated[
+        bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is scored too.")
+    ] = False,
+    stride: Annotated[
+        Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
+                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)
+    ] = None,
+    chunk: Annotated[
+        Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
+                                    "bytes of float32 logits (GPT-2: 201 kB a position) and one more buffer of "
+                                    "that size.", show_default="the most within 32 MiB: 83 for GPT-2",
+                                    min=1)
+    ] = None,
+    show_table: Annotated[
+        bool, typer.Option("--table", help="Also list every token's figures (a long text: the first and last rows).")
+    ] = False,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+    output_format: FormatOpt = None,
+    top_logprobs: TopLogprobsOpt = 0,
+) -> None:
+    """Score every token of a text you already have: log-probability, rank, entropy, surprisal, perplexity.
+
+    Each token is coloured by its rank (top-1, 10, 100, 1000, the rest); marked instead without colour.
+
+    Example: lmhead score "The keys on the table are on the table." --table
+    """
+    from lmhead_cli.api import checks
+    from lmhead_cli.readings import score as scoring
+    from lmhead_cli.render import score as show
+
+    kind = output_kind(json_out, output_format, top_logprobs, None)
+    checks.settings({"top_logprobs": top_logprobs})
+    if file is not None and kind == "openai":
+        raise UsageError("--format openai scores one text; give it as an argument or on stdin, not with --file")
+    if file is not None:
+        checks.prompt_or_file(text, file, "a text")
+        if show_table:
+            raise UsageError("--table lists one text's tokens; it cannot be combined with --file")
+        return score_file(file, bos, stride, chunk, source, kind == "json")
+    if text is None:
+        raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '
+                         "(- reads stdin; --file PATH scores one text a line)")
+    text = checks.text(scoring.read_text(sys.stdin.buffer) if text == "-" else text)
+    model = source.load()
+    model.check_score(stride=stride, chunk=chunk, top_logprobs=top_logprobs)
+    doc = show.openai_document(model.tokenizer, model.source, text) if kind == "openai" else None
+    with show.Progress("scoring") as progress:  # the OpenAI document is written as each chunk is scored
+        result = model.score(text, bos=bos, stride=stride, chunk=chunk, progress=progress,
+                             top_logprobs=top_logprobs, on_rows=doc.rows if doc else None)
+    if doc is not None:
+        show.openai_end(doc, result.reading)
+    elif kind == "json":
+        show.write_json(result.reading)  # streamed, a token a line: the same document as result.to_dict()
+    else:
+        show.report(result.reading, show_table)
+
+
+def score_file(file: str, bos: bool, stride, chunk, source: ModelChoice, as_json: bool) -> None:
+    """`score --file`: each line scored as its own text, streamed; under torchrun each rank scores every
+    N-th group of lines (api/files.py)."""
+    import collections
+    import os
+
+    from lmhead_cli.api.files import run_file
+    from lmhead_cli.readings import score as scoring
+    from lmhead_cli.readings.batch import open_input
+    from lmhead_cli.render import score as show
+
+    def work(model, stream, ranks) -> None:
+        corpus = scoring.Corpus()
+        model.check_score(stride=stride, chunk=chunk)
+        items = ranks.spread(scoring.read_lines(stream, file), SCORE_LINES_PER_ROUND,
+                             lambda lines: model.score_lines(lines, corpus, bos=bos, stride=stride, chunk=chunk))
+
+        def totalled():  # every rank's items, then every rank's counts in `corpus`, for the summary
+            yield from items
+            for name, value in vars(scoring.Corpus.merged(ranks.gather(corpus))).items():
+                setattr(corpus, name, value)
+
+        size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
+        if ranks.writer:
+            show.file_report(totalled(), corpus, model.source, model.random_weights, as_json, size)
+        else:
+            collections.deque(totalled(), maxlen=0)  # compute and hand over; rank 0 writes
+
+    def close(stream) -> None:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+
+    run_file(file, "texts", lambda: open_input(file, "text file"), source.load, work, close, device=source.device)
