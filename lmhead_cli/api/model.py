@@ -113,7 +113,7 @@ class Model:
         checks.one_prompt(a, targets, top_k)
         checks.one_prompt(b, targets, top_k)
         if movers < 0:
-            raise BadValue("movers", f"must be 0 or more (got {movers})")
+            raise BadValue("movers", f"must be at least 0 (got {movers})")
         return results.DiffResult(diff_prompts(self.loaded, a, b, top_k, list(targets), movers))
 
     def attribute(self, prompt: str, target: str, vs: str | None = None, heads: bool = False) -> results.AttributeResult:

@@ -1,0 +1,193 @@
+"""The Python API: `lmhead_cli.load()` and the Model's results. Each result's to_dict() must equal the
+CLI's --json document for the same call (parsed), and bad values raise the exception whose text the
+CLI prints as its one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import lmhead_cli
+from lmhead_cli.cli import app
+from lmhead_cli.errors import BadValue, LmheadError, NoPrompt, UsageError
+
+runner = CliRunner()
+PROMPT = "The keys on the table"
+TIMES = ("elapsed_s", "first_token_s", "tokens_per_second", "decode_tokens_per_second")
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return lmhead_cli.load(str(tiny[0]), device="cpu", threads=1)  # one thread: the same sums as the CLI's
+
+
+def cli_json(tiny, *args) -> dict:
+    result = runner.invoke(app, [*args, "--model", str(tiny[0]), "--device", "cpu", "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def fresh(tiny):
+    """A model that has run nothing yet, as the CLI's is: a model's first generation can differ from its
+    later ones in the last bit of a logprob (the engine's first steps take another path)."""
+    return lmhead_cli.load(str(tiny[0]), device="cpu", threads=1)
+
+
+def untimed(doc: dict) -> dict:
+    """A generation document without its wall-clock figures (they differ from run to run)."""
+    assert all(k in doc for k in TIMES)
+    return {k: v for k, v in doc.items() if k not in TIMES}
+
+
+def test_inspect_matches_cli(model, tiny):
+    got = model.inspect(PROMPT, top_k=5, targets=[" are", " is"]).to_dict()
+    assert got == cli_json(tiny, "inspect", PROMPT, "-k", "5", "-t", " are", "-t", " is")
+    assert got["top"][0]["rank"] == 1 and len(got["top"]) == 5
+
+
+def test_inspect_stages_matches_cli(model, tiny):
+    from lmhead_cli.decoding.stages import Knobs
+
+    got = model.inspect(PROMPT, top_k=4, stages=Knobs(temperature=0.7, top_k=3)).to_dict()
+    assert got == cli_json(tiny, "inspect", PROMPT, "-k", "4", "--stages", "--temperature", "0.7",
+                           "--filter-top-k", "3")
+    assert "stages" in got
+
+
+def test_explain_matches_cli(model, tiny):
+    assert model.explain(PROMPT, " are", top_k=3).to_dict() == cli_json(tiny, "inspect", PROMPT, "--explain",
+                                                                          " are", "-k", "3")
+
+
+def test_score_matches_cli(model, tiny):
+    text = "The keys on the table are on the table."
+    got = model.score(text, bos=True).to_dict()
+    assert got == cli_json(tiny, "score", text, "--bos")
+    assert sum(t["scored"] for t in got["tokens"]) == got["scored_tokens"] == len(got["tokens"])
+
+
+def test_score_window_and_stride_match_cli(model, tiny):
+    text = " ".join(["the keys are on the table"] * 40)
+    got = model.score(text, stride=64, chunk=7).to_dict()
+    assert got == cli_json(tiny, "score", text, "--stride", "64", "--chunk", "7")
+    assert got["stride"] == 64 and got["chunk"] == 7
+
+
+def test_generate_greedy_matches_cli(tiny):
+    got = fresh(tiny).generate(PROMPT, max_new_tokens=6, temperature=0, show_steps=2).to_dict()
+    want = cli_json(tiny, "generate", PROMPT, "-n", "6", "--greedy", "--show-steps", "2")
+    assert untimed(got) == untimed(want)
+    assert got["mode"] == "greedy" and got["settings"]["greedy"] is True
+
+
+def test_generate_seeded_sample_matches_cli(tiny):
+    got = fresh(tiny).generate(PROMPT, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=7, mode="sample").to_dict()
+    want = cli_json(tiny, "sample", PROMPT, "-n", "6", "--temperature", "0.8", "--top-p", "0.9", "--seed", "7")
+    assert untimed(got) == untimed(want)
+    assert got["seed"] == 7 and got["mode"] == "sample"
+
+
+def test_generate_beams_match_cli(tiny):
+    got = fresh(tiny).generate(PROMPT, max_new_tokens=4, beams=2).to_dict()
+    assert untimed(got) == untimed(cli_json(tiny, "generate", PROMPT, "-n", "4", "--beams", "2"))
+
+
+def test_diff_matches_cli(model, tiny):
+    a, b = "The key on the table", PROMPT
+    got = model.diff(a, b, top_k=4, targets=[" is", " are"], movers=3).to_dict()
+    assert got == cli_json(tiny, "diff", a, b, "-k", "4", "-t", " is", "-t", " are", "--movers", "3")
+
+
+def test_attribute_matches_cli(model, tiny):
+    got = model.attribute(PROMPT, " are", vs=" is").to_dict()
+    assert got == cli_json(tiny, "attribute", PROMPT, "-t", " are", "--vs", " is")
+
+
+@pytest.mark.parametrize("position", [-1, 2])
+def test_lens_matches_cli(model, tiny, position):
+    got = model.lens(PROMPT, position=position, targets=[" are"]).to_dict()
+    assert got == cli_json(tiny, "lens", PROMPT, "-t", " are", "--position", str(position))
+
+
+def test_tie_matches_cli(model, tiny):
+    got = model.tie().to_dict()
+    assert got == cli_json(tiny, "tie")
+    assert got["tied"] is True
+
+
+def test_params_match_cli(model, tiny):
+    got = model.params(batch=2, seq=16).to_dict()
+    out = runner.invoke(app, ["params", "--model", str(tiny[0]), "--batch", "2", "--seq", "16", "--json"])
+    assert got == json.loads(out.stdout)
+    assert got["counted_from"] == "tensors"
+    from lmhead_cli.api import params
+
+    by_config = params("gpt2-xl", batch=8).to_dict()
+    out = runner.invoke(app, ["params", "--config", "gpt2-xl", "--batch", "8", "--json"])
+    assert out.exit_code == 0
+    assert by_config == json.loads(out.stdout)
+
+
+def cli_error(tiny, *args) -> tuple[int, str]:
+    result = runner.invoke(app, [*args, "--model", str(tiny[0]), "--device", "cpu"])
+    return result.exit_code, result.output.strip()
+
+
+@pytest.mark.parametrize("call, args, error", [
+    (lambda m: m.inspect(PROMPT, top_k=0), ["inspect", PROMPT, "-k", "0"], BadValue),
+    (lambda m: m.diff(PROMPT, "x", movers=-1), ["diff", PROMPT, "x", "--movers", "-1"], BadValue),
+    (lambda m: m.inspect(""), ["inspect", ""], NoPrompt),
+    (lambda m: m.inspect(PROMPT, targets=[""]), ["inspect", PROMPT, "-t", ""], BadValue),
+    (lambda m: m.score("a b c", stride=5000), ["score", "a b c", "--stride", "5000"], BadValue),
+    (lambda m: m.score("The"), ["score", "The"], UsageError),
+    (lambda m: m.generate(PROMPT, top_p=2.0), ["generate", PROMPT, "--top-p", "2"], BadValue),
+    (lambda m: m.generate(PROMPT, greedy=True, mode="sample"), ["sample", PROMPT, "--greedy"], UsageError),
+    (lambda m: m.lens("x y", position=9), ["lens", "x y", "--position", "9"], UsageError),
+    (lambda m: m.attribute(PROMPT, ""), ["attribute", PROMPT, "-t", ""], BadValue),
+])
+def test_errors_are_the_clis(model, tiny, call, args, error):
+    """The API raises the domain error; the CLI prints that error as its one line, same exit code."""
+    from lmhead_cli.cli import message
+
+    with pytest.raises(LmheadError) as e:
+        call(model)
+    assert isinstance(e.value, error)
+    code, line = cli_error(tiny, *args)
+    assert code == e.value.exit_code
+    assert line == f"lmhead: error: {message(e.value, args[0])}"
+
+
+def test_top_k_error_names_the_value(model):
+    with pytest.raises(BadValue, match=r"top_k must be at least 1 \(got 0\)"):
+        model.inspect(PROMPT, top_k=0)
+
+
+def test_results_render_for_notebooks_and_terminals(model):
+    from rich.console import Console
+
+    r = model.inspect("<b>keys</b> on the", top_k=3)
+    page = r._repr_html_()
+    assert page.startswith("<table>") and "<b>" not in page and "&lt;" in page  # data is escaped
+    console = Console(record=True, width=120)
+    console.print(r)
+    assert "entropy" in console.export_text()
+    assert r.entropy == r.to_dict()["entropy"]  # the reading's own fields pass through
+    score = model.score("The keys on the table are here.")
+    assert score._repr_html_() == score.to_html() and "perplexity" in score.to_html()
+
+
+def test_model_describes_itself(model, tiny):
+    assert model.source == str(tiny[0])
+    assert model.vocab_size == 50257 and model.n_ctx == 1024
+    assert model.tokenizer.encode(PROMPT) == [464, 8251, 319, 262, 3084]
+
+
+def test_import_does_not_import_torch():
+    code = ("import sys, lmhead_cli, lmhead_cli.api; assert callable(lmhead_cli.load); "
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
