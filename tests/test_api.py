@@ -191,3 +191,32 @@ def test_import_does_not_import_torch():
             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("command, option, typed, expected", [
+    ("inspect", "--device", "c", ["cpu", "cuda"]),
+    ("score", "--dtype", "b", ["bfloat16"]),
+    ("lens", "--engine", "l", ["lean"]),
+    ("generate", "--logprobs", "p", ["processed"]),
+    ("score", "--format", "", ["text", "json", "openai"]),
+    ("inspect", "--model", "random:gpt2-", ["random:gpt2-large", "random:gpt2-medium", "random:gpt2-xl"]),
+])
+def test_completion_offers_option_values(command, option, typed, expected):
+    import click
+    from typer.main import get_command
+
+    group = get_command(app)
+    cmd = group.commands[command]
+    param = next(p for p in cmd.params if option in p.opts)
+    ctx = click.Context(cmd, info_name=command)
+    assert sorted(c.value for c in param.shell_complete(ctx, typed)) == sorted(expected)
+
+
+def test_completion_offers_cached_hub_ids_and_folders(tmp_path, monkeypatch):
+    from lmhead_cli.cli import complete
+
+    (tmp_path / "hf" / "hub" / "models--openai-community--gpt2").mkdir(parents=True)
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert "openai-community/gpt2" in complete.models("")
+    assert complete.models("my-") == ["my-model/"]

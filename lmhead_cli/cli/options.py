@@ -13,6 +13,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from lmhead_cli import __version__
+from lmhead_cli.cli import complete
 from lmhead_cli.cli.boundary import DEFAULT_PROMPT, Command, boundary
 from lmhead_cli.decoding.stages import STAGES  # the registry: no torch
 
@@ -42,7 +43,8 @@ PresetOpt = Annotated[
 ]
 FormatOpt = Annotated[
     Optional[str], typer.Option("--format", help="text, json (the same as --json) or openai: one OpenAI chat "
-                                "completion object, logprobs included.", show_default="text")
+                                "completion object, logprobs included.", show_default="text",
+                                autocompletion=complete.formats)
 ]
 TopLogprobsOpt = Annotated[
     int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at every position, "
@@ -51,7 +53,7 @@ TopLogprobsOpt = Annotated[
 LogprobsOpt = Annotated[
     Optional[str], typer.Option("--logprobs", help="With --format openai: raw (the default: softmax of the model's "
                                 "logits) or processed (after the stages: the distribution each token was drawn from).",
-                                show_default="raw")
+                                show_default="raw", autocompletion=complete.logprob_kinds)
 ]
 
 
@@ -83,14 +85,17 @@ def _param(name: str, annotation, default) -> pyinspect.Parameter:
 # The options of every command that loads a model; the command receives them as one ModelChoice.
 MODEL_OPTIONS = [
     _param("model", Annotated[str, typer.Option(
-        "--model", "-m", envvar="LMHEAD_MODEL",
+        "--model", "-m", envvar="LMHEAD_MODEL", autocompletion=complete.models,
         help="Hub id (gpt2, distilgpt2, ...), a local folder, or random:NAME (seeded random weights, offline).")],
         DEFAULT_MODEL),
-    _param("device", Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.")], "auto"),
+    _param("device", Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.",
+                                                                autocompletion=complete.devices)], "auto"),
     _param("dtype", Annotated[str, typer.Option(
-        "--dtype", help="float32, bfloat16 or float16 (softmax is always float32).")], "float32"),
+        "--dtype", help="float32, bfloat16 or float16 (softmax is always float32).",
+        autocompletion=complete.dtypes)], "float32"),
     _param("engine", Annotated[str, typer.Option(
-        "--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.")],
+        "--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.",
+        autocompletion=complete.engines)],
         "auto"),
     _param("allow_pickle", AllowPickleOpt, False),
     _param("threads", Annotated[Optional[int], typer.Option(
