@@ -27,7 +27,7 @@ def diff_cmd(
     """Two prompts' next-token distributions side by side: KL both ways, Jensen–Shannon, total variation,
     each side's top tokens with their rank on the other side, the biggest risers and fallers.
 
-    Example: lmhead diff "The key on the table" "The keys on the table" --target " is" --target " are"
+    Example: lmhead diff "The key on the table" "The keys on the table" --target " is" --target " are" --model random:gpt2
     """
     from lmhead_cli import render
     from lmhead_cli.api import checks
@@ -65,7 +65,7 @@ def attribute_cmd(
     """Direct logit attribution: a token's logit (or a logit difference) split exactly into the embeddings,
     each layer's attention heads and MLP, and the final norm's bias, with the check that they add up.
 
-    Example: lmhead attribute "The keys on the table" --target " are" --vs " is" --heads
+    Example: lmhead attribute "The keys on the table" --target " are" --vs " is" --heads --model random:gpt2
     """
     from lmhead_cli import render
     from lmhead_cli.api import checks

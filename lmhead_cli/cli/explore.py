@@ -34,7 +34,7 @@ def lens_cmd(
 ) -> None:
     """Logit lens: what the head would predict from the residual stream after the embeddings and each block.
 
-    Example: lmhead lens "The keys on the table" --target " are" --heat
+    Example: lmhead lens "The keys on the table" --target " are" --heat --model random:gpt2
     """
     from lmhead_cli import render
     from lmhead_cli.api import checks
@@ -70,7 +70,7 @@ def explore_cmd(
     Commands: :temp 0.8, :softcap 30, :top-k 20, :target " are", :gen 20, :lens, :help, :quit.
     Input can be piped, one prompt a line; --json answers in JSON lines.
 
-    Example: printf 'The keys on the table\\n:temp 0.5\\nThe key on the table\\n' | lmhead explore
+    Example: printf 'The keys on the table\\n:temp 0.5\\nThe key on the table\\n' | lmhead explore --model random:gpt2
     """
     import time
 

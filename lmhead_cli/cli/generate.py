@@ -60,19 +60,19 @@ _decoding_command("generate", f"""Generate text token by token: {' -> '.join(s.n
 
     Samples unless --greedy or --beams N; `greedy`, `sample` and `softcap` are the named forms.
 
-    Example: lmhead generate "The keys on the table" --temperature 0.8 --seed 1 --show-steps 5
+    Example: lmhead generate "The keys on the table" --temperature 0.8 --seed 1 --show-steps 5 --model random:gpt2
     """)
 _decoding_command("greedy", """Take the most likely token every step (the same tokens as transformers' do_sample=False).
 
-    Example: lmhead greedy "The dog" --max-new-tokens 18 --show-steps 3
+    Example: lmhead greedy "The dog" --max-new-tokens 18 --show-steps 3 --model random:gpt2
     """)
 _decoding_command("sample", """Draw each token from the probabilities (seeded, so a run can be replayed).
 
-    Example: lmhead sample --temperature 0.8 --top-p 0.95 --seed 1
+    Example: lmhead sample --temperature 0.8 --top-p 0.95 --seed 1 --model random:gpt2
     """)
 _decoding_command("softcap", """Sample after Gemma-style soft-capping z -> c·tanh(z/c) (c = 30 unless --cap says otherwise).
 
-    Example: lmhead softcap --cap 30 --seed 1
+    Example: lmhead softcap --cap 30 --seed 1 --model random:gpt2
     """)
 
 

@@ -37,7 +37,7 @@ def inspect_cmd(
 ) -> None:
     """Show how the last hidden vector becomes logits and probabilities for the next token.
 
-    Example: lmhead inspect "The keys on the table" --target " are" --target " is"
+    Example: lmhead inspect "The keys on the table" --target " are" --target " is" --model random:gpt2
     """
     from lmhead_cli import render
     from lmhead_cli.api import checks

@@ -19,7 +19,10 @@ from lmhead_cli.decoding.stages import STAGES  # the registry: no torch
 
 app = typer.Typer(
     name="lmhead",
-    help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.",
+    help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.\n\n"
+    "--model defaults to gpt2 (from the Hugging Face hub or its cache); the environment variable LMHEAD_MODEL "
+    "sets another default, e.g. LMHEAD_MODEL=random:gpt2 (seeded random weights, offline). The examples in "
+    "each command's --help use --model random:gpt2, so they run offline as written.",
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish and PowerShell
     pretty_exceptions_enable=False,

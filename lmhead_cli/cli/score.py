@@ -47,7 +47,7 @@ def score_cmd(
 
     Each token is coloured by its rank (top-1, 10, 100, 1000, the rest); marked instead without colour.
 
-    Example: lmhead score "The keys on the table are on the table." --table
+    Example: lmhead score "The keys on the table are on the table." --table --model random:gpt2
     """
     from lmhead_cli.api import checks
     from lmhead_cli.readings import score as scoring

@@ -1,0 +1,42 @@
+"""Every command's --help example runs offline as written (on random:gpt2 or by arithmetic)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from lmhead_cli.cli import app
+
+runner = CliRunner()
+GROUP = get_command(app)
+
+
+def example(name: str) -> str:
+    """The `Example:` line of a command's help text."""
+    found = re.search(r"Example: (.+)", GROUP.commands[name].help or "")
+    assert found, f"lmhead {name} --help has no example"
+    return found.group(1).strip()
+
+
+def test_top_help_says_how_to_set_the_default_model():
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout
+    assert "LMHEAD_MODEL" in out and "random:gpt2" in out
+
+
+@pytest.mark.parametrize("name", sorted(GROUP.commands))
+def test_help_example_runs_offline(name):
+    line = example(name)
+    stdin = None
+    if "|" in line:  # printf '...' | lmhead explore ...: the printed lines are explore's input
+        feed, line = (part.strip() for part in line.split("|", 1))
+        stdin = shlex.split(feed)[1].encode().decode("unicode_escape")
+    words = shlex.split(line)
+    assert words[:2] == ["lmhead", name]
+    assert "--model" in words or name in ("params", "toy"), "a model command's example names an offline model"
+    result = runner.invoke(app, words[1:], input=stdin)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
