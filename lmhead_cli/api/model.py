@@ -130,8 +130,7 @@ class Model:
         from lmhead_cli.readings.lens import lens_prompt
 
         checks.one_prompt(prompt, targets, top_k)
-        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k,
-                                              None if position == -1 else position))
+        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position))
 
     # ---- the model itself -------------------------------------------------------------------------
     def tie(self) -> results.TieResult:
