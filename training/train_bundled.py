@@ -307,8 +307,7 @@ def main() -> None:
         w.writerows(rows)
     write_svg(rows, docs / "bundled-tiny-curve.svg",
               f"bundled:tiny on the KJV: held-out perplexity {ppl:.1f}")
-    digest = hashlib.sha256((Path(args.out) / "model.safetensors").read_bytes()).hexdigest()
-    print(f"wrote {args.out}/model.safetensors sha256 {digest}", flush=True)
+    print(write_sums(Path(args.out)), end="", flush=True)
 
 
 def save(model: TinyGPT, cfg: dict, out: Path) -> None:
@@ -325,6 +324,14 @@ def save(model: TinyGPT, cfg: dict, out: Path) -> None:
               "bos_token_id": EOT, "eos_token_id": EOT, "torch_dtype": "float16",
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_sums(out: Path) -> str:
+    """SHA256SUMS beside the files (`sha256sum -c` form); lmhead checks it at every load."""
+    text = "".join(f"{hashlib.sha256((out / name).read_bytes()).hexdigest()}  {name}\n"
+                   for name in ("config.json", "model.safetensors"))
+    (out / "SHA256SUMS").write_text(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Model sources: a hub id, a local folder or `random:NAME` -> a loaded engine, tokenizer and tie report.
+"""Model sources: a hub id, a local folder, `random:NAME` or `bundled:NAME` -> a loaded engine,
+tokenizer and tie report.
 
 Weights come from safetensors (memory-mapped) unless --allow-pickle; remote code is never run.
 Nothing here prints: progress bars are huggingface_hub's own, on stderr.
@@ -23,7 +24,7 @@ from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
                                UnsupportedModel, UsageError)
-from lmhead_cli.loading import checks
+from lmhead_cli.loading import bundled, checks
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
@@ -60,7 +61,7 @@ class Loaded:
     """A model ready to run: what the user asked for, where it came from, and the pieces."""
 
     source: str
-    kind: str  # "hub", "local" or "random"
+    kind: str  # "hub", "local", "random" or "bundled"
     path: str | None
     random_weights: bool
     seed: int | None
@@ -100,7 +101,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
                allow_pickle: bool = False, threads: int | None = None, ignore_memory: bool = False,
                announce=lambda line: None) -> Loaded:
-    """Load `source` (hub id, local folder or random:NAME) onto `device` in `dtype`, on `threads` CPU
+    """Load `source` (hub id, local folder, random:NAME or bundled:NAME) onto `device` in `dtype`, on `threads` CPU
     threads (None: chosen by timing the work, see engine/threads.py).
 
     Before any tensor is allocated the config is checked (types, ranges), a checkpoint's tensor
@@ -112,7 +113,7 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
-        raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, or random:gpt2")
+        raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
 
     if source.startswith(RANDOM_PREFIX):
         name = source[len(RANDOM_PREFIX):]
@@ -170,6 +171,8 @@ def model_type(source: str, allow_pickle: bool = False) -> str | None:
 # ---- where the files are ---------------------------------------------------------------------
 
 def _find_folder(source: str, allow_pickle: bool) -> tuple[Path, str]:
+    if bundled.is_bundled(source):
+        return bundled.folder(source), "bundled"
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -191,7 +194,7 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
     stand_in = RANDOM_PREFIX + (name if name in config_names() else "gpt2")
     advice = ("connect once to download it, pass a local folder (--model ./my-gpt2), or use "
               f"--model {stand_in} for {'its architecture with ' if name in config_names() else ''}random weights "
-              "offline")
+              "offline, or --model bundled:tiny for a small trained model that ships with lmhead")
     cache_dir = _hub_cache()
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, cache_dir=cache_dir))

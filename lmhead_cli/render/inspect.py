@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
+from lmhead_cli.loading import bundled
 from lmhead_cli.render import bar, compose, data, elided, out
 from lmhead_cli.render import token_cell as _cell
 
@@ -47,9 +48,12 @@ def inspection_json(result, tie) -> dict:
 
 
 def random_banner(model: str, random_weights: bool) -> None:
+    """The one line that says what the weights are: random ones, or a bundled model and what it learnt from."""
     if random_weights:
         out().print(compose("[bold yellow]random weights[/] (", data(model), ", seeded): the architecture and "
                             "the arithmetic are real, the predictions are not."))
+    elif about := bundled.describe(model):
+        out().print(compose(data(model, "bold green"), ": ", data(about + ".")))
 
 
 def tie_line(tie):
