@@ -187,7 +187,7 @@ def write_svg(rows: list[dict], path: Path, title: str) -> None:
     W, H, L, R, T, B = 640, 360, 60, 20, 30, 50
     xs = [r["tokens"] for r in rows]
     series = [("train loss (mean since last point)", "#1f77b4", [r["train_loss"] for r in rows]),
-              ("held-out loss", "#d62728", [r["held_out_loss"] for r in rows])]
+              ("held-out loss (8,192 tokens; the last point: all)", "#d62728", [r["held_out_loss"] for r in rows])]
     ys = [v for _, _, vs in series for v in vs if v == v]
     x0, x1 = 0, max(xs)
     y0, y1 = math.floor(min(ys)), math.ceil(max(ys))
@@ -200,8 +200,8 @@ def write_svg(rows: list[dict], path: Path, title: str) -> None:
         out.append(f'<line x1="{L}" x2="{W - R}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>')
         out.append(f'<text x="{L - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y}</text>')
     step = 10 ** math.floor(math.log10(x1 or 1))
-    step = step * 2 if x1 / step < 4 else step
-    for i in range(0, int(x1 // step) + 1):
+    step = step / 2 if x1 / step < 4 else step
+    for i in range(0, int(x1 // step) + 1):  # ticks every 0.5M or 1M tokens
         x = i * step
         out.append(f'<line x1="{px(x):.1f}" x2="{px(x):.1f}" y1="{H - B}" y2="{H - B + 4}" stroke="black"/>')
         out.append(f'<text x="{px(x):.1f}" y="{H - B + 18}" text-anchor="middle">{x / 1e6:g}M</text>')
@@ -212,8 +212,8 @@ def write_svg(rows: list[dict], path: Path, title: str) -> None:
     for k, (name, colour, vs) in enumerate(series):
         pts = " ".join(f"{px(x):.1f},{py(v):.1f}" for x, v in zip(xs, vs) if v == v)
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{pts}"/>')
-        out.append(f'<line x1="{W - R - 230}" x2="{W - R - 210}" y1="{T + 14 + 16 * k}" y2="{T + 14 + 16 * k}" stroke="{colour}" stroke-width="2"/>')
-        out.append(f'<text x="{W - R - 204}" y="{T + 18 + 16 * k}">{name}</text>')
+        out.append(f'<line x1="{W - R - 310}" x2="{W - R - 290}" y1="{T + 14 + 16 * k}" y2="{T + 14 + 16 * k}" stroke="{colour}" stroke-width="2"/>')
+        out.append(f'<text x="{W - R - 284}" y="{T + 18 + 16 * k}">{name}</text>')
     out.append("</svg>")
     path.write_text("\n".join(out) + "\n")
 
@@ -317,6 +317,7 @@ def save(model: TinyGPT, cfg: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; package data is world-readable
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
               "vocab_size": cfg["vocab_size"], "n_positions": cfg["n_positions"], "n_ctx": cfg["n_positions"],
               "n_embd": cfg["n_embd"], "n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_inner": None,
