@@ -144,6 +144,23 @@ def test_the_lens_converges_on_the_continuation_at_the_last_layer():
     assert layers[-1]["entropy"] < min(layer["entropy"] for layer in layers[1:-1])
 
 
+def test_the_api_loads_it_too():
+    import lmhead_cli
+
+    m = lmhead_cli.load("bundled:tiny", device="cpu")
+    assert (m.source, m.random_weights, m.vocab_size, m.n_ctx) == ("bundled:tiny", False, 50257, 256)
+    d = m.inspect("Thus saith the", top_k=3).to_dict()
+    assert d["model"] == "bundled:tiny" and d["top"][0]["token"] == " LORD"
+
+
+def test_help_and_completion_offer_it():
+    from lmhead_cli.cli import complete
+
+    assert complete.models("bund") == ["bundled:tiny"]
+    for command in ("inspect", "score", "lens", "generate"):
+        assert "bundled:tiny" in " ".join(run(command, "--help").stdout.split())
+
+
 # ---- what the outputs say --------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["inspect", "And God said"], ["score", "And God said, Let there be light"],

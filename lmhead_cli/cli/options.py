@@ -21,7 +21,8 @@ app = typer.Typer(
     name="lmhead",
     help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.\n\n"
     "--model defaults to gpt2 (from the Hugging Face hub or its cache); the environment variable LMHEAD_MODEL "
-    "sets another default, e.g. LMHEAD_MODEL=random:gpt2 (seeded random weights, offline). The examples in "
+    "sets another default, e.g. LMHEAD_MODEL=random:gpt2 (seeded random weights, offline) or "
+    "LMHEAD_MODEL=bundled:tiny (a small trained model that ships with lmhead, offline). The examples in "
     "each command's --help use --model random:gpt2, so they run offline as written.",
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish and PowerShell
@@ -89,7 +90,8 @@ def _param(name: str, annotation, default) -> pyinspect.Parameter:
 MODEL_OPTIONS = [
     _param("model", Annotated[str, typer.Option(
         "--model", "-m", envvar="LMHEAD_MODEL", autocompletion=complete.models,
-        help="Hub id (gpt2, distilgpt2, ...), a local folder, or random:NAME (seeded random weights, offline).")],
+        help="Hub id (gpt2, distilgpt2, ...), a local folder, random:NAME (seeded random weights, offline), "
+             "or bundled:tiny (a small GPT-2 trained on the King James Bible that ships with lmhead).")],
         DEFAULT_MODEL),
     _param("device", Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.",
                                                                 autocompletion=complete.devices)], "auto"),

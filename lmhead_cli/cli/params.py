@@ -23,7 +23,7 @@ def params(
     model: Annotated[
         Optional[str],
         typer.Option("--model", "-m", help="Count a loaded model's real tensors instead: a hub id, a local "
-                     "folder, or random:NAME."),
+                     "folder, random:NAME or bundled:tiny."),
     ] = None,
     batch: Annotated[
         int, typer.Option("--batch", help="Batch size B for the logits memory.", min=1)
