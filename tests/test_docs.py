@@ -1,0 +1,366 @@
+"""Every example in README.md and docs/*.md runs, and prints what its page shows.
+
+The convention (docs/architecture.md, "How the docs are tested"):
+- a fenced block (``` / ```bash / ```console) with `$ ` lines is a shell session: each `$ ` line is a
+  command, the lines up to the next `$ ` line are its output as shown; a block without `$ ` lines runs
+  its lines that begin with `lmhead ` and checks their exit codes only;
+- the exit code is 0, or 1/2 where the shown output has an `lmhead: error:` line; the first shown line,
+  every table header (`┃`) and every error line must appear in the real output, word by word, any
+  number standing for any number; shown output that is one JSON document must have the real keys;
+- a ```python block with `>>> ` prompts is a doctest (one namespace per page);
+- markers on the line(s) before a block: `<!-- docs-test: skip (reason) -->`,
+  `<!-- docs-test: replace "OLD" "NEW" -->`, `<!-- docs-test: run -->` (a ```python script, run in the
+  page's folder), `<!-- docs-test: exit N -->`.
+Each page runs in a folder of its own, in order. `lmhead ARGS` (and `TEXT | lmhead ARGS`) runs in-process
+with every model loaded once per session; any other command runs in bash, `lmhead` being
+`python -m lmhead_cli`.
+
+`python tests/test_docs.py PAGE.md` prints what each of a page's commands really prints (to copy
+real output into a page).
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELLS = {"", "bash", "console", "sh", "shell"}
+MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<what>\w+)\s*(?P<rest>.*?)\s*-->\s*$")
+TIMEOUT = 600
+COLUMNS = "200"  # wide enough that no table cuts a header; shown output is compared word by word anyway
+
+
+@dataclass
+class Command:
+    line: str  # the command as it will run (replacements made)
+    shown: list[str]  # the output the page shows for it
+    lineno: int
+
+
+@dataclass
+class Example:
+    page: Path
+    lineno: int  # of the opening fence
+    kind: str  # "shell", "doctest" or "script"
+    text: str  # the block's content
+    commands: list[Command] = field(default_factory=list)
+    skip: str | None = None
+    exit: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.lineno}"
+
+
+def parse(page: Path) -> list[Example]:
+    """The page's examples, in order, with their markers applied."""
+    examples, markers = [], []
+    lines = page.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        m = MARKER.match(line.strip())
+        if m:
+            markers.append((m["what"], m["rest"], i + 1))
+        elif line.startswith("```"):
+            lang = line[3:].strip().split(" ")[0].lower()
+            start, body = i + 1, []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            ex = _example(page, start, lang, body, markers)
+            if ex is not None:
+                examples.append(ex)
+            markers = []
+        elif line.strip():
+            markers = []  # a marker applies only to the block right after it
+        i += 1
+    return examples
+
+
+def _example(page: Path, lineno: int, lang: str, body: list[str], markers) -> Example | None:
+    replace, skip, exit_code, run = [], None, None, False
+    for what, rest, at in markers:
+        if what == "skip":
+            skip = rest.strip().strip("()").strip()
+            if not skip:
+                raise ValueError(f"{page.name}:{at}: docs-test: skip needs a reason in parentheses")
+        elif what == "replace":
+            pair = shlex.split(rest)
+            if len(pair) != 2:
+                raise ValueError(f'{page.name}:{at}: docs-test: replace takes "OLD" "NEW"')
+            replace.append(tuple(pair))
+        elif what == "exit":
+            exit_code = int(rest)
+        elif what == "run":
+            run = True
+        else:
+            raise ValueError(f"{page.name}:{at}: unknown docs-test marker {what!r}")
+    text = "\n".join(body) + "\n"
+    if lang == "python":
+        if any(b.lstrip().startswith(">>> ") for b in body):
+            return Example(page, lineno, "doctest", text, skip=skip)
+        return Example(page, lineno, "script", text, skip=skip) if run else None
+    if lang not in SHELLS:
+        return None
+
+    def swap(cmd: str) -> str:
+        for old, new in replace:
+            cmd = cmd.replace(old, new)
+        return cmd
+
+    commands: list[Command] = []
+    if any(b.startswith("$ ") for b in body):
+        for n, b in enumerate(body):
+            if b.startswith("$ "):
+                commands.append(Command(swap(b[2:]), [], lineno + 1 + n))
+            elif commands:
+                commands[-1].shown.append(b)
+    else:
+        commands = [Command(swap(b), [], lineno + 1 + n) for n, b in enumerate(body) if b.startswith("lmhead ")]
+    if not commands:
+        return None
+    return Example(page, lineno, "shell", text, commands, skip, exit_code)
+
+
+# ---- checking output ---------------------------------------------------------------------------------
+BOX = re.compile(r"[\s│┃━─╇╋┼┡┩┗┛┏┓╭╮╰╯]+")
+
+
+def words(text: str) -> list[str]:
+    """The text's words; a word with a digit in it stands for any number (random weights are seeded, but
+    a timing is not, and the shape is what a page promises)."""
+    return ["#" if any(c.isdigit() for c in w) else w for w in BOX.split(text) if w]
+
+
+def contains(hay: list[str], needle: list[str]) -> bool:
+    if not needle:
+        return True
+    n = len(needle)
+    return any(hay[i:i + n] == needle for i in range(len(hay) - n + 1))
+
+
+def key_lines(shown: list[str]) -> list[str]:
+    """The shown lines a real run must print: the first, every table header and every error line."""
+    shown = [s for s in shown if s.strip()]
+    keep = []
+    for n, s in enumerate(shown):
+        if s.lstrip().startswith(("...", "…")):
+            continue
+        if n == 0 or "┃" in s or s.startswith("lmhead: error:"):
+            keep.append(s)
+    return keep
+
+
+def check(cmd: Command, code: int, out: str, err: str, exit_code: int | None) -> list[str]:
+    """What is wrong with one command's run, as readable lines (empty: it did what the page shows)."""
+    problems = []
+    error_shown = any(s.startswith("lmhead: error:") for s in cmd.shown)
+    if exit_code is not None:
+        if code != exit_code:
+            problems.append(f"exit code {code}, the page says {exit_code}")
+    elif error_shown and code not in (1, 2):
+        problems.append(f"exit code {code}, but the page shows an error (exit 1 or 2)")
+    elif not error_shown and code != 0:
+        problems.append(f"exit code {code}")
+    shown_text = "\n".join(cmd.shown).strip()
+    if shown_text.startswith(("{", "[")):
+        try:
+            doc = json.loads(shown_text)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict):
+            try:
+                real = json.loads(out)
+            except ValueError:
+                return problems + ["the page shows one JSON document; the command printed something else"]
+            if set(real) != set(doc):
+                problems.append(f"JSON keys differ: page {sorted(doc)}, real {sorted(real)}")
+            return problems
+    out_words, err_words = words(out), words(err)
+    for s in key_lines(cmd.shown):
+        w = words(s)
+        if not (contains(out_words, w) or contains(err_words, w)):
+            problems.append(f"not printed: {s.strip()!r}")
+    return problems
+
+
+# ---- running ----------------------------------------------------------------------------------------
+PIPE_INTO = re.compile(r"^(?P<left>[^|]+?)\s*\|\s*(?P<right>lmhead\s.*)$")
+SHELL_CHARS = set("|&;<>()$`*?")
+
+
+def in_process(line: str) -> tuple[list[str], str | None, bool] | None:
+    """(args, the shell command whose stdout is the input, whether stderr is discarded) when the line can
+    run through the CLI runner; None when it needs a shell."""
+    line = line.split("  #")[0].strip()
+    left = None
+    m = PIPE_INTO.match(line)
+    if m and "lmhead" not in m["left"]:
+        left, line = m["left"], m["right"]
+    quiet = line.endswith("2>/dev/null")
+    line = line.removesuffix("2>/dev/null").strip()
+    try:
+        parts = shlex.split(line)
+    except ValueError:
+        return None
+    if not parts or parts[0] != "lmhead" or any(set(p) & SHELL_CHARS and not _quoted(p, line) for p in parts):
+        return None
+    return parts[1:], left, quiet
+
+
+def _quoted(part: str, line: str) -> bool:
+    """Whether a word with shell characters was quoted in the line (then it is an argument)."""
+    return f'"{part}"' in line or f"'{part}'" in line
+
+
+_MODELS: dict = {}
+
+
+def _cached_load_model(real):
+    def load_model(source, **kwargs):
+        key = (os.path.abspath(source) if os.path.exists(source) else source,
+               tuple(sorted((k, v) for k, v in kwargs.items() if k != "announce")))
+        if key not in _MODELS:
+            _MODELS[key] = real(source, **kwargs)
+        return _MODELS[key]
+
+    return load_model
+
+
+def bash(line: str, cwd: Path, env: dict, input: str | None = None) -> tuple[int, str, str]:
+    lmhead = f"lmhead() {{ {shlex.quote(sys.executable)} -m lmhead_cli \"$@\"; }}; export -f lmhead 2>/dev/null; "
+    done = subprocess.run(["bash", "-c", lmhead + line], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT, input=input)
+    return done.returncode, done.stdout, done.stderr
+
+
+def run_command(cmd: Command, cwd: Path, env: dict) -> tuple[int, str, str]:
+    plan = in_process(cmd.line)
+    if plan is None:
+        return bash(cmd.line, cwd, env)
+    from helpers import cli
+
+    args, left, quiet = plan
+    stdin = None
+    if left is not None:
+        code, stdin, err = bash(left, cwd, env)
+        if code != 0:
+            return code, stdin, err
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        got = cli(*args, input=stdin, env={"COLUMNS": COLUMNS})
+    finally:
+        os.chdir(old)
+    return got.exit_code, got.stdout, "" if quiet else got.stderr
+
+
+def run_script(ex: Example, cwd: Path, env: dict) -> list[str]:
+    done = subprocess.run([sys.executable, "-"], input=ex.text, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    return [] if done.returncode == 0 else [f"exit code {done.returncode}: {done.stderr.strip()[-2000:]}"]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ, COLUMNS=COLUMNS, NO_COLOR="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+# ---- the tests ---------------------------------------------------------------------------------------
+def _id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+SHELL_PAGES = [p for p in PAGES if any(e.kind in ("shell", "script") for e in parse(p))]
+PYTHON_PAGES = [p for p in PAGES if any(e.kind == "doctest" for e in parse(p))]
+
+
+def test_every_page_parses_and_has_no_unmarked_hub_model():
+    """Each page's markers are well formed, and no example that runs loads the hub's gpt2 (offline)."""
+    for page in PAGES:
+        for ex in parse(page):
+            for cmd in ex.commands:
+                if ex.skip is None:
+                    assert not re.search(r"--model\s+(gpt2|distilgpt2)\b", cmd.line), (
+                        f"{ex.where}: {cmd.line!r} needs the hub; use random:gpt2 or a docs-test marker")
+
+
+@pytest.fixture
+def models_once(monkeypatch):
+    """Every model that the examples load is loaded once per session (the loader is memoised)."""
+    import lmhead_cli.loading.sources as sources
+
+    monkeypatch.setattr(sources, "load_model", _cached_load_model(sources.load_model))
+
+
+@pytest.mark.parametrize("page", SHELL_PAGES, ids=_id)
+def test_shell_examples(page, tmp_path, monkeypatch, models_once):
+    """Each command of the page exits as shown and prints the shape of the output the page shows."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    env = subprocess_env()
+    failures, ran, skipped = [], 0, 0
+    for ex in parse(page):
+        if ex.kind == "doctest":
+            continue
+        if ex.skip is not None:
+            skipped += 1
+            continue
+        if ex.kind == "script":
+            failures += [f"{ex.where}: {p}" for p in run_script(ex, tmp_path, env)]
+            continue
+        for n, cmd in enumerate(ex.commands):
+            last = n == len(ex.commands) - 1
+            code, out, err = run_command(cmd, tmp_path, env)
+            ran += 1
+            for p in check(cmd, code, out, err, ex.exit if last else None):
+                failures.append(f"{page.name}:{cmd.lineno}: $ {cmd.line}\n    {p}\n    stdout: {out[:800]!r}\n"
+                                f"    stderr: {err[:800]!r}")
+    assert not failures, f"{len(failures)} of {ran} examples differ from the page:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=_id)
+def test_python_examples(page, tmp_path, monkeypatch, models_once):
+    """The page's >>> examples, as one doctest in page order."""
+    monkeypatch.chdir(tmp_path)
+    parser = doctest.DocTestParser()
+    blocks = [ex for ex in parse(page) if ex.kind == "doctest" and ex.skip is None]
+    globs: dict = {}
+    report: list[str] = []
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for ex in blocks:
+        test = parser.get_doctest(ex.text, globs, ex.where, str(page), ex.lineno)
+        runner.run(test, out=report.append, clear_globs=False)
+        globs = test.globs
+    assert runner.failures == 0, "".join(report)
+
+
+if __name__ == "__main__":  # print what each command of a page really prints
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tempfile
+
+    env = subprocess_env() | {"COLUMNS": "100"}
+    with tempfile.TemporaryDirectory() as folder:
+        for arg in sys.argv[1:]:
+            for ex in parse(Path(arg).resolve()):
+                if ex.skip is not None or ex.kind == "doctest":
+                    continue
+                if ex.kind == "script":
+                    print(f"== {ex.where}: script", run_script(ex, Path(folder), env))
+                    continue
+                for cmd in ex.commands:
+                    code, out, err = bash(cmd.line, Path(folder), env)
+                    print(f"== {ex.page.name}:{cmd.lineno} exit {code}\n$ {cmd.line}\n{err}{out}")
