@@ -79,3 +79,81 @@ def real_gpt2_folder() -> Path | None:
                 if (snap / "model.safetensors").exists() and (snap / "config.json").exists():
                     return snap
     return None
+
+
+# ---- running the command line -----------------------------------------------------------------------
+LAUNCH_TIMEOUT = 300  # seconds: a test that hangs fails instead of holding up the suite
+
+
+def cli(*args: str, input: str | bytes | None = None, env: dict | None = None):
+    """The one CLI runner: `lmhead ARGS` in-process (Typer's CliRunner); a click Result with exit_code,
+    stdout, stderr and output (both, interleaved)."""
+    from typer.testing import CliRunner
+
+    from lmhead_cli.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], input=input, env=env)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def lmhead_argv(*args: str, torchrun: int = 0) -> list[str]:
+    """The argv of `lmhead ARGS` in a fresh interpreter; under torchrun with `torchrun` processes if > 0."""
+    import sys
+
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+                if torchrun else [sys.executable])
+    return [*launcher, "-m", "lmhead_cli", *map(str, args)]
+
+
+def _env(extra: dict | None) -> dict:
+    """The current environment, this checkout first on PYTHONPATH, then `extra`."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
+def launch(*args: str, env: dict | None = None, torchrun: int = 0, timeout: float = LAUNCH_TIMEOUT, **kwargs):
+    """The one subprocess launcher: `lmhead ARGS` in a fresh interpreter (subprocess.run, killed after
+    `timeout` s; `env` is added to the current environment). Output is captured unless `stdout` or
+    `stderr` is given; other keyword arguments (text, input, preexec_fn) go to subprocess.run."""
+    import subprocess
+
+    if "stdout" not in kwargs and "stderr" not in kwargs:
+        kwargs.setdefault("capture_output", True)
+    return subprocess.run(lmhead_argv(*args, torchrun=torchrun), env=_env(env), timeout=timeout, **kwargs)
+
+
+def start(*args: str, env: dict | None = None, **kwargs):
+    """`lmhead ARGS` started in the background (subprocess.Popen, stdin/stdout/stderr piped); read its
+    output with `reader`, never with a bare readline."""
+    import subprocess
+
+    for stream in ("stdin", "stdout", "stderr"):
+        kwargs.setdefault(stream, subprocess.PIPE)
+    return subprocess.Popen(lmhead_argv(*args), env=_env(env), **kwargs)
+
+
+def reader(stream, timeout: float = LAUNCH_TIMEOUT):
+    """A readline for `stream` (a pipe) that gives up: each call returns the next line ("" at the end), or
+    fails the test after `timeout` seconds, so a process that never writes cannot hang the suite."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in iter(stream.readline, stream.read(0)):  # read(0): b"" or "", the end-of-file value
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+    def readline():
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line within {timeout} s") from None
+        return stream.read(0) if line is None else line
+
+    return readline

@@ -9,13 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
+from helpers import cli
 
 import lmhead_cli
 from lmhead_cli.cli import app
 from lmhead_cli.errors import BadValue, LmheadError, NoPrompt, UsageError
 
-runner = CliRunner()
 PROMPT = "The keys on the table"
 TIMES = ("elapsed_s", "first_token_s", "tokens_per_second", "decode_tokens_per_second")
 
@@ -26,7 +25,7 @@ def model(tiny):
 
 
 def cli_json(tiny, *args) -> dict:
-    result = runner.invoke(app, [*args, "--model", str(tiny[0]), "--device", "cpu", "--threads", "1", "--json"])
+    result = cli(*args, "--model", str(tiny[0]), "--device", "cpu", "--threads", "1", "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -121,19 +120,19 @@ def test_tie_matches_cli(model, tiny):
 
 def test_params_match_cli(model, tiny):
     got = model.params(batch=2, seq=16).to_dict()
-    out = runner.invoke(app, ["params", "--model", str(tiny[0]), "--batch", "2", "--seq", "16", "--json"])
+    out = cli("params", "--model", str(tiny[0]), "--batch", "2", "--seq", "16", "--json")
     assert got == json.loads(out.stdout)
     assert got["counted_from"] == "tensors"
     from lmhead_cli.api import params
 
     by_config = params("gpt2-xl", batch=8).to_dict()
-    out = runner.invoke(app, ["params", "--config", "gpt2-xl", "--batch", "8", "--json"])
+    out = cli("params", "--config", "gpt2-xl", "--batch", "8", "--json")
     assert out.exit_code == 0
     assert by_config == json.loads(out.stdout)
 
 
 def cli_error(tiny, *args) -> tuple[int, str]:
-    result = runner.invoke(app, [*args, "--model", str(tiny[0]), "--device", "cpu"])
+    result = cli(*args, "--model", str(tiny[0]), "--device", "cpu")
     return result.exit_code, result.output.strip()
 
 

@@ -12,14 +12,11 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, _tokenizer_files
-from typer.testing import CliRunner
+from helpers import PROMPT, PROMPT_IDS, _tokenizer_files, cli
 
-from lmhead_cli.cli import app
 from lmhead_cli.errors import CorruptCheckpoint
 from lmhead_cli.loading.sources import load_model
 
-runner = CliRunner()
 EOS = 50256
 CAP = 2.0  # the tiny Gemma-2's final_logit_softcapping
 SIZES = dict(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -63,7 +60,7 @@ def arch(request):
 
 
 def run(ckpt, *args, input=None):
-    return runner.invoke(app, [*args, "--model", str(ckpt[0])], input=input)
+    return cli(*args, "--model", str(ckpt[0]), input=input)
 
 
 def doc(ckpt, *args, input=None) -> dict:
@@ -353,7 +350,7 @@ def test_a_wrong_model_type_is_an_error_naming_both_sizes_not_an_allocation(tmp_
     message = str(e.value)
     assert f"LlamaForCausalLM (llama) with {n_llama:,} parameters, the file holds {n_file:,}" in message
     assert "it lacks model.embed_tokens.weight" in message and "\n" not in message
-    got = runner.invoke(app, ["inspect", PROMPT, "--model", str(tmp_path)])
+    got = cli("inspect", PROMPT, "--model", str(tmp_path))
     assert got.exit_code == 1 and got.stderr.startswith("lmhead: error: ") and got.stderr.count("\n") == 1
 
 

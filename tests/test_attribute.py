@@ -8,14 +8,11 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint
-from typer.testing import CliRunner
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli
 
-from lmhead_cli.cli import app
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings.attribute import attribute_logit
 
-runner = CliRunner()
 ARE, IS = 389, 318
 
 
@@ -121,7 +118,7 @@ def test_engines_agree_and_untied_head_uses_its_own_rows(tmp_path):
 
 
 def test_cli_table_and_check(tiny):
-    r = runner.invoke(app, ["attribute", PROMPT, "-t", " are", "--vs", " is", "--heads", "--model", str(tiny[0])])
+    r = cli("attribute", PROMPT, "-t", " are", "--vs", " is", "--heads", "--model", str(tiny[0]))
     assert r.exit_code == 0, r.output
     out = r.stdout
     for text in ("z(␣are) − z(␣is)", "check: Σ parts = ", "parts, largest first", "per layer",
@@ -130,7 +127,7 @@ def test_cli_table_and_check(tiny):
 
 
 def test_cli_json_has_exactly_the_documented_fields(tiny):
-    r = runner.invoke(app, ["attribute", PROMPT, "-t", " are", "--vs", " is", "--json", "--model", str(tiny[0])])
+    r = cli("attribute", PROMPT, "-t", " are", "--vs", " is", "--json", "--model", str(tiny[0]))
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert set(doc) == {"target", "vs", "logit", "parts", "heads", "attn_bias", "sum", "error"}
@@ -143,7 +140,7 @@ def test_cli_json_has_exactly_the_documented_fields(tiny):
 
 
 def test_multi_token_target_uses_its_first_token(tiny):
-    r = runner.invoke(app, ["attribute", PROMPT, "-t", " keys on", "--model", str(tiny[0])])
+    r = cli("attribute", PROMPT, "-t", " keys on", "--model", str(tiny[0]))
     assert r.exit_code == 0, r.output
     assert "is 2 tokens" in r.stderr and "z(␣keys) after" in r.stdout
     assert "heads (" not in r.stdout  # only with --heads
@@ -157,7 +154,7 @@ def test_multi_token_target_uses_its_first_token(tiny):
     ([PROMPT, "-t", " are", "--vs", ""], "--vs '' encodes to no tokens"),
 ])
 def test_bad_input_exits_2(args, message):
-    r = runner.invoke(app, ["attribute", *args, "--model", "random:distilgpt2"])
+    r = cli("attribute", *args, "--model", "random:distilgpt2")
     assert r.exit_code == 2, r.output
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0]

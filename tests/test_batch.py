@@ -7,16 +7,13 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT
-from typer.testing import CliRunner
+from helpers import PROMPT, cli
 
 from lmhead_cli.readings.batch import batch_logits, inspect_batch, read_prompts
-from lmhead_cli.cli import app
 from lmhead_cli.errors import LmheadError, UsageError
 from lmhead_cli.readings.inspect import inspect_prompt
 from lmhead_cli.loading.sources import load_model
 
-runner = CliRunner()
 # Lengths from 1 token to a dozen, so every batch mixes padded and unpadded rows.
 PROMPTS = ["Hello", PROMPT, "The key on the table", "A", "The authors of the book on the shelf near the door",
            "My friends", "Once upon a time there was", "1 2 3 4 5 6 7 8 9 10 11 12", " leading space", "日本語"]
@@ -166,15 +163,15 @@ def test_cli_json_lines_equal_single_inspect_documents(tiny, tmp_path):
     folder = str(tiny[0])
     path = tmp_path / "prompts.txt"
     path.write_text("The keys on the table\n\nThe key on the table\nHello\n", encoding="utf-8")
-    got = runner.invoke(app, ["inspect", "--file", str(path), "-t", " are", "-k", "3", "--batch-size", "2",
-                              "--model", folder, "--json"])
+    got = cli("inspect", "--file", str(path), "-t", " are", "-k", "3", "--batch-size", "2",
+                              "--model", folder, "--json")
     assert got.exit_code == 0, got.output
     docs = [json.loads(line) for line in got.stdout.splitlines()]
     assert "skipped 1 empty line" in got.stderr
     assert "targets won" in got.stderr
     for prompt, doc in zip(["The keys on the table", "The key on the table", "Hello"], docs, strict=True):
-        single = json.loads(runner.invoke(app, ["inspect", prompt, "-t", " are", "-k", "3", "--model", folder,
-                                                "--json"]).stdout)
+        single = json.loads(cli("inspect", prompt, "-t", " are", "-k", "3", "--model", folder,
+                                                "--json").stdout)
         assert doc.keys() == single.keys()
         for key in single:
             if key not in ("top", "targets", "entropy", "entropy_bits"):
@@ -187,7 +184,7 @@ def test_cli_json_lines_equal_single_inspect_documents(tiny, tmp_path):
 
 
 def test_cli_table_reads_stdin_and_counts_wins(tiny):
-    got = runner.invoke(app, ["inspect", "--file", "-", "-t", " are", "-t", " is", "--model", str(tiny[0])],
+    got = cli("inspect", "--file", "-", "-t", " are", "-t", " is", "--model", str(tiny[0]),
                         input="The keys on the table\nThe key on the table\n")
     assert got.exit_code == 0, got.output
     assert "The keys on the" in got.stdout and "p(␣are)" in got.stdout
@@ -206,6 +203,6 @@ def test_cli_bad_input_exits_2(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00")
     (tmp_path / "good.txt").write_text("Hello\n", encoding="utf-8")
-    got = runner.invoke(app, ["inspect", *args, "--model", "random:gpt2"])  # fails before any load
+    got = cli("inspect", *args, "--model", "random:gpt2")  # fails before any load
     assert got.exit_code == 2, got.output
     assert message in got.stderr

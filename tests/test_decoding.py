@@ -209,8 +209,16 @@ def test_check_names_the_setting_and_the_range(key, value, words):
 
 
 def test_check_accepts_the_edges():
-    decoding.check({"temperature": 1e-6, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "softcap": 1e-3, "beams": 1,
-                    "max_new_tokens": 1, "seed": 0, "top_k_unset": None})
+    edges = {"temperature": 1e-6, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "softcap": 1e-6, "beams": 1,
+             "max_new_tokens": 1}
+    assert decoding.check({**edges, "seed": 0, "top_k_unset": None}) is None  # no BadValue
+    for key, value in edges.items():
+        assert decoding.SETTINGS[key].rule.ok(value), key  # each edge is inside its own rule
+    beyond = {"temperature": 1e-7, "top_k": 0, "top_p": 1.0 + 1e-6, "min_p": -1e-9, "softcap": 1e-7, "beams": 0,
+              "max_new_tokens": 0}
+    for key, value in beyond.items():
+        with pytest.raises(BadValue):
+            decoding.check({key: value})
 
 
 # ---- the stage table ------------------------------------------------------------------------

@@ -7,14 +7,11 @@ import math
 
 import pytest
 import torch
-from helpers import assert_rank
-from typer.testing import CliRunner
+from helpers import assert_rank, cli
 
-from lmhead_cli.cli import app
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings.diff import diff_prompts
 
-runner = CliRunner()
 A, B = "The key on the table", "The keys on the table"
 A_IDS, B_IDS = [464, 1994, 319, 262, 3084], [464, 8251, 319, 262, 3084]
 IS, ARE = 318, 389
@@ -119,7 +116,7 @@ def test_untied(tiny_untied):
 
 
 def test_identical_prompts_give_zero(tiny):
-    r = runner.invoke(app, ["diff", B, B, "--model", str(tiny[0]), "--json", "-t", " are"])
+    r = cli("diff", B, B, "--model", str(tiny[0]), "--json", "-t", " are")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["kl_ab"] == doc["kl_ba"] == doc["js"] == doc["tv"] == 0.0
@@ -129,7 +126,7 @@ def test_identical_prompts_give_zero(tiny):
 
 
 def test_json_has_exactly_the_documented_fields(tiny):
-    r = runner.invoke(app, ["diff", A, B, "--model", str(tiny[0]), "--json", "-k", "3", "-t", " is", "-t", " keys on"])
+    r = cli("diff", A, B, "--model", str(tiny[0]), "--json", "-k", "3", "-t", " is", "-t", " keys on")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert set(doc) == {"a", "b", "kl_ab", "kl_ba", "js", "tv", "risers", "fallers", "targets"}
@@ -145,8 +142,8 @@ def test_json_has_exactly_the_documented_fields(tiny):
 
 
 def test_table_shows_data_literally(tiny):
-    r = runner.invoke(app, ["diff", "[bold]x[/]", "\x1b[31mred", "--model", str(tiny[0]), "-k", "3", "-t", " is",
-                            "-t", " are"])
+    r = cli("diff", "[bold]x[/]", "\x1b[31mred", "--model", str(tiny[0]), "-k", "3", "-t", " is",
+                            "-t", " are")
     assert r.exit_code == 0, r.output
     out = r.stdout
     for text in ("KL(A‖B)", "KL(B‖A)", "Jensen–Shannon", "total variation", "and its rank on the other side", "risers", "fallers",
@@ -164,7 +161,7 @@ def test_table_shows_data_literally(tiny):
     ([A, B, "--target", ""], "encodes to no tokens"),
 ])
 def test_bad_input_exits_2(tiny, args, message):
-    r = runner.invoke(app, ["diff", *args, "--model", str(tiny[0])])
+    r = cli("diff", *args, "--model", str(tiny[0]))
     assert r.exit_code == 2, r.output
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0]

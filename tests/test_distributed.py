@@ -3,17 +3,11 @@ merged output, the same bytes as one process (lmhead_cli/distributed.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from typer.testing import CliRunner
+from helpers import cli, launch
 
-from lmhead_cli.cli import app
 from lmhead_cli.distributed import Ranks
 
-runner = CliRunner()
 PROMPTS = [f"{s} {p}" for p in ("on the table", "near the door", "in the drawer")
            for s in ("The key", "The keys", "The dog", "The dogs", "A box")] + ["x" * 40, "The end"]
 
@@ -40,17 +34,15 @@ def test_ranks_come_from_torchruns_environment(monkeypatch):
 def test_stdin_is_refused_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    got = runner.invoke(app, ["inspect", "--file", "-", "--model", "random:gpt2"], input="a\n")
+    got = cli("inspect", "--file", "-", "--model", "random:gpt2", input="a\n")
     assert got.exit_code == 2
     assert "under torchrun" in got.stderr
 
 
-def lmhead(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
-                if torchrun else [sys.executable])
-    env = {**os.environ, "LMHEAD_THREADS": "1"}  # the same threads per process on both sides
-    return subprocess.run([*launcher, "-m", "lmhead_cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+def lmhead(*args: str, torchrun: int = 0):
+    """`lmhead ARGS` in a fresh process, or under torchrun with `torchrun` processes; one thread each, so
+    that both sides round alike."""
+    return launch(*args, torchrun=torchrun, env={"LMHEAD_THREADS": "1"}, text=True)
 
 
 @pytest.mark.parametrize("output", [["--json"], []], ids=["json", "table"])

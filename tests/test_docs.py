@@ -364,3 +364,63 @@ if __name__ == "__main__":  # print what each command of a page really prints
                 for cmd in ex.commands:
                     code, out, err = bash(cmd.line, Path(folder), env)
                     print(f"== {ex.page.name}:{cmd.lineno} exit {code}\n$ {cmd.line}\n{err}{out}")
+
+
+def test_the_check_catches_what_a_page_would_get_wrong():
+    """The checker itself: a wrong exit code, a missing header, a missing error line and different JSON
+    keys are each caught; a rewrapped line and other numbers are not differences."""
+    shown = ["random weights (random:gpt2, seeded): the architecture and the",
+             " rank ┃ id ┃ token ┃ prob", "...", "entropy 10.67 nats"]
+    out = "random weights (random:gpt2, seeded):\nthe architecture and the arithmetic\n rank ┃  id ┃ token ┃ prob\n"
+    assert check(Command("lmhead x", shown, 1), 0, out, "", None) == []
+    assert check(Command("lmhead x", shown, 1), 0, out.replace("prob", "p"), "", None)  # a header changed
+    assert check(Command("lmhead x", shown, 1), 1, out, "", None)  # an exit code the page does not show
+    error = ["lmhead: error: --top-k must be at least 1 (got 0)"]
+    assert check(Command("lmhead x", error, 1), 2, "", error[0] + "\n", None) == []
+    assert check(Command("lmhead x", error, 1), 0, "", error[0] + "\n", None)  # an error must not exit 0
+    assert check(Command("lmhead x", error, 1), 2, "", "lmhead: error: other\n", None)
+    assert check(Command("lmhead x", error, 1), 2, "", error[0], 1)  # the marker's exit code wins
+    assert check(Command("lmhead x", ['{"a": 1, "b": 2}'], 1), 0, '{"a": 5, "b": 6}', "", None) == []
+    assert check(Command("lmhead x", ['{"a": 1, "b": 2}'], 1), 0, '{"a": 5}', "", None)
+
+
+def test_the_parser_reads_sessions_markers_and_doctests(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text('''# A page
+
+```console
+$ lmhead params
+gpt2: counted
+$ printf 'a\\n' > a.txt
+```
+
+<!-- docs-test: replace "--model gpt2" "--model random:gpt2" -->
+```
+lmhead inspect "x" --model gpt2   # a comment
+pip install lmhead
+```
+
+<!-- docs-test: skip (serves until stopped) -->
+```bash
+$ lmhead serve
+```
+
+```python
+>>> 1 + 1
+2
+```
+
+```python
+print("not run")
+```
+''', encoding="utf-8")
+    found = parse(page)
+    assert [e.kind for e in found] == ["shell", "shell", "shell", "doctest"]
+    assert [(c.line, c.shown) for c in found[0].commands] == [("lmhead params", ["gpt2: counted"]),
+                                                             ("printf 'a\\n' > a.txt", [])]
+    assert [c.line for c in found[1].commands] == ['lmhead inspect "x" --model random:gpt2   # a comment']
+    assert found[2].skip == "serves until stopped" and found[0].skip is None is found[1].skip
+    assert in_process(found[1].commands[0].line) == (["inspect", "x", "--model", "random:gpt2"], None, False)
+    assert in_process(found[0].commands[1].line) is None  # not lmhead: bash runs it
+    assert in_process("printf 'a\\nb\\n' | lmhead explore -k 2 2>/dev/null") == (["explore", "-k", "2"],
+                                                                                  "printf 'a\\nb\\n'", True)

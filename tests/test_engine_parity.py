@@ -151,6 +151,18 @@ def test_blocked_products_equal_the_plain_ones(threads):
         torch.set_num_threads(before)
 
 
+def test_bfloat16_weights_are_packed_where_onednn_has_bfloat16(tiny):
+    """On a CPU whose oneDNN runs bfloat16, the second one-position step packs every matrix once."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("this CPU's oneDNN has no bfloat16: the products stay plain F.linear")
+    eng = load_model(str(tiny[0]), device="cpu", dtype="bfloat16", engine="lean").engine
+    cache = eng.new_cache(1, 8)
+    eng.body(torch.tensor([[464, 8251, 319]]), cache)
+    for _ in range(2):  # two one-position steps: the second packs the weights
+        eng.head(eng.body(torch.tensor([[13]]), cache))
+    assert eng.gpt.h[0].attn.c_attn.packed is not None and eng.head_module.packed is not None
+
+
 def test_bfloat16_products_equal_f_linear(tiny):
     """bfloat16 on the CPU runs the products over oneDNN-packed weights (where torch has them): the
     same logits as the plain bfloat16 products, one position or several."""
@@ -160,8 +172,6 @@ def test_bfloat16_products_equal_f_linear(tiny):
     for _ in range(2):  # two one-position steps: the second packs the weights
         eng.head(eng.body(torch.tensor([[13]]), cache))
     block = eng.gpt.h[0].attn.c_attn
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert block.packed is not None and eng.head_module.packed is not None
     for positions in (h[:, -1:], h):
         with torch.inference_mode():
             expected = torch.nn.functional.linear(positions, eng.head_weight)

@@ -8,15 +8,11 @@ import math
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, with_ln_f
-from typer.testing import CliRunner
+from helpers import PROMPT, PROMPT_IDS, cli, with_ln_f
 
-from lmhead_cli.cli import app
 from lmhead_cli.readings.explain import explain_logit
 from lmhead_cli.readings.inspect import inspect_prompt
 from lmhead_cli.loading.sources import load_model
-
-runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +97,7 @@ def test_targets_join_the_side_by_side_rows(ckpt):
 
 
 def test_cli_shows_the_decomposition(ckpt):
-    got = runner.invoke(app, ["inspect", PROMPT, "--explain", " are", "-k", "3", "--model", str(ckpt[0])])
+    got = cli("inspect", PROMPT, "--explain", " are", "-k", "3", "--model", str(ckpt[0]))
     assert got.exit_code == 0, got.output
     out = got.stdout
     assert "one logit taken apart: ␣are (id 389)" in out
@@ -110,7 +106,7 @@ def test_cli_shows_the_decomposition(ckpt):
 
 
 def test_cli_json(ckpt):
-    got = runner.invoke(app, ["inspect", PROMPT, "--explain", " table top", "--model", str(ckpt[0]), "--json"])
+    got = cli("inspect", PROMPT, "--explain", " table top", "--model", str(ckpt[0]), "--json")
     assert got.exit_code == 0, got.output
     doc = json.loads(got.stdout)
     assert doc["pieces"] == [" table", " top"] and doc["explained"]["id"] == 3084
@@ -123,6 +119,6 @@ def test_cli_json(ckpt):
     ([PROMPT, "--explain", ""], "encodes to no tokens"),
 ])
 def test_cli_bad_input_exits_2(ckpt, args, message):
-    got = runner.invoke(app, ["inspect", *args, "--model", str(ckpt[0])])
+    got = cli("inspect", *args, "--model", str(ckpt[0]))
     assert got.exit_code == 2, got.output
     assert message in got.stderr

@@ -12,17 +12,14 @@ import sys
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint
-from typer.testing import CliRunner
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli
 
-from lmhead_cli.cli import app
 
-runner = CliRunner()
 EOS = 50256
 
 
 def run(tiny, *args, input=None):
-    return runner.invoke(app, [*args, "--model", str(tiny[0])], input=input)
+    return cli(*args, "--model", str(tiny[0]), input=input)
 
 
 def doc(tiny, *args, input=None) -> dict:
@@ -134,12 +131,12 @@ def test_every_bundled_preset_is_valid():
 def test_a_bad_preset_file_is_a_usage_error_naming_the_file(tmp_path, body, words):
     path = tmp_path / "mine.toml"
     path.write_text(body)
-    got = runner.invoke(app, ["generate", "--preset", str(path), "--model", "random:gpt2"])
+    got = cli("generate", "--preset", str(path), "--model", "random:gpt2")
     assert got.exit_code == 2 and words in got.stderr and str(path) in got.stderr, got.stderr
 
 
 def test_an_unknown_preset_lists_them():
-    got = runner.invoke(app, ["generate", "--preset", "wild", "--model", "random:gpt2"])
+    got = cli("generate", "--preset", "wild", "--model", "random:gpt2")
     assert got.exit_code == 2
     assert "unknown preset 'wild'; choose one of: creative, gemma-softcap, precise" in got.stderr
 
@@ -168,7 +165,7 @@ def test_an_unknown_preset_lists_them():
 ])
 def test_bad_input_is_one_clear_line(args, words):
     # a model that does not exist: the check must come first, or this would say "not found"
-    got = runner.invoke(app, [*args, "--model", "./no-such-model"])
+    got = cli(*args, "--model", "./no-such-model")
     assert got.exit_code == 2, got.output
     assert got.stderr.count("\n") == 1 and got.stderr.startswith("lmhead: error: ") and words in got.stderr
     assert "Traceback" not in got.output
@@ -179,7 +176,7 @@ def test_bad_input_is_one_clear_line(args, words):
 def test_the_context_limit_stops_with_a_notice(tmp_path):
     folder = tmp_path / "short"
     build_checkpoint(folder, n_positions=16)
-    got = runner.invoke(app, ["greedy", PROMPT * 2, "-n", "40", "--model", str(folder), "--json"])
+    got = cli("greedy", PROMPT * 2, "-n", "40", "--model", str(folder), "--json")
     assert got.exit_code == 0, got.output
     d = json.loads(got.stdout)
     assert d["stop"] == "context" and len(d["generated_ids"]) == 7
@@ -209,7 +206,7 @@ def test_non_finite_logits_stop_with_a_clear_error(tmp_path):
     with torch.no_grad():
         model.transformer.ln_f.weight[0] = float("nan")
     model.save_pretrained(folder)
-    got = runner.invoke(app, ["greedy", PROMPT, "-n", "3", "--model", str(folder)])
+    got = cli("greedy", PROMPT, "-n", "3", "--model", str(folder))
     assert got.exit_code == 1 and "non-finite logits" in got.stderr and "Traceback" not in got.output
 
 
@@ -243,15 +240,15 @@ def test_inspect_stages_table_and_json(tiny):
 
 def test_inspect_without_stages_is_unchanged_and_bad_knobs_exit_2(tiny):
     assert "stages" not in doc(tiny, "inspect", PROMPT)
-    got = runner.invoke(app, ["inspect", PROMPT, "--stages", "--top-p", "2", "--model", "./no-such-model"])
+    got = cli("inspect", PROMPT, "--stages", "--top-p", "2", "--model", "./no-such-model")
     assert got.exit_code == 2 and "--top-p must be in (0, 1]" in got.stderr
 
 
 # ---- the command from the issue, on random:gpt2 ------------------------------------------------
 
 def test_done_when_generate_on_random_gpt2():
-    got = runner.invoke(app, ["generate", "--temperature", "0.8", "--seed", "1", "--model", "random:gpt2",
-                              "-n", "5"])
+    got = cli("generate", "--temperature", "0.8", "--seed", "1", "--model", "random:gpt2",
+                              "-n", "5")
     assert got.exit_code == 0, got.output
     assert got.stdout.startswith("random weights (random:gpt2, seeded)")  # every random-weights output says so
     text = got.stdout.split("the predictions are not.\n", 1)[1]

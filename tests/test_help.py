@@ -6,12 +6,11 @@ import re
 import shlex
 
 import pytest
+from helpers import cli
 from typer.main import get_command
-from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
 
-runner = CliRunner()
 GROUP = get_command(app)
 
 
@@ -23,7 +22,7 @@ def example(name: str) -> str:
 
 
 def test_top_help_says_how_to_set_the_default_model():
-    out = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout
+    out = cli("--help", env={"COLUMNS": "200"}).stdout
     assert "LMHEAD_MODEL" in out and "random:gpt2" in out
 
 
@@ -37,6 +36,6 @@ def test_help_example_runs_offline(name):
     words = shlex.split(line)
     assert words[:2] == ["lmhead", name]
     assert "--model" in words or name in ("params", "toy"), "a model command's example names an offline model"
-    result = runner.invoke(app, words[1:], input=stdin)
+    result = cli(*words[1:], input=stdin)
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()

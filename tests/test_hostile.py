@@ -7,16 +7,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import build_checkpoint
-from typer.testing import CliRunner
+from helpers import build_checkpoint, cli, launch, reader, start
 
-from lmhead_cli.cli import app
 
-runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
 ESC_ID, BEL_ID = 215, 195  # GPT-2's single-byte tokens for ESC (0x1b) and BEL (0x07)
 HOSTILE = "\x1b]0;HACKED\x07\x1b[2J[bold]hi[/] \x9b31m\x7f"  # title, clear screen, markup, C1 CSI, DEL
@@ -48,7 +44,7 @@ def control_bytes(text: str) -> list[str]:
 
 
 def invoke(args, **kwargs):
-    got = runner.invoke(app, args, **kwargs)
+    got = cli(*args, **kwargs)
     assert "unexpected" not in got.stderr, got.stderr
     return got
 
@@ -120,22 +116,13 @@ def test_multi_token_target_notice_is_escaped_once(tiny):
 
 # ---- 2. memory bounded by what was asked, not by the input -------------------------------------------
 
-def lmhead(*args, **kwargs) -> subprocess.CompletedProcess:
-    """`lmhead ARGS` in a fresh interpreter (streams, encodings and closed descriptors are real there)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **kwargs.pop("env", {})}
-    return subprocess.run([sys.executable, "-m", "lmhead_cli.cli", *args], env=env, timeout=300, **kwargs)
-
-
 def test_inspect_file_prints_before_the_last_line_is_read(tiny):
     """Two lines in, one batch out, while stdin is still open: the run streams."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "lmhead_cli.cli", "inspect", "--file", "-", "--json",
-                             "--batch-size", "2", "--model", str(tiny[0])],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = start("inspect", "--file", "-", "--json", "--batch-size", "2", "--model", str(tiny[0]))
     try:
         proc.stdin.write(b"The keys on the table\nHello\n")
         proc.stdin.flush()
-        first = json.loads(proc.stdout.readline())  # blocks until the first batch is written
+        first = json.loads(reader(proc.stdout)())  # the first batch, while stdin is still open
         assert first["prompt_tokens"][0]["text"] == "The"
         proc.stdin.write(b"A third line\n")
         proc.stdin.close()
@@ -230,7 +217,7 @@ def test_stdin_that_is_not_utf8_is_a_usage_error_and_explore_goes_on(tiny):
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["params"], ["toy", "--json"], ["inspect", "--help"]])
 def test_a_full_stdout_is_one_line_and_exit_1(args):
     with open("/dev/full", "w") as full:
-        got = lmhead(*args, stdout=full, stderr=subprocess.PIPE, text=True)
+        got = launch(*args, stdout=full, stderr=subprocess.PIPE, text=True)
     assert got.returncode == 1, got.stderr
     assert got.stderr == "lmhead: error: cannot write the output: No space left on device\n"
 
@@ -240,25 +227,25 @@ def test_a_closed_pipe_exits_0_quietly(args):
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first byte
     try:
-        got = lmhead(*args, stdout=write, stderr=subprocess.PIPE, text=True)
+        got = launch(*args, stdout=write, stderr=subprocess.PIPE, text=True)
     finally:
         os.close(write)
     assert got.returncode == 0 and got.stderr == ""
 
 
 def test_closed_stdout_and_stdin(tiny):
-    got = lmhead("params", stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
+    got = launch("params", stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
     assert got.returncode == 1 and got.stderr == "lmhead: error: stdout is closed; there is nowhere to write the output\n"
     for args, message in ((["generate", "-"], "stdin is closed"), (["explore"], "stdin is closed")):
-        got = lmhead(*args, "--model", str(tiny[0]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        got = launch(*args, "--model", str(tiny[0]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                      preexec_fn=lambda: os.close(0))
         assert got.returncode == 2 and message in got.stderr and "Traceback" not in got.stderr
 
 
 def test_an_output_encoding_that_is_not_utf8_still_writes():
-    got = lmhead("params", stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
+    got = launch("params", stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
     assert got.returncode == 0 and b"50,257 \\xd7 768" in got.stdout
-    got = lmhead("toy", "--json", stdout=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
+    got = launch("toy", "--json", stdout=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
     assert got.returncode == 0 and json.loads(got.stdout)["words"] == ["cat", "dog", "fish", "run"]
 
 

@@ -7,18 +7,14 @@ import math
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint, nan_checkpoint
-from typer.testing import CliRunner
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli, nan_checkpoint
 
-from lmhead_cli.cli import app
 from lmhead_cli.readings.inspect import inspect_prompt
 from lmhead_cli.loading.sources import load_model
 
-runner = CliRunner()
-
 
 def run(*args):
-    return runner.invoke(app, list(args))
+    return cli(*args)
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,13 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, assert_rank, build_checkpoint, with_ln_f
-from typer.testing import CliRunner
+from helpers import PROMPT, PROMPT_IDS, assert_rank, build_checkpoint, cli, with_ln_f
 
-from lmhead_cli.cli import app
 from lmhead_cli.head import log_softmax
 from lmhead_cli.readings.inspect import inspect_prompt
 from lmhead_cli.readings.lens import lens_prompt
 from lmhead_cli.loading.sources import load_model
 
-runner = CliRunner()
 N_LAYER = 3
 
 
@@ -103,14 +100,14 @@ def test_heat_map_holds_each_layers_probabilities(ckpt):
 def test_cli_json_layers_and_last_row_equal_inspect(ckpt):
     folder, _ = ckpt
     args = [PROMPT, "--target", " are", "--model", str(folder), "--json"]
-    got = runner.invoke(app, ["lens", *args])
+    got = cli("lens", *args)
     assert got.exit_code == 0, got.output
     doc = json.loads(got.stdout)
     layers = doc["layers"]
     assert [layer["layer"] for layer in layers] == list(range(N_LAYER + 1))
     assert set(layers[0]) == {"layer", "top_id", "top_token", "top_prob", "entropy", "targets"}
     assert layers[0]["targets"][0]["token"] == " are"
-    ins = json.loads(runner.invoke(app, ["inspect", *args]).stdout)
+    ins = json.loads(cli("inspect", *args).stdout)
     assert layers[-1]["top_id"] == ins["top"][0]["id"]
     assert layers[-1]["top_prob"] == ins["top"][0]["prob"]
     assert layers[-1]["entropy"] == ins["entropy"]
@@ -119,10 +116,10 @@ def test_cli_json_layers_and_last_row_equal_inspect(ckpt):
 
 def test_cli_table_and_heat_map(ckpt):
     folder, _ = ckpt
-    table = runner.invoke(app, ["lens", PROMPT, "-t", " are", "--model", str(folder)])
+    table = cli("lens", PROMPT, "-t", " are", "--model", str(folder))
     assert table.exit_code == 0, table.output
     assert "embeddings" in table.stdout and f"block {N_LAYER}" in table.stdout and "␣are rank" in table.stdout
-    heat = runner.invoke(app, ["lens", PROMPT, "--heat", "-k", "3", "--model", str(folder)])
+    heat = cli("lens", PROMPT, "--heat", "-k", "3", "--model", str(folder))
     assert heat.exit_code == 0, heat.output
     assert "███" in heat.stdout and "shades: ░ ≥ 20%" in heat.stdout
 
@@ -134,7 +131,7 @@ def test_cli_table_and_heat_map(ckpt):
 ])
 def test_cli_bad_input_exits_2(ckpt, args, message):
     folder, _ = ckpt
-    got = runner.invoke(app, ["lens", *args, "--model", str(folder)])
+    got = cli("lens", *args, "--model", str(folder))
     assert got.exit_code == 2
     assert message in got.stderr
 
@@ -160,15 +157,15 @@ def test_any_position_matches_transformers(ckpt, engine):
 def test_cli_position_json_and_range(ckpt, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     folder, _ = ckpt
-    got = runner.invoke(app, ["lens", PROMPT, "--position", "1", "--model", str(folder), "--json"])
+    got = cli("lens", PROMPT, "--position", "1", "--model", str(folder), "--json")
     assert got.exit_code == 0, got.output
     doc = json.loads(got.stdout)
     assert doc["position"] == 1
-    last = json.loads(runner.invoke(app, ["lens", PROMPT, "--model", str(folder), "--json"]).stdout)
+    last = json.loads(cli("lens", PROMPT, "--model", str(folder), "--json").stdout)
     assert last["position"] == len(PROMPT_IDS) - 1 and last["layers"] != doc["layers"]
-    table = runner.invoke(app, ["lens", PROMPT, "--position", "1", "--model", str(folder)])
+    table = cli("lens", PROMPT, "--position", "1", "--model", str(folder))
     assert "position 1 (␣keys" in table.stdout
     assert "what `lmhead score` reports for token 2" in table.stdout
     for bad in ("5", "-6"):
-        got = runner.invoke(app, ["lens", PROMPT, "--position", bad, "--model", str(folder)])
+        got = cli("lens", PROMPT, "--position", bad, "--model", str(folder))
         assert got.exit_code == 2 and "outside the prompt's 5 tokens" in got.stderr

@@ -13,17 +13,14 @@ import math
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS
-from typer.testing import CliRunner
+from helpers import PROMPT, PROMPT_IDS, cli
 
-from lmhead_cli.cli import app
 from lmhead_cli.decoding.generate import generate, make_settings
 from lmhead_cli.errors import UsageError
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings.inspect import encode_prompt
 from lmhead_cli.render.generate import _pct as pct
 
-runner = CliRunner()
 EOS = 50256
 V = 50257
 
@@ -136,7 +133,7 @@ def test_beam_transition_scores_match_compute_transition_scores(tiny, eos_model,
 
 
 def test_beam_json_and_table_state_the_rule_and_the_check(tiny):
-    got = runner.invoke(app, ["greedy", PROMPT, "--beams", "3", "-n", "5", "--model", str(tiny[0]), "--json"])
+    got = cli("greedy", PROMPT, "--beams", "3", "-n", "5", "--model", str(tiny[0]), "--json")
     assert got.exit_code == 0, got.output
     d = json.loads(got.stdout)
     assert d["length_penalty"]["value"] == 1.0 and "sum(log p) / length ** 1.0" in d["length_penalty"]["rule"]
@@ -148,11 +145,11 @@ def test_beam_json_and_table_state_the_rule_and_the_check(tiny):
         assert b["score"] == pytest.approx(b["logprob"] / b["length"], abs=1e-5)
     # the beam's own steps carry the same transition scores as processed logprobs
     assert [s["logprob"] for s in d["steps"]] == d["beams"][0]["transition_scores"]
-    text = runner.invoke(app, ["greedy", PROMPT, "--beams", "3", "-n", "5", "--model", str(tiny[0])])
+    text = cli("greedy", PROMPT, "--beams", "3", "-n", "5", "--model", str(tiny[0]))
     assert text.exit_code == 0 and "finished beams, best first" in text.stdout
     assert "sum(log p) / length ** 1.0" in text.stdout and text.stdout.count("adds up (±") == 3
     assert f"{d['beams'][0]['score']:.4f}" in text.stdout
-    plain = runner.invoke(app, ["greedy", PROMPT, "-n", "3", "--model", str(tiny[0]), "--json"])
+    plain = cli("greedy", PROMPT, "-n", "3", "--model", str(tiny[0]), "--json")
     assert json.loads(plain.stdout)["beams"] == [] and json.loads(plain.stdout)["length_penalty"] is None
 
 
@@ -161,8 +158,8 @@ def test_beam_json_and_table_state_the_rule_and_the_check(tiny):
 def test_steps_table_shows_raw_and_processed(tiny):
     args = ["sample", PROMPT, "--temperature", "1.5", "--top-k", "30", "--seed", "2", "-n", "3", "--show-steps", "2",
             "--model", str(tiny[0])]
-    d = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
-    got = runner.invoke(app, args, env={"COLUMNS": "200"})
+    d = json.loads(cli(*args, "--json").stdout)
+    got = cli(*args, env={"COLUMNS": "200"})
     assert got.exit_code == 0, got.output
     assert all(h in got.stdout for h in ("raw p", "removed", "H raw"))
     for s in d["steps"]:
@@ -175,7 +172,7 @@ def test_steps_table_shows_raw_and_processed(tiny):
 # ---- --format openai ----------------------------------------------------------------------------
 
 def openai(tiny, *args) -> dict:
-    got = runner.invoke(app, [*args, "--model", str(tiny[0]), "--format", "openai"])
+    got = cli(*args, "--model", str(tiny[0]), "--format", "openai")
     assert got.exit_code == 0, got.output
     return json.loads(got.stdout)
 
@@ -198,8 +195,8 @@ def test_openai_document_matches_transformers(tiny):
     folder, model = tiny
     d = openai(tiny, "generate", PROMPT, "-n", "4", "--seed", "3", "--top-logprobs", "3")
     content = check_shape(d, 3)
-    ids = json.loads(runner.invoke(app, ["generate", PROMPT, "-n", "4", "--seed", "3", "--model", str(folder),
-                                         "--json"]).stdout)["generated_ids"]
+    ids = json.loads(cli("generate", PROMPT, "-n", "4", "--seed", "3", "--model", str(folder),
+                                         "--json").stdout)["generated_ids"]
     assert d["model"] == str(folder) and d["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     assert d["choices"][0]["finish_reason"] == "length" and len(content) == 4
     logits = forward_logits(model, PROMPT_IDS + ids)
@@ -247,8 +244,8 @@ def test_openai_processed_logprobs_and_dropped_tokens(tiny):
     d = openai(tiny, "sample", PROMPT, "-n", "3", "--seed", "1", "--top-k", "5", "--temperature", "0.7",
                "--top-logprobs", "8", "--logprobs", "processed")
     content = check_shape(d, 8)
-    ids = json.loads(runner.invoke(app, ["sample", PROMPT, "-n", "3", "--seed", "1", "--top-k", "5", "--temperature",
-                                         "0.7", "--model", str(folder), "--json"]).stdout)["generated_ids"]
+    ids = json.loads(cli("sample", PROMPT, "-n", "3", "--seed", "1", "--top-k", "5", "--temperature",
+                                         "0.7", "--model", str(folder), "--json").stdout)["generated_ids"]
     logits = forward_logits(model, PROMPT_IDS + ids)
     chain = warpers(temperature=0.7, top_k=5)
     for i, e in enumerate(content):
@@ -272,7 +269,7 @@ def load_tokenizer_bytes(folder):
 
 def test_openai_end_of_text_stops_and_is_not_content(eos_model):
     folder, _ = eos_model
-    got = runner.invoke(app, ["greedy", "x", "-n", "12", "--model", str(folder), "--format", "openai"])
+    got = cli("greedy", "x", "-n", "12", "--model", str(folder), "--format", "openai")
     d = json.loads(got.stdout)
     content = check_shape(d, 0)
     assert d["choices"][0]["finish_reason"] == "stop"
@@ -305,7 +302,7 @@ def test_top_logprobs_kept_per_step_is_what_was_asked(tiny):
     (["--logprobs", "raw"], "--logprobs is reported by --format openai"),
 ])
 def test_bad_logprob_options_exit_2_with_one_line(tiny, args, words):
-    got = runner.invoke(app, ["greedy", PROMPT, "-n", "2", "--model", str(tiny[0]), *args])
+    got = cli("greedy", PROMPT, "-n", "2", "--model", str(tiny[0]), *args)
     assert got.exit_code == 2, got.output
     assert got.stderr.count("\n") == 1 and got.stderr.startswith("lmhead: error: ") and words in got.stderr
     assert "Traceback" not in got.output and got.stdout == ""
@@ -320,7 +317,7 @@ def test_settings_check_top_logprobs_and_distribution():
 
 
 def test_help_states_the_default_distribution():
-    got = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    got = cli("generate", "--help", env={"COLUMNS": "200"})
     assert "raw (the default" in got.stdout and "no cap at 20" in got.stdout
 
 
@@ -356,8 +353,8 @@ def test_score_openai_streams_chunk_by_chunk_through_windows(tmp_path):
     build_checkpoint(folder, n_positions=16)
     text = "The keys on the table are here, and the dog is in the garden by the old red door."
     args = ["score", text, "--stride", "16", "--chunk", "3", "--model", str(folder)]  # no overlap: gaps
-    ref = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
-    got = runner.invoke(app, [*args, "--format", "openai", "--top-logprobs", "5"])
+    ref = json.loads(cli(*args, "--json").stdout)
+    got = cli(*args, "--format", "openai", "--top-logprobs", "5")
     d = json.loads(got.stdout)
     content = check_shape(d, 5)
     scored = [t for t in ref["tokens"] if t["scored"]]
@@ -382,7 +379,7 @@ def test_score_openai_streams_chunk_by_chunk_through_windows(tmp_path):
     (["--format", "openai", "--json"], "--json and --format openai ask for two different outputs"),
 ])
 def test_score_openai_bad_input_exits_2_with_one_line(tiny, args, words):
-    got = runner.invoke(app, ["score", PROMPT, "--model", str(tiny[0]), *args])
+    got = cli("score", PROMPT, "--model", str(tiny[0]), *args)
     assert got.exit_code == 2, got.output
     assert got.stderr.count("\n") == 1 and words in got.stderr and got.stdout == ""
 
@@ -390,5 +387,5 @@ def test_score_openai_bad_input_exits_2_with_one_line(tiny, args, words):
 def test_score_openai_refuses_file(tiny, tmp_path):
     path = tmp_path / "lines.txt"
     path.write_text("one line\n")
-    got = runner.invoke(app, ["score", "--file", str(path), "--format", "openai", "--model", str(tiny[0])])
+    got = cli("score", "--file", str(path), "--format", "openai", "--model", str(tiny[0]))
     assert got.exit_code == 2 and "--format openai scores one text" in got.stderr

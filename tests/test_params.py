@@ -10,14 +10,11 @@ import json
 
 import pytest
 import torch
+from helpers import cli
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
-from typer.testing import CliRunner
 
-from lmhead_cli.cli import app
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.readings.params import account_from_config, account_from_tensors, head_cost, logits_memory
-
-runner = CliRunner()
 
 
 def meta_model(config: dict, **changes) -> GPT2LMHeadModel:
@@ -32,7 +29,7 @@ def unique_numel(module: torch.nn.Module) -> int:
 
 
 def invoke(*args: str):
-    return runner.invoke(app, list(args))
+    return cli(*args)
 
 
 # ---- arithmetic ---------------------------------------------------------------------------------

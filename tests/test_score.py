@@ -12,18 +12,15 @@ import re
 
 import pytest
 import torch
-from helpers import PROMPT, assert_rank, nan_checkpoint
+from helpers import PROMPT, assert_rank, cli, nan_checkpoint
 from rich.console import Console
-from typer.testing import CliRunner
 
-from lmhead_cli.cli import app
 from lmhead_cli.errors import UsageError
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings import score as scoring
 from lmhead_cli.readings.score import Corpus, Line, score_lines, score_text, windows
 from lmhead_cli.render.score import MARKS, UNSCORED_MARK, Progress
 
-runner = CliRunner()
 TEXT = "The keys on the table are on the table. The keys on the table are here, and the dog is asleep."
 WORDS = ("the keys on table are here and dog is asleep a cat sat mat of house by window door it was "
          "not so much that he ran but she said , . yes no").split()
@@ -234,7 +231,7 @@ def test_progress_appears_only_after_a_second_and_only_on_a_terminal():
 # ---- the command ---------------------------------------------------------------------------------
 
 def score_json(folder, *args: str, **kwargs) -> dict:
-    got = runner.invoke(app, ["score", *args, "--model", str(folder), "--json"], **kwargs)
+    got = cli("score", *args, "--model", str(folder), "--json", **kwargs)
     assert got.exit_code == 0, got.output
     return json.loads(got.stdout)
 
@@ -268,7 +265,7 @@ def test_stdin_text_and_the_same_figures(tiny):
 def test_marks_without_colour_rebuild_the_text(tiny, monkeypatch):
     monkeypatch.setenv("COLUMNS", "500")
     text = "The keys on the table\nare here."
-    got = runner.invoke(app, ["score", text, "--model", str(tiny[0])])
+    got = cli("score", text, "--model", str(tiny[0]))
     assert got.exit_code == 0
     shown = got.stdout.split("rank buckets:")[0].rstrip("\n")
     doc = score_json(tiny[0], text)
@@ -288,7 +285,7 @@ def test_colour_on_a_terminal_and_marks_under_no_color(tiny, monkeypatch, no_col
     monkeypatch.setenv("FORCE_COLOR", "1")
     if no_color:
         monkeypatch.setenv("NO_COLOR", "1")
-    got = runner.invoke(app, ["score", TEXT, "--model", str(tiny[0])])
+    got = cli("score", TEXT, "--model", str(tiny[0]))
     assert got.exit_code == 0
     text_part = got.stdout.split("rank buckets:")[0]
     has_marks = any(m in text_part for m in (*MARKS, UNSCORED_MARK))
@@ -298,7 +295,7 @@ def test_colour_on_a_terminal_and_marks_under_no_color(tiny, monkeypatch, no_col
 
 def test_table_long_text_shows_first_and_last_rows(tiny, monkeypatch):
     monkeypatch.setenv("COLUMNS", "120")
-    got = runner.invoke(app, ["score", words(200), "--model", str(tiny[0]), "--table"])
+    got = cli("score", words(200), "--model", str(tiny[0]), "--table")
     assert got.exit_code == 0
     lines = got.stdout.splitlines()
     first_col = [ln.split()[0] for ln in lines if ln.strip() and ln.split()[0].isdigit()]
@@ -311,7 +308,7 @@ def test_table_long_text_shows_first_and_last_rows(tiny, monkeypatch):
 
 def test_hostile_text_is_shown_inert_and_kept_exact_in_json(tiny):
     text = "[bold red]x[/] \x1b[31mred\x07 done"
-    got = runner.invoke(app, ["score", text, "--model", str(tiny[0]), "--table"])
+    got = cli("score", text, "--model", str(tiny[0]), "--table")
     assert got.exit_code == 0
     assert "\x1b" not in got.stdout and "\x07" not in got.stdout
     shown = got.stdout.split("\nrank buckets:")[0]
@@ -325,7 +322,7 @@ def test_file_streams_json_lines_and_a_corpus_summary(tiny, tmp_path):
     path = tmp_path / "texts.txt"
     lines = ["The keys on the table.", "", "   ", "Hello", "The dog is asleep by the door."]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    got = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0]), "--json"])
+    got = cli("score", "--file", str(path), "--model", str(tiny[0]), "--json")
     assert got.exit_code == 0, got.output
     docs = [json.loads(ln) for ln in got.stdout.splitlines()]
     assert [d["text"] for d in docs] == [lines[0], lines[4]]
@@ -334,9 +331,9 @@ def test_file_streams_json_lines_and_a_corpus_summary(tiny, tmp_path):
     tokens, nll = sum(d["scored_tokens"] for d in docs), sum(d["nll"] for d in docs)
     assert "2 texts scored" in got.stderr and "2 empty lines" in got.stderr and "1 line of one token" in got.stderr
     assert f"corpus perplexity {math.exp(nll / tokens):,.4f}" in got.stderr
-    human = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0])])
+    human = cli("score", "--file", str(path), "--model", str(tiny[0]))
     assert human.exit_code == 0 and "skipped: empty" in human.stdout and "corpus perplexity" in human.stdout
-    with_bos = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0]), "--json", "--bos"])
+    with_bos = cli("score", "--file", str(path), "--model", str(tiny[0]), "--json", "--bos")
     assert [json.loads(ln)["text"] for ln in with_bos.stdout.splitlines()] == [lines[0], lines[3], lines[4]]
 
 
@@ -355,7 +352,7 @@ def test_file_streams_json_lines_and_a_corpus_summary(tiny, tmp_path):
     (["score"], None, "give a text"),
 ])
 def test_bad_input_exits_2_with_one_line(tiny, args, stdin, message):
-    got = runner.invoke(app, [*args, "--model", str(tiny[0])], input=stdin)
+    got = cli(*args, "--model", str(tiny[0]), input=stdin)
     assert got.exit_code == 2, got.output
     assert message in got.stderr and got.stderr.count("\n") == 1 and "Traceback" not in got.output
 
@@ -363,7 +360,7 @@ def test_bad_input_exits_2_with_one_line(tiny, args, stdin, message):
 def test_a_file_line_that_is_not_utf8_names_the_line(tiny, tmp_path):
     path = tmp_path / "bad.txt"
     path.write_bytes(b"The keys on the table\ncaf\xe9\n")
-    got = runner.invoke(app, ["score", "--file", str(path), "--model", str(tiny[0]), "--json"])
+    got = cli("score", "--file", str(path), "--model", str(tiny[0]), "--json")
     assert got.exit_code == 2 and "line 2" in got.stderr
 
 
@@ -373,5 +370,5 @@ def test_stride_check_needs_no_model():
 
 
 def test_nan_weight_is_one_line_exit_1(tmp_path, tiny):
-    got = runner.invoke(app, ["score", TEXT, "--model", str(nan_checkpoint(tiny[0], tmp_path))])
+    got = cli("score", TEXT, "--model", str(nan_checkpoint(tiny[0], tmp_path)))
     assert got.exit_code == 1 and "non-finite logits" in got.stderr and "Traceback" not in got.output

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers import cli
 
-from lmhead_cli.cli import app
 from lmhead_cli.engine import threads
 from lmhead_cli.engine.threads import ThreadChooser
-
-runner = CliRunner()
 
 
 @pytest.fixture
@@ -111,7 +108,7 @@ def test_wait_policy_is_passive_unless_the_user_chose(monkeypatch):
 
 @pytest.mark.parametrize("args", [["inspect", "x"], ["greedy", "x"], ["lens", "x"], ["tie"], ["explore"]])
 def test_every_model_command_refuses_zero_threads_before_loading(args):
-    got = runner.invoke(app, [*args, "--threads", "0", "--model", "random:no-such-model"], input="")
+    got = cli(*args, "--threads", "0", "--model", "random:no-such-model", input="")
     assert got.exit_code == 2
     assert "--threads must be at least 1 (got 0)" in got.stderr
 
@@ -121,6 +118,6 @@ def test_lmhead_threads_sets_the_count(tiny, monkeypatch, restore_threads):
     real = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
     monkeypatch.setenv("LMHEAD_THREADS", "1")
-    got = runner.invoke(app, ["greedy", "The keys", "-n", "3", "--model", str(tiny[0]), "--json"])
+    got = cli("greedy", "The keys", "-n", "3", "--model", str(tiny[0]), "--json")
     assert got.exit_code == 0, got.output
     assert calls == [1]  # fixed before the load, and never changed by a trial

@@ -7,15 +7,12 @@ import math
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers import cli
 
-from lmhead_cli.cli import app
 from lmhead_cli.readings.toy import (
     HIDDEN, ROWS, WORDS, argmax, logits, parse_hidden, repeat_argmax, sample, scale_demo, shift_demo,
     softcap_demo, softmax, toy_example,
 )
-
-runner = CliRunner()
 
 
 def torch_probs(z, temperature: float = 1.0) -> list[float]:
@@ -97,14 +94,14 @@ def test_parse_hidden():
 
 
 def test_cli_default_reproduces_the_figures():
-    r = runner.invoke(app, ["toy"])
+    r = cli("toy")
     assert r.exit_code == 0, r.output
     for figure in ("0.534", "0.197", "0.072", "1.000", "unchanged", "sharper, same order", "flatter, same order"):
         assert figure in r.stdout
 
 
 def test_cli_json_and_own_numbers():
-    r = runner.invoke(app, ["toy", "--hidden", "-1,0,1", "--temperature", "0.5", "--json"])
+    r = cli("toy", "--hidden", "-1,0,1", "--temperature", "0.5", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["logits"] == [0, -1, 1, 0]
@@ -127,7 +124,7 @@ def test_cli_json_and_own_numbers():
     ],
 )
 def test_cli_bad_input(args, line):
-    r = runner.invoke(app, ["toy", *args])
+    r = cli("toy", *args)
     assert r.exit_code == 2
     assert r.stderr == f"lmhead: error: {line}\n"
     assert r.stdout == ""
