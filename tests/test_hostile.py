@@ -122,11 +122,12 @@ def test_inspect_file_prints_before_the_last_line_is_read(tiny):
     try:
         proc.stdin.write(b"The keys on the table\nHello\n")
         proc.stdin.flush()
-        first = json.loads(reader(proc.stdout)())  # the first batch, while stdin is still open
+        readline = reader(proc.stdout)  # fails after a timeout instead of hanging the suite
+        first = json.loads(readline())  # the first batch, while stdin is still open
         assert first["prompt_tokens"][0]["text"] == "The"
         proc.stdin.write(b"A third line\n")
         proc.stdin.close()
-        rest = proc.stdout.read().decode().splitlines()
+        rest = list(iter(readline, b""))
         assert proc.wait(timeout=120) == 0 and len(rest) == 2
     finally:
         proc.kill()
