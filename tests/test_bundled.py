@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers import cli
 
-from lmhead_cli.cli import app
 from lmhead_cli.loading import bundled
 from lmhead_cli.loading.sources import load_model
 
-runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "lmhead_cli" / "data" / "bundled-tiny"
 ABOUT = bundled.BUNDLED["tiny"]
@@ -46,7 +44,7 @@ MODERN = ("The city council met on Tuesday to discuss the new budget. Most membe
 
 
 def run(*args):
-    return runner.invoke(app, list(args))
+    return cli(*args)
 
 
 def score_json(text: str, model: str) -> dict:
