@@ -267,7 +267,7 @@ def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> St
     """Follow the `rows` highest raw logits (V,) through every column of stages to the final probability."""
     import torch
 
-    from lmhead_cli.head import entropy, log_softmax, ranks
+    from lmhead_cli.head import Distribution, ranks
 
     z = logits.float()
     snapshots = {"raw": z}
@@ -280,7 +280,8 @@ def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> St
 
         raise NonFiniteLogits("the stages pushed the logits past float32's range (NaN or inf); "
                               "a larger temperature or soft-cap keeps them finite")
-    lp = log_softmax(z)
+    final = Distribution(z)
+    lp = final.logprobs
     ids = torch.topk(logits.float(), min(rows, logits.shape[-1])).indices  # (rows,)
     columns = torch.stack([snapshots[c] for c in COLUMNS])  # (C, V)
     values = columns[:, ids]  # (C, rows)
@@ -292,7 +293,7 @@ def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> St
                       prob=float(lp[i].exp()), logprob=float(lp[i]))
              for r, i in enumerate(ids.tolist())]
     return StageTable(columns=list(COLUMNS), rows=table,
-                      kept=int(torch.isfinite(z).sum()), vocab=int(z.shape[-1]), entropy=float(entropy(lp)),
+                      kept=int(torch.isfinite(z).sum()), vocab=int(z.shape[-1]), entropy=final.entropy,
                       knobs=knobs)
 
 

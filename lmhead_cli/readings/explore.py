@@ -156,7 +156,7 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     import torch
 
     from lmhead_cli.decoding import stages
-    from lmhead_cli.head import clamp_top_k, encode_targets, entropy, log_softmax, ranks
+    from lmhead_cli.head import Distribution, clamp_top_k, encode_targets
     from lmhead_cli.readings.inspect import encode_prompt, last_logits
 
     start = time.perf_counter()
@@ -165,7 +165,8 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     logits, _ = loaded.threads.run(lambda: last_logits(loaded, ids), len(ids))  # (V,) float32, the last position
     knobs = settings.knobs
     scaled = stages.process(logits, knobs.pipeline())  # (V,)
-    logprobs = log_softmax(scaled)
+    dist = Distribution(scaled)  # the distribution after the stages
+    logprobs = dist.logprobs
     k = clamp_top_k(settings.top_k, logits.shape[-1])
     top = torch.topk(scaled, k).indices  # (k,)
     tids = torch.tensor([tid[0] for _, tid in target_ids], dtype=torch.long, device=top.device)
@@ -173,11 +174,11 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     # Ranks in one comparison; the rest in one transfer each.
     text = loaded.tokenizer.token_text
     rows = [Row(rank=int(r), id=int(i), token=text(int(i)), logit=z, scaled=zs, prob=math.exp(lp))
-            for r, i, z, zs, lp in zip(ranks(scaled, picked).tolist(), picked.tolist(), logits[picked].tolist(),
+            for r, i, z, zs, lp in zip(dist.ranks(picked).tolist(), picked.tolist(), logits[picked].tolist(),
                                        scaled[picked].tolist(), logprobs[picked].tolist())]
     rows, targets = rows[:k], rows[k:]
     return Reading(prompt=prompt, n_tokens=len(ids), truncated=dropped, rows=rows, targets=targets,
-                   entropy=float(entropy(logprobs)), knobs=knobs,
+                   entropy=dist.entropy, knobs=knobs,
                    elapsed_ms=(time.perf_counter() - start) * 1000)
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.errors import NoPrompt
-from lmhead_cli.head import (TargetScore, TokenScore, check_finite, check_top_k, clamp_top_k, encode_target,
-                             encode_targets, entropy, log_softmax, nats_to_bits, target_score, top_tokens)
+from lmhead_cli.head import (Distribution, TargetScore, TokenScore, check_finite, check_top_k, clamp_top_k,
+                             encode_target, encode_targets)
 from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
@@ -104,13 +104,13 @@ def inspection_from_logits(loaded: Loaded, ids: list[int], dropped: int, logits:
                            walk: ShapeWalk, k: int, target_ids: list[tuple[str, list[int]]]) -> Inspection:
     """The `inspect` reading of one prompt from its last-position logits (V,) float32."""
     eng, text = loaded.engine, loaded.tokenizer.token_text
-    nats = float(entropy(log_softmax(logits)))
+    dist = Distribution(logits)
     return Inspection(
         model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied, engine=eng.name,
         device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
         prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
-        top=top_tokens(logits, k, text), targets=[target_score(logits, t, tid, text) for t, tid in target_ids],
-        entropy=nats, entropy_bits=nats_to_bits(nats), logits=logits,
+        top=dist.top(k, text), targets=[dist.target(t, tid, text) for t, tid in target_ids],
+        entropy=dist.entropy, entropy_bits=dist.entropy_bits, logits=logits,
     )
 
 
