@@ -92,12 +92,10 @@ def last_logits(loaded: Loaded, ids: list[int]) -> tuple[torch.Tensor, ShapeWalk
     """Run the body on all T positions and the head on the last one only: logits (V,) float32."""
     eng = loaded.engine
     x = torch.tensor([ids], device=eng.device)  # (1, T)
-    hidden = eng.body(x)  # (1, T, D)
-    last = hidden[:, -1:, :]  # (1, 1, D)
-    logits = eng.head(last)  # (1, 1, V)
+    logits = eng.last_logits(x)  # (1, V)
     check_finite(logits)
-    walk = shape_walk(hidden.shape[1], hidden.shape[2], logits.shape[-1])  # read off the tensors that flowed
-    return logits[0, 0].float(), walk
+    walk = shape_walk(x.shape[1], eng.head_weight.shape[1], logits.shape[-1])  # T, the head's width D, V
+    return logits[0], walk
 
 
 def inspection_from_logits(loaded: Loaded, ids: list[int], dropped: int, logits: torch.Tensor,
