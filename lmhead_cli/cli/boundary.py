@@ -82,10 +82,19 @@ def say(line: str) -> None:
         pass
 
 
+# The API's parameter names that the command line spells otherwise than `--name` (load(source=) is --model).
+FLAGS = {"source": "--model"}
+
+
+def flag(key: str) -> str:
+    """How the command line spells an API parameter or setting: `top_k` -> `--top-k`, `source` -> `--model`."""
+    return FLAGS.get(key) or option(key)
+
+
 def message(e: LmheadError, command: str) -> str:
     """A domain error as one line, with the settings, modes and examples spelled for `lmhead COMMAND`."""
     if isinstance(e, BadValue):
-        return e.spelled(option(e.key))
+        return e.spelled(flag(e.key))
     if isinstance(e, OneToken):
         return f"{e}: add --bos to score it after <|endoftext|>"
     if isinstance(e, NoPrompt):
@@ -94,7 +103,7 @@ def message(e: LmheadError, command: str) -> str:
         what = "--greedy" if "greedy" in e.asked else f"--beams {e.asked['beams']}"
         return (f"lmhead {command} draws tokens at random, which {what} does not; "
                 f"use lmhead greedy{'' if 'greedy' in e.asked else ' ' + what}")
-    return str(e)
+    return e.spelled_with(flag)
 
 
 def boundary(fn, command: str):
