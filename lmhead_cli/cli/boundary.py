@@ -12,7 +12,7 @@ import os
 import sys
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from lmhead_cli.decoding.stages import option  # the registry: no torch
 from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken
@@ -23,7 +23,27 @@ DEFAULT_PROMPT = "The keys on the table"
 GOT = {"params": "; got {}", "toy": "; got {}"}
 
 
-class Command(TyperCommand):
+class FlagsShowAsFlags:
+    """Boolean flags without a type in the rich help: `--json` alone, not `--json <bool>`.
+
+    Typer's rich help writes each option's type, `<bool>` for a flag too, unless the option has a
+    metavar; an empty metavar, given here to every flag (help and completion options included), is the
+    plain way to leave the column empty (Option(metavar="") on each would not reach --help, which
+    click builds itself)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
+
+
+class Group(FlagsShowAsFlags, TyperGroup):
+    """The `lmhead` group: flags show as flags in its help."""
+
+
+class Command(FlagsShowAsFlags, TyperCommand):
     """Typer's command, but a number outside its option's `min=`/`max=` fails like every other bad
     value: one line, "--threads must be at least 1 (got 0)", exit code 2 (not click's usage panel).
 
