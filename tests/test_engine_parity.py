@@ -123,7 +123,6 @@ def test_cache_reorder_keeps_the_chosen_rows(pair):
     torch.testing.assert_close(h, expected.expand(2, -1, -1), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
 def assert_same_sums(got, want, x, w, bias=None):
     """got and want: x (R, K) @ w (K, N) (+ bias) in float32, each summed in its own order (blocked vs
     plain products, different thread splits). A float32 sum of n terms is off by at most γ_n·Σ|terms|,
@@ -141,6 +140,7 @@ def assert_same_sums(got, want, x, w, bias=None):
     assert bool((err <= 2 * gamma * magnitude).all()), f"largest excess {float((err / (2 * gamma * magnitude)).max()):.2f}x"
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_blocked_products_equal_the_plain_ones(threads):
     """A few positions' body and head products as batched matmuls over row blocks of the weights (what
     makes them stream at full bandwidth) give what addmm and F.linear give, for any thread count, a
