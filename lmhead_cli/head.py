@@ -10,7 +10,7 @@ makes them sum to 1 and gives every token a non-zero share.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -19,12 +19,25 @@ from lmhead_cli.errors import BadValue, NonFiniteLogits
 
 @dataclass(frozen=True)
 class TokenScore:
+    """One token's row in any reading's table (inspect, lens, diff, explore, the stage table). The last
+    three fields are set only by the readings that have them; to_dict() leaves out those unset."""
+
     rank: int  # 1 = the highest logit
     id: int
     token: str
-    logit: float
+    logit: float  # raw, from the head
     prob: float
     logprob: float
+    other_rank: int | None = None  # diff: its rank after the other prompt
+    scaled: float | None = None  # explore: the logit after soft-cap and temperature
+    cells: list | None = None  # the stage table: one decoding.stages.StageCell per column
+
+    def to_dict(self) -> dict:
+        """The row as JSON: the six fields, then whichever of the optional ones are set."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in OPTIONAL_ROW_FIELDS}
+
+
+OPTIONAL_ROW_FIELDS = ("other_rank", "scaled", "cells")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ tokens whose log-probability moved most among the union of both sides' top token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,24 +19,11 @@ from lmhead_cli.readings.inspect import PromptToken, encode_prompt, last_logits
 
 
 @dataclass(frozen=True)
-class SideToken:
-    """One of a side's top tokens, and where the other side ranks it."""
-
-    rank: int
-    id: int
-    token: str
-    logit: float
-    prob: float
-    logprob: float
-    other_rank: int  # its rank after the other prompt
-
-
-@dataclass(frozen=True)
 class Side:
     prompt: str
     prompt_tokens: list[PromptToken]
     truncated: int  # tokens dropped from the front to fit the context
-    top: list[SideToken]
+    top: list[TokenScore]  # each with other_rank, its rank after the other prompt
     entropy: float  # nats
     entropy_bits: float
 
@@ -101,7 +88,7 @@ def _side(loaded: Loaded, prompt: str, ids: list[int], dropped: int, dist: Distr
     top: list[TokenScore] = dist.top(k, text)
     other_ranks = other.ranks(torch.tensor([t.id for t in top], device=other.logits.device)).tolist()
     return Side(prompt=prompt, prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped,
-                top=[SideToken(t.rank, t.id, t.token, t.logit, t.prob, t.logprob, r) for t, r in zip(top, other_ranks)],
+                top=[replace(t, other_rank=r) for t, r in zip(top, other_ranks)],
                 entropy=dist.entropy, entropy_bits=dist.entropy_bits)
 
 

@@ -39,7 +39,7 @@ def inspection_json(result, tie) -> dict:
         "prompt_tokens": [asdict(t) for t in result.prompt_tokens],
         "truncated": result.truncated,
         "shapes": asdict(result.shapes),
-        "top": [asdict(t) for t in result.top],
+        "top": [t.to_dict() for t in result.top],
         "targets": [asdict(t) for t in result.targets],
         "entropy": result.entropy,
         "entropy_bits": result.entropy_bits,
