@@ -95,7 +95,7 @@ class Ranks:
             except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, or they wait forever
                 if os.environ.get("LMHEAD_DEBUG"):
                     raise
-                mine = RankFailed(str(e) if isinstance(e, LmheadError) else f"unexpected {type(e).__name__}: {e}",
+                mine = RankFailed(e.parts if isinstance(e, LmheadError) else (f"unexpected {type(e).__name__}: {e}",),
                                   getattr(e, "exit_code", 1), self.rank)
             round_: list = [None] * self.world
             dist.all_gather_object(round_, mine)
@@ -136,7 +136,7 @@ class Ranks:
 class RankFailed(LmheadError):
     """A rank's error, carried to every rank so that all of them stop with it (one line, its exit code)."""
 
-    def __init__(self, message: str, exit_code: int, rank: int):
-        super().__init__(f"{message} (on rank {rank})" if rank else message)
+    def __init__(self, parts: tuple, exit_code: int, rank: int):
+        super().__init__(*parts, *([f" (on rank {rank})"] if rank else []))  # the parts keep their Params
         self.exit_code = exit_code
-        self.args = (message, exit_code, rank)  # pickled by all_gather_object as its arguments
+        self.args = (parts, exit_code, rank)  # pickled by all_gather_object as its arguments

@@ -1,17 +1,33 @@
-"""Domain errors. The core raises these; cli.py turns each into one line and an exit code.
+"""Domain errors. The core raises these; cli/boundary.py turns each into one line and an exit code.
 
-The core names a setting by its neutral key (`top_k`, `temperature`), never by a command-line
-spelling: `BadValue` carries the key apart from the message, and the boundary that knows how the
-user typed it (cli.py: `--top-k`; explore: `:top-k`) spells it.
+The core names a setting or parameter by its neutral key (`top_k`, `device`), never by a command-line
+spelling: a message holds each name as a `Param` part (`BadValue` carries its key apart too), and the
+boundary that knows how the user typed it (the CLI: `--top-k`; explore: `:top-k`) spells it.
 """
 
 from __future__ import annotations
 
 
+class Param(str):
+    """A parameter's name inside an error's message: LmheadError("unknown ", Param("device"), " 'tpu'").
+    str(error) writes it as the API's keyword (`device`); a front end writes its own spelling with
+    `error.spelled_with(spell)` (the CLI: `--device`; explore: `:top-k`)."""
+
+
 class LmheadError(Exception):
-    """Base class: a failure the user can act on. ``exit_code`` 1 = runtime, 2 = usage."""
+    """Base class: a failure the user can act on. ``exit_code`` 1 = runtime, 2 = usage.
+
+    The message is given in parts: text, and Param(name) wherever it names a parameter."""
 
     exit_code = 1
+
+    def __init__(self, *parts: str):
+        self.parts = parts
+        super().__init__("".join(parts))
+
+    def spelled_with(self, spell) -> str:
+        """The message with each Param spelled by `spell(name)`."""
+        return "".join(spell(p) if isinstance(p, Param) else p for p in self.parts)
 
 
 class UsageError(LmheadError):
@@ -28,7 +44,7 @@ class BadValue(UsageError):
     """
 
     def __init__(self, key: str, problem: str):
-        super().__init__(f"{key} {problem}")
+        super().__init__(Param(key), f" {problem}")
         self.key = key
         self.problem = problem
 

@@ -1,6 +1,7 @@
 """The head's arithmetic: pure functions over logits (..., V), each written once and returning data.
 
-Every reading and the decoding loop take log-softmax, entropy, ranks and targets from here.
+Every reading of one distribution builds a `Distribution` (log-softmax once; probabilities, entropy,
+ranks, top-k, targets); `score_rows` and the decoding loop do the same on (N, V) rows.
 
 Logits are raw, unnormalised scores of any sign; softmax (always in float32) keeps their order,
 makes them sum to 1 and gives every token a non-zero share.
@@ -9,7 +10,7 @@ makes them sum to 1 and gives every token a non-zero share.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -18,12 +19,25 @@ from lmhead_cli.errors import BadValue, NonFiniteLogits
 
 @dataclass(frozen=True)
 class TokenScore:
+    """One token's row in any reading's table (inspect, lens, diff, explore, the stage table). The last
+    three fields are set only by the readings that have them; to_dict() leaves out those unset."""
+
     rank: int  # 1 = the highest logit
     id: int
     token: str
-    logit: float
+    logit: float  # raw, from the head
     prob: float
     logprob: float
+    other_rank: int | None = None  # diff: its rank after the other prompt
+    scaled: float | None = None  # explore: the logit after soft-cap and temperature
+    cells: list | None = None  # the stage table: one decoding.stages.StageCell per column
+
+    def to_dict(self) -> dict:
+        """The row as JSON: the six fields, then whichever of the optional ones are set."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in OPTIONAL_ROW_FIELDS}
+
+
+OPTIONAL_ROW_FIELDS = ("other_rank", "scaled", "cells")
 
 
 @dataclass(frozen=True)
@@ -111,16 +125,60 @@ def clamp_top_k(k: int, vocab: int) -> int:
     return min(check_top_k(k), vocab)
 
 
-def top_tokens(logits: torch.Tensor, k: int, token_text) -> list[TokenScore]:
-    """The k highest logits (V,) as a ranked table; token_text(id) gives each token's text."""
-    logits = logits.float()
-    logprobs = log_softmax(logits)
-    values, ids = torch.topk(logits, min(k, logits.shape[-1]))
-    return [
-        TokenScore(rank=i + 1, id=int(t), token=token_text(int(t)), logit=float(v),
-                   prob=float(logprobs[t].exp()), logprob=float(logprobs[t]))
-        for i, (v, t) in enumerate(zip(values, ids))
-    ]
+class Distribution:
+    """One next-token distribution, from logits (V,): the log-softmax is taken once, in float32, and
+    probabilities, entropy, ranks, the top-k table and targets are read off it.
+
+    Every reading of a single distribution (inspect, diff, explain, lens, explore, the stage table)
+    builds one of these; `score_rows` and the decoding loop do the same arithmetic on (N, V) batches
+    with the buffers reused in place.
+    """
+
+    __slots__ = ("logits", "logprobs")
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits.float()  # (V,) float32
+        self.logprobs = log_softmax(self.logits)  # (V,) float32, -inf where a stage filtered a token
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return self.logprobs.exp()  # (V,)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.logits.shape[-1])
+
+    @property
+    def entropy(self) -> float:
+        """Shannon entropy in nats."""
+        return float(entropy(self.logprobs))
+
+    @property
+    def entropy_bits(self) -> float:
+        return nats_to_bits(self.entropy)
+
+    def prob(self, token_id: int) -> float:
+        return float(self.logprobs[token_id].exp())
+
+    def ranks(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rank (1 = the highest logit) of each id in `ids` (K,) long -> (K,) long."""
+        return ranks(self.logits, ids)
+
+    def rank(self, token_id: int) -> int:
+        return rank_of(self.logits, token_id)
+
+    def top(self, k: int, token_text) -> list[TokenScore]:
+        """The k highest logits as a ranked table; token_text(id) gives each token's text."""
+        values, ids = torch.topk(self.logits, min(k, self.vocab))
+        return [TokenScore(rank=i + 1, id=int(t), token=token_text(int(t)), logit=float(v),
+                           prob=float(self.logprobs[t].exp()), logprob=float(self.logprobs[t]))
+                for i, (v, t) in enumerate(zip(values, ids))]
+
+    def target(self, text: str, ids: list[int], token_text) -> TargetScore:
+        """Rank, logit and probability of the first token of `text` (encoded as `ids`, see encode_targets)."""
+        first = ids[0]
+        return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=self.rank(first),
+                           logit=float(self.logits[first]), prob=self.prob(first))
 
 
 def encode_target(tokenizer, text: str, key: str = "target") -> list[int]:
@@ -134,14 +192,6 @@ def encode_target(tokenizer, text: str, key: str = "target") -> list[int]:
 def encode_targets(tokenizer, texts: list[str] | None) -> list[tuple[str, list[int]]]:
     """[(text, its token ids)] for the targets asked about, in order."""
     return [(t, encode_target(tokenizer, t)) for t in texts or []]
-
-
-def target_score(logits: torch.Tensor, text: str, ids: list[int], token_text) -> TargetScore:
-    """Rank, logit and probability of the first token of `text` (encoded as `ids`, see encode_targets)."""
-    logits = logits.float()
-    first = ids[0]
-    return TargetScore(token=text, id=first, pieces=[token_text(i) for i in ids], rank=rank_of(logits, first),
-                       logit=float(logits[first]), prob=float(log_softmax(logits)[first].exp()))
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,12 @@ def read_stdin(what: str = "stdin", limit: int | None = None, stream=None) -> st
     return decode_utf8(data.removeprefix(b"\xef\xbb\xbf"), what)
 
 
+def read_text(what: str, stream=None) -> str:
+    """One text from stdin (or the binary `stream`), as read_stdin, less the one line break a shell or an
+    editor puts at the end (`\n` or `\r\n`): `score -` and `generate -` read their text so."""
+    return read_stdin(what, stream=stream).removesuffix("\n").removesuffix("\r")
+
+
 def bounded_lines(stream, label: str, max_bytes: int | None = None):
     """(line number, bytes read so far, text without its line break) for every line of a binary
     stream, read one at a time with a limit (MAX_LINE_BYTES): a longer line, or one that is not

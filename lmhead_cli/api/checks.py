@@ -8,7 +8,7 @@ Nothing here imports torch at module level.
 
 from __future__ import annotations
 
-from lmhead_cli.errors import BadValue, UsageError
+from lmhead_cli.errors import BadValue, Param, UsageError
 
 
 def at_least_one(key: str, value: int) -> int:
@@ -29,7 +29,7 @@ def one_prompt(prompt: str | None, targets=None, top_k: int = 10) -> None:
 def prompt_or_file(prompt: str | None, file: str | None, noun: str = "a prompt") -> None:
     """Commands that read one input or a file of them take one or the other."""
     if prompt is not None and file is not None:
-        raise UsageError(f"give {noun} or --file, not both")
+        raise UsageError(f"give {noun} or ", Param("file"), ", not both")
 
 
 def prompt_file(top_k: int, batch_size: int, targets=None) -> list[str]:

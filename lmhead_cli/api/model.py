@@ -132,6 +132,26 @@ class Model:
         checks.one_prompt(prompt, targets, top_k)
         return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position))
 
+    # ---- explore's session: one prompt at a time, with the session's settings -------------------------
+    def explore_reading(self, prompt: str, settings):
+        """The top-k table (and targets) after the stages `settings` (readings.explore.Settings) turn on:
+        a readings.explore.Reading."""
+        from lmhead_cli.readings.explore import read
+
+        return read(self.loaded, prompt, settings)
+
+    def explore_generate(self, prompt: str, n: int, settings, on_text: Callable[[str], None]):
+        """`n` tokens after `prompt`, sampled with the session's stages and seed (decoding.generate.Generation)."""
+        from lmhead_cli.readings.explore import generate_after
+
+        return generate_after(self.loaded, prompt, n, settings, on_text)
+
+    def warm_up(self) -> int:
+        """A few forwards, so the first prompt is answered as fast as the rest; torch's thread count kept."""
+        from lmhead_cli.readings.explore import warm_up
+
+        return warm_up(self.loaded)
+
     # ---- the model itself -------------------------------------------------------------------------
     def tie(self) -> results.TieResult:
         """Is the head the very same tensor as the embedding table?"""
@@ -183,11 +203,13 @@ class Model:
     def inspect_lines(self, lines, top_k: int = 10, targets: Iterable[str] = (), batch_size: int = 32,
                       stats=None) -> Iterator:
         """inspect over prompt lines (readings.batch.PromptLine), `batch_size` a forward pass; yields
-        each batch's [(line, Inspection)]; counts in `stats` (readings.batch.BatchStats)."""
+        each batch's [(line, InspectResult)]; counts in `stats` (readings.batch.BatchStats)."""
         from lmhead_cli.readings.batch import inspect_stream
 
         targets = checks.prompt_file(top_k, batch_size, targets)
-        return inspect_stream(self.loaded, lines, top_k, targets, batch_size, stats)
+        tie = self.loaded.tie
+        return ([(line, results.InspectResult(r, tie)) for line, r in batch]
+                for batch in inspect_stream(self.loaded, lines, top_k, targets, batch_size, stats))
 
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,

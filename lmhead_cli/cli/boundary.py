@@ -12,7 +12,7 @@ import os
 import sys
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from lmhead_cli.decoding.stages import option  # the registry: no torch
 from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken
@@ -23,7 +23,27 @@ DEFAULT_PROMPT = "The keys on the table"
 GOT = {"params": "; got {}", "toy": "; got {}"}
 
 
-class Command(TyperCommand):
+class FlagsShowAsFlags:
+    """Boolean flags without a type in the rich help: `--json` alone, not `--json <bool>`.
+
+    Typer's rich help writes each option's type, `<bool>` for a flag too, unless the option has a
+    metavar; an empty metavar, given here to every flag (help and completion options included), is the
+    plain way to leave the column empty (Option(metavar="") on each would not reach --help, which
+    click builds itself)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
+
+
+class Group(FlagsShowAsFlags, TyperGroup):
+    """The `lmhead` group: flags show as flags in its help."""
+
+
+class Command(FlagsShowAsFlags, TyperCommand):
     """Typer's command, but a number outside its option's `min=`/`max=` fails like every other bad
     value: one line, "--threads must be at least 1 (got 0)", exit code 2 (not click's usage panel).
 
@@ -82,10 +102,19 @@ def say(line: str) -> None:
         pass
 
 
+# The API's parameter names that the command line spells otherwise than `--name` (load(source=) is --model).
+FLAGS = {"source": "--model"}
+
+
+def flag(key: str) -> str:
+    """How the command line spells an API parameter or setting: `top_k` -> `--top-k`, `source` -> `--model`."""
+    return FLAGS.get(key) or option(key)
+
+
 def message(e: LmheadError, command: str) -> str:
     """A domain error as one line, with the settings, modes and examples spelled for `lmhead COMMAND`."""
     if isinstance(e, BadValue):
-        return e.spelled(option(e.key))
+        return e.spelled(flag(e.key))
     if isinstance(e, OneToken):
         return f"{e}: add --bos to score it after <|endoftext|>"
     if isinstance(e, NoPrompt):
@@ -94,7 +123,7 @@ def message(e: LmheadError, command: str) -> str:
         what = "--greedy" if "greedy" in e.asked else f"--beams {e.asked['beams']}"
         return (f"lmhead {command} draws tokens at random, which {what} does not; "
                 f"use lmhead greedy{'' if 'greedy' in e.asked else ' ' + what}")
-    return str(e)
+    return e.spelled_with(flag)
 
 
 def boundary(fn, command: str):

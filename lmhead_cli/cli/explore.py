@@ -88,12 +88,12 @@ def explore_cmd(
     interactive = sys.stdin.isatty()
     start = time.perf_counter()
     model = source.load()
-    loaded = model.loaded
-    show.own_softcap_notice(model.own_softcap, knobs.get("softcap"))
-    n_threads = explore.warm_up(loaded)
-    show.intro(model.source, model.random_weights, time.perf_counter() - start, settings, interactive,
-               n_threads if loaded.engine.device.type == "cpu" else None)
-    session = explore.Session(loaded, settings, show.AsJson if json_out else show)
+    view = show.AsJson if json_out else show.Terminal
+    view.own_softcap_notice(model.own_softcap, knobs.get("softcap"))
+    n_threads = model.warm_up()
+    view.intro(model.source, model.random_weights, time.perf_counter() - start, settings, interactive,
+               n_threads if model.provenance.device == "cpu" else None)
+    session = explore.Session(model, settings, view)
     if not interactive:
         session.run(explore.piped_lines())
         return

@@ -85,7 +85,6 @@ def inspect_file(prompt, file, batch_size, explain, top_k, target, source: Model
     Under torchrun each rank computes every N-th batch and rank 0 writes them all in order (api/files.py)."""
     from lmhead_cli.api import checks
     from lmhead_cli.api.files import run_file
-    from lmhead_cli.api.results import InspectResult
     from lmhead_cli.readings.batch import BatchStats, PromptLines
     from lmhead_cli.render.batch import JsonLinesWriter, TableWriter, file_notices
 
@@ -100,8 +99,7 @@ def inspect_file(prompt, file, batch_size, explain, top_k, target, source: Model
         return lines
 
     def work(model, lines, ranks) -> None:
-        tie = model.loaded.tie
-        writer = (JsonLinesWriter(lambda r: InspectResult(r, tie).to_dict()) if json_out
+        writer = (JsonLinesWriter(lambda r: r.to_dict()) if json_out
                   else TableWriter(model.source, model.random_weights, targets)) if ranks.writer else None
         stats = BatchStats(batch_size, targets)
         mine = ranks.share(lines, batch_size)  # every line on one rank; all of them alone

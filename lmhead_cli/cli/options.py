@@ -14,11 +14,12 @@ import typer
 
 from lmhead_cli import __version__
 from lmhead_cli.cli import complete
-from lmhead_cli.cli.boundary import DEFAULT_PROMPT, Command, boundary
+from lmhead_cli.cli.boundary import DEFAULT_PROMPT, Command, Group, boundary
 from lmhead_cli.decoding.stages import STAGES  # the registry: no torch
 
 app = typer.Typer(
     name="lmhead",
+    cls=Group,
     help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.\n\n"
     "--model defaults to gpt2 (from the Hugging Face hub or its cache); the environment variable LMHEAD_MODEL "
     "sets another default, e.g. LMHEAD_MODEL=random:gpt2 (seeded random weights, offline) or "

@@ -50,7 +50,7 @@ def score_cmd(
     Example: lmhead score "The keys on the table are on the table." --table --model random:gpt2
     """
     from lmhead_cli.api import checks
-    from lmhead_cli.readings import score as scoring
+    from lmhead_cli.inputs import read_text
     from lmhead_cli.render import score as show
 
     kind = output_kind(json_out, output_format, top_logprobs, None)
@@ -65,7 +65,7 @@ def score_cmd(
     if text is None:
         raise UsageError('give a text, e.g. lmhead score "The keys on the table are here." '
                          "(- reads stdin; --file PATH scores one text a line)")
-    text = checks.text(scoring.read_text(sys.stdin.buffer) if text == "-" else text)
+    text = checks.text(read_text("the text on stdin") if text == "-" else text)
     model = source.load()
     model.check_score(stride=stride, chunk=chunk, top_logprobs=top_logprobs)
     doc = show.openai_document(model.tokenizer, model.source, text) if kind == "openai" else None

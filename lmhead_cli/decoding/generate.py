@@ -1,9 +1,9 @@
 """Generation: the decoding stages in a loop, with every step's choice recorded.
 
 The prompt runs through the body once (prefill), filling the KV cache; after that each step runs
-one new position through the model, and the head only ever sees the last position:
-engine.head(hidden[:, -1:, :]). Per step there is one device-to-host transfer, holding the chosen
-token and its figures, so the loop stays close to transformers' generate() in speed.
+one new position through the model, and the head only ever sees the last position
+(engine.last_logits). Per step there is one device-to-host transfer, holding the chosen token and
+its figures, so the loop stays close to transformers' generate() in speed.
 
 Greedy and sampled decoding follow one sequence; beam search (beams > 1) follows the N best by
 summed log-probability exactly as transformers' `generate(num_beams=N, do_sample=False)` does
@@ -31,6 +31,7 @@ import torch
 from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.presets import merge
 from lmhead_cli.decoding.stages import Knobs
+from lmhead_cli.engine.base import config_value
 from lmhead_cli.errors import BadValue, ModeConflict
 from lmhead_cli.head import check_finite, check_top_logprobs, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
@@ -255,9 +256,7 @@ BEAM_ROWS = 8
 def beam_memory(eng, beams: int, positions: int) -> tuple[int, int]:
     """(bytes for `beams` beams, bytes per beam): each beam's KV cache for `positions` positions,
     2 x layers x width x positions, plus BEAM_ROWS float32 rows of the vocabulary."""
-    config = eng.config
-    layers = config.get("n_layer") or config.get("num_hidden_layers") or 1
-    width = config.get("n_embd") or config.get("hidden_size") or 1
+    layers, width = config_value(eng.config, "n_layer", 1), config_value(eng.config, "n_embd", 1)
     per_beam = 2 * layers * width * positions * eng.dtype.itemsize + BEAM_ROWS * eng.vocab_size * 4
     return beams * per_beam, per_beam
 
@@ -343,13 +342,6 @@ def _step(row: list[float], token_text, logits: torch.Tensor, top: Top | None = 
                 raw_entropy=row[RAW_ENTROPY], removed_mass=row[REMOVED], alternatives=alts, top=top)
 
 
-def _last_logits(eng, ids: torch.Tensor, cache) -> torch.Tensor:
-    """Run new positions `ids` (R, T) through the body, filling `cache`; the head on the last position
-    only: logits (R, V) float32."""
-    hidden = eng.body(ids, cache)  # (R, T, D)
-    return eng.head(hidden[:, -1:, :])[:, 0].float()  # (R, V)
-
-
 # ---- greedy and sampled -------------------------------------------------------------------------
 
 def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | None,
@@ -359,7 +351,7 @@ def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int |
     cache = eng.new_cache(1, len(ids) + max_new)
     x = torch.tensor([ids], device=eng.device)  # (1, T) the prompt, then (1, 1) each step
     for _ in range(max_new):
-        logits = _last_logits(eng, x, cache)  # (1, V)
+        logits = eng.last_logits(x, cache)  # (1, V)
         raw = log_softmax(logits)  # (1, V) the model's own distribution
         logprobs = log_softmax(stages.process(logits, pipeline))  # (1, V) the one drawn from
         chosen = stages.choose(logprobs, greedy, generator)  # (1,)
@@ -394,7 +386,7 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
     running = [_Beam(0.0)]
     finished: list[tuple[float, _Beam]] = []
     for t in range(max_new):
-        logits = _last_logits(eng, x, cache)  # (R, V), R = 1 at the first step, then n
+        logits = eng.last_logits(x, cache)  # (R, V), R = 1 at the first step, then n
         raw = log_softmax(logits)  # (R, V)
         logprobs = log_softmax(stages.process(logits, pipeline))  # (R, V) what the beams are ranked by
         scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]

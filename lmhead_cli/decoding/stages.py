@@ -245,18 +245,9 @@ class StageCell:
 
 
 @dataclass(frozen=True)
-class StageRow:
-    id: int
-    token: str
-    cells: list[StageCell]  # one per column: raw, soft-capped, tempered, filtered
-    prob: float  # the final probability
-    logprob: float
-
-
-@dataclass(frozen=True)
 class StageTable:
     columns: list[str]  # COLUMNS: raw, soft-capped, tempered, filtered
-    rows: list[StageRow]
+    rows: list  # head.TokenScore: raw rank and logit, the final prob and logprob, `cells` one per column
     kept: int  # tokens that survive the filters
     vocab: int
     entropy: float  # nats, of the final distribution
@@ -267,7 +258,7 @@ def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> St
     """Follow the `rows` highest raw logits (V,) through every column of stages to the final probability."""
     import torch
 
-    from lmhead_cli.head import entropy, log_softmax, ranks
+    from lmhead_cli.head import Distribution, TokenScore, ranks
 
     z = logits.float()
     snapshots = {"raw": z}
@@ -280,19 +271,20 @@ def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> St
 
         raise NonFiniteLogits("the stages pushed the logits past float32's range (NaN or inf); "
                               "a larger temperature or soft-cap keeps them finite")
-    lp = log_softmax(z)
+    final = Distribution(z)
+    lp = final.logprobs
     ids = torch.topk(logits.float(), min(rows, logits.shape[-1])).indices  # (rows,)
     columns = torch.stack([snapshots[c] for c in COLUMNS])  # (C, V)
     values = columns[:, ids]  # (C, rows)
     at = ranks(columns, ids.expand(len(COLUMNS), -1))  # (C, rows)
     kept = torch.isfinite(values)
-    table = [StageRow(id=int(i), token=token_text(int(i)),
-                      cells=[StageCell(float(values[c, r]) if kept[c, r] else None,
-                                       int(at[c, r]) if kept[c, r] else None) for c in range(len(COLUMNS))],
-                      prob=float(lp[i].exp()), logprob=float(lp[i]))
+    table = [TokenScore(rank=int(at[0, r]), id=int(i), token=token_text(int(i)), logit=float(values[0, r]),
+                        prob=float(lp[i].exp()), logprob=float(lp[i]),
+                        cells=[StageCell(float(values[c, r]) if kept[c, r] else None,
+                                         int(at[c, r]) if kept[c, r] else None) for c in range(len(COLUMNS))])
              for r, i in enumerate(ids.tolist())]
     return StageTable(columns=list(COLUMNS), rows=table,
-                      kept=int(torch.isfinite(z).sum()), vocab=int(z.shape[-1]), entropy=float(entropy(lp)),
+                      kept=int(torch.isfinite(z).sum()), vocab=int(z.shape[-1]), entropy=final.entropy,
                       knobs=knobs)
 
 

@@ -18,6 +18,26 @@ import torch
 from torch import nn
 
 
+# GPT-2's config keys, each with the names other transformers configs give it.
+CONFIG_ALIASES = {
+    "n_positions": ("n_positions", "max_position_embeddings"),
+    "n_layer": ("n_layer", "num_hidden_layers"),
+    "n_embd": ("n_embd", "hidden_size"),
+}
+
+
+def config_value(config: dict, key: str, default=None):
+    """A config's `key` under GPT-2's name or another architecture's (n_layer or num_hidden_layers);
+    `default` when it has neither (or only zero)."""
+    return next((config[name] for name in CONFIG_ALIASES[key] if config.get(name)), default)
+
+
+def position_ids(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Positions of the last T tokens of left-padded rows, (B, S) mask -> (B, T) long: each row counts
+    its real tokens from 0, so a padded prompt sees the positions it would see alone (pads get 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+
+
 @dataclass(frozen=True)
 class TieNames:
     """The parameter names of the head's and the embedding's weights, as the model itself names them."""
@@ -228,6 +248,18 @@ class Engine(ABC):
         """Keep batch rows `rows` of `cache` (beam search); returns the cache to use from now on."""
 
     # -- derived: the same for every engine -------------------------------------------------
+    def last_logits(self, ids: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """The body on every position of `ids` (R, T) (filling `cache` if given), the head on each row's
+        last position only: logits (R, V) float32. `lengths` (R,): each row's real length when rows are
+        padded on the right (default: the last column)."""
+        hidden = self.body(ids, cache, attention_mask)  # (R, T, D)
+        if lengths is None:
+            last = hidden[:, -1:, :]  # (R, 1, D)
+        else:
+            last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1][:, None]  # (R, 1, D)
+        return self.head(last)[:, 0].float()  # (R, V)
+
     @property
     def device(self) -> torch.device:
         return self.head_weight.device
@@ -238,7 +270,7 @@ class Engine(ABC):
 
     @property
     def n_ctx(self) -> int:
-        return int(self.config.get("n_positions") or self.config.get("max_position_embeddings") or 1024)
+        return int(config_value(self.config, "n_positions", 1024))
 
     @property
     def vocab_size(self) -> int:
@@ -246,7 +278,7 @@ class Engine(ABC):
 
     @property
     def n_layer(self) -> int:
-        return int(self.config.get("n_layer") or self.config.get("num_hidden_layers"))
+        return int(config_value(self.config, "n_layer"))
 
     @property
     def eos_token_id(self) -> int | None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components,
-                                     linearise_norm, module_name)
+                                     linearise_norm, module_name, position_ids)
 from lmhead_cli.errors import UnsupportedModel
 
 
@@ -64,7 +64,7 @@ class TransformersEngine(Engine):
         kwargs = {}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
-            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            kwargs["position_ids"] = position_ids(attention_mask, ids.shape[1])
         kwargs[self._cache_kw] = cache
         out = self.base(input_ids=ids, use_cache=cache is not None, **kwargs)
         return out.last_hidden_state
@@ -90,7 +90,7 @@ class TransformersEngine(Engine):
         kwargs = {}
         if attention_mask is not None:
             kwargs = {"attention_mask": attention_mask,
-                      "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
+                      "position_ids": position_ids(attention_mask, ids.shape[1])}
         try:
             self.base(input_ids=ids, use_cache=False, **kwargs)
         finally:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm
+from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
+                                    position_ids)
 
 # One position at a time (inspect's last position, every decoding step) the body's and the head's
 # products are matrix-vector products that do nothing but stream weights, and how they are laid out
@@ -326,7 +327,7 @@ class LeanGPT2(Engine):
         if attention_mask is None:
             pos = torch.arange(past, past + T, device=ids.device)[None]
         else:
-            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            pos = position_ids(attention_mask, T)
         return self.gpt.wte(ids) + self.gpt.wpe(pos)
 
     def residuals(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmhead_cli.errors import CorruptCheckpoint, LmheadError
+from lmhead_cli.errors import CorruptCheckpoint, LmheadError, Param
 
 GPT2_INTS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 # Bytes per element of the safetensors dtypes a checkpoint may hold.
@@ -257,6 +257,6 @@ def check_memory(plan: MemoryPlan, source: str, insist: bool, say) -> None:
     """Announce a large model (`say(line)`), and refuse one above the memory available unless `insist`."""
     if plan.available is not None and plan.peak_bytes > plan.available and not insist:
         raise NotEnoughMemory(f"{source} needs {plan.describe()}, but {gb(plan.available)} is available on "
-                              f"{plan.device}; --ignore-memory tries anyway")
+                              f"{plan.device}; ", Param("ignore_memory"), " tries anyway")
     if plan.peak_bytes >= LARGE_BYTES:
         say(f"{source}: loading needs {plan.describe()}")

@@ -22,7 +22,7 @@ from lmhead_cli.engine.base import Engine, TieNames
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
-from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, UnsafeCheckpoint,
+from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsafeCheckpoint,
                                UnsupportedModel, UsageError)
 from lmhead_cli.loading import bundled, checks
 from lmhead_cli.loading.model_configs import config_names, load_config
@@ -78,7 +78,7 @@ class Loaded:
 
 def resolve_device(name: str) -> torch.device:
     if name not in DEVICES:
-        raise UsageError(f"unknown --device {name!r}; choose one of: {', '.join(DEVICES)}")
+        raise UsageError("unknown ", Param("device"), f" {name!r}; choose one of: {', '.join(DEVICES)}")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -86,15 +86,15 @@ def resolve_device(name: str) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise LmheadError("--device cuda: no CUDA device is available here; use --device cpu")
+        raise LmheadError(Param("device"), " cuda: no CUDA device is available here; use ", Param("device"), " cpu")
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise LmheadError("--device mps: MPS is not available here; use --device cpu")
+        raise LmheadError(Param("device"), " mps: MPS is not available here; use ", Param("device"), " cpu")
     return torch.device(name)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise UsageError(f"unknown --dtype {name!r}; choose one of: {', '.join(DTYPES)}")
+        raise UsageError("unknown ", Param("dtype"), f" {name!r}; choose one of: {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -109,11 +109,11 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     a large model is announced with `announce(line)`, one that cannot fit is refused unless
     `ignore_memory`."""
     if engine not in ENGINES:
-        raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+        raise UsageError("unknown ", Param("engine"), f" {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
-        raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
+        raise UsageError(Param("source"), " is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
 
     if source.startswith(RANDOM_PREFIX):
         name = source[len(RANDOM_PREFIX):]
@@ -176,7 +176,7 @@ def _find_folder(source: str, allow_pickle: bool) -> tuple[Path, str]:
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ModelNotFound(f"{source!r} is a file; --model takes a folder holding config.json and "
+            raise ModelNotFound(f"{source!r} is a file; ", Param("source"), " takes a folder holding config.json and "
                                 "model.safetensors")
         return path, "local"
     if source.startswith((".", "/", "~")) or source.count("/") > 1:  # a path, not "org/name"
@@ -192,9 +192,10 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
     patterns = HUB_FILES + (["pytorch_model.bin"] if allow_pickle else [])
     name = repo_id.rsplit("/", 1)[-1]  # openai-community/gpt2-medium -> the bundled gpt2-medium
     stand_in = RANDOM_PREFIX + (name if name in config_names() else "gpt2")
-    advice = ("connect once to download it, pass a local folder (--model ./my-gpt2), or use "
-              f"--model {stand_in} for {'its architecture with ' if name in config_names() else ''}random weights "
-              "offline, or --model bundled:tiny for a small trained model that ships with lmhead")
+    source = Param("source")
+    advice = ("connect once to download it, pass a local folder (", source, " ./my-gpt2), or use ",
+              source, f" {stand_in} for {'its architecture with ' if name in config_names() else ''}random weights "
+              "offline, or ", source, " bundled:tiny for a small trained model that ships with lmhead")
     cache_dir = _hub_cache()
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True, cache_dir=cache_dir))
@@ -203,13 +204,13 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
     except Exception:  # noqa: BLE001 - not cached: fall through to the network
         pass
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {advice}")
+        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; ", *advice)
     if not _reachable(constants.ENDPOINT):
-        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and the hub can't be reached; {advice}")
+        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and the hub can't be reached; ", *advice)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
     except Exception as e:  # noqa: BLE001 - RepositoryNotFound, gated, network drop: one line
-        raise ModelNotFound(f"could not download {repo_id!r} ({type(e).__name__}); {advice}") from None
+        raise ModelNotFound(f"could not download {repo_id!r} ({type(e).__name__}); ", *advice) from None
 
 
 def _hub_cache() -> str:
@@ -257,7 +258,7 @@ def _choose_engine(engine: str, config: dict) -> str:
     is_gpt2 = config.get("model_type") == "gpt2"
     if engine == "lean" and not is_gpt2:
         raise UsageError(f"the lean engine runs GPT-2-family checkpoints only (this is "
-                         f"{config.get('model_type')!r}); use --engine transformers")
+                         f"{config.get('model_type')!r}); use ", Param("engine"), " transformers")
     if engine == "auto":
         return "lean" if is_gpt2 else "transformers"
     return engine
@@ -280,7 +281,8 @@ def weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
         if not allow_pickle:
             raise UnsafeCheckpoint(
                 f"{folder / 'pytorch_model.bin'} is a pickle file, and unpickling can run arbitrary code; "
-                "convert it to safetensors, or pass --allow-pickle to load it with torch.load(weights_only=True)")
+                "convert it to safetensors, or pass ", Param("allow_pickle"),
+                " to load it with torch.load(weights_only=True)")
         return [folder / "pytorch_model.bin"]
     raise ModelNotFound(f"{folder} holds no weights (looked for model.safetensors, "
                         "model.safetensors.index.json and pytorch_model.bin)")

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from lmhead_cli.errors import BadValue, LmheadError, UsageError
+from lmhead_cli.errors import BadValue, LmheadError, Param, UsageError
 from lmhead_cli.head import check_finite, clamp_top_k, encode_targets
 from lmhead_cli.inputs import MAX_LINE_BYTES, bounded_lines
 from lmhead_cli.readings.inspect import Inspection, check_targets, encode_prompt, inspection_from_logits, shape_walk
@@ -181,11 +181,9 @@ def batch_logits(loaded: Loaded, rows: list[list[int]]) -> torch.Tensor:
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r, device=eng.device)
     mask = (torch.arange(T, device=eng.device)[None] < lengths[:, None]).long()  # (B, T), right padding
-    hidden = eng.body(ids, attention_mask=mask)  # (B, T, D)
-    last = hidden[torch.arange(B, device=eng.device), lengths - 1]  # (B, D): each row's own last token
-    logits = eng.head(last)  # (B, V)
+    logits = eng.last_logits(ids, attention_mask=mask, lengths=lengths)  # (B, V): each row's own last token
     check_finite(logits)
-    return logits.float()
+    return logits
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -200,9 +198,8 @@ def inspect_stream(loaded: Loaded, lines: Iterable[PromptLine], top_k: int = 10,
     file order as soon as it is computed, and keeps nothing once it is handed over (`stats` counts).
 
     `run(loaded, rows) -> (B, V)` is the forward (a parameter so tests can make memory run out).
-    Memory: one batch of token ids (<= batch_size x n_ctx) and its (B, V) logits, whatever the file."""
-    if batch_size < 1:
-        raise BadValue("batch_size", f"must be at least 1 (got {batch_size})")
+    Memory: one batch of token ids (<= batch_size x n_ctx) and its (B, V) logits, whatever the file.
+    batch_size >= 1 is the API's check (api.checks.prompt_file), made before the model loads."""
     k = clamp_top_k(top_k, loaded.engine.vocab_size)
     targets = check_targets(targets)
     stats = stats if stats is not None else BatchStats(batch_size, targets)
@@ -230,9 +227,9 @@ def _forward(loaded, encoded, indices: list[int], logits: dict, stats: BatchStat
             raise
         if len(indices) == 1:
             device = loaded.engine.device.type
-            advice = "; --device cpu may have more memory" if device != "cpu" else ""
+            advice = ("; ", Param("device"), " cpu may have more memory") if device != "cpu" else ()
             raise LmheadError(f"out of memory even for a single prompt of {len(encoded[indices[0]][0])} tokens "
-                              f"on {device}{advice}") from None
+                              f"on {device}", *advice) from None
         if loaded.engine.device.type == "cuda":
             torch.cuda.empty_cache()
         stats.splits += 1

@@ -8,28 +8,14 @@ tokens whose log-probability moved most among the union of both sides' top token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from lmhead_cli.head import (TargetScore, TokenScore, clamp_top_k, encode_targets, entropy, js_divergence,
-                             kl_divergence, log_softmax, nats_to_bits, ranks, target_score, top_tokens,
-                             total_variation)
+from lmhead_cli.head import (Distribution, TargetScore, TokenScore, clamp_top_k, encode_targets, js_divergence,
+                             kl_divergence, nats_to_bits, total_variation)
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt, last_logits
-
-
-@dataclass(frozen=True)
-class SideToken:
-    """One of a side's top tokens, and where the other side ranks it."""
-
-    rank: int
-    id: int
-    token: str
-    logit: float
-    prob: float
-    logprob: float
-    other_rank: int  # its rank after the other prompt
 
 
 @dataclass(frozen=True)
@@ -37,7 +23,7 @@ class Side:
     prompt: str
     prompt_tokens: list[PromptToken]
     truncated: int  # tokens dropped from the front to fit the context
-    top: list[SideToken]
+    top: list[TokenScore]  # each with other_rank, its rank after the other prompt
     entropy: float  # nats
     entropy_bits: float
 
@@ -95,16 +81,15 @@ class Diff:
         return nats_to_bits(self.js)
 
 
-def _side(loaded: Loaded, prompt: str, ids: list[int], dropped: int, logits: torch.Tensor,
-          other: torch.Tensor, k: int) -> Side:
-    """One prompt's reading: its top k (each with its rank under the `other` logits (V,)) and entropy."""
+def _side(loaded: Loaded, prompt: str, ids: list[int], dropped: int, dist: Distribution,
+          other: Distribution, k: int) -> Side:
+    """One prompt's reading: its top k (each with its rank under the `other` distribution) and entropy."""
     text = loaded.tokenizer.token_text
-    top: list[TokenScore] = top_tokens(logits, k, text)
-    other_ranks = ranks(other, torch.tensor([t.id for t in top], device=other.device)).tolist()
-    nats = float(entropy(log_softmax(logits)))
+    top: list[TokenScore] = dist.top(k, text)
+    other_ranks = other.ranks(torch.tensor([t.id for t in top], device=other.logits.device)).tolist()
     return Side(prompt=prompt, prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped,
-                top=[SideToken(t.rank, t.id, t.token, t.logit, t.prob, t.logprob, r) for t, r in zip(top, other_ranks)],
-                entropy=nats, entropy_bits=nats_to_bits(nats))
+                top=[replace(t, other_rank=r) for t, r in zip(top, other_ranks)],
+                entropy=dist.entropy, entropy_bits=dist.entropy_bits)
 
 
 def _target(a: TargetScore, b: TargetScore, logp: torch.Tensor, logq: torch.Tensor) -> DiffTarget:
@@ -127,7 +112,8 @@ def diff_prompts(loaded: Loaded, prompt_a: str, prompt_b: str, top_k: int = 10,
     ids_b, cut_b = encode_prompt(loaded, prompt_b)
     za, _ = last_logits(loaded, ids_a)  # (V,) float32
     zb, _ = last_logits(loaded, ids_b)
-    logp, logq = log_softmax(za), log_softmax(zb)  # (V,) each
+    p, q = Distribution(za), Distribution(zb)
+    logp, logq = p.logprobs, q.logprobs  # (V,) each
 
     pool = torch.unique(torch.cat([torch.topk(za, k).indices, torch.topk(zb, k).indices]))  # (≤ 2k,)
     delta = logq[pool] - logp[pool]  # (≤ 2k,)
@@ -140,11 +126,11 @@ def diff_prompts(loaded: Loaded, prompt_a: str, prompt_b: str, top_k: int = 10,
     risers = [mover(int(i)) for i in order if delta[i] > 0][:n_movers]
     fallers = [mover(int(i)) for i in order.flip(0) if delta[i] < 0][:n_movers]
 
-    scored = [_target(target_score(za, t, pieces, text), target_score(zb, t, pieces, text), logp, logq)
+    scored = [_target(p.target(t, pieces, text), q.target(t, pieces, text), logp, logq)
               for t, pieces in encode_targets(loaded.tokenizer, targets)]
 
     return Diff(model=loaded.source, random_weights=loaded.random_weights,
-                a=_side(loaded, prompt_a, ids_a, cut_a, za, zb, k), b=_side(loaded, prompt_b, ids_b, cut_b, zb, za, k),
+                a=_side(loaded, prompt_a, ids_a, cut_a, p, q, k), b=_side(loaded, prompt_b, ids_b, cut_b, q, p, k),
                 kl_ab=kl_divergence(logp, logq), kl_ba=kl_divergence(logq, logp), js=js_divergence(logp, logq),
                 tv=total_variation(logp, logq), pool=int(pool.numel()), risers=risers, fallers=fallers,
                 targets=scored)

@@ -17,7 +17,7 @@ import torch
 
 from lmhead_cli.engine.base import linearise_norm
 from lmhead_cli.errors import UnsupportedModel
-from lmhead_cli.head import check_finite, clamp_top_k, encode_target, encode_targets, log_softmax, rank_of
+from lmhead_cli.head import Distribution, check_finite, clamp_top_k, encode_target, encode_targets
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
 
@@ -92,7 +92,7 @@ def explain_logit(loaded: Loaded, prompt: str, token: str, top_k: int = 5,
     bias = getattr(eng.head_module, "bias", None)
     order = torch.argsort(logits, descending=True, stable=True)
     z_top, z_second = float(logits[order[0]]), float(logits[order[1]])
-    logprobs = log_softmax(logits)
+    dist = Distribution(logits)
     h_norm = float(h_last.norm())
 
     def parts(i: int) -> LogitParts:
@@ -102,8 +102,8 @@ def explain_logit(loaded: Loaded, prompt: str, token: str, top_k: int = 5,
         e_norm = float(e.norm())
         cos = float(torch.nn.functional.cosine_similarity(e, h_last, dim=0))  # the angle, measured on its own
         z = float(logits[i])
-        return LogitParts(rank=rank_of(logits, i), id=i, token=tok.token_text(i), logit=z, dot=dot, bias=b,
-                          row_norm=e_norm, cos=cos, product=e_norm * h_norm * cos + b, prob=float(logprobs[i].exp()),
+        return LogitParts(rank=dist.rank(i), id=i, token=tok.token_text(i), logit=z, dot=dot, bias=b,
+                          row_norm=e_norm, cos=cos, product=e_norm * h_norm * cos + b, prob=dist.prob(i),
                           margin_to_top=z - z_top, margin_to_runner_up=z - z_second)
 
     shown = order[:k].tolist()

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 from lmhead_cli.errors import BadValue, LmheadError, UsageError
 from lmhead_cli.inputs import MAX_LINE_BYTES, check_text
@@ -47,24 +47,14 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class Row:
-    rank: int
-    id: int
-    token: str
-    logit: float  # raw, from the head
-    scaled: float  # after soft-cap and temperature (equal to logit when both are off)
-    prob: float  # softmax of the scaled logits
-
-
-@dataclass(frozen=True)
 class Reading:
     """One prompt's answer."""
 
     prompt: str
     n_tokens: int
     truncated: int
-    rows: list[Row]
-    targets: list[Row]
+    rows: list  # head.TokenScore, `scaled` set (equal to `logit` when no stage is on), prob of the scaled logits
+    targets: list  # head.TokenScore, the same
     entropy: float  # nats, of the distribution after the stages
     knobs: object  # decoding.stages.Knobs: the stages that were on
     elapsed_ms: float  # tokenise, forward, head, stages and the table's figures (not the printing)
@@ -156,7 +146,7 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     import torch
 
     from lmhead_cli.decoding import stages
-    from lmhead_cli.head import clamp_top_k, encode_targets, entropy, log_softmax, ranks
+    from lmhead_cli.head import Distribution, TokenScore, clamp_top_k, encode_targets
     from lmhead_cli.readings.inspect import encode_prompt, last_logits
 
     start = time.perf_counter()
@@ -165,19 +155,20 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     logits, _ = loaded.threads.run(lambda: last_logits(loaded, ids), len(ids))  # (V,) float32, the last position
     knobs = settings.knobs
     scaled = stages.process(logits, knobs.pipeline())  # (V,)
-    logprobs = log_softmax(scaled)
+    dist = Distribution(scaled)  # the distribution after the stages
+    logprobs = dist.logprobs
     k = clamp_top_k(settings.top_k, logits.shape[-1])
     top = torch.topk(scaled, k).indices  # (k,)
     tids = torch.tensor([tid[0] for _, tid in target_ids], dtype=torch.long, device=top.device)
     picked = torch.cat([top, tids])  # (k + targets,)
     # Ranks in one comparison; the rest in one transfer each.
     text = loaded.tokenizer.token_text
-    rows = [Row(rank=int(r), id=int(i), token=text(int(i)), logit=z, scaled=zs, prob=math.exp(lp))
-            for r, i, z, zs, lp in zip(ranks(scaled, picked).tolist(), picked.tolist(), logits[picked].tolist(),
+    rows = [TokenScore(rank=int(r), id=int(i), token=text(int(i)), logit=z, prob=math.exp(lp), logprob=lp, scaled=zs)
+            for r, i, z, zs, lp in zip(dist.ranks(picked).tolist(), picked.tolist(), logits[picked].tolist(),
                                        scaled[picked].tolist(), logprobs[picked].tolist())]
     rows, targets = rows[:k], rows[k:]
     return Reading(prompt=prompt, n_tokens=len(ids), truncated=dropped, rows=rows, targets=targets,
-                   entropy=float(entropy(logprobs)), knobs=knobs,
+                   entropy=dist.entropy, knobs=knobs,
                    elapsed_ms=(time.perf_counter() - start) * 1000)
 
 
@@ -273,11 +264,30 @@ def piped_lines(stream=None, max_bytes: int = MAX_LINE_BYTES) -> Iterator[str | 
         yield raw.decode("utf-8", "surrogateescape").rstrip("\n").removesuffix("\r")
 
 
-class Session:
-    """The settings, the last prompt, and what to do with each line. `show` is render.explore."""
+class View(Protocol):
+    """What a session shows, and how (render.explore.Terminal, render.explore.AsJson)."""
 
-    def __init__(self, loaded, settings: Settings, show):
-        self.loaded = loaded
+    def reading(self, r: Reading) -> None: ...
+    def lens(self, result) -> None: ...  # an api.results.LensResult
+    def generation_start(self, prompt: str) -> None: ...
+    def text(self, piece: str) -> None: ...
+    def generation_end(self, gen) -> None: ...  # a decoding.generate.Generation
+    def settings(self, s: Settings) -> None: ...
+    def help(self, commands: dict) -> None: ...
+    def unknown(self, name: str, commands: dict) -> None: ...
+    def error(self, message: str) -> None: ...
+    def cancelled(self) -> None: ...
+    def own_softcap_notice(self, own: float | None, asked: float | None) -> None: ...
+
+
+class Session:
+    """The settings, the last prompt, and what to do with each line.
+
+    `model` answers (the API's Model: explore_reading, lens, explore_generate, own_softcap); `show`
+    shows each answer (a View)."""
+
+    def __init__(self, model, settings: Settings, show: View):
+        self.model = model
         self.settings = settings
         self.show = show
         self.last_prompt: str | None = None
@@ -303,7 +313,7 @@ class Session:
         if not line.strip():
             return True  # an empty line is ignored
         if not line.startswith(":"):
-            self.show.reading(read(self.loaded, line, self.settings))
+            self.show.reading(self.model.explore_reading(line, self.settings))
             self.last_prompt = line
             return True
         cmd = parse_command(line)
@@ -316,9 +326,7 @@ class Session:
         elif cmd.name == "settings":
             self.show.settings(self.settings)
         elif cmd.name == "lens":
-            from lmhead_cli.readings.lens import lens_prompt
-
-            self.show.lens(lens_prompt(self.loaded, self._last(cmd), list(self.settings.targets)))
+            self.show.lens(self.model.lens(self._last(cmd), targets=self.settings.targets))
         elif cmd.name == "gen":
             n = _number(cmd, "20", int)
             from lmhead_cli.decoding import stages
@@ -326,12 +334,12 @@ class Session:
             stages.check({"max_new_tokens": n})
             prompt = self._last(cmd)
             self.show.generation_start(prompt)
-            self.show.generation_end(generate_after(self.loaded, prompt, n, self.settings, self.show.text))
+            self.show.generation_end(self.model.explore_generate(prompt, n, self.settings, self.show.text))
         else:
             self.settings = apply(self.settings, cmd)
             self.show.settings(self.settings)
             if cmd.name == "softcap":
-                self.show.own_softcap_notice(self.loaded.engine.own_stages.get("softcap"), self.settings.softcap)
+                self.show.own_softcap_notice(self.model.own_softcap, self.settings.softcap)
         return True
 
     def _last(self, cmd: Command) -> str:

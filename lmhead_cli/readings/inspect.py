@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.errors import NoPrompt
-from lmhead_cli.head import (TargetScore, TokenScore, check_finite, check_top_k, clamp_top_k, encode_target,
-                             encode_targets, entropy, log_softmax, nats_to_bits, target_score, top_tokens)
+from lmhead_cli.head import (Distribution, TargetScore, TokenScore, check_finite, check_top_k, clamp_top_k,
+                             encode_target, encode_targets)
 from lmhead_cli.loading.sources import Loaded
 
 FLOAT32_BYTES = 4
@@ -92,25 +92,23 @@ def last_logits(loaded: Loaded, ids: list[int]) -> tuple[torch.Tensor, ShapeWalk
     """Run the body on all T positions and the head on the last one only: logits (V,) float32."""
     eng = loaded.engine
     x = torch.tensor([ids], device=eng.device)  # (1, T)
-    hidden = eng.body(x)  # (1, T, D)
-    last = hidden[:, -1:, :]  # (1, 1, D)
-    logits = eng.head(last)  # (1, 1, V)
+    logits = eng.last_logits(x)  # (1, V)
     check_finite(logits)
-    walk = shape_walk(hidden.shape[1], hidden.shape[2], logits.shape[-1])  # read off the tensors that flowed
-    return logits[0, 0].float(), walk
+    walk = shape_walk(x.shape[1], eng.head_weight.shape[1], logits.shape[-1])  # T, the head's width D, V
+    return logits[0], walk
 
 
 def inspection_from_logits(loaded: Loaded, ids: list[int], dropped: int, logits: torch.Tensor,
                            walk: ShapeWalk, k: int, target_ids: list[tuple[str, list[int]]]) -> Inspection:
     """The `inspect` reading of one prompt from its last-position logits (V,) float32."""
     eng, text = loaded.engine, loaded.tokenizer.token_text
-    nats = float(entropy(log_softmax(logits)))
+    dist = Distribution(logits)
     return Inspection(
         model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied, engine=eng.name,
         device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
         prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
-        top=top_tokens(logits, k, text), targets=[target_score(logits, t, tid, text) for t, tid in target_ids],
-        entropy=nats, entropy_bits=nats_to_bits(nats), logits=logits,
+        top=dist.top(k, text), targets=[dist.target(t, tid, text) for t, tid in target_ids],
+        entropy=dist.entropy, entropy_bits=dist.entropy_bits, logits=logits,
     )
 
 

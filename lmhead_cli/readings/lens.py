@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import BadValue
 from lmhead_cli.engine.base import module_name
-from lmhead_cli.head import (TargetScore, check_finite, clamp_top_k, encode_targets, entropy, log_softmax,
-                             target_score, top_tokens)
+from lmhead_cli.head import Distribution, TargetScore, check_finite, clamp_top_k, encode_targets
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
 
@@ -56,8 +55,8 @@ def check_position(position: int | None, T: int) -> int:
     if position is None:
         return T - 1
     if not -T <= position < T:
-        raise UsageError(f"--position {position} is outside the prompt's {T} tokens: give 0 to {T - 1}, "
-                         "or -1 for the last")
+        raise BadValue("position", f"{position} is outside the prompt's {T} tokens: give 0 to {T - 1}, "
+                       "or -1 for the last")
     return position % T
 
 
@@ -89,19 +88,18 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
     per_layer = layer_logits(loaded, ids, at)
 
     layers = []
-    for i, logits in enumerate(per_layer):
-        logprobs = log_softmax(logits)
-        top = top_tokens(logits, 1, text)[0]
+    dists = [Distribution(z) for z in per_layer]
+    for i, dist in enumerate(dists):
+        top = dist.top(1, text)[0]
         layers.append(LensLayer(layer=i, top_id=top.id, top_token=top.token, top_prob=top.prob,
-                                entropy=float(entropy(logprobs)),
-                                targets=[target_score(logits, t, tid, text) for t, tid in target_ids]))
+                                entropy=dist.entropy, targets=[dist.target(t, tid, text) for t, tid in target_ids]))
 
-    col_ids = [t.id for t in top_tokens(per_layer[-1], k, text)]
+    col_ids = [t.id for t in dists[-1].top(k, text)]
     n_top = len(col_ids)
     for _, tid in target_ids:
         if tid[0] not in col_ids:
             col_ids.append(tid[0])
-    probs = torch.stack([log_softmax(z) for z in per_layer]).exp()[:, col_ids]  # (layers, columns)
+    probs = torch.stack([d.logprobs for d in dists]).exp()[:, col_ids]  # (layers, columns)
     return Lens(model=loaded.source, random_weights=loaded.random_weights,
                 prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, position=at, layers=layers,
                 columns=[PromptToken(i, text(i)) for i in col_ids], heat=probs.tolist(), top_columns=n_top,

@@ -222,12 +222,6 @@ def check_text(text: str, source: str = "the text") -> str:
     return inputs.check_text(check_prompt(text), source)
 
 
-def read_text(stream) -> str:
-    """One text from a binary stream (`score -` reads stdin), strictly UTF-8, less the one line
-    break a shell or an editor puts at the end."""
-    return inputs.read_stdin("the text on stdin", stream=stream).removesuffix("\n").removesuffix("\r")
-
-
 def bos_id(loaded: Loaded) -> int:
     """The token that opens a text for this model (GPT-2: <|endoftext|>, 50256)."""
     cfg = loaded.config

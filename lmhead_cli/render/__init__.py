@@ -161,6 +161,13 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def provenance_json(src, *more: str) -> dict:
+    """The header of every --json document that says where its figures came from: `model` and
+    `random_weights`, then the fields `more` names (engine, device, dtype), read off `src` (an
+    api.results.Provenance, or a reading that carries the same fields)."""
+    return {"model": src.model, "random_weights": src.random_weights, **{k: getattr(src, k) for k in more}}
+
+
 def json_text(doc: Any, *, lines: bool = False, ascii: bool = False) -> str:  # noqa: A002
     """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite;
     non-ASCII as \\u escapes with ``ascii``."""

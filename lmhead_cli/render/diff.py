@@ -14,7 +14,7 @@ def diff_json(d) -> dict:
 
     def side(s) -> dict:
         return {"prompt": s.prompt, "prompt_tokens": [asdict(t) for t in s.prompt_tokens],
-                "top": [asdict(t) for t in s.top], "entropy": s.entropy}
+                "top": [t.to_dict() for t in s.top], "entropy": s.entropy}
 
     def mover(m) -> dict:
         return {"id": m.id, "token": m.token, "logprob_a": m.logprob_a, "logprob_b": m.logprob_b, "delta": m.delta}

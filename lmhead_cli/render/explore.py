@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 
 from rich.markup import escape
 from rich.table import Table
@@ -112,23 +111,40 @@ def generation_end(gen) -> None:
 
 
 
+class Terminal:
+    """`explore`'s tables and text (a readings.explore.View): answers on stdout, the rest on stderr."""
+
+    intro = staticmethod(intro)
+    reading = staticmethod(reading)
+    settings = staticmethod(settings)
+    help = staticmethod(help)
+    unknown = staticmethod(unknown)
+    error = staticmethod(error)
+    cancelled = staticmethod(cancelled)
+    own_softcap_notice = staticmethod(own_softcap_notice)
+    lens = staticmethod(lens)
+    generation_start = staticmethod(generation_start)
+    text = staticmethod(text)
+    generation_end = staticmethod(generation_end)
+
+
 # ---- explore --json: answers as JSON lines ------------------------------------------------------
+
+def _row(t) -> dict:
+    return {"rank": t.rank, "id": t.id, "token": t.token, "logit": t.logit, "scaled": t.scaled, "prob": t.prob}
+
 
 def reading_json(r) -> dict:
     """One prompt's answer in `explore --json`: the table's rows and targets, the stages that were on."""
     return {"prompt": r.prompt, "n_tokens": r.n_tokens, "truncated": r.truncated, "knobs": r.knobs.active(),
-            "rows": [asdict(row) for row in r.rows], "targets": [asdict(row) for row in r.targets],
+            "rows": [_row(t) for t in r.rows], "targets": [_row(t) for t in r.targets],
             "entropy": r.entropy, "elapsed_ms": r.elapsed_ms}
 
 
-class AsJson:
+class AsJson(Terminal):
     """`explore --json`: each answer (a prompt, :lens, :gen) is one JSON line on stdout; settings,
-    help and errors go to stderr, so stdout holds JSON lines only."""
-
-    intro = staticmethod(intro)
-    error = staticmethod(error)
-    own_softcap_notice = staticmethod(own_softcap_notice)  # on stderr either way
-    cancelled = staticmethod(cancelled)
+    help and errors go to stderr, so stdout holds JSON lines only (intro, error, the soft-cap notice
+    and `cancelled` are Terminal's: on stderr either way)."""
 
     @staticmethod
     def reading(r) -> None:

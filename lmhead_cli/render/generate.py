@@ -13,7 +13,7 @@ from dataclasses import asdict
 from rich.table import Table
 from rich.text import Text
 
-from lmhead_cli.render import knobs_text, notice, out, safe_text, sparkline
+from lmhead_cli.render import knobs_text, notice, out, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -116,11 +116,7 @@ def generation_json(result) -> dict:
     g, src = result.reading, result.source
     s = g.settings
     return {
-        "model": src.model,
-        "random_weights": src.random_weights,
-        "engine": src.engine,
-        "device": src.device,
-        "dtype": src.dtype,
+        **provenance_json(src, "engine", "device", "dtype"),
         "mode": g.mode,
         "preset": result.preset,
         "settings": {**asdict(s.knobs), "greedy": s.greedy, "beams": s.beams, "max_new_tokens": s.max_new_tokens,

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from rich.table import Table
 
 from lmhead_cli.loading import bundled
-from lmhead_cli.render import bar, compose, data, elided, out
+from lmhead_cli.render import bar, compose, data, elided, out, provenance_json
 from lmhead_cli.render import token_cell as _cell
 
 
@@ -24,14 +24,13 @@ def tie_json(tie) -> dict:
 def tie_document(result) -> dict:
     """The documented `tie --json` document, from an api.results.TieResult."""
     src = result.source
-    return {"model": src.model, "random_weights": src.random_weights, "engine": src.engine, **tie_json(result.tie)}
+    return {**provenance_json(src, "engine"), **tie_json(result.tie)}
 
 
 def inspection_json(result, tie) -> dict:
     """The documented `inspect --json` document (also one line per prompt of `inspect --file --json`)."""
     return {
-        "model": result.model,
-        "random_weights": result.random_weights,
+        **provenance_json(result),
         "tied": result.tied,
         "engine": result.engine,
         "device": result.device,
@@ -39,7 +38,7 @@ def inspection_json(result, tie) -> dict:
         "prompt_tokens": [asdict(t) for t in result.prompt_tokens],
         "truncated": result.truncated,
         "shapes": asdict(result.shapes),
-        "top": [asdict(t) for t in result.top],
+        "top": [t.to_dict() for t in result.top],
         "targets": [asdict(t) for t in result.targets],
         "entropy": result.entropy,
         "entropy_bits": result.entropy_bits,

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import compose, elided, out, show_token
+from lmhead_cli.render import compose, elided, out, provenance_json, show_token
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -21,8 +21,7 @@ def layer_name(layer: int) -> str:
 def lens_json(lens) -> dict:
     """The documented `lens --json` document: `layers`, the embeddings first and the last block last."""
     return {
-        "model": lens.model,
-        "random_weights": lens.random_weights,
+        **provenance_json(lens),
         "prompt_tokens": [asdict(t) for t in lens.prompt_tokens],
         "truncated": lens.truncated,
         "position": lens.position,

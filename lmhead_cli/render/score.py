@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lmhead_cli.readings.score import BUCKETS, bucket
-from lmhead_cli.render import _plain, err, out, safe_text, sparkline
+from lmhead_cli.render import _plain, err, out, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -156,7 +156,7 @@ def report(score, show_table: bool) -> None:
 
 def json_ends(score) -> tuple[dict, dict]:
     """The `score --json` document's fields before its "tokens" and after them."""
-    head = {"model": score.model, "random_weights": score.random_weights, "text": score.text, "bos": score.bos,
+    head = {**provenance_json(score), "text": score.text, "bos": score.bos,
             "window": score.window, "stride": score.stride, "chunk": score.chunk}
     tail = {"scored_tokens": score.scored_tokens, "nll": score.nll, "mean_nll": score.mean_nll,
             "perplexity": score.perplexity, "bytes": score.bytes, "bits_per_byte": score.bits_per_byte}
