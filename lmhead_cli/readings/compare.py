@@ -1,0 +1,264 @@
+"""`lmhead compare`: how far a cheaper model Q (another dtype, a quantisation) moves the next-token
+distribution away from a base, over every token of a text: the statistics of
+`llama-perplexity --kl-divergence` (readings/agreement.py defines each one).
+
+Both models read the text in lockstep through `score`'s plan, so the memory is score's:
+
+* the same sliding windows (readings/score.py): each token is scored once, with the same context under
+  both models, and each window's body runs once per model;
+* the head in chunks: a chunk of positions goes through both heads, each (chunk, V) block of logits
+  becomes float32 log-probabilities in place, and is reduced to a few figures per position (KL
+  divergence over the full vocabulary, both models' log p of the actual token, both top-1s) before
+  the next chunk. No (T, V) tensor exists; what grows with the text is a handful of (T,) columns.
+
+Shapes: T tokens, L positions in a window, D width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from lmhead_cli.engine.heap import fix_mmap_threshold
+from lmhead_cli.errors import NonFiniteLogits, OneToken, UsageError
+from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax
+from lmhead_cli.loading.sources import Loaded
+from lmhead_cli.readings.agreement import Statistics, statistics
+from lmhead_cli.readings.score import (CHUNK_BYTES, FLOAT32_BYTES, bos_id, check_chunk, check_stride, check_text,
+                                       text_ids, windows)
+
+# A chunk holds both models' (chunk, V) float32 log-probabilities, one temporary of that size (the
+# softmax's sum, then the KL's product), and a bfloat16 head's own output before its float32 copy.
+BUFFERS_PER_CHUNK = 4
+
+
+def default_chunk(vocab: int) -> int:
+    """The most positions whose BUFFERS_PER_CHUNK (chunk, V) float32 buffers fit in score's CHUNK_BYTES
+    (40 positions for GPT-2's 50,257 tokens): compare's chunk costs what score's does."""
+    return max(1, CHUNK_BYTES // (BUFFERS_PER_CHUNK * vocab * FLOAT32_BYTES))
+
+
+class Mismatch(UsageError):
+    """Q and the base do not read the text the same way (vocabulary or tokenizer): KL is undefined."""
+
+
+@dataclass(frozen=True)
+class Side:
+    """Which model one side of the comparison is."""
+
+    model: str
+    dtype: str
+    random_weights: bool
+
+
+def dtype_name(loaded: Loaded) -> str:
+    """The dtype a model computes in: what it was loaded with if it says, else its head's weights'."""
+    name = getattr(loaded, "dtype", None)
+    if isinstance(name, str):
+        return name
+    return str(loaded.engine.head_weight.dtype).removeprefix("torch.")
+
+
+def side(loaded: Loaded) -> Side:
+    return Side(loaded.source, dtype_name(loaded), loaded.random_weights)
+
+
+def check_same_vocabulary(q: Loaded, base: Loaded) -> None:
+    """A Mismatch naming what differs when the two models cannot be compared token by token: the
+    head's rows, or the tokenizer's table of tokens."""
+    vq, vb = q.engine.vocab_size, base.engine.vocab_size
+    if vq != vb:
+        raise Mismatch(f"the base {base.source} has another vocabulary: its head has {vb:,} rows, {q.source}'s "
+                       f"{vq:,}; KL divergence needs the same tokens on both sides")
+    tq, tb = q.tokenizer.tok.get_vocab(with_added_tokens=True), base.tokenizer.tok.get_vocab(with_added_tokens=True)
+    if tq != tb:
+        differ = sorted(set(tq.items()) ^ set(tb.items()), key=lambda kv: kv[1])
+        token, tid = differ[0]
+        raise Mismatch(f"the base {base.source} has another tokenizer vocabulary ({len(tb):,} tokens against "
+                       f"{len(tq):,}; they differ first at id {tid}, {token!r}); compare needs one tokenizer")
+
+
+def check_same_tokens(q: Loaded, base: Loaded, ids: torch.Tensor, text: str) -> None:
+    """A Mismatch when the base's tokenizer splits the text otherwise than Q's (same table, other merges)."""
+    other = torch.frombuffer(base.tokenizer.encode_long(text), dtype=torch.int32).long()
+    if not torch.equal(other, ids):
+        n = min(len(other), len(ids))
+        at = next((i for i in range(n) if int(other[i]) != int(ids[i])), n)
+        raise Mismatch(f"the base {base.source} has another tokenizer: it splits the text into {len(other):,} "
+                       f"tokens against {len(ids):,}, differing first at token {at}; compare needs one tokenizer")
+
+
+# ---- the result ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ComparedToken:
+    """One token of the text, as `compare --json` lists it. The figures are None when unscored."""
+
+    index: int
+    id: int
+    token: str
+    scored: bool
+    kld: float | None  # KL(base ‖ Q) of the prediction of this token, nats
+    logprob_q: float | None
+    logprob_base: float | None
+    dp: float | None  # p_Q − p_base of this token
+    top_q_id: int | None
+    top_q_token: str | None
+    top_base_id: int | None
+    top_base_token: str | None
+    same_top: bool | None
+
+
+@dataclass
+class Comparison:
+    """Every token of one text under both models, as (T,) columns, and the statistics over them."""
+
+    q: Side
+    base: Side
+    text: str
+    bos: bool
+    window: int
+    stride: int
+    chunk: int
+    windows: int
+    ids: torch.Tensor  # (T,) int64
+    scored: torch.Tensor  # (T,) bool
+    kld: torch.Tensor  # (T,) float32 nats, NaN where unscored
+    logprob_q: torch.Tensor  # (T,) float32, NaN where unscored
+    logprob_base: torch.Tensor  # (T,) float32, NaN where unscored
+    top_q: torch.Tensor  # (T,) int64, -1 where unscored
+    top_base: torch.Tensor  # (T,) int64, -1 where unscored
+    token_text: Callable[[int], str] = field(repr=False)
+    stats: Statistics = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.scored
+        self.stats = statistics(-self.logprob_q[s], -self.logprob_base[s], self.kld[s],
+                                self.top_q[s] == self.top_base[s])
+
+    @property
+    def positions(self) -> int:
+        return int(self.scored.sum())
+
+    def token(self, i: int) -> ComparedToken:
+        tid = int(self.ids[i])
+        if not bool(self.scored[i]):
+            return ComparedToken(i, tid, self.token_text(tid), False, *([None] * 9))
+        lq, lb, tq, tb = float(self.logprob_q[i]), float(self.logprob_base[i]), int(self.top_q[i]), int(self.top_base[i])
+        return ComparedToken(index=i, id=tid, token=self.token_text(tid), scored=True, kld=float(self.kld[i]),
+                             logprob_q=lq, logprob_base=lb, dp=math.exp(lq) - math.exp(lb),
+                             top_q_id=tq, top_q_token=self.token_text(tq), top_base_id=tb,
+                             top_base_token=self.token_text(tb), same_top=tq == tb)
+
+    def tokens(self) -> Iterator[ComparedToken]:
+        return (self.token(i) for i in range(len(self.ids)))
+
+    def worst(self, k: int = 5) -> list[ComparedToken]:
+        """The k scored tokens with the largest KL divergence, the largest first."""
+        kld = self.kld.nan_to_num(nan=-math.inf)
+        return [self.token(int(i)) for i in torch.topk(kld, min(k, self.positions)).indices]
+
+    def profile(self, width: int) -> tuple[list[float], int]:
+        """KL divergence along the text for a sparkline of at most `width` marks, each the mean of
+        `per` consecutive scored positions. Returns (values, per)."""
+        kld = self.kld[self.scored]
+        per = max(1, math.ceil(len(kld) / max(width, 1)))
+        pad = (-len(kld)) % per
+        if pad:
+            kld = torch.cat([kld, kld.new_full((pad,), math.nan)])
+        return kld.view(-1, per).nanmean(-1).tolist(), per
+
+    def to_dict(self) -> dict:
+        """The `compare --json` document: provenance, the statistics, one row per token."""
+        from dataclasses import asdict
+
+        return {**self.header(), "statistics": asdict(self.stats), "tokens": [asdict(t) for t in self.tokens()]}
+
+    def header(self) -> dict:
+        from dataclasses import asdict
+
+        return {"q": asdict(self.q), "base": asdict(self.base), "text": self.text, "bos": self.bos,
+                "window": self.window, "stride": self.stride, "chunk": self.chunk, "windows": self.windows,
+                "positions": self.positions}
+
+
+# ---- the computation ---------------------------------------------------------------------------
+
+def _check_rows(lp: torch.Tensor, who: str, first: int) -> None:
+    """NonFiniteLogits naming the model and the first text token whose prediction is not finite.
+    lp (n, V) float32 log-probabilities of tokens first, first + 1, …: a NaN or +inf logit makes its
+    row's max NaN, a -inf logit its min -inf, so two (n,) reductions find them (no (n, V) mask)."""
+    bad = ~(torch.isfinite(lp.amax(-1)) & torch.isfinite(lp.amin(-1)))
+    if bool(bad.any()):
+        at = first + int(bad.nonzero()[0])
+        raise NonFiniteLogits(f"{who} produced non-finite logits (NaN or inf) predicting token {at} of the text"
+                              f" ({int(bad.sum())} positions in that chunk): " + NON_FINITE_ADVICE)
+
+
+@torch.inference_mode()
+def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
+                chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Both models over token ids (T,), window by window, the heads chunk by chunk. Returns the columns."""
+    fix_mmap_threshold()  # as score: freed chunk buffers go back to the OS (engine/heap.py)
+    n_ctx = min(q.engine.n_ctx, base.engine.n_ctx)
+    stride = n_ctx // 2 if stride is None else stride
+    check_stride(stride, n_ctx)
+    check_chunk(chunk)
+    chunk = chunk or default_chunk(q.engine.vocab_size)
+    seq = torch.cat([ids.new_tensor([bos_id(q)]), ids]) if bos else ids  # (T + bos,)
+    T = len(seq)
+    plan = list(windows(T, n_ctx, stride))
+    kld, lp_q, lp_b = (torch.full((T,), math.nan) for _ in range(3))
+    top_q, top_b = (torch.full((T,), -1, dtype=torch.long) for _ in range(2))
+    who = (f"the model {q.source} ({dtype_name(q)})", f"the base {base.source} ({dtype_name(base)})")
+    total, done = sum(w.end - w.first for w in plan), 0
+    for w in plan:
+        window = seq[None, w.begin:w.end]
+        # Window position p predicts token p + 1: tokens [first, end) come from positions [first - 1, end - 1).
+        span = slice(w.first - 1 - w.begin, w.end - 1 - w.begin)
+        pred_q = q.engine.body(window.to(q.engine.device))[0][span]  # (n, D)
+        pred_b = base.engine.body(window.to(base.engine.device))[0][span]  # (n, D)
+        for c in range(0, len(pred_q), chunk):
+            lo, hi = w.first + c, min(w.first + c + chunk, w.end)
+            tgt = seq[lo:hi, None]
+            lq = log_softmax(q.engine.head(pred_q[c:c + chunk]), inplace=True)  # (n, V) float32
+            _check_rows(lq, who[0], lo - bos)
+            lb = log_softmax(base.engine.head(pred_b[c:c + chunk]), inplace=True).to(lq.device)  # (n, V)
+            _check_rows(lb, who[1], lo - bos)
+            lp_q[lo:hi] = lq.gather(-1, tgt.to(lq.device))[:, 0].cpu()
+            lp_b[lo:hi] = lb.gather(-1, tgt.to(lq.device))[:, 0].cpu()
+            top_q[lo:hi], top_b[lo:hi] = lq.argmax(-1).cpu(), lb.argmax(-1).cpu()
+            diff = lq.neg_().add_(lb)  # log p_base − log p_Q, in lq's place
+            kld[lo:hi] = diff.mul_(lb.exp_()).sum(-1).cpu()  # Σ_v p_base (log p_base − log p_Q), float32
+            del lq, lb, diff
+            done += hi - lo
+            if progress is not None:
+                progress(done, total)
+        del pred_q, pred_b
+    keep = slice(1, None) if bos else slice(None)
+    return {"windows": len(plan), "window": n_ctx, "stride": stride, "chunk": chunk, "kld": kld[keep],
+            "logprob_q": lp_q[keep], "logprob_base": lp_b[keep], "top_q": top_q[keep], "top_base": top_b[keep],
+            "scored": top_q[keep] >= 0}
+
+
+def compare_text(q: Loaded, base: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
+                 chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Comparison:
+    """Compare Q with the base over every token of one text. The text must be at least 2 tokens,
+    and both models must share the vocabulary and the tokenizer (Mismatch otherwise)."""
+    check_same_vocabulary(q, base)
+    text = check_text(text)
+    try:
+        ids = text_ids(q, text, bos)
+    except OneToken as e:
+        ids = None
+        token = e.token
+    if ids is None or len(ids) < 2:
+        token = token if ids is None else q.tokenizer.token_text(int(ids[0]))
+        raise UsageError(f"the text is one token ({token!r}); compare needs a text of at least 2 tokens")
+    check_same_tokens(q, base, ids, text)
+    cols = compare_ids(q, base, ids, bos=bos, stride=stride, chunk=chunk, progress=progress)
+    return Comparison(q=side(q), base=side(base), text=text, bos=bos, ids=ids, token_text=q.tokenizer.token_text,
+                      **cols)
