@@ -25,7 +25,20 @@ def num(v: float | None) -> str:
 
 
 def pct(v: float | None) -> str:
-    return "n/a" if v is None else (f"{100 * v:.3f}%" if v == 0 or abs(v) >= 1e-5 else f"{100 * v:.3e}%")
+    return "n/a" if v is None else (f"{100 * v:.3f}%" if v == 0 or abs(v) >= 1e-5 else f"{100 * v:.2e}%")
+
+
+def column(values: list[float | None], fmt) -> list[str]:
+    """One table column in one notation: `fmt` (llama-perplexity's fixed decimals), or scientific for
+    every row when the largest value would show as zeros."""
+    big = max((abs(v) for v in values if v is not None), default=0)
+    if big == 0 or fmt(big) != fmt(big * 0):
+        return [fmt(v) if v is not None else "n/a" for v in values]
+    return ["n/a" if v is None else f"{v:.3e}" for v in values]
+
+
+def prob(p: float) -> str:
+    return f"{p:.4%}" if p >= 1e-4 else f"{100 * p:.2e}%"
 
 
 def _who(s) -> str:
@@ -54,16 +67,27 @@ def _label(label: str, what: str) -> str:
     return f"{named.get(label, label)} {what}"
 
 
+def _rows(labels: list[str], values: list, uncertainties: list, fmt, unit: str = "") -> list[tuple[str, str, str]]:
+    shown = column([*values, *(u for u in uncertainties if u is not None)], fmt)
+    vals, uncs = shown[:len(values)], iter(shown[len(values):])
+    return [(label, v + unit, "" if u is None else next(uncs) + unit)
+            for label, v, u in zip(labels, vals, uncertainties)]
+
+
 def kld_rows(s) -> list[tuple[str, str, str]]:
-    return [("Mean KLD", num(s.kld_mean.value), num(s.kld_mean.uncertainty)),
-            *((_label(k, "KLD"), num(v), "") for k, v in s.kld_percentiles.items())]
+    labels = ["Mean KLD", *(_label(k, "KLD") for k in s.kld_percentiles)]
+    return _rows(labels, [s.kld_mean.value, *s.kld_percentiles.values()],
+                 [s.kld_mean.uncertainty, *[None] * len(s.kld_percentiles)], lambda v: f"{v:,.6f}")
 
 
 def dp_rows(s) -> list[tuple[str, str, str]]:
-    return [("Mean Δp", pct(s.dp_mean.value), pct(s.dp_mean.uncertainty)),
-            *((_label(k, "Δp"), pct(v), "") for k, v in s.dp_percentiles.items()),
-            ("RMS Δp", pct(s.dp_rms.value), pct(s.dp_rms.uncertainty)),
-            ("Same top p", pct(s.same_top.value), pct(s.same_top.uncertainty))]
+    """Δp's rows in percent (3 decimals, as llama-perplexity), then same top p."""
+    labels = ["Mean Δp", *(_label(k, "Δp") for k in s.dp_percentiles), "RMS Δp"]
+    values = [s.dp_mean.value, *s.dp_percentiles.values(), s.dp_rms.value]
+    uncertainties = [s.dp_mean.uncertainty, *[None] * len(s.dp_percentiles), s.dp_rms.uncertainty]
+    rows = _rows(labels, [100 * v for v in values], [None if u is None else 100 * u for u in uncertainties],
+                 lambda v: f"{v:.3f}", "%")
+    return [*rows, ("Same top p", pct(s.same_top.value), pct(s.same_top.uncertainty))]
 
 
 def summary_lines(c) -> list[str]:
@@ -90,8 +114,8 @@ def worst_table(c):
     t = compact_table("where the distributions moved most", ("#", "right"), ("token", "left"), ("KLD", "right"),
                       ("p(Q)", "right"), ("p(base)", "right"), ("top Q", "left"), ("top base", "left"))
     for r in c.worst(WORST):
-        t.add_row(str(r.index), tok(r.token), num(r.kld), f"{math.exp(r.logprob_q):.4%}",
-                  f"{math.exp(r.logprob_base):.4%}", tok(r.top_q_token), tok(r.top_base_token))
+        t.add_row(str(r.index), tok(r.token), num(r.kld), prob(math.exp(r.logprob_q)),
+                  prob(math.exp(r.logprob_base)), tok(r.top_q_token), tok(r.top_base_token))
     return t
 
 

@@ -1,0 +1,269 @@
+"""`lmhead compare`: every statistic against a computation done here from transformers' own forward and
+full-vocabulary log_softmax (two related checkpoints: one is the other plus small noise), with the
+window procedure redone over transformers; a model against itself gives 0; mismatched vocabularies or
+tokenizers, short texts and NaN are refused in one line; the renderings."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers import build_checkpoint, nan_checkpoint
+
+from lmhead_cli.errors import NonFiniteLogits, UsageError
+from lmhead_cli.loading.sources import load_model
+from lmhead_cli.readings.agreement import DP_PERCENTILES, KLD_PERCENTILES, percentile
+from lmhead_cli.readings.compare import Mismatch, compare_text
+from lmhead_cli.render import _plain
+from lmhead_cli.render import compare as show
+
+N_CTX = 48  # small windows, so that a short text goes through several
+WORDS = ("the keys on table are here and dog is asleep a cat sat mat of house by window door it was "
+         "not so much that he ran but she said , . yes no").split()
+
+
+def words(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+TEXT = words(130)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(base folder, base model, Q folder, Q model): Q is the base with N(0, 0.01²) added to every weight.
+    initializer_range 0.3 makes the predictions peaked enough that a top-1 can change or not."""
+    base_dir, q_dir = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("q")
+    base = build_checkpoint(base_dir, n_positions=N_CTX, seed=5, initializer_range=0.3)
+    q = build_checkpoint(q_dir, n_positions=N_CTX, seed=5, initializer_range=0.3)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in q.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    q.save_pretrained(q_dir)
+    return base_dir, base, q_dir, q
+
+
+def reference_rows(model, ids: list[int], n_ctx: int, stride: int) -> dict[int, torch.Tensor]:
+    """{token index: (V,) float64 log-probabilities that predict it}, from transformers' forward over
+    each window (begin every `stride` tokens, n_ctx long), each token taken from the first window
+    that has a token of its own before it and has not scored it yet."""
+    rows, done = {}, 1
+    for begin in range(0, len(ids), stride):
+        end = min(begin + n_ctx, len(ids))
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids[begin:end]])).logits[0].float(), dim=-1).double()
+        for i in range(max(done, begin + 1), end):
+            rows[i] = lp[i - 1 - begin]
+        done = end
+        if end == len(ids):
+            break
+    return rows
+
+
+def reference_statistics(lq: np.ndarray, lb: np.ndarray, ids: np.ndarray) -> dict:
+    """llama-perplexity's statistics recomputed with numpy, from (n, V) log-probabilities of Q and base
+    and the n actual tokens; correlations and percentiles from numpy's own functions."""
+    n = len(ids)
+    nll_q, nll_b = -lq[np.arange(n), ids], -lb[np.arange(n), ids]
+    kld = (np.exp(lb) * (lb - lq)).sum(-1)
+    dp = np.exp(-nll_q) - np.exp(-nll_b)
+    same = (lq.argmax(-1) == lb.argmax(-1)).mean()
+
+    def unc(x):  # the standard error of a mean, with llama.cpp's (n − 1)
+        return x.std() / math.sqrt(n - 1)
+
+    cov = np.cov(nll_q, nll_b, bias=True)[0, 1] / (n - 1)
+    ratio_u = math.sqrt(unc(nll_q) ** 2 + unc(nll_b) ** 2 - 2 * cov)
+    return {"ppl_q": (math.exp(nll_q.mean()), math.exp(nll_q.mean()) * unc(nll_q)),
+            "ppl_base": (math.exp(nll_b.mean()), math.exp(nll_b.mean()) * unc(nll_b)),
+            "cor": np.corrcoef(nll_q, nll_b)[0, 1],
+            "ln_ratio": (nll_q.mean() - nll_b.mean(), ratio_u),
+            "kld": (kld.mean(), unc(kld)), "kld_values": kld,
+            "dp": (dp.mean(), unc(dp)), "dp_values": dp,
+            "rms": (math.sqrt((dp ** 2).mean()), 0.5 / math.sqrt((dp ** 2).mean()) * unc(dp ** 2)),
+            "same": (same, math.sqrt(same * (1 - same) / (n - 1)))}
+
+
+def close(got, want, rel=2e-3, abs=1e-7):  # noqa: A002
+    assert got == pytest.approx(want, rel=rel, abs=abs)
+
+
+# ---- transformers is the oracle -----------------------------------------------------------------
+
+@pytest.mark.parametrize("stride", [16, N_CTX])
+def test_statistics_match_transformers(pair, stride, monkeypatch):
+    base_dir, base_model, q_dir, q_model = pair
+    q, base = load_model(str(q_dir), device="cpu"), load_model(str(base_dir), device="cpu")
+    rows = []
+    for eng in (q.engine, base.engine):
+        head = eng.head
+        monkeypatch.setattr(eng, "head", lambda h, head=head: rows.append(h.shape[0]) or head(h))
+    c = compare_text(q, base, TEXT, stride=stride, chunk=7)
+    assert max(rows) == 7  # the heads never see more than a chunk: no (T, V) tensor
+    ids = c.ids.tolist()
+    ref_q, ref_b = reference_rows(q_model, ids, N_CTX, stride), reference_rows(base_model, ids, N_CTX, stride)
+    assert c.windows > 2 and sorted(ref_q) == [i for i in range(len(ids)) if bool(c.scored[i])]
+    order = sorted(ref_q)
+    lq, lb = torch.stack([ref_q[i] for i in order]).numpy(), torch.stack([ref_b[i] for i in order]).numpy()
+    want = reference_statistics(lq, lb, np.array([ids[i] for i in order]))
+    s = c.stats
+    assert s.positions == len(order)
+    for i, t in zip(order, (c.token(i) for i in order)):  # the per-token rows
+        close(t.kld, float((np.exp(lb[order.index(i)]) * (lb[order.index(i)] - lq[order.index(i)])).sum()),
+              rel=1e-3, abs=1e-6)
+    close(s.ppl_q.value, want["ppl_q"][0], rel=1e-5)
+    close(s.ppl_q.uncertainty, want["ppl_q"][1], rel=1e-4)
+    close(s.ppl_base.value, want["ppl_base"][0], rel=1e-5)
+    close(s.ppl_base.uncertainty, want["ppl_base"][1], rel=1e-4)
+    close(s.cor_ln_ppl, want["cor"], rel=1e-5)
+    close(s.ln_ppl_ratio.value, want["ln_ratio"][0], rel=1e-3, abs=1e-6)
+    close(s.ln_ppl_ratio.uncertainty, want["ln_ratio"][1], rel=1e-3)
+    close(s.ppl_ratio.value, math.exp(want["ln_ratio"][0]), rel=1e-5)
+    close(s.kld_mean.value, want["kld"][0])
+    close(s.kld_mean.uncertainty, want["kld"][1])
+    for label, fraction in KLD_PERCENTILES:
+        close(s.kld_percentiles[label], np.percentile(want["kld_values"], 100 * fraction), rel=5e-3, abs=1e-6)
+    close(s.dp_mean.value, want["dp"][0], rel=1e-3, abs=1e-6)
+    close(s.dp_mean.uncertainty, want["dp"][1], rel=1e-3)
+    close(s.dp_rms.value, want["rms"][0], rel=1e-3)
+    close(s.dp_rms.uncertainty, want["rms"][1], rel=1e-3)
+    for label, fraction in DP_PERCENTILES:
+        close(s.dp_percentiles[label], np.percentile(want["dp_values"], 100 * fraction), rel=1e-3, abs=1e-6)
+    assert s.same_top.value == pytest.approx(want["same"][0]) and s.same_top.uncertainty == pytest.approx(want["same"][1])
+    # the pair is a real test: the noise moves the distributions, but not beyond recognition
+    assert 1e-4 < s.kld_mean.value < 0.5 and 0.5 < s.same_top.value < 1 and s.cor_ln_ppl > 0.9
+
+
+def test_percentile_interpolates_linearly_as_numpy():
+    x = torch.tensor(sorted(random.Random(3).random() for _ in range(37)), dtype=torch.float64)
+    for fraction in (0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.999, 1):
+        assert percentile(x, fraction) == pytest.approx(np.percentile(x.numpy(), 100 * fraction), abs=1e-12)
+
+
+# ---- a model against itself -------------------------------------------------------------------
+
+def test_a_model_against_itself_gives_zero(pair):
+    base_dir = pair[0]
+    one, two = load_model(str(base_dir), device="cpu"), load_model(str(base_dir), device="cpu")
+    for q, base in ((one, one), (one, two)):  # the same object, and a second load of the same weights
+        s = compare_text(q, base, TEXT).stats
+        assert s.kld_mean.value == 0 and all(v == 0 for v in s.kld_percentiles.values())
+        assert s.same_top.value == 1 and s.same_top.uncertainty == 0
+        assert s.ln_ppl_ratio.value == 0 and s.ln_ppl_ratio.uncertainty == 0 and s.ppl_ratio.value == 1
+        assert s.dp_mean.value == 0 and s.dp_rms.value == 0 and s.ppl_diff.value == 0
+        assert s.cor_ln_ppl == pytest.approx(1)
+
+
+def test_bfloat16_against_float32_of_one_model(pair):
+    base_dir = pair[0]
+    q, base = load_model(str(base_dir), device="cpu", dtype="bfloat16"), load_model(str(base_dir), device="cpu")
+    c = compare_text(q, base, TEXT)
+    s = c.stats
+    assert (c.q.dtype, c.base.dtype) == ("bfloat16", "float32")
+    assert 0 < s.kld_mean.value < 0.05 and s.kld_percentiles["min"] <= s.kld_percentiles["median"] <= s.kld_percentiles["max"]
+    assert all(math.isfinite(v) for v in (s.ppl_q.value, s.ppl_base.value, s.dp_rms.value, s.same_top.value))
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+def test_another_vocabulary_is_refused(pair, tmp_path):
+    build_checkpoint(tmp_path, n_positions=N_CTX, vocab_size=50304)
+    q, base = load_model(str(tmp_path), device="cpu"), load_model(str(pair[0]), device="cpu")
+    with pytest.raises(Mismatch, match="another vocabulary: its head has 50,257 rows.* 50,304"):
+        compare_text(q, base, TEXT)
+
+
+def test_another_tokenizer_table_is_refused(pair, tmp_path):
+    build_checkpoint(tmp_path, n_positions=N_CTX)
+    vocab = json.loads((tmp_path / "vocab.json").read_text(encoding="utf-8"))
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    q, base = load_model(str(pair[0]), device="cpu"), load_model(str(tmp_path), device="cpu")
+    with pytest.raises(Mismatch, match="another tokenizer vocabulary .* differ first at id"):
+        compare_text(q, base, TEXT)
+
+
+def test_a_tokenizer_that_splits_otherwise_is_refused(pair, tmp_path):
+    build_checkpoint(tmp_path, n_positions=N_CTX)
+    merges = (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "merges.txt").write_text("\n".join(m for m in merges if m != "Ġ t"), encoding="utf-8")
+    q, base = load_model(str(pair[0]), device="cpu"), load_model(str(tmp_path), device="cpu")
+    with pytest.raises(Mismatch, match="another tokenizer: it splits the text into"):
+        compare_text(q, base, TEXT)
+
+
+@pytest.mark.parametrize("text,bos", [("Hello", False), ("Hello", True)])
+def test_a_text_of_one_token_is_refused(pair, text, bos):
+    q = load_model(str(pair[0]), device="cpu")
+    with pytest.raises(UsageError, match="the text is one token .*'Hello'.* at least 2 tokens"):
+        compare_text(q, q, text, bos=bos)
+
+
+def test_an_empty_text_is_refused(pair):
+    q = load_model(str(pair[0]), device="cpu")
+    with pytest.raises(UsageError, match="empty"):
+        compare_text(q, q, "")
+
+
+def test_nan_names_the_model_and_the_position(pair, tmp_path):
+    good = load_model(str(pair[0]), device="cpu")
+    bad = load_model(str(nan_checkpoint(pair[0], tmp_path)), device="cpu")
+    with pytest.raises(NonFiniteLogits, match=f"the model {tmp_path} .float32. produced non-finite .* token 1 of"):
+        compare_text(bad, good, TEXT)
+    with pytest.raises(NonFiniteLogits, match=f"the base {tmp_path} .float32. produced non-finite .* token 1 of"):
+        compare_text(good, bad, TEXT)
+
+
+# ---- the renderings ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compared(pair):
+    q, base = load_model(str(pair[2]), device="cpu"), load_model(str(pair[0]), device="cpu")
+    return compare_text(q, base, "\x1b[31m[bold]red[/bold] " + TEXT)
+
+
+def _stdout(fn, *args) -> str:
+    old, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        fn(*args)
+        return sys.stdout.getvalue()
+    finally:
+        sys.stdout = old
+
+
+def test_json_is_the_result_and_lists_every_token(compared):
+    doc = json.loads(_stdout(show.write_json, compared))
+    assert doc == _plain(compared.to_dict())
+    assert len(doc["tokens"]) == len(compared.ids) and doc["positions"] == compared.stats.positions
+    assert doc["text"].startswith("\x1b[31m[bold]") and doc["tokens"][0]["scored"] is False
+    row = doc["tokens"][5]
+    assert row["dp"] == pytest.approx(math.exp(row["logprob_q"]) - math.exp(row["logprob_base"]))
+    assert row["same_top"] == (row["top_q_id"] == row["top_base_id"])
+    assert doc["statistics"]["kld_mean"]["value"] == pytest.approx(
+        sum(t["kld"] for t in doc["tokens"] if t["scored"]) / doc["positions"])
+
+
+def test_report_shows_llama_perplexity_rows_and_data_inert(compared):
+    text = _stdout(show.report, compared)
+    s = compared.stats
+    for label in ("Mean PPL(Q)", "Cor(ln(PPL(Q)), ln(PPL(base)))", "Mean ln(PPL(Q)/PPL(base))", "Mean KLD",
+                  "Maximum KLD", "99.9% KLD", "Median KLD", "0.1% KLD", "Minimum KLD", "Mean Δp", "75% Δp",
+                  "RMS Δp", "Same top p", "KLD  "):
+        assert label in text
+    assert show.kld_rows(s)[0][1] in text and show.pct(s.same_top.value) in text
+
+
+def test_hostile_tokens_are_shown_inert(pair):
+    q, base = load_model(str(pair[2]), device="cpu"), load_model(str(pair[0]), device="cpu")
+    c = compare_text(q, base, "x\x1b[b]")  # few tokens: every one is among the worst shown
+    assert any("\x1b" in t.token for t in c.worst())
+    text = _stdout(show.report, c)
+    assert "\x1b" not in text and "\\x1b" in text
