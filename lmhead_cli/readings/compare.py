@@ -55,11 +55,10 @@ class Side:
 
 
 def dtype_name(loaded: Loaded) -> str:
-    """The dtype a model computes in: what it was loaded with if it says, else its head's weights'."""
-    name = getattr(loaded, "dtype", None)
-    if isinstance(name, str):
-        return name
-    return str(loaded.engine.head_weight.dtype).removeprefix("torch.")
+    """The dtype the model was loaded in, as --dtype spells it: how its weights are stored where the
+    engine says (int8 weights compute in float32), else the dtype it computes in."""
+    stored = getattr(loaded.engine, "weight_format", None)
+    return stored if isinstance(stored, str) else str(loaded.engine.dtype).removeprefix("torch.")
 
 
 def side(loaded: Loaded) -> Side:
