@@ -15,6 +15,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import build_checkpoint, nan_checkpoint
+from typer.testing import CliRunner
+
+import lmhead_cli
+from lmhead_cli.cli import app
 
 from lmhead_cli.errors import NonFiniteLogits, UsageError
 from lmhead_cli.loading.sources import load_model
@@ -267,3 +271,66 @@ def test_hostile_tokens_are_shown_inert(pair):
     assert any("\x1b" in t.token for t in c.worst())
     text = _stdout(show.report, c)
     assert "\x1b" not in text and "\\x1b" in text
+
+
+# ---- the command and the API ----------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_cli_json_is_the_api_document(pair, tmp_path):
+    q_dir, base_dir = str(pair[2]), str(pair[0])
+    got = runner.invoke(app, ["compare", TEXT, "--model", q_dir, "--base", base_dir, "--json", "--chunk", "9"])
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    want = lmhead_cli.load(q_dir, device="cpu").compare(TEXT, base=base_dir, chunk=9).to_dict()
+    assert doc == want and doc["q"]["model"] == q_dir and doc["base"]["dtype"] == "float32"
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT + "\n", encoding="utf-8")
+    for args, stdin in ((["--file", str(path)], None), (["-"], TEXT + "\n")):  # the same text, two other ways
+        other = runner.invoke(app, ["compare", *args, "--model", q_dir, "--base", base_dir, "--json", "--chunk", "9"],
+                              input=stdin)
+        assert json.loads(other.stdout) == doc
+
+
+def test_cli_dtype_alone_compares_with_the_same_source_in_float32(pair):
+    got = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--dtype", "bfloat16"])
+    assert got.exit_code == 0, got.output
+    assert f"Q:    {pair[0]} (bfloat16)" in got.stdout and f"base: {pair[0]} (float32)" in got.stdout
+    assert "Mean KLD" in got.stdout and "Same top p" in got.stdout
+
+
+def test_api_base_same_is_the_model_itself(pair):
+    m = lmhead_cli.load(str(pair[0]), device="cpu")
+    r = m.compare(TEXT, base="same")
+    assert r.stats.kld_mean.value == 0 and r.stats.same_top.value == 1
+    assert "<table>" in r._repr_html_() and r.to_dict()["statistics"]["kld_mean"]["value"] == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["compare", "Hello"], "the text is one token ('Hello'); compare needs a text of at least 2 tokens"),
+    (["compare", ""], "empty"),
+    (["compare"], "give a text"),
+    (["compare", TEXT, "--file", "x.txt"], "not both"),
+    (["compare", "--file", "/nonexistent/x.txt"], "no such text file"),
+    (["compare", TEXT, "--base", ""], "--base is empty"),
+    (["compare", TEXT, "--stride", "49"], "between 1 and the context of 48"),
+    (["compare", TEXT, "--base-dtype", "float8"], "unknown --base-dtype"),
+])
+def test_cli_bad_input_is_one_line_exit_2(pair, args, message):
+    got = runner.invoke(app, [*args, "--model", str(pair[0])])
+    assert got.exit_code == 2, got.output
+    assert message in got.stderr and got.stderr.count("\n") == 1 and "Traceback" not in got.output
+
+
+def test_cli_another_vocabulary_is_one_line_exit_2(pair, tmp_path):
+    build_checkpoint(tmp_path, n_positions=N_CTX, vocab_size=50304)
+    got = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--base", str(tmp_path)])
+    assert got.exit_code == 2 and "has another vocabulary" in got.stderr and got.stderr.count("\n") == 1
+
+
+def test_cli_nan_is_one_line_exit_1(pair, tmp_path):
+    bad = str(nan_checkpoint(pair[0], tmp_path))
+    got = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--base", bad])
+    assert got.exit_code == 1 and f"the base {bad} (float32) produced non-finite logits" in got.stderr
+    assert got.stderr.count("\n") == 1 and "Traceback" not in got.output

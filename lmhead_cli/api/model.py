@@ -39,7 +39,7 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
 
 
 class Model:
-    """A loaded model and its tokenizer. Methods: inspect, explain, score, generate, diff, attribute,
+    """A loaded model and its tokenizer. Methods: inspect, explain, score, compare, generate, diff, attribute,
     lens, tie, params (each returns a result with to_dict(), _repr_html_ and __rich__)."""
 
     def __init__(self, loaded):
@@ -191,6 +191,17 @@ class Model:
             checks.text(text)
         checks.chunk(chunk)
         checks.stride(stride, self.n_ctx)
+
+    def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
+                stride: int | None = None, chunk: int | None = None,
+                progress: Callable[[int, int], None] | None = None):
+        """This model (Q) against `base` over every token of `text`: llama-perplexity --kl-divergence's
+        statistics (api/compare.py). `base`: a Model, a source, or None / "same" for this model's own
+        source, loaded in `base_dtype`."""
+        from lmhead_cli.api.compare import compare
+
+        return compare(self, text, base, base_dtype=base_dtype, bos=bos, stride=stride, chunk=chunk,
+                       progress=progress)
 
     def score_lines(self, lines, corpus, *, bos: bool = False, stride: int | None = None,
                     chunk: int | None = None) -> Iterator:

@@ -93,7 +93,7 @@ def dp_rows(s) -> list[tuple[str, str, str]]:
 def summary_lines(c) -> list[str]:
     T = len(c.ids)
     windows = "1 window" if c.windows == 1 else f"{c.windows:,} windows"
-    lines = [f"Q: {_who(c.q)}    base: {_who(c.base)}",
+    lines = [f"Q:    {_who(c.q)}", f"base: {_who(c.base)}",
              f"{c.positions:,} positions scored of {T:,} tokens; {windows} of ≤ {c.window:,} tokens "
              f"(stride {c.stride:,}); both heads {c.chunk:,} positions at a time"]
     if c.positions < FEW_POSITIONS:

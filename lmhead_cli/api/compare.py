@@ -1,0 +1,69 @@
+"""`Model.compare`: Q (this model) against a base over one text, llama-perplexity's --kl-divergence
+statistics (readings/compare.py). Its own module, so that the Model's file stays about the one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from lmhead_cli.api.results import Result, html_table
+from lmhead_cli.errors import UsageError
+
+SAME = "same"  # --base same: the model's own source
+
+
+@dataclass(eq=False)
+class CompareResult(Result):
+    """compare: readings.compare.Comparison (T values a column, `stats`, `tokens()` one row at a time)."""
+
+    reading: Any
+
+    def document(self) -> dict:
+        return self.reading.to_dict()
+
+    def _repr_html_(self) -> str:
+        doc = self.to_dict()
+        return html_table({**{k: v for k, v in doc.items() if k != "statistics"}, **doc["statistics"]})
+
+
+def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool = False, threads: int | None = None,
+               ignore_memory: bool = False):
+    """The base as a Model: `base` itself if it is one; else `base` (a source; None or "same": the
+    model's own) loaded in `base_dtype` on the model's device. The model itself when that is what it
+    already is (same source and dtype): a model against itself, loaded once."""
+    from lmhead_cli.api.model import Model, load
+
+    if isinstance(base, Model):
+        return base
+    if base is not None and not isinstance(base, str):
+        raise UsageError(f"base must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
+    source = model.source if base in (None, SAME) else base
+    if not source.strip():
+        raise UsageError(f"the base is empty; give a model source, or {SAME!r} for {model.source}")
+    from lmhead_cli.readings.compare import dtype_name
+
+    own = model.provenance
+    if source == model.source and base_dtype == dtype_name(model.loaded):
+        return model
+    return load(source, device=own.device.split(":")[0], dtype=base_dtype, engine=own.engine if source == model.source else "auto", threads=threads,
+                allow_pickle=allow_pickle, ignore_memory=ignore_memory)
+
+
+def compare(model, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
+            stride: int | None = None, chunk: int | None = None,
+            progress: Callable[[int, int], None] | None = None) -> CompareResult:
+    """How far this model (Q) moves the next-token distribution from `base` over every token of `text`:
+    PPL of both, ln(PPL(Q)/PPL(base)), mean KLD with its percentiles, Δp, same top p.
+
+    `base`: a loaded Model, a source, or None / "same" for this model's own source, loaded in
+    `base_dtype`. Both must share the vocabulary and the tokenizer. Texts longer than the context go in
+    windows of n_ctx tokens that begin every `stride` tokens; both heads run `chunk` positions at a time."""
+    from lmhead_cli.api import checks
+    from lmhead_cli.readings.compare import compare_text
+
+    checks.text(text)
+    checks.chunk(chunk)
+    other = base_model(model, base, base_dtype)
+    checks.stride(stride, min(model.n_ctx, other.n_ctx))
+    return CompareResult(compare_text(model.loaded, other.loaded, text, bos=bos, stride=stride, chunk=chunk,
+                                      progress=progress))

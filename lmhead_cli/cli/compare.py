@@ -1,0 +1,93 @@
+"""`lmhead compare`: a model under test against a base over one text (llama-perplexity --kl-divergence)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from lmhead_cli.cli.options import JsonOpt, ModelChoice, command
+from lmhead_cli.errors import UsageError
+
+
+@command("compare")
+def compare_cmd(
+    text: Annotated[Optional[str], typer.Argument(help="The text; - reads it from stdin.")] = None,
+    file: Annotated[
+        Optional[str], typer.Option("--file", "-f", help="Read the whole file as one text (- for stdin), as "
+                                    "llama-perplexity -f does.")
+    ] = None,
+    base: Annotated[
+        Optional[str], typer.Option("--base", help="The model to compare against: a hub id, a folder, random:NAME, "
+                                    "or same (--model's own).", show_default="same")
+    ] = None,
+    base_dtype: Annotated[
+        str, typer.Option("--base-dtype", help="The base's dtype: float32, bfloat16 or float16.")
+    ] = "float32",
+    bos: Annotated[
+        bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is compared too.")
+    ] = False,
+    stride: Annotated[
+        Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
+                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)
+    ] = None,
+    chunk: Annotated[
+        Optional[int], typer.Option("--chunk", help="Positions per pass of both heads: each pass holds about "
+                                    "4 × N × V × 4 bytes.", show_default="the most within 32 MiB: 40 for GPT-2",
+                                    min=1)
+    ] = None,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """How far a cheaper model moves the next-token distribution from a base, over every token of a text:
+    llama-perplexity --kl-divergence's statistics (PPL ratio, mean KLD and percentiles, Δp, same top p).
+
+    --model and --dtype choose the model under test (Q); the base is the same source in float32 unless
+    --base and --base-dtype say otherwise. See docs/compare.md for each statistic.
+
+    Example: lmhead compare "The keys on the table are on the table." --model random:gpt2 --dtype bfloat16
+    """
+    from lmhead_cli.api import checks
+    from lmhead_cli.api.compare import SAME
+    from lmhead_cli.inputs import read_stdin
+    from lmhead_cli.readings.batch import open_input
+    from lmhead_cli.readings.score import read_text
+    from lmhead_cli.render import compare as show
+    from lmhead_cli.render.score import Progress
+
+    if file is not None:
+        if text is not None:
+            raise UsageError("give a text or --file, not both")
+        stream = open_input(file, "text file")
+        try:
+            text = read_stdin(f"the text file {file}", stream=stream).removesuffix("\n").removesuffix("\r")
+        finally:
+            if stream is not sys.stdin.buffer and stream is not sys.stdin:
+                stream.close()
+    elif text is None:
+        raise UsageError('give a text, e.g. lmhead compare "The keys on the table are here." --dtype bfloat16 '
+                         "(- reads stdin; --file PATH reads a file as one text)")
+    elif text == "-":
+        text = read_text(sys.stdin.buffer)
+    text = checks.text(text)
+    checks.chunk(chunk)
+    if base is not None and not base.strip():
+        raise UsageError(f"--base is empty; give a model (a hub id, a folder, random:NAME) or {SAME}")
+    from lmhead_cli.loading.sources import DTYPES
+
+    if base_dtype not in DTYPES:
+        raise UsageError(f"unknown --base-dtype {base_dtype!r}; choose one of: {', '.join(DTYPES)}")
+    model = source.load()
+    base_model = None
+    if base not in (None, SAME) or base_dtype != source.dtype:  # else: the model against itself, loaded once
+        base_model = dataclasses.replace(source, model=source.model if base in (None, SAME) else base,
+                                         dtype=base_dtype).load()
+    with Progress("comparing") as progress:
+        result = model.compare(text, base=base_model or model, bos=bos, stride=stride, chunk=chunk,
+                               progress=progress)
+    if json_out:
+        show.write_json(result.reading)  # streamed, a token a line: the same document as result.to_dict()
+    else:
+        show.report(result.reading)
