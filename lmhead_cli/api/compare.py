@@ -45,7 +45,8 @@ def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool =
     own = model.provenance
     if source == model.source and base_dtype == dtype_name(model.loaded):
         return model
-    return load(source, device=own.device.split(":")[0], dtype=base_dtype, engine=own.engine if source == model.source else "auto", threads=threads,
+    return load(source, device=own.device.split(":")[0], dtype=base_dtype,
+                engine=own.engine if source == model.source else "auto", threads=threads,
                 allow_pickle=allow_pickle, ignore_memory=ignore_memory)
 
 

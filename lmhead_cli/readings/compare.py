@@ -146,7 +146,8 @@ class Comparison:
         tid = int(self.ids[i])
         if not bool(self.scored[i]):
             return ComparedToken(i, tid, self.token_text(tid), False, *([None] * 9))
-        lq, lb, tq, tb = float(self.logprob_q[i]), float(self.logprob_base[i]), int(self.top_q[i]), int(self.top_base[i])
+        lq, lb = float(self.logprob_q[i]), float(self.logprob_base[i])
+        tq, tb = int(self.top_q[i]), int(self.top_base[i])
         return ComparedToken(index=i, id=tid, token=self.token_text(tid), scored=True, kld=float(self.kld[i]),
                              logprob_q=lq, logprob_base=lb, dp=math.exp(lq) - math.exp(lb),
                              top_q_id=tq, top_q_token=self.token_text(tq), top_base_id=tb,

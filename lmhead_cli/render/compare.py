@@ -21,19 +21,19 @@ def num(v: float | None) -> str:
     show it as zeros; "n/a" where it has no value."""
     if v is None:
         return "n/a"
-    return f"{v:,.6f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.4e}"
+    return f"{v:,.6f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.3e}"
 
 
 def pct(v: float | None) -> str:
     return "n/a" if v is None else (f"{100 * v:.3f}%" if v == 0 or abs(v) >= 1e-5 else f"{100 * v:.2e}%")
 
 
-def column(values: list[float | None], fmt) -> list[str]:
-    """One table column in one notation: `fmt` (llama-perplexity's fixed decimals), or scientific for
-    every row when the largest value would show as zeros."""
-    big = max((abs(v) for v in values if v is not None), default=0)
-    if big == 0 or fmt(big) != fmt(big * 0):
-        return [fmt(v) if v is not None else "n/a" for v in values]
+def column(values: list[float | None], decimals: int) -> list[str]:
+    """One table column in one notation: llama-perplexity's fixed `decimals` when every non-zero value
+    keeps at least 3 significant digits there, else scientific for every row (a KLD of 2e-7 is not 0)."""
+    smallest = min((abs(v) for v in values if v), default=1.0)
+    if smallest >= 10.0 ** (2 - decimals):
+        return ["n/a" if v is None else f"{v:,.{decimals}f}" for v in values]
     return ["n/a" if v is None else f"{v:.3e}" for v in values]
 
 
@@ -67,8 +67,9 @@ def _label(label: str, what: str) -> str:
     return f"{named.get(label, label)} {what}"
 
 
-def _rows(labels: list[str], values: list, uncertainties: list, fmt, unit: str = "") -> list[tuple[str, str, str]]:
-    shown = column([*values, *(u for u in uncertainties if u is not None)], fmt)
+def _rows(labels: list[str], values: list, uncertainties: list, decimals: int,
+          unit: str = "") -> list[tuple[str, str, str]]:
+    shown = column([*values, *(u for u in uncertainties if u is not None)], decimals)
     vals, uncs = shown[:len(values)], iter(shown[len(values):])
     return [(label, v + unit, "" if u is None else next(uncs) + unit)
             for label, v, u in zip(labels, vals, uncertainties)]
@@ -77,7 +78,7 @@ def _rows(labels: list[str], values: list, uncertainties: list, fmt, unit: str =
 def kld_rows(s) -> list[tuple[str, str, str]]:
     labels = ["Mean KLD", *(_label(k, "KLD") for k in s.kld_percentiles)]
     return _rows(labels, [s.kld_mean.value, *s.kld_percentiles.values()],
-                 [s.kld_mean.uncertainty, *[None] * len(s.kld_percentiles)], lambda v: f"{v:,.6f}")
+                 [s.kld_mean.uncertainty, *[None] * len(s.kld_percentiles)], 6)
 
 
 def dp_rows(s) -> list[tuple[str, str, str]]:
@@ -86,7 +87,7 @@ def dp_rows(s) -> list[tuple[str, str, str]]:
     values = [s.dp_mean.value, *s.dp_percentiles.values(), s.dp_rms.value]
     uncertainties = [s.dp_mean.uncertainty, *[None] * len(s.dp_percentiles), s.dp_rms.uncertainty]
     rows = _rows(labels, [100 * v for v in values], [None if u is None else 100 * u for u in uncertainties],
-                 lambda v: f"{v:.3f}", "%")
+                 3, "%")
     return [*rows, ("Same top p", pct(s.same_top.value), pct(s.same_top.uncertainty))]
 
 
@@ -107,7 +108,8 @@ def profile(c) -> None:
     values, per = c.profile(max(16, min(con.width, 120) - 12))
     scale = "one mark per token" if per == 1 else f"one mark = the mean of {per:,} tokens"
     con.print(f"KLD        {sparkline(values)}", markup=False)
-    con.print(f"           nats along the text, ▁ {num(min(values))} … █ {num(max(values))}; {scale}", markup=False)
+    con.print(f"           nats along the text, ▁ {num(min(values))} … █ {num(max(values))}; {scale}",
+              markup=False)
 
 
 def worst_table(c):
