@@ -220,7 +220,7 @@ def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False
         # Window position p predicts token p + 1: tokens [first, end) come from positions [first - 1, end - 1).
         span = slice(w.first - 1 - w.begin, w.end - 1 - w.begin)
         pred_q = q.engine.body(window.to(q.engine.device))[0][span]  # (n, D)
-        pred_b = base.engine.body(window.to(base.engine.device))[0][span]  # (n, D)
+        pred_b = pred_q if base is q else base.engine.body(window.to(base.engine.device))[0][span]  # (n, D)
         for c in range(0, len(pred_q), chunk):
             lo, hi = w.first + c, min(w.first + c + chunk, w.end)
             tgt = seq[lo:hi, None]
