@@ -35,7 +35,7 @@ def compare_cmd(
     ] = None,
     chunk: Annotated[
         Optional[int], typer.Option("--chunk", help="Positions per pass of both heads: each pass holds about "
-                                    "4 × N × V × 4 bytes.", show_default="the most within 32 MiB: 40 for GPT-2",
+                                    "4 × N × V × 4 bytes.", show_default="the most within 32 MiB: 41 for GPT-2",
                                     min=1)
     ] = None,
     source: ModelChoice = None,

@@ -37,7 +37,7 @@ BUFFERS_PER_CHUNK = 4
 
 def default_chunk(vocab: int) -> int:
     """The most positions whose BUFFERS_PER_CHUNK (chunk, V) float32 buffers fit in score's CHUNK_BYTES
-    (40 positions for GPT-2's 50,257 tokens): compare's chunk costs what score's does."""
+    (41 positions for GPT-2's 50,257 tokens): compare's chunk costs what score's does."""
     return max(1, CHUNK_BYTES // (BUFFERS_PER_CHUNK * vocab * FLOAT32_BYTES))
 
 
