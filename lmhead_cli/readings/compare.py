@@ -187,15 +187,18 @@ class Comparison:
 
 # ---- the computation ---------------------------------------------------------------------------
 
-def _check_rows(lp: torch.Tensor, who: str, first: int) -> None:
-    """NonFiniteLogits naming the model and the first text token whose prediction is not finite.
-    lp (n, V) float32 log-probabilities of tokens first, first + 1, …: a NaN or +inf logit makes its
-    row's max NaN, a -inf logit its min -inf, so two (n,) reductions find them (no (n, V) mask)."""
-    bad = ~(torch.isfinite(lp.amax(-1)) & torch.isfinite(lp.amin(-1)))
+def _top(lp: torch.Tensor, who: str, first: int) -> torch.Tensor:
+    """Each row's top token (n,), or NonFiniteLogits naming the model and the first text token whose
+    prediction is not finite. lp (n, V) float32 log-probabilities of tokens first, first + 1, …: a NaN
+    or +inf logit makes its row's max NaN, a -inf logit its min -inf, so two (n,) reductions find them
+    (no (n, V) mask); the max's indices are the top tokens."""
+    top, top_id = lp.max(-1)
+    bad = ~(torch.isfinite(top) & torch.isfinite(lp.amin(-1)))
     if bool(bad.any()):
         at = first + int(bad.nonzero()[0])
         raise NonFiniteLogits(f"{who} produced non-finite logits (NaN or inf) predicting token {at} of the text"
                               f" ({int(bad.sum())} positions in that chunk): " + NON_FINITE_ADVICE)
+    return top_id
 
 
 @torch.inference_mode()
@@ -225,12 +228,11 @@ def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False
             lo, hi = w.first + c, min(w.first + c + chunk, w.end)
             tgt = seq[lo:hi, None]
             lq = log_softmax(q.engine.head(pred_q[c:c + chunk]), inplace=True)  # (n, V) float32
-            _check_rows(lq, who[0], lo - bos)
+            top_q[lo:hi] = _top(lq, who[0], lo - bos).cpu()
             lb = log_softmax(base.engine.head(pred_b[c:c + chunk]), inplace=True).to(lq.device)  # (n, V)
-            _check_rows(lb, who[1], lo - bos)
+            top_b[lo:hi] = _top(lb, who[1], lo - bos).cpu()
             lp_q[lo:hi] = lq.gather(-1, tgt.to(lq.device))[:, 0].cpu()
             lp_b[lo:hi] = lb.gather(-1, tgt.to(lq.device))[:, 0].cpu()
-            top_q[lo:hi], top_b[lo:hi] = lq.argmax(-1).cpu(), lb.argmax(-1).cpu()
             diff = lq.neg_().add_(lb)  # log p_base − log p_Q, in lq's place
             kld[lo:hi] = diff.mul_(lb.exp_()).sum(-1).cpu()  # Σ_v p_base (log p_base − log p_Q), float32
             del lq, lb, diff
