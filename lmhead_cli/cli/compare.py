@@ -51,9 +51,8 @@ def compare_cmd(
     """
     from lmhead_cli.api import checks
     from lmhead_cli.api.compare import SAME
-    from lmhead_cli.inputs import read_stdin
+    from lmhead_cli.inputs import read_text
     from lmhead_cli.readings.batch import open_input
-    from lmhead_cli.readings.score import read_text
     from lmhead_cli.render import compare as show
     from lmhead_cli.render.score import Progress
 
@@ -62,7 +61,7 @@ def compare_cmd(
             raise UsageError("give a text or --file, not both")
         stream = open_input(file, "text file")
         try:
-            text = read_stdin(f"the text file {file}", stream=stream).removesuffix("\n").removesuffix("\r")
+            text = read_text(f"the text file {file}", stream=stream)
         finally:
             if stream is not sys.stdin.buffer and stream is not sys.stdin:
                 stream.close()
@@ -70,7 +69,7 @@ def compare_cmd(
         raise UsageError('give a text, e.g. lmhead compare "The keys on the table are here." --dtype bfloat16 '
                          "(- reads stdin; --file PATH reads a file as one text)")
     elif text == "-":
-        text = read_text(sys.stdin.buffer)
+        text = read_text("the text on stdin")
     text = checks.text(text)
     checks.chunk(chunk)
     if base is not None and not base.strip():
