@@ -157,3 +157,23 @@ def reader(stream, timeout: float = LAUNCH_TIMEOUT):
         return stream.read(0) if line is None else line
 
     return readline
+
+
+ESC_ID, BEL_ID = 215, 195  # GPT-2's single-byte tokens for ESC (0x1b) and BEL (0x07)
+
+
+def control_byte_checkpoint(folder: Path) -> str:
+    """A GPT-2 checkpoint whose every prediction is a control byte: ln_f maps any x to the same h
+    (weight 0, bias 1) and the untied head scores only ESC and BEL (ESC first), so the top tokens are
+    ESC and BEL whatever the prompt."""
+    from safetensors.torch import save_file
+
+    model = build_checkpoint(folder, tied=False, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if not k.endswith(".attn.bias")}
+    state["transformer.ln_f.weight"].zero_()
+    state["transformer.ln_f.bias"].fill_(1.0)
+    head = torch.zeros_like(state["lm_head.weight"])
+    head[ESC_ID], head[BEL_ID] = 2.0, 1.0
+    state["lm_head.weight"] = head
+    save_file(state, str(folder / "model.safetensors"))
+    return str(folder)

@@ -39,6 +39,8 @@ FLOAT32_BYTES = 4
 # the same size (head.score_rows), so 32 MiB is 83 positions for GPT-2's 50,257 tokens.
 CHUNK_BYTES = 32 * 2**20
 BUFFERS_PER_CHUNK = 2
+# Alternatives kept per position for the HTML view (12 bytes each a token: 20 → 240 bytes a token).
+MAX_ALTERNATIVES = 20
 
 
 # ---- the plan: windows and chunks --------------------------------------------------------------
@@ -71,6 +73,11 @@ def windows(T: int, n_ctx: int, stride: int) -> Iterator[Window]:
 def check_stride(stride: int, n_ctx: int) -> None:
     if not 0 < stride <= n_ctx:
         raise BadValue("stride", f"must be between 1 and the context of {n_ctx} (got {stride})")
+
+
+def check_alternatives(k: int) -> None:
+    if not 0 <= k <= MAX_ALTERNATIVES:
+        raise BadValue("alternatives", f"must be between 0 and {MAX_ALTERNATIVES} (got {k})")
 
 
 def check_chunk(chunk: int | None) -> None:
@@ -135,6 +142,10 @@ class Score:
     bytes: int  # UTF-8 bytes of the scored tokens
     token_text: Callable[[int], str] = field(repr=False)
     token_bytes: Callable[[int], bytes] = field(repr=False)
+    # With `alternatives` = K: the model's K most probable tokens at each position, most probable first
+    # (rows of unscored tokens: ids -1, log p NaN). K ≤ MAX_ALTERNATIVES, so 12·K bytes a token.
+    alt_ids: torch.Tensor | None = None  # (T, K) int64
+    alt_logprob: torch.Tensor | None = None  # (T, K) float32
 
     @property
     def scored_tokens(self) -> int:
@@ -249,12 +260,15 @@ OnRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor
 @torch.inference_mode()
 def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
               chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
-              top_logprobs: int = 0, on_rows: OnRows | None = None) -> dict:
+              top_logprobs: int = 0, on_rows: OnRows | None = None, alternatives: int = 0) -> dict:
     """Score token ids (T,) window by window, the head in chunks. Returns the Score's columns.
 
     `progress(done, total)` is called after each chunk with the tokens scored so far. With
     `on_rows`, each chunk's scored tokens are also handed over with their `top_logprobs` most
-    probable tokens, which are not kept: the memory stays chunk × top_logprobs, whatever T is."""
+    probable tokens, which are not kept: the memory stays chunk × top_logprobs, whatever T is.
+    With `alternatives` = K (≤ MAX_ALTERNATIVES), the K most probable tokens of every position are
+    kept, as the columns alt_ids and alt_logprob (T, K)."""
+    check_alternatives(alternatives)
     fix_mmap_threshold()  # the chunks' buffers go back to the OS, not into a growing heap (engine/heap.py)
     eng = loaded.engine
     n_ctx = eng.n_ctx
@@ -268,6 +282,9 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     entropy, top_logprob = logprob.clone(), logprob.clone()
     rank = torch.zeros(T, dtype=torch.long)
     top_id = torch.full((T,), -1, dtype=torch.long)
+    alt_ids = torch.full((T, alternatives), -1, dtype=torch.long)
+    alt_logprob = torch.full((T, alternatives), math.nan)
+    top = max(top_logprobs, alternatives)
     total, done = sum(w.end - w.first for w in plan), 0
     for w in plan:
         hidden = eng.body(seq[None, w.begin:w.end].to(eng.device))[0]  # (L, D), after the final norm
@@ -276,11 +293,15 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
         for c in range(0, len(pred), chunk):
             lo, hi = w.first + c, min(w.first + c + chunk, w.end)
             # (chunk, V) logits, dropped here
-            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device), top_logprobs)
+            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device), top)
             logprob[lo:hi], rank[lo:hi], entropy[lo:hi] = rows.logprob.cpu(), rows.rank.cpu(), rows.entropy.cpu()
             top_id[lo:hi], top_logprob[lo:hi] = rows.top_id.cpu(), rows.top_logprob.cpu()
+            if alternatives:
+                alt_ids[lo:hi] = rows.top_ids[:, :alternatives].cpu()
+                alt_logprob[lo:hi] = rows.top_logprobs[:, :alternatives].cpu()
             if on_rows is not None:
-                on_rows(seq[lo:hi], logprob[lo:hi], *((rows.top_ids.cpu(), rows.top_logprobs.cpu())
+                on_rows(seq[lo:hi], logprob[lo:hi], *((rows.top_ids[:, :top_logprobs].cpu(),
+                                                       rows.top_logprobs[:, :top_logprobs].cpu())
                                                       if top_logprobs else (None, None)))
             done += hi - lo
             if progress is not None:
@@ -289,7 +310,8 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     keep = slice(1, None) if bos else slice(None)  # back to the text's own tokens
     return {"windows": len(plan), "stride": stride, "chunk": chunk, "logprob": logprob[keep], "rank": rank[keep],
             "entropy": entropy[keep], "top_id": top_id[keep], "top_logprob": top_logprob[keep],
-            "scored": rank[keep] > 0}
+            "scored": rank[keep] > 0,
+            **({"alt_ids": alt_ids[keep], "alt_logprob": alt_logprob[keep]} if alternatives else {})}
 
 
 def scored_bytes(loaded: Loaded, ids: torch.Tensor) -> int:
@@ -300,14 +322,14 @@ def scored_bytes(loaded: Loaded, ids: torch.Tensor) -> int:
 
 def score_text(loaded: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
                chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
-               top_logprobs: int = 0, on_rows: OnRows | None = None) -> Score:
+               top_logprobs: int = 0, on_rows: OnRows | None = None, alternatives: int = 0) -> Score:
     """Score every token of one text. The one function a caller needs per text (`--file` runs it
-    on each line). `top_logprobs` and `on_rows`: see score_ids."""
+    on each line). `top_logprobs`, `on_rows` and `alternatives`: see score_ids."""
     ids = text_ids(loaded, check_text(text), bos)
     check_top_logprobs(top_logprobs, loaded.engine.vocab_size)
     return _score(loaded, text, bos, ids, score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk,
                                                     progress=progress, top_logprobs=top_logprobs,
-                                                    on_rows=on_rows))
+                                                    on_rows=on_rows, alternatives=alternatives))
 
 
 def _score(loaded: Loaded, text: str, bos: bool, ids: torch.Tensor, cols: dict) -> Score:

@@ -1,0 +1,133 @@
+"""The HTML view's data without a browser: the score reading's top-k alternatives against transformers,
+the view document against the Score, the JSON that sits in a page, and the page's JSON routes and their
+errors (tests/test_page.py drives the same in chromium)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import nan_checkpoint
+
+from lmhead_cli.errors import BadValue
+from lmhead_cli.readings.score import MAX_ALTERNATIVES, score_text
+from lmhead_cli.render import safe_text
+from lmhead_cli.render.html import score_html, score_view, script_json, token_pieces
+
+TEXT = "The keys on the table are on the table. Café 日本語 \x1b[2J\x07 </script><b>x</b>"
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    from lmhead_cli.loading.sources import load_model
+
+    return load_model(str(tiny[0]), threads=1)
+
+
+def test_alternatives_are_transformers_top_k(loaded, tiny):
+    """Every scored position keeps the K most probable tokens and their log p, as transformers has them;
+    across window boundaries too (stride < context)."""
+    model = tiny[1]
+    ids = torch.tensor(list(loaded.tokenizer.encode_long(TEXT)))
+    s = score_text(loaded, TEXT, alternatives=4, chunk=3)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)  # (T, V)
+    want = torch.topk(logp[:-1], 4, dim=-1)  # position p predicts token p + 1
+    assert s.alt_ids.shape == (len(ids), 4)
+    assert s.alt_ids[0].tolist() == [-1] * 4 and bool(s.alt_logprob[0].isnan().all())  # token 0: unscored
+    assert torch.equal(s.alt_ids[1:], want.indices)
+    torch.testing.assert_close(s.alt_logprob[1:], want.values, atol=1e-4, rtol=0)
+    assert torch.equal(s.alt_ids[1:, 0], s.top_id[1:])  # the first alternative is the model's top-1
+
+
+def test_alternatives_bounded(loaded):
+    with pytest.raises(BadValue, match=f"between 0 and {MAX_ALTERNATIVES}"):
+        score_text(loaded, TEXT, alternatives=MAX_ALTERNATIVES + 1)
+    assert score_text(loaded, TEXT).alt_ids is None  # nothing kept unless asked
+
+
+def test_view_matches_the_score(loaded):
+    s = score_text(loaded, TEXT, alternatives=5)
+    view = score_view(s)
+    assert len(view["tokens"]) == len(s.ids)
+    for i, (tid, piece, token, rank, logprob, entropy, alts) in enumerate(view["tokens"]):
+        t = s.token(i)
+        assert (tid, rank, logprob, entropy) == (t.id, t.rank, t.logprob, t.entropy)
+        assert [a[0] for a in alts] == ([] if not t.scored else s.alt_ids[i].tolist())
+    assert "".join(token_pieces(s)) == safe_text(TEXT, keep="\n\t")
+    assert [b["count"] for b in view["buckets"]] == s.bucket_counts()
+    assert view["summary"]["perplexity"] == s.perplexity and view["summary"]["bits_per_byte"] == s.bits_per_byte
+
+
+def test_page_json_cannot_close_its_script(loaded):
+    s = score_text(loaded, TEXT, alternatives=5)
+    text = script_json(score_view(s))
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text)["tokens"][1][0] == s.token(1).id
+    page = score_html(s)
+    assert page.count("<script") == 2 and page.count("</script>") == 2  # the data and the view's script
+    assert "Content-Security-Policy" in page and "http://" not in page and "https://" not in page
+    assert "\x1b" not in page and "\x07" not in page
+
+
+# ---- the page's routes ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(loaded):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from lmhead_cli.page.routes import router
+
+    app = FastAPI()
+    app.include_router(router(loaded))
+    return TestClient(app)
+
+
+def test_routes_serve_the_package_files(client):
+    from lmhead_cli.page import asset
+
+    for path, name in (("/", "index.html"), ("/page/page.css", "page.css"), ("/page/page.js", "page.js")):
+        got = client.get(path)
+        assert got.status_code == 200 and got.text == asset(name)
+        assert "default-src 'self'" in got.headers["content-security-policy"]
+    assert "http" not in asset("index.html").replace('http-equiv', '')  # no CDN, no font service
+
+
+def test_score_route(client, loaded):
+    got = client.post("/api/score", json={"text": TEXT})
+    assert got.status_code == 200
+    want = score_view(score_text(loaded, TEXT, alternatives=5))
+    assert got.json() == json.loads(json.dumps(want))
+
+
+@pytest.mark.parametrize("path,body,status,message", [
+    ("/api/score", {"text": ""}, 400, "empty"),
+    ("/api/score", {"text": 3}, 400, "'text' must be a string"),
+    ("/api/score", {"text": "ab " * 200_000}, 413, "the page scores at most"),
+    ("/api/inspect", {"prompt": "x", "top_k": 0}, 400, "'top_k' must be a whole number from 1 to 100"),
+    ("/api/inspect", {"prompt": "x", "targets": "a"}, 400, "'targets' must be a list"),
+    ("/api/diff", {"a": "x"}, 400, "'b' must be a string"),
+])
+def test_route_errors(client, path, body, status, message):
+    got = client.post(path, json=body)
+    assert got.status_code == status and message in got.json()["error"]["message"]
+
+
+def test_route_bad_json(client):
+    got = client.post("/api/score", content=b"{not json", headers={"content-type": "application/json"})
+    assert got.status_code == 400 and got.json()["error"]["message"] == "the request body is not valid JSON"
+
+
+def test_model_error_is_an_answer(tiny, tmp_path):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from lmhead_cli.loading.sources import load_model
+    from lmhead_cli.page.routes import router
+
+    app = FastAPI()
+    app.include_router(router(load_model(str(nan_checkpoint(tiny[0], tmp_path)), threads=1)))
+    got = TestClient(app).post("/api/score", json={"text": "The keys on the table"})
+    assert got.status_code == 500 and "non-finite" in got.json()["error"]["message"]

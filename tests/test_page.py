@@ -1,0 +1,435 @@
+"""The page of `lmhead serve` and the `score --html` export, in a real browser: Debian's chromium,
+headless, driven by Selenium through Debian's chromium-driver (.ci/run installs both when missing;
+without them these tests are skipped with the reason).
+
+What the browser shows is checked against the CLI's own --json documents (`score --json`,
+`inspect --json`): the DOM contract (every token [data-token-id]; scored ones data-rank and
+data-logprob), the tooltips, the next-token panel, the errors, and that nothing is fetched from
+anywhere but the file or 127.0.0.1, and that no markup, script or control character from a text, a
+prompt or a model ever runs or reaches the page unescaped."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import control_byte_checkpoint, nan_checkpoint
+from typer.testing import CliRunner
+
+from lmhead_cli.cli import app
+from lmhead_cli.render import safe_text, show_token
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
+                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium "
+                                       "chromium-driver; .ci/run installs them)")
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--window-size=1200,900")
+WAIT_S = 120
+HOSTILE_TEXT = ('<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2">'
+                "\x1b]0;HACKED\x07\x1b[2J[bold]hi[/] <b>bold</b> &amp; \u202eevil")
+WORDS = ("the keys on table are here and there we go to a house of light , . ; : ! ? café naïve 日本語 "
+         "über straße 1999 2026 ( ) \" ' - \n").split(" ")
+
+runner = CliRunner()
+
+
+def cli_json(args: list[str]) -> dict:
+    got = runner.invoke(app, args)
+    assert got.exit_code == 0, got.stderr
+    return json.loads(got.stdout)
+
+
+def make_text(tokenizer, n_tokens: int, seed: int = 0) -> str:
+    """A text of at least n_tokens tokens from a fixed word list (with accents, CJK, punctuation and line
+    breaks, so byte-level tokens split characters and pieces hold newlines)."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    while True:
+        have = len(tokenizer.encode_long(" ".join(words))) if words else 0
+        if have >= n_tokens:
+            return " ".join(words)
+        words.extend(rng.choice(WORDS) for _ in range(max(8, (n_tokens - have) // 2)))
+
+
+# ---- fixtures: the browser, the servers ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager never looks for a driver online
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in FLAGS:
+        opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver.set_script_timeout(WAIT_S)
+    yield driver
+    driver.quit()
+
+
+class Server:
+    """The page's routes (lmhead_cli.page.routes) over one model, on uvicorn at 127.0.0.1, in a thread."""
+
+    def __init__(self, source: str):
+        import uvicorn
+        from fastapi import FastAPI
+
+        from lmhead_cli.loading.sources import load_model
+        from lmhead_cli.page.routes import router
+
+        self.loaded = load_model(source, threads=1)
+        api = FastAPI()
+        api.include_router(router(self.loaded))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(api, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    s = Server(str(tiny[0]))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def control_model(tmp_path_factory):
+    return control_byte_checkpoint(tmp_path_factory.mktemp("control-bytes"))
+
+
+# ---- reading the page --------------------------------------------------------------------------
+
+def wait_for(driver, script: str, what: str, timeout: float = WAIT_S):
+    """Poll a script until it returns something truthy; fail with `what` and the page's status lines."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = driver.execute_script(script)
+        if got:
+            return got
+        time.sleep(0.05)
+    statuses = driver.execute_script("return Array.from(document.querySelectorAll('.status'))"
+                                     ".map(e => e.textContent)")
+    pytest.fail(f"timed out waiting for {what}; status lines: {statuses}")
+
+
+def state(driver, panel: str) -> str:
+    """Wait for a panel (score, next, diff) of the served page to finish; return "done" or "error"."""
+    return wait_for(driver, f"var s = document.getElementById('lmhead-page').getAttribute('data-{panel}-state');"
+                            " return s === 'done' || s === 'error' ? s : null", f"the {panel} panel")
+
+
+def start(driver, panel: str, button: str) -> str:
+    driver.execute_script(f"document.getElementById('lmhead-page').setAttribute('data-{panel}-state', '')")
+    driver.find_element("id", button).click()
+    return state(driver, panel)
+
+
+def dom_tokens(driver, scope: str = ".text") -> list[tuple]:
+    return driver.execute_script(
+        f"return Array.from(document.querySelectorAll('{scope} [data-token-id]')).map(e => "
+        "[e.getAttribute('data-token-id'), e.getAttribute('data-rank'), e.getAttribute('data-logprob'), e.textContent])")
+
+
+def check_contract(got: list[tuple], doc: dict, text: str) -> None:
+    """The DOM's tokens against `score --json`: same ids in order, rank and logprob exactly on the scored
+    ones and absent on the others, and the pieces joined give the text, terminal-safe."""
+    assert len(got) == len(doc["tokens"])
+    for (tid, rank, logprob, _), t in zip(got, doc["tokens"]):
+        assert int(tid) == t["id"]
+        if t["scored"]:
+            assert int(rank) == t["rank"] and float(logprob) == t["logprob"], (t, rank, logprob)
+        else:
+            assert rank is None and logprob is None
+    assert "".join(piece for *_, piece in got) == safe_text(text, keep="\n\t")
+
+
+def controls(text: str) -> list[str]:
+    return [repr(c) for c in text if (ord(c) < 0x20 and c not in "\n\t") or 0x7f <= ord(c) <= 0x9f]
+
+
+def fetched_urls(driver) -> list[str]:
+    """Every URL the page asked for: its resource timing entries and the DevTools network log."""
+    urls = driver.execute_script("return [location.href].concat(performance.getEntriesByType('resource')"
+                                 ".map(e => e.name))")
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    return urls
+
+
+def assert_local(urls: list[str], origin: str) -> None:
+    outside = [u for u in urls if not (u.startswith(origin) or u.startswith("data:"))]
+    assert outside == [], outside
+
+
+def not_pwned(driver) -> None:
+    assert driver.execute_script("return window.__pwned === undefined")
+    assert driver.execute_script("return document.querySelectorAll('img, iframe, b').length") == 0
+
+
+# ---- the --html export ---------------------------------------------------------------------------
+
+def export(loaded, text: str, path: Path) -> None:
+    from lmhead_cli.readings.score import score_text
+    from lmhead_cli.render.html import ALTERNATIVES, write_html
+
+    write_html(score_text(loaded, text, alternatives=ALTERNATIVES), str(path))
+
+
+def test_html_export_contract_2000_tokens(browser, served, tiny, tmp_path):
+    text = make_text(served.loaded.tokenizer, 2000)
+    doc = cli_json(["score", text, "--model", str(tiny[0]), "--json"])
+    assert len(doc["tokens"]) >= 2000
+    page = tmp_path / "score.html"
+    export(served.loaded, text, page)
+    browser.get_log("performance")  # drop what earlier pages fetched
+    browser.get(page.as_uri())
+    wait_for(browser, "return document.querySelector('[data-rendered]')", "the view")
+    check_contract(dom_tokens(browser), doc, text)
+    assert_local(fetched_urls(browser), "file://")
+    legend = browser.execute_script("return document.querySelector('.legend').textContent")
+    counts = [0] * 5
+    for t in doc["tokens"]:
+        if t["scored"]:
+            counts[next(i for i, top in enumerate((1, 10, 100, 1000, math.inf)) if t["rank"] <= top)] += 1
+    for name, n in zip(("top-1", "top-10", "top-100", "top-1000", "rest"), counts):
+        assert f"{name} {n:,}" in legend
+    summary = browser.execute_script("return document.querySelector('.summary').textContent")
+    assert f"perplexity {doc['perplexity']:.4f}" in summary and f"{doc['bits_per_byte']:.4f} bits per byte" in summary
+
+
+def tip_text(driver) -> str:
+    return wait_for(driver, "var t = document.querySelector('.tip'); return t && !t.hidden ? t.textContent : null",
+                    "the tooltip")
+
+
+def test_tooltip_on_hover_and_keyboard_and_the_strip(browser, served, tiny, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    text = "The keys on the table are on the table, and the keys are here."
+    doc = cli_json(["score", text, "--model", str(tiny[0]), "--json"])
+    page = tmp_path / "short.html"
+    export(served.loaded, text, page)
+    browser.get(page.as_uri())
+    wait_for(browser, "return document.querySelector('[data-rendered]')", "the view")
+    spans = browser.find_elements("css selector", ".text [data-token-id]")
+    ActionChains(browser).move_to_element(spans[3]).perform()
+    t = doc["tokens"][3]
+    tip = tip_text(browser)
+    assert f"rank {t['rank']:,}" in tip and f"logprob {t['logprob']:.3f}" in tip
+    assert f"surprisal {t['surprisal_bits']:.2f} bits" in tip and f"entropy {t['entropy']:.3f} nats" in tip
+    rows = browser.execute_script("return Array.from(document.querySelectorAll('.tip tr'))"
+                                  ".map(r => r.firstChild.textContent)")
+    assert len(rows) == 5 and rows[0] == show_token(t["top_token"])  # the top-k, the model's top-1 first
+    # keyboard: focus a token, the arrow moves to the next, its figures show
+    spans[3].click()
+    spans[3].send_keys(Keys.ARROW_RIGHT)
+    assert browser.execute_script("return document.activeElement.getAttribute('data-i')") == "4"
+    assert f"rank {doc['tokens'][4]['rank']:,}" in tip_text(browser)
+    # the strip: its left edge goes to the first scored token, its right edge to the last
+    strip = browser.find_element("css selector", ".strip")
+    w = strip.size["width"]
+    ActionChains(browser).move_to_element_with_offset(strip, -w // 2 + 1, 0).click().perform()
+    assert browser.execute_script("return document.activeElement.getAttribute('data-i')") == "1"
+    ActionChains(browser).move_to_element_with_offset(strip, w // 2 - 2, 0).click().perform()
+    assert browser.execute_script("return document.activeElement.getAttribute('data-i')") == str(len(doc["tokens"]) - 1)
+
+
+def test_html_export_hostile(browser, control_model, tmp_path):
+    from lmhead_cli.loading.sources import load_model
+
+    loaded = load_model(control_model, threads=1)
+    page = tmp_path / "hostile.html"
+    export(loaded, HOSTILE_TEXT, page)
+    source = page.read_text(encoding="utf-8")
+    assert "<script>window" not in source and "</script><img" not in source  # the data cannot close its element
+    browser.get_log("performance")
+    browser.get(page.as_uri())
+    wait_for(browser, "return document.querySelector('[data-rendered]')", "the view")
+    not_pwned(browser)
+    shown = browser.execute_script("return document.querySelector('.text').textContent")
+    assert shown == safe_text(HOSTILE_TEXT, keep="\n\t") and "\\x1b" in shown and "<script>" in shown
+    browser.find_elements("css selector", ".text [data-rank]")[0].click()
+    tip = tip_text(browser)
+    assert "\\x1b" in tip and "\\x07" in tip  # the model's own top tokens, ESC and BEL, escaped
+    assert controls(browser.execute_script("return document.body.textContent")) == []
+    assert_local(fetched_urls(browser), "file://")
+
+
+# ---- the served page -------------------------------------------------------------------------------
+
+def test_served_page_shared_link(browser, served, tiny):
+    from urllib.parse import quote
+
+    text = make_text(served.loaded.tokenizer, 300, seed=1)
+    doc = cli_json(["score", text, "--model", str(tiny[0]), "--json"])
+    browser.get_log("performance")
+    browser.get(f"{served.url}/?text={quote(text)}")
+    assert state(browser, "score") == "done"
+    check_contract(dom_tokens(browser, "#score-view .text"), doc, text)
+    assert browser.execute_script("return document.getElementById('score-text').value") == text
+    assert_local(fetched_urls(browser), served.url)
+
+
+def test_next_token_panel(browser, served, tiny):
+    prompt = "The keys on the table"
+    doc = cli_json(["inspect", prompt, "--model", str(tiny[0]), "-k", "7", "-t", " are", "--json"])
+    browser.get(served.url + "/")
+    box = browser.find_element("id", "next-prompt")
+    box.send_keys(prompt)
+    k = browser.find_element("id", "next-k")
+    k.clear()
+    k.send_keys("7")
+    browser.find_element("id", "next-targets").send_keys(" are")
+    assert start(browser, "next", "next-go") == "done"
+    rows = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#next-view tr[data-token-id]')).map(r => "
+        "[r.className, +r.getAttribute('data-token-id'), +r.getAttribute('data-rank'), r.children[1].textContent])")
+    top = [r for r in rows if "top" in r[0]]
+    assert [(r[1], r[2], r[3]) for r in top] == [(t["id"], t["rank"], show_token(t["token"])) for t in doc["top"]]
+    targets = [r for r in rows if "target" in r[0]]
+    assert [(r[1], r[2]) for r in targets] == [(t["id"], t["rank"]) for t in doc["targets"]]
+    # one click appends the top token to the prompt and reads the next one
+    browser.execute_script("document.getElementById('lmhead-page').setAttribute('data-next-state', '')")
+    browser.find_element("id", "next-append").click()
+    assert state(browser, "next") == "done"
+    assert box.get_attribute("value") == prompt + doc["top"][0]["token"]
+
+
+def test_diff_view(browser, served, tiny):
+    doc = cli_json(["diff", "The keys on the table", "The key on the table", "--model", str(tiny[0]), "--json"])
+    browser.get(served.url + "/")
+    browser.find_element("id", "diff-a").send_keys("The keys on the table")
+    browser.find_element("id", "diff-b").send_keys("The key on the table")
+    assert start(browser, "diff", "diff-go") == "done"
+    ids = browser.execute_script("return Array.from(document.querySelectorAll('#diff-view .cols > div'))"
+                                 ".map(d => Array.from(d.querySelectorAll('tr[data-token-id]')).map(r => "
+                                 "+r.getAttribute('data-token-id')))")
+    assert ids == [[t["id"] for t in doc["a"]["top"]], [t["id"] for t in doc["b"]["top"]]]
+
+
+def test_served_page_hostile_prompt_and_model(browser, served, control_model):
+    browser.get(served.url + "/")
+    browser.execute_script("document.getElementById('score-text').value = arguments[0];"
+                           "document.getElementById('next-prompt').value = arguments[0];", HOSTILE_TEXT)
+    assert start(browser, "score", "score-go") == "done"
+    assert start(browser, "next", "next-go") == "done"
+    not_pwned(browser)
+    assert browser.execute_script("return document.querySelector('#score-view .text').textContent") == \
+        safe_text(HOSTILE_TEXT, keep="\n\t")
+    hostile = Server(control_model)
+    try:
+        browser.get(hostile.url + "/")
+        browser.execute_script("document.getElementById('next-prompt').value = arguments[0];"
+                               "document.getElementById('score-text').value = arguments[0];", "hi \x1b[2J\x07")
+        assert start(browser, "next", "next-go") == "done"
+        assert start(browser, "score", "score-go") == "done"
+        shown = browser.execute_script("return Array.from(document.querySelectorAll('#next-view tr.top'))"
+                                       ".map(r => r.children[1].textContent)")
+        assert shown[:2] == ["\\x1b", "\\x07"]
+        assert controls(browser.execute_script("return document.body.innerText")) == []
+        assert "\\x1b[2J\\x07" in browser.execute_script("return document.querySelector('#score-view').textContent")
+        not_pwned(browser)
+    finally:
+        hostile.close()
+
+
+def test_errors_are_shown(browser, served, tiny, tmp_path):
+    from lmhead_cli.page.routes import MAX_TEXT_CHARS
+
+    browser.get(served.url + "/")
+    browser.execute_script("document.getElementById('score-text').value = 'ab '.repeat(arguments[0])",
+                           MAX_TEXT_CHARS // 3 + 1)
+    assert start(browser, "score", "score-go") == "error"
+    assert "the page scores at most" in browser.find_element("id", "score-status").text
+    browser.execute_script("document.getElementById('score-text').value = ''")
+    assert start(browser, "score", "score-go") == "error"
+    assert "empty" in browser.find_element("id", "score-status").text
+    broken = Server(str(nan_checkpoint(tiny[0], tmp_path)))
+    try:
+        browser.get(broken.url + "/")
+        browser.find_element("id", "score-text").send_keys("The keys on the table")
+        assert start(browser, "score", "score-go") == "error"
+        assert "non-finite" in browser.find_element("id", "score-status").text
+        browser.find_element("id", "next-prompt").send_keys("The keys")
+        assert start(browser, "next", "next-go") == "error"
+        assert "non-finite" in browser.find_element("id", "next-status").text
+    finally:
+        broken.close()
+
+
+def test_render_time_5000_tokens(browser, served):
+    """The time from the server's answer to the first frame after the view is built, for a 5,000-token
+    text, measured in the browser (performance.now()). Printed and written for the benchmark results
+    (to $LMHEAD_PAGE_TIMING when set); never asserted as a time."""
+    text = make_text(served.loaded.tokenizer, 5000, seed=2)
+    browser.get(served.url + "/")
+    browser.execute_script("document.getElementById('score-text').value = arguments[0]", text)
+    assert start(browser, "score", "score-go") == "done"
+    timing = browser.execute_script("return window.lmhead.lastRender")
+    assert timing["tokens"] == len(served.loaded.tokenizer.encode_long(text)) >= 5000
+    n = browser.execute_script("return document.querySelectorAll('#score-view .text [data-token-id]').length")
+    assert n == timing["tokens"]
+    line = json.dumps({"test": "page render, 5,000-token text", **timing})
+    print(line)
+    if os.environ.get("LMHEAD_PAGE_TIMING"):
+        with open(os.environ["LMHEAD_PAGE_TIMING"], "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def test_screenshot(browser, served, tmp_path):
+    """A screenshot of the page with a scored text, a tooltip and the next-token panel; copied to
+    $LMHEAD_PAGE_SCREENSHOT when set (docs/page.png is made that way, with the model in
+    $LMHEAD_PAGE_SCREENSHOT_MODEL)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    model = os.environ.get("LMHEAD_PAGE_SCREENSHOT_MODEL")
+    server = Server(model) if model else served
+    try:
+        browser.set_window_size(1200, 1000)
+        browser.get(server.url + "/")
+        browser.execute_script("document.getElementById('score-text').value = arguments[0];"
+                               "document.getElementById('next-prompt').value = arguments[1];",
+                               "The keys on the table are on the table. She opened the door and walked into "
+                               "the garden, where the roses were in full bloom.", "The keys on the table")
+        assert start(browser, "score", "score-go") == "done"
+        assert start(browser, "next", "next-go") == "done"
+        spans = browser.find_elements("css selector", "#score-view .text [data-rank]")
+        ActionChains(browser).move_to_element(spans[len(spans) // 3]).perform()
+        tip_text(browser)
+        shot = tmp_path / "page.png"
+        assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+        if os.environ.get("LMHEAD_PAGE_SCREENSHOT"):
+            shutil.copy(shot, os.environ["LMHEAD_PAGE_SCREENSHOT"])
+    finally:
+        if server is not served:
+            server.close()
