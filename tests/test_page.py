@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi import Depends, HTTPException, Request
 from helpers import control_byte_checkpoint, nan_checkpoint
 from typer.testing import CliRunner
 
@@ -85,7 +86,7 @@ def browser(tmp_path_factory):
 class Server:
     """The page's routes (lmhead_cli.page.routes) over one model, on uvicorn at 127.0.0.1, in a thread."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, dependencies=()):
         import uvicorn
         from fastapi import FastAPI
 
@@ -94,7 +95,7 @@ class Server:
 
         self.loaded = load_model(source, threads=1)
         api = FastAPI()
-        api.include_router(router(self.loaded))
+        api.include_router(router(self.loaded, dependencies=dependencies))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -385,6 +386,28 @@ def test_errors_are_shown(browser, served, tiny, tmp_path):
         assert "non-finite" in browser.find_element("id", "next-status").text
     finally:
         broken.close()
+
+
+def test_api_key(browser, tiny):
+    """Behind the server's key check the page asks for the key, keeps it for the tab and sends it."""
+    def check_key(request: Request) -> None:
+        if request.headers.get("authorization") != "Bearer s3cret":
+            raise HTTPException(401, "a missing or wrong API key")
+
+    server = Server(str(tiny[0]), dependencies=[Depends(check_key)])
+    try:
+        browser.get(server.url + "/")
+        wait_for(browser, "return !document.getElementById('key-row').hidden", "the key field")
+        assert "401" in browser.find_element("id", "page-status").text
+        browser.find_element("id", "key").send_keys("s3cret")
+        browser.find_element("id", "key-go").click()
+        wait_for(browser, f"return document.getElementById('model-name').textContent === {json.dumps(str(tiny[0]))}",
+                 "the model's name")
+        browser.find_element("id", "next-prompt").send_keys("The keys")
+        assert start(browser, "next", "next-go") == "done"
+    finally:
+        browser.execute_script("sessionStorage.clear()")
+        server.close()
 
 
 def test_render_time_5000_tokens(browser, served):

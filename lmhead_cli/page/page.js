@@ -135,7 +135,7 @@
             tr.appendChild(el("td", "num", pct(Math.exp(a[2]))));
             var bar = el("td");
             var b = el("span", "bar");
-            b.style.width = (Math.max(1, Math.round(80 * Math.exp(a[2])))) + "px";
+            b.style.width = Math.max(1, Math.round(80 * Math.exp(a[2] - r[6][0][2]))) + "px";  // against the top one
             bar.appendChild(b);
             tr.appendChild(bar);
             tb.appendChild(tr);
@@ -242,14 +242,23 @@
 
   var TIMEOUT_MS = 300000;
 
+  function apiKey() {
+    try { return sessionStorage.getItem("lmhead-key") || ""; } catch (e) { return ""; }
+  }
+
   function api(path, body) {
     var ctrl = new AbortController();
     var timer = setTimeout(function () { ctrl.abort(); }, TIMEOUT_MS);
+    var headers = { "Content-Type": "application/json" };
+    if (apiKey()) headers.Authorization = "Bearer " + apiKey();
     return fetch(path, {
-      method: body === undefined ? "GET" : "POST", signal: ctrl.signal,
-      headers: { "Content-Type": "application/json" },
+      method: body === undefined ? "GET" : "POST", signal: ctrl.signal, headers: headers,
       body: body === undefined ? undefined : JSON.stringify(body)
     }).then(function (res) {
+      if (res.status === 401) {
+        var row = document.getElementById("key-row");
+        if (row) row.hidden = false;
+      }
       var answered = performance.now();
       return res.text().then(function (text) {
         var doc = null;
@@ -278,6 +287,10 @@
     if (!page) return;
     var $ = function (id) { return document.getElementById(id); };
 
+    $("key-go").addEventListener("click", function () {
+      try { sessionStorage.setItem("lmhead-key", $("key").value); } catch (e) { /* no storage: nothing kept */ }
+      location.reload();
+    });
     api("/api/info").then(function (info) {
       $("model-name").textContent = info.model;
       if (info.random_weights) $("model-name").textContent += " (random weights)";
@@ -375,6 +388,12 @@
         tb.appendChild(tr);
       }
       doc.top.forEach(function (t) { row(t, "top", t.raw); });
+      if (doc.targets.length) {
+        var sep = el("tr"), cell = el("th", null, "targets");
+        cell.colSpan = 5;
+        sep.appendChild(cell);
+        tb.appendChild(sep);
+      }
       doc.targets.forEach(function (t) { row(t, "target"); });
       view.appendChild(tb);
       var btn = $("next-append");

@@ -56,10 +56,11 @@ def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
-def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None):
+def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, dependencies=()):
     """The page's routes over one loaded model (loading.sources.Loaded). `run(fn)`, if given, is an
     awaitable that runs fn() where the server runs its model work; by default fn runs in a worker
-    thread, one at a time."""
+    thread, one at a time. `dependencies` (e.g. the server's API-key check) guard the JSON routes;
+    the page's own files hold no data and are served to anyone."""
     from lmhead_cli.page import asset
     from lmhead_cli.render import html
 
@@ -75,6 +76,7 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None):
         return await run_in_threadpool(locked)
 
     r = APIRouter()
+    api = APIRouter(dependencies=list(dependencies))
     headers = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
     @r.get("/", include_in_schema=False)
@@ -89,7 +91,7 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None):
     def js():
         return Response(asset("page.js"), media_type="text/javascript; charset=utf-8", headers=headers)
 
-    @r.get("/api/info")
+    @api.get("/api/info")
     def info():
         from lmhead_cli.render import safe_text
 
@@ -143,16 +145,17 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None):
         return html.diff_view(diff_prompts(model, _text(body, "a"), _text(body, "b"),
                                            _int(body, "top_k", 10, 1, MAX_TOP_K)))
 
-    @r.post("/api/score")
+    @api.post("/api/score")
     async def score(request: Request):
         return await answer(request, do_score)
 
-    @r.post("/api/inspect")
+    @api.post("/api/inspect")
     async def inspect(request: Request):
         return await answer(request, do_inspect)
 
-    @r.post("/api/diff")
+    @api.post("/api/diff")
     async def diff(request: Request):
         return await answer(request, do_diff)
 
+    r.include_router(api)
     return r
