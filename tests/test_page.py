@@ -155,7 +155,8 @@ def start(driver, panel: str, button: str) -> str:
 def dom_tokens(driver, scope: str = ".text") -> list[tuple]:
     return driver.execute_script(
         f"return Array.from(document.querySelectorAll('{scope} [data-token-id]')).map(e => "
-        "[e.getAttribute('data-token-id'), e.getAttribute('data-rank'), e.getAttribute('data-logprob'), e.textContent])")
+        "[e.getAttribute('data-token-id'), e.getAttribute('data-rank'), e.getAttribute('data-logprob'), "
+        "e.textContent])")
 
 
 def check_contract(got: list[tuple], doc: dict, text: str) -> None:
@@ -225,6 +226,24 @@ def test_html_export_contract_2000_tokens(browser, served, tiny, tmp_path):
         assert f"{name} {n:,}" in legend
     summary = browser.execute_script("return document.querySelector('.summary').textContent")
     assert f"perplexity {doc['perplexity']:.4f}" in summary and f"{doc['bits_per_byte']:.4f} bits per byte" in summary
+
+
+def test_notebook_fragments(browser, served, tmp_path):
+    """Two score results in one notebook: each output carries its data and the script, which draws
+    every view once (a second copy of the script only draws the views not yet drawn)."""
+    from lmhead_cli.readings.score import score_text
+    from lmhead_cli.render.html import score_html
+
+    texts = ("The keys on the table", "She opened the door and walked in.")
+    cells = "".join(score_html(score_text(served.loaded, t, alternatives=5), fragment=True) for t in texts)
+    page = tmp_path / "notebook.html"
+    page.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{cells}</body></html>",
+                    encoding="utf-8")
+    browser.get(page.as_uri())
+    wait_for(browser, "return document.querySelectorAll('[data-rendered]').length === 2", "both views")
+    counts = browser.execute_script("return Array.from(document.querySelectorAll('.text'))"
+                                    ".map(t => t.querySelectorAll('[data-token-id]').length)")
+    assert counts == [len(served.loaded.tokenizer.encode_long(t)) for t in texts]
 
 
 def tip_text(driver) -> str:

@@ -52,15 +52,24 @@ def score_view(score) -> dict:
     (rank, logprob and entropy null where unscored; alternatives [[id, token, logprob], …] most probable
     first), the bucket legend with counts and the summary. Texts are made visible; figures are exact."""
     pieces = token_pieces(score)
-    has_alts = score.alt_ids is not None
+    ids, scored, rank = score.ids.tolist(), score.scored.tolist(), score.rank.tolist()
+    logprob, entropy = score.logprob.tolist(), score.entropy.tolist()
+    alt_ids = score.alt_ids.tolist() if score.alt_ids is not None else None
+    alt_lp = score.alt_logprob.tolist() if score.alt_logprob is not None else None
+    names: dict[int, str] = {}
+
+    def name(tid: int) -> str:
+        if tid not in names:
+            names[tid] = show_token(score.token_text(tid))
+        return names[tid]
+
     rows = []
-    for i in range(len(score.ids)):
-        t = score.token(i)
-        alts = []
-        if has_alts and t.scored:
-            alts = [[int(a), show_token(score.token_text(int(a))), float(lp)]
-                    for a, lp in zip(score.alt_ids[i].tolist(), score.alt_logprob[i].tolist()) if a >= 0]
-        rows.append([t.id, pieces[i], show_token(t.token), t.rank, t.logprob, t.entropy, alts])
+    for i, tid in enumerate(ids):
+        if not scored[i]:
+            rows.append([tid, pieces[i], name(tid), None, None, None, []])
+            continue
+        alts = [] if alt_ids is None else [[a, name(a), lp] for a, lp in zip(alt_ids[i], alt_lp[i]) if a >= 0]
+        rows.append([tid, pieces[i], name(tid), rank[i], logprob[i], entropy[i], alts])
     counts = score.bucket_counts()
     return {
         "kind": "score",
