@@ -115,6 +115,14 @@ def test_route_errors(client, path, body, status, message):
     assert got.status_code == status and message in got.json()["error"]["message"]
 
 
+def test_route_body_limit(client):
+    from lmhead_cli.page.routes import MAX_BODY_BYTES
+
+    got = client.post("/api/score", content=b'{"text": "' + b"a" * MAX_BODY_BYTES + b'"}',
+                      headers={"content-type": "application/json"})
+    assert got.status_code == 413 and "over the page's limit" in got.json()["error"]["message"]
+
+
 def test_route_bad_json(client):
     got = client.post("/api/score", content=b"{not json", headers={"content-type": "application/json"})
     assert got.status_code == 400 and got.json()["error"]["message"] == "the request body is not valid JSON"

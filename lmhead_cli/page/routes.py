@@ -15,6 +15,7 @@ This module imports FastAPI: only the server imports it.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from lmhead_cli.errors import LmheadError, UsageError
 
 MAX_TEXT_TOKENS = 20_000  # the page's scored text: 5,000 tokens render in well under a second
 MAX_TEXT_CHARS = 20 * MAX_TEXT_TOKENS  # checked before encoding: a token is rarely over 20 characters
+MAX_BODY_BYTES = 8 * 2**20  # a request body: the longest text JSON-escaped (6 bytes a character at worst) fits
 MAX_TOP_K = 100
 ALTERNATIVES = 5
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
@@ -99,9 +101,15 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
                 "n_ctx": model.engine.n_ctx, "max_text_tokens": MAX_TEXT_TOKENS}
 
     async def answer(request: Request, work: Callable[[dict], Any]):
+        data = bytearray()
+        async for part in request.stream():  # read no further than the limit
+            data += part
+            if len(data) > MAX_BODY_BYTES:
+                return _error(413, f"the request body is over the page's limit of {MAX_BODY_BYTES:,} bytes",
+                              "invalid_request_error")
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
             return _error(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
