@@ -71,17 +71,52 @@ def test_page_json_cannot_close_its_script(loaded):
     assert "\x1b" not in page and "\x07" not in page
 
 
+# ---- score --html and the API's to_html ---------------------------------------------------------------
+
+def test_score_html_file_is_the_api_view(tiny, tmp_path):
+    import lmhead_cli
+    from typer.testing import CliRunner
+
+    from lmhead_cli.cli import app
+
+    path = tmp_path / "view.html"
+    got = CliRunner().invoke(app, ["score", TEXT, "--model", str(tiny[0]), "--html", str(path), "--json"])
+    assert got.exit_code == 0, got.stderr
+    assert json.loads(got.stdout)["text"] == TEXT  # --html adds a file; stdout is as without it
+    result = lmhead_cli.load(str(tiny[0]), threads=1).score(TEXT, alternatives=5)
+    assert path.read_text(encoding="utf-8") == result.to_html()
+    fragment = result._repr_html_()
+    assert "<html" not in fragment and script_json(score_view(result.reading)) in fragment
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--file", "-"], "--html shows one text; it cannot be combined with --file"),
+    (["x y", "--html", "/no/such/folder/x.html"], "--html needs a file in a folder that exists"),
+])
+def test_score_html_bad_use(tiny, args, message):
+    from typer.testing import CliRunner
+
+    from lmhead_cli.cli import app
+
+    argv = ["score", *args, "--model", str(tiny[0])]
+    if "--html" not in args:
+        argv += ["--html", "out.html"]
+    got = CliRunner().invoke(app, argv)
+    assert got.exit_code == 2 and message in got.stderr
+
+
 # ---- the page's routes ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def client(loaded):
+def client(tiny):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    import lmhead_cli
     from lmhead_cli.page.routes import router
 
     app = FastAPI()
-    app.include_router(router(loaded))
+    app.include_router(router(lmhead_cli.load(str(tiny[0]), threads=1)))
     return TestClient(app)
 
 
@@ -132,10 +167,10 @@ def test_model_error_is_an_answer(tiny, tmp_path):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from lmhead_cli.loading.sources import load_model
+    import lmhead_cli
     from lmhead_cli.page.routes import router
 
     app = FastAPI()
-    app.include_router(router(load_model(str(nan_checkpoint(tiny[0], tmp_path)), threads=1)))
+    app.include_router(router(lmhead_cli.load(str(nan_checkpoint(tiny[0], tmp_path)), threads=1)))
     got = TestClient(app).post("/api/score", json={"text": "The keys on the table"})
     assert got.status_code == 500 and "non-finite" in got.json()["error"]["message"]

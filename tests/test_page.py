@@ -90,12 +90,12 @@ class Server:
         import uvicorn
         from fastapi import FastAPI
 
-        from lmhead_cli.loading.sources import load_model
+        import lmhead_cli
         from lmhead_cli.page.routes import router
 
-        self.loaded = load_model(source, threads=1)
+        self.model = lmhead_cli.load(source, threads=1)
         api = FastAPI()
-        api.include_router(router(self.loaded, dependencies=dependencies))
+        api.include_router(router(self.model, dependencies=dependencies))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -199,19 +199,19 @@ def not_pwned(driver) -> None:
 
 # ---- the --html export ---------------------------------------------------------------------------
 
-def export(loaded, text: str, path: Path) -> None:
-    from lmhead_cli.readings.score import score_text
-    from lmhead_cli.render.html import ALTERNATIVES, write_html
-
-    write_html(score_text(loaded, text, alternatives=ALTERNATIVES), str(path))
+def export(model: str, text: str, path: Path) -> None:
+    """`lmhead score TEXT --model MODEL --html PATH`."""
+    got = runner.invoke(app, ["score", text, "--model", model, "--html", str(path)])
+    assert got.exit_code == 0, got.stderr
+    assert f"wrote {path}" in got.stderr
 
 
 def test_html_export_contract_2000_tokens(browser, served, tiny, tmp_path):
-    text = make_text(served.loaded.tokenizer, 2000)
+    text = make_text(served.model.tokenizer, 2000)
     doc = cli_json(["score", text, "--model", str(tiny[0]), "--json"])
     assert len(doc["tokens"]) >= 2000
     page = tmp_path / "score.html"
-    export(served.loaded, text, page)
+    export(str(tiny[0]), text, page)
     browser.get_log("performance")  # drop what earlier pages fetched
     browser.get(page.as_uri())
     wait_for(browser, "return document.querySelector('[data-rendered]')", "the view")
@@ -231,11 +231,8 @@ def test_html_export_contract_2000_tokens(browser, served, tiny, tmp_path):
 def test_notebook_fragments(browser, served, tmp_path):
     """Two score results in one notebook: each output carries its data and the script, which draws
     every view once (a second copy of the script only draws the views not yet drawn)."""
-    from lmhead_cli.readings.score import score_text
-    from lmhead_cli.render.html import score_html
-
     texts = ("The keys on the table", "She opened the door and walked in.")
-    cells = "".join(score_html(score_text(served.loaded, t, alternatives=5), fragment=True) for t in texts)
+    cells = "".join(served.model.score(t, alternatives=5)._repr_html_() for t in texts)
     page = tmp_path / "notebook.html"
     page.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{cells}</body></html>",
                     encoding="utf-8")
@@ -243,7 +240,7 @@ def test_notebook_fragments(browser, served, tmp_path):
     wait_for(browser, "return document.querySelectorAll('[data-rendered]').length === 2", "both views")
     counts = browser.execute_script("return Array.from(document.querySelectorAll('.text'))"
                                     ".map(t => t.querySelectorAll('[data-token-id]').length)")
-    assert counts == [len(served.loaded.tokenizer.encode_long(t)) for t in texts]
+    assert counts == [len(served.model.tokenizer.encode_long(t)) for t in texts]
 
 
 def tip_text(driver) -> str:
@@ -258,7 +255,7 @@ def test_tooltip_on_hover_and_keyboard_and_the_strip(browser, served, tiny, tmp_
     text = "The keys on the table are on the table, and the keys are here."
     doc = cli_json(["score", text, "--model", str(tiny[0]), "--json"])
     page = tmp_path / "short.html"
-    export(served.loaded, text, page)
+    export(str(tiny[0]), text, page)
     browser.get(page.as_uri())
     wait_for(browser, "return document.querySelector('[data-rendered]')", "the view")
     spans = browser.find_elements("css selector", ".text [data-token-id]")
@@ -285,11 +282,8 @@ def test_tooltip_on_hover_and_keyboard_and_the_strip(browser, served, tiny, tmp_
 
 
 def test_html_export_hostile(browser, control_model, tmp_path):
-    from lmhead_cli.loading.sources import load_model
-
-    loaded = load_model(control_model, threads=1)
     page = tmp_path / "hostile.html"
-    export(loaded, HOSTILE_TEXT, page)
+    export(control_model, HOSTILE_TEXT, page)
     source = page.read_text(encoding="utf-8")
     assert "<script>window" not in source and "</script><img" not in source  # the data cannot close its element
     browser.get_log("performance")
@@ -310,7 +304,7 @@ def test_html_export_hostile(browser, control_model, tmp_path):
 def test_served_page_shared_link(browser, served, tiny):
     from urllib.parse import quote
 
-    text = make_text(served.loaded.tokenizer, 300, seed=1)
+    text = make_text(served.model.tokenizer, 300, seed=1)
     doc = cli_json(["score", text, "--model", str(tiny[0]), "--json"])
     browser.get_log("performance")
     browser.get(f"{served.url}/?text={quote(text)}")
@@ -433,12 +427,12 @@ def test_render_time_5000_tokens(browser, served):
     """The time from the server's answer to the first frame after the view is built, for a 5,000-token
     text, measured in the browser (performance.now()). Printed and written for the benchmark results
     (to $LMHEAD_PAGE_TIMING when set); never asserted as a time."""
-    text = make_text(served.loaded.tokenizer, 5000, seed=2)
+    text = make_text(served.model.tokenizer, 5000, seed=2)
     browser.get(served.url + "/")
     browser.execute_script("document.getElementById('score-text').value = arguments[0]", text)
     assert start(browser, "score", "score-go") == "done"
     timing = browser.execute_script("return window.lmhead.lastRender")
-    assert timing["tokens"] == len(served.loaded.tokenizer.encode_long(text)) >= 5000
+    assert timing["tokens"] == len(served.model.tokenizer.encode_long(text)) >= 5000
     n = browser.execute_script("return document.querySelectorAll('#score-view .text [data-token-id]').length")
     assert n == timing["tokens"]
     line = json.dumps({"test": "page render, 5,000-token text", **timing})

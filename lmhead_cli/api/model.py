@@ -173,20 +173,26 @@ class Model:
     # ---- text ------------------------------------------------------------------------------------
     def score(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
               top_logprobs: int = 0, progress: Callable[[int, int], None] | None = None,
-              on_rows=None) -> results.ScoreResult:
+              on_rows=None, alternatives: int = 0) -> results.ScoreResult:
         """Every token of `text`: log-probability, rank, entropy; perplexity and bits per byte.
         Texts longer than the context go in windows of n_ctx tokens that begin every `stride` tokens.
-        `progress(done, total)` and `on_rows(ids, logprobs, top_ids, top_logprobs)` hear each chunk."""
+        `progress(done, total)` and `on_rows(ids, logprobs, top_ids, top_logprobs)` hear each chunk.
+        `alternatives` = K (at most 20) keeps the model's K most probable tokens at every position,
+        which the HTML view (`to_html()`) shows in each token's tooltip."""
         from lmhead_cli.readings.score import score_text
 
-        self.check_score(text, stride=stride, chunk=chunk, top_logprobs=top_logprobs)
+        self.check_score(text, stride=stride, chunk=chunk, top_logprobs=top_logprobs, alternatives=alternatives)
         return results.ScoreResult(score_text(self.loaded, text, bos=bos, stride=stride, chunk=chunk,
-                                              progress=progress, top_logprobs=top_logprobs, on_rows=on_rows))
+                                              progress=progress, top_logprobs=top_logprobs, on_rows=on_rows,
+                                              alternatives=alternatives))
 
     def check_score(self, text: str | None = None, *, stride: int | None = None, chunk: int | None = None,
-                    top_logprobs: int = 0) -> None:
+                    top_logprobs: int = 0, alternatives: int = 0) -> None:
         """score's values, without scoring (a front end calls it before it writes anything)."""
+        from lmhead_cli.readings.score import check_alternatives
+
         checks.settings({"top_logprobs": top_logprobs})
+        check_alternatives(alternatives)
         if text is not None:
             checks.text(text)
         checks.chunk(chunk)

@@ -218,9 +218,15 @@ class ScoreResult(Result):
         return {**head, "tokens": [asdict(t) for t in self.reading.tokens()], **tail}
 
     def to_html(self) -> str:
-        """The text coloured by each token's rank, for notebooks. Hook: until the coloured view lands
-        (render/score), the document as a table."""
-        return html_table(self.to_dict())
+        """The text coloured by each token's rank as one self-contained HTML page (what `score --html`
+        writes): hover or focus a token for its figures (and the model's top-k there, when scored with
+        `alternatives`)."""
+        from lmhead_cli.render.html import score_html
+
+        return score_html(self.reading)
 
     def _repr_html_(self) -> str:
-        return self.to_html()
+        """The same view for a notebook cell."""
+        from lmhead_cli.render.html import score_html
+
+        return score_html(self.reading, fragment=True)

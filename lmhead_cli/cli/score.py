@@ -42,6 +42,10 @@ def score_cmd(
     json_out: JsonOpt = False,
     output_format: FormatOpt = None,
     top_logprobs: TopLogprobsOpt = 0,
+    html: Annotated[
+        Optional[str], typer.Option("--html", metavar="FILE", help="Also write the coloured text as one "
+                                    "self-contained HTML page (no network; hover a token for its figures).")
+    ] = None,
 ) -> None:
     """Score every token of a text you already have: log-probability, rank, entropy, surprisal, perplexity.
 
@@ -57,6 +61,8 @@ def score_cmd(
     checks.settings({"top_logprobs": top_logprobs})
     if file is not None and kind == "openai":
         raise UsageError("--format openai scores one text; give it as an argument or on stdin, not with --file")
+    if html is not None:
+        html_target(html, file)
     if file is not None:
         checks.prompt_or_file(text, file, "a text")
         if show_table:
@@ -71,13 +77,44 @@ def score_cmd(
     doc = show.openai_document(model.tokenizer, model.source, text) if kind == "openai" else None
     with show.Progress("scoring") as progress:  # the OpenAI document is written as each chunk is scored
         result = model.score(text, bos=bos, stride=stride, chunk=chunk, progress=progress,
-                             top_logprobs=top_logprobs, on_rows=doc.rows if doc else None)
+                             top_logprobs=top_logprobs, on_rows=doc.rows if doc else None,
+                             alternatives=0 if html is None else HTML_ALTERNATIVES)
     if doc is not None:
         show.openai_end(doc, result.reading)
     elif kind == "json":
         show.write_json(result.reading)  # streamed, a token a line: the same document as result.to_dict()
     else:
         show.report(result.reading, show_table)
+    if html is not None:
+        write_html(result, html)
+
+
+HTML_ALTERNATIVES = 5  # the model's top-k in each token's tooltip on the --html page
+
+
+def html_target(path: str, file: str | None) -> None:
+    """--html's file, checked before the model loads: one text, a folder that exists."""
+    import os
+
+    from lmhead_cli.render import quoted
+
+    if file is not None:
+        raise UsageError("--html shows one text; it cannot be combined with --file")
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise UsageError(f"--html needs a file in a folder that exists (got {quoted(path)})")
+
+
+def write_html(result, path: str) -> None:
+    from lmhead_cli.errors import LmheadError
+    from lmhead_cli.render import notice
+
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(result.to_html())
+    except OSError as e:
+        raise LmheadError(f"cannot write {path}: {e.strerror or e}") from None
+    notice(f"wrote {path}: {len(result.ids):,} tokens, coloured by rank; open it in a browser")
 
 
 def score_file(file: str, bos: bool, stride, chunk, source: ModelChoice, as_json: bool) -> None:

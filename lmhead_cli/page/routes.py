@@ -59,7 +59,7 @@ def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
 
 
 def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, dependencies=()):
-    """The page's routes over one loaded model (loading.sources.Loaded). `run(fn)`, if given, is an
+    """The page's routes over one model (lmhead_cli.api.Model). `run(fn)`, if given, is an
     awaitable that runs fn() where the server runs its model work; by default fn runs in a worker
     thread, one at a time. `dependencies` (e.g. the server's API-key check) guard the JSON routes;
     the page's own files hold no data and are served to anyone."""
@@ -98,7 +98,7 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
         from lmhead_cli.render import safe_text
 
         return {"model": safe_text(model.source), "random_weights": model.random_weights,
-                "n_ctx": model.engine.n_ctx, "max_text_tokens": MAX_TEXT_TOKENS}
+                "n_ctx": model.n_ctx, "max_text_tokens": MAX_TEXT_TOKENS}
 
     async def answer(request: Request, work: Callable[[dict], Any]):
         data = bytearray()
@@ -127,31 +127,26 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
             return _error(500, f"the model failed: {type(e).__name__}", "server_error")
 
     def do_score(body: dict) -> dict:
-        from lmhead_cli.readings import score as scoring
+        from lmhead_cli.readings.score import check_text
 
         text = _text(body, "text")
         if len(text) > MAX_TEXT_CHARS:
             raise TooLong(f"the text is {len(text):,} characters; the page scores at most {MAX_TEXT_CHARS:,}")
-        text = scoring.check_text(text)
-        n = len(model.tokenizer.encode_long(text))
+        n = len(model.tokenizer.encode_long(check_text(text)))
         if n > MAX_TEXT_TOKENS:
             raise TooLong(f"the text is {n:,} tokens; the page scores at most {MAX_TEXT_TOKENS:,}")
-        return html.score_view(scoring.score_text(model, text, alternatives=ALTERNATIVES))
+        return html.score_view(model.score(text, alternatives=ALTERNATIVES).reading)
 
     def do_inspect(body: dict) -> dict:
-        from lmhead_cli.readings.inspect import inspect_prompt
-
         targets = body.get("targets", [])
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or len(targets) > MAX_TOP_K:
             raise UsageError(f"'targets' must be a list of at most {MAX_TOP_K} strings")
-        return html.inspect_view(inspect_prompt(model, _text(body, "prompt"), _int(body, "top_k", 10, 1, MAX_TOP_K),
-                                                targets))
+        return html.inspect_view(model.inspect(_text(body, "prompt"), _int(body, "top_k", 10, 1, MAX_TOP_K),
+                                               targets).reading)
 
     def do_diff(body: dict) -> dict:
-        from lmhead_cli.readings.diff import diff_prompts
-
-        return html.diff_view(diff_prompts(model, _text(body, "a"), _text(body, "b"),
-                                           _int(body, "top_k", 10, 1, MAX_TOP_K)))
+        return html.diff_view(model.diff(_text(body, "a"), _text(body, "b"),
+                                         _int(body, "top_k", 10, 1, MAX_TOP_K)).reading)
 
     @api.post("/api/score")
     async def score(request: Request):
