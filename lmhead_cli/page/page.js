@@ -92,7 +92,6 @@
       span.textContent = r[1];
       span.setAttribute("data-token-id", r[0]);
       span.setAttribute("data-i", i);
-      span.tabIndex = -1;
       if (r[3] === null) {
         span.className = "tok unscored";
       } else {
@@ -160,14 +159,15 @@
     box.addEventListener("focusin", function (e) { var t = tokenOf(e.target); if (t) showTip(t); });
     box.addEventListener("focusout", hideTip);
     box.addEventListener("scroll", hideTip);
-    function focusToken(span) {
+    function focusToken(span) {  // one token is in the tab order at a time (a roving tabindex)
       var old = box.querySelector('.tok[tabindex="0"]');
-      if (old) old.tabIndex = -1;
+      if (old && old !== span) old.removeAttribute("tabindex");
       span.tabIndex = 0;
       span.focus({ preventScroll: true });
       span.scrollIntoView({ block: "nearest" });
       showTip(span);
     }
+    box.addEventListener("click", function (e) { var t = tokenOf(e.target); if (t) focusToken(t); });
     box.addEventListener("keydown", function (e) {
       var t = tokenOf(e.target);
       if (!t) return;
