@@ -455,8 +455,9 @@ def test_screenshot(browser, served, tmp_path):
         browser.get(server.url + "/")
         browser.execute_script("document.getElementById('score-text').value = arguments[0];"
                                "document.getElementById('next-prompt').value = arguments[1];",
-                               "The keys on the table are on the table. She opened the door and walked into "
-                               "the garden, where the roses were in full bloom.", "The keys on the table")
+                               "In the beginning God created the heaven and the earth. And the earth was "
+                               "without form, and void; and darkness was upon the face of the deep. And the "
+                               "keys of the kingdom were upon the table.", "And God said, Let there be")
         assert start(browser, "score", "score-go") == "done"
         assert start(browser, "next", "next-go") == "done"
         spans = browser.find_elements("css selector", "#score-view .text [data-rank]")
