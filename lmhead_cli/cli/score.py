@@ -55,6 +55,7 @@ def score_cmd(
     """
     from lmhead_cli.api import checks
     from lmhead_cli.inputs import read_text
+    from lmhead_cli.render.html import ALTERNATIVES
     from lmhead_cli.render import score as show
 
     kind = output_kind(json_out, output_format, top_logprobs, None)
@@ -78,7 +79,7 @@ def score_cmd(
     with show.Progress("scoring") as progress:  # the OpenAI document is written as each chunk is scored
         result = model.score(text, bos=bos, stride=stride, chunk=chunk, progress=progress,
                              top_logprobs=top_logprobs, on_rows=doc.rows if doc else None,
-                             alternatives=0 if html is None else HTML_ALTERNATIVES)
+                             alternatives=0 if html is None else ALTERNATIVES)
     if doc is not None:
         show.openai_end(doc, result.reading)
     elif kind == "json":
@@ -87,9 +88,6 @@ def score_cmd(
         show.report(result.reading, show_table)
     if html is not None:
         write_html(result, html)
-
-
-HTML_ALTERNATIVES = 5  # the model's top-k in each token's tooltip on the --html page
 
 
 def html_target(path: str, file: str | None) -> None:

@@ -30,7 +30,6 @@ MAX_TEXT_TOKENS = 20_000  # the page's scored text: 5,000 tokens render in well 
 MAX_TEXT_CHARS = 20 * MAX_TEXT_TOKENS  # checked before encoding: a token is rarely over 20 characters
 MAX_BODY_BYTES = 8 * 2**20  # a request body: the longest text JSON-escaped (6 bytes a character at worst) fits
 MAX_TOP_K = 100
-ALTERNATIVES = 5
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
@@ -135,7 +134,7 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
         n = len(model.tokenizer.encode_long(check_text(text)))
         if n > MAX_TEXT_TOKENS:
             raise TooLong(f"the text is {n:,} tokens; the page scores at most {MAX_TEXT_TOKENS:,}")
-        return html.score_view(model.score(text, alternatives=ALTERNATIVES).reading)
+        return html.score_view(model.score(text, alternatives=html.ALTERNATIVES).reading)
 
     def do_inspect(body: dict) -> dict:
         targets = body.get("targets", [])

@@ -17,14 +17,10 @@ import math
 from lmhead_cli.readings.score import BUCKETS
 from lmhead_cli.render import _plain, safe_text, show_token
 
-ALTERNATIVES = 5  # the model's top-k shown at each position of the scored text
+ALTERNATIVES = 5  # the model's top-k in each token's tooltip (`score --html`, the page): Score(alternatives=5)
 # Nothing may be fetched: styles and the script are inline, images only data: URLs.
 EXPORT_CSP = ("default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:; "
               "base-uri 'none'; form-action 'none'")
-
-
-def _num(x: float | None) -> float | None:
-    return None if x is None or math.isnan(x) else x
 
 
 def token_pieces(score) -> list[str]:
