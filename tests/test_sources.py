@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from lmhead_cli.loading import sources
 from lmhead_cli.errors import CorruptCheckpoint, ModelNotFound, UnsafeCheckpoint, UsageError
 from lmhead_cli.loading.sources import load_model
+from lmhead_cli.cli.boundary import message
 
 
 def _ref_logits(model, ids=PROMPT_IDS):
@@ -75,8 +76,9 @@ def test_pickle_only_checkpoint_is_refused_unless_allowed(tmp_path, tiny):
     for name in ("config.json", "vocab.json", "merges.txt"):
         (tmp_path / name).write_bytes((folder / name).read_bytes())
     torch.save(ref.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(UnsafeCheckpoint, match="pickle.*--allow-pickle"):
+    with pytest.raises(UnsafeCheckpoint, match="pickle.*pass allow_pickle to load") as e:
         load_model(str(tmp_path), device="cpu")
+    assert "pass --allow-pickle to load" in message(e.value, "inspect")  # the CLI spells the parameter as its flag
     loaded = load_model(str(tmp_path), device="cpu", allow_pickle=True)
     torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
 
@@ -142,20 +144,20 @@ def test_uncached_hub_id_unreachable_fails_without_downloading(monkeypatch):
 
 
 def test_bad_device_dtype_engine():
-    with pytest.raises(UsageError, match="--device"):
-        load_model("random:gpt2", device="tpu")
-    with pytest.raises(UsageError, match="--dtype"):
-        load_model("random:gpt2", dtype="float8")
-    with pytest.raises(UsageError, match="--engine"):
-        load_model("random:gpt2", engine="jax")
+    """The core names the parameter (device=), the CLI its flag (--device): one message, two spellings."""
+    for key, value in (("device", "tpu"), ("dtype", "float8"), ("engine", "jax")):
+        with pytest.raises(UsageError, match=f"^unknown {key} {value!r}; choose one of: ") as e:
+            load_model("random:gpt2", **{key: value})
+        assert message(e.value, "inspect").startswith(f"unknown --{key} {value!r}; choose one of: ")
 
 
 def test_non_gpt2_architecture_needs_transformers_engine(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(UsageError, match="--engine transformers"):
+    with pytest.raises(UsageError, match="use engine transformers$") as e:
         load_model(str(tmp_path), device="cpu", engine="lean")
+    assert message(e.value, "inspect").endswith("use --engine transformers")
 
 
 def test_bfloat16_loads_and_head_stays_tied(tiny):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import Param, UsageError
 
 Opened = TypeVar("Opened")
 
@@ -26,7 +26,8 @@ def run_file(file: str, noun: str, open_input: Callable[[], Opened], load: Calla
 
     ranks = Ranks.from_env()
     if ranks.world > 1 and file == STDIN:
-        raise UsageError(f"under torchrun every rank reads the {noun} itself: give --file a file, not - (stdin)")
+        raise UsageError(f"under torchrun every rank reads the {noun} itself: give ", Param("file"),
+                         " a file, not - (stdin)")
     opened = open_input()
     try:
         work(load(ranks.start(device)), opened, ranks)

@@ -255,10 +255,9 @@ class Engine(ABC):
         padded on the right (default: the last column)."""
         hidden = self.body(ids, cache, attention_mask)  # (R, T, D)
         if lengths is None:
-            last = hidden[:, -1:, :]  # (R, 1, D)
-        else:
-            last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1][:, None]  # (R, 1, D)
-        return self.head(last)[:, 0].float()  # (R, V)
+            return self.head(hidden[:, -1:, :])[:, 0].float()  # (R, 1, D) -> (R, V)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]  # (R, D)
+        return self.head(last).float()  # (R, V)
 
     @property
     def device(self) -> torch.device:
