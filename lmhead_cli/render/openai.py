@@ -12,6 +12,7 @@ bytes exactly), so a token that is half a character keeps them.
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 from collections.abc import Sequence
@@ -77,3 +78,118 @@ class Completion:
 
 def _dump(doc: dict) -> str:
     return json_text(doc, lines=True)
+
+
+# ---- documents as dicts: the server's responses (`lmhead serve`), one builder per shape -----------
+# Each returns plain JSON-ready data that validates with the `openai` package's types (Completion,
+# ChatCompletion, ChatCompletionChunk), except where OpenAI's own legacy API puts a null the types do
+# not declare: echo's first position, which has nothing before it to be scored from.
+
+def new_id(prefix: str) -> str:
+    """A response id as OpenAI spells them: "cmpl-…", "chatcmpl-…"."""
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprob_value(lp: float) -> float:
+    """A log-probability as JSON can hold it: log 0 (a token the filters dropped) is OpenAI's -9999.0."""
+    return lp if lp != float("-inf") else DROPPED
+
+
+class LegacyLogprobs:
+    """The completions endpoint's logprobs, built a position at a time: tokens, token_logprobs,
+    top_logprobs (a dict keyed by token text, as OpenAI's legacy API has it) and text_offset, plus
+    lmhead's `top_ids`: the same entries as [id, logprob] pairs, best first, so that two ids that
+    decode to the same text are never merged. The chosen token is always among them."""
+
+    def __init__(self, tokenizer, start: int = 0):
+        self.tokenizer = tokenizer
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict | None] = []
+        self.top_ids: list[list | None] = []
+        self.text_offset: list[int] = []
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._length = start  # characters of text before the next token
+
+    def add(self, token_id: int, logprob: float | None, top_ids: Sequence[int] = (),
+            top_logprobs: Sequence[float] = ()) -> None:
+        """One position: its token, its log p (None: unscored, echo's first) and its top tokens."""
+        text = self.tokenizer.token_text
+        self.tokens.append(text(token_id))
+        self.text_offset.append(self._length)
+        self._length += len(self._decoder.decode(self.tokenizer.token_bytes(token_id)))
+        if logprob is None:
+            self.token_logprobs.append(None)
+            self.top_logprobs.append(None)
+            self.top_ids.append(None)
+            return
+        pairs = [[i, logprob_value(lp)] for i, lp in zip(top_ids, top_logprobs)]
+        if token_id not in top_ids:
+            pairs.append([token_id, logprob_value(logprob)])
+        top: dict[str, float] = {}
+        for i, lp in pairs:
+            top.setdefault(text(i), lp)  # the better of two ids with the same text keeps the key
+        self.token_logprobs.append(logprob_value(logprob))
+        self.top_logprobs.append(top)
+        self.top_ids.append(pairs)
+
+    def doc(self, since: int = 0) -> dict:
+        """The positions from `since` on (a stream sends each piece's own)."""
+        return {"tokens": self.tokens[since:], "token_logprobs": self.token_logprobs[since:],
+                "top_logprobs": self.top_logprobs[since:], "text_offset": self.text_offset[since:],
+                "top_ids": self.top_ids[since:]}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion(id: str, created: int, model: str, choices: list[dict], use: dict | None) -> dict:
+    """A `text_completion` (also each chunk of a stream, which has the same shape)."""
+    doc = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        doc["usage"] = use
+    return doc
+
+
+def chat_token(tokenizer, token_id: int, logprob: float, top_ids: Sequence[int] = (),
+               top_logprobs: Sequence[float] = ()) -> dict:
+    """One entry of a chat completion's logprobs.content: token, logprob, bytes, top_logprobs."""
+    def one(i: int, lp: float) -> dict:
+        return {"token": tokenizer.token_text(i), "logprob": logprob_value(lp),
+                "bytes": list(tokenizer.token_bytes(i))}
+
+    return {**one(token_id, logprob), "top_logprobs": [one(i, lp) for i, lp in zip(top_ids, top_logprobs)]}
+
+
+def chat_choice(index: int, content: str, finish_reason: str, logprobs: list[dict] | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": content},
+            "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish_reason}
+
+
+def chat_completion(id: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": use}
+
+
+def chat_chunk(id: str, created: int, model: str, choices: list[dict], use: dict | None = None) -> dict:
+    """A `chat.completion.chunk`: choices hold {"index", "delta", "logprobs", "finish_reason"}."""
+    doc = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        doc["usage"] = use
+    return doc
+
+
+def error(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
