@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default="auto")
     p.add_argument("--threads", type=int)
     a = p.parse_args(argv)
+    from lmhead_cli.engine import threads
+
+    threads.prepare(a.threads)  # before torch is imported: OpenMP's threads sleep between products
     options = Options(model=a.model, host=a.host, port=a.port, api_key=a.api_key, max_logprobs=a.max_logprobs,
                       max_queue=a.max_queue, max_batch=a.max_batch, max_body=a.max_body, cors=tuple(a.cors),
                       device=a.device, dtype=a.dtype, engine=a.engine, threads=a.threads)

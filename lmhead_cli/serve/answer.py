@@ -65,10 +65,12 @@ def _error(event: tuple) -> RequestError:
     return RequestError(500, f"the model failed: {type(e).__name__}", type="server_error", code="model_error")
 
 
-async def _events(job: Job, request):
-    """The job's events until every row has finished; Disconnected if the client goes first."""
+async def _events(job: Job, request=None):
+    """The job's events until every row has finished; Disconnected if the client goes first (watched
+    here when `request` is given; a stream is cancelled by Starlette's own watch instead, and one
+    reader of the connection at a time is what the ASGI server expects)."""
     left = len(job.rows)
-    watcher = asyncio.ensure_future(_disconnect(request))
+    watcher = asyncio.ensure_future(_disconnect(request) if request is not None else asyncio.Event().wait())
     try:
         while left:
             get = asyncio.ensure_future(job.events.get())
@@ -139,7 +141,7 @@ async def stream(job: Job, plan: Plan, tokenizer, request, model: str):
         elif plan.echo and plan.logprobs is None:  # the prompt's text alone; with logprobs it comes with its scores
             yield sse(doc.completion(cid, created, model, [doc.completion_choice(c.index, c.echo_text(), None, None)
                                                            for c in choices], None))
-        async for event in _events(job, request):
+        async for event in _events(job):
             kind, i = event[0], event[1]
             c = choices[i]
             if kind == "echo":

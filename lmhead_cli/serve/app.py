@@ -129,7 +129,7 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served.name, "queued": served.worker.queued,
-                "batches": served.worker.batches}
+                "batches": served.worker.batches, "generated": served.worker.generated}
 
     api = APIRouter(dependencies=[Depends(check_key)])
 
@@ -168,7 +168,7 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise bad("tokens", "tokens must be an array of token ids")
         if tokens:
-            check_ids(tokens, served.info, "tokens")
+            check_ids(tokens, served.info, "tokens", "tokens")
         return {"prompt": served.tokenizer.decode(tokens)}
 
     @api.get("/tokenizer_info")

@@ -176,12 +176,12 @@ def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def check_ids(ids: list[int], info: ModelInfo, where: str) -> list[int]:
+def check_ids(ids: list[int], info: ModelInfo, where: str, param: str = "prompt") -> list[int]:
     if not ids:
-        raise bad("prompt", f"{where} is empty")
+        raise bad(param, f"{where} is empty")
     for j, t in enumerate(ids):
         if not 0 <= t < info.vocab:
-            raise bad("prompt", f"token id {t} at {where}[{j}] is outside the vocabulary (0 to {info.vocab - 1})")
+            raise bad(param, f"token id {t} at {where}[{j}] is outside the vocabulary (0 to {info.vocab - 1})")
     return ids
 
 

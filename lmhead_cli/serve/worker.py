@@ -48,8 +48,8 @@ class Job:
 class _BatchSink:
     """readings.completion's Sink for a batch: batch row b is row i of job j."""
 
-    def __init__(self, batch: list[tuple[Job, int]]):
-        self.batch = batch
+    def __init__(self, batch: list[tuple[Job, int]], worker: Worker):
+        self.batch, self.worker = batch, worker
 
     def echo(self, b: int, echo: Echo) -> None:
         job, i = self.batch[b]
@@ -57,6 +57,7 @@ class _BatchSink:
 
     def token(self, b: int, token: Token) -> None:
         job, i = self.batch[b]
+        self.worker.generated += 1
         job.put(("token", i, token))
 
     def finish(self, b: int, reason: str, tail: str) -> None:
@@ -76,7 +77,8 @@ class Worker:
         self.max_rows, self.max_tokens, self.max_queue = max_rows, max_tokens, max_queue
         self.pending: deque[tuple[Job, int]] = deque()
         self.cond = threading.Condition()
-        self.batches = 0  # how many batches have run (for tests and /health)
+        self.batches = 0  # how many batches have run, and tokens generated (/health shows both)
+        self.generated = 0
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="lmhead-model", daemon=True)
         self.thread.start()
@@ -125,7 +127,10 @@ class Worker:
             if not batch:
                 continue
             try:
-                run(self.loaded, [job.rows[i] for job, i in batch], _BatchSink(batch))
+                rows = [job.rows[i] for job, i in batch]
+                # torch's thread count: whichever of (its own, 1) runs the work faster (engine/threads.py)
+                self.loaded.threads.run(lambda: run(self.loaded, rows, _BatchSink(batch, self)),
+                                        units=sum(len(r.ids) + r.max_tokens for r in rows))
             except Exception as e:  # noqa: BLE001 - every job of the batch hears of it, the thread goes on
                 for job in {id(job): job for job, _ in batch}.values():
                     job.put(("error", e))
