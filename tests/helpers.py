@@ -195,7 +195,7 @@ def serving(folder, *args: str, timeout: float = 180.0):
     def run():
         port = free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "lmhead_cli.serve", "--model", str(folder), "--port", str(port), *args]
+        cmd = [sys.executable, "-m", "lmhead_cli", "serve", "--model", str(folder), "--port", str(port), *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()

@@ -374,7 +374,7 @@ def test_non_loopback_host_without_key_warns(tiny):
 
     from helpers import free_port
 
-    proc = subprocess.Popen([sys.executable, "-m", "lmhead_cli.serve", "--model", str(tiny[0]), "--host", "0.0.0.0",
+    proc = subprocess.Popen([sys.executable, "-m", "lmhead_cli", "serve", "--model", str(tiny[0]), "--host", "0.0.0.0",
                              "--port", str(free_port())], stderr=subprocess.PIPE, text=True)
     try:
         line = _read_line(proc.stderr, timeout=60)

@@ -72,25 +72,25 @@ def model_name(source: str) -> str:
     return path.name if path.exists() else source
 
 
-def build(options: Options, loaded):
-    """The FastAPI app serving `loaded` with these options."""
+def build(options: Options, model):
+    """The FastAPI app serving `model` (an api.Model) with these options."""
     from lmhead_cli.serve.app import Served, build_app
     from lmhead_cli.serve.requests import Limits
     from lmhead_cli.serve.worker import Worker
 
-    worker = Worker(loaded, max_rows=options.max_batch, max_tokens=options.batch_tokens, max_queue=options.max_queue)
+    worker = Worker(model, max_rows=options.max_batch, max_tokens=options.batch_tokens, max_queue=options.max_queue)
     limits = Limits(max_logprobs=options.max_logprobs, max_entries=options.max_entries,
                     max_choices=min(options.max_queue, 1024), max_body=options.max_body)
-    served = Served(loaded=loaded, worker=worker, name=options.name or model_name(options.model), limits=limits,
+    served = Served(model=model, worker=worker, name=options.name or model_name(options.model), limits=limits,
                     api_key=options.api_key, cors=options.cors)
     return build_app(served)
 
 
-def serve(options: Options, loaded, say=lambda line: print(line, file=sys.stderr, flush=True)) -> None:
+def serve(options: Options, model, say=lambda line: print(line, file=sys.stderr, flush=True)) -> None:
     """Serve until interrupted (uvicorn, one process; the model's work on its own thread)."""
     import uvicorn
 
-    app = build(options, loaded)
+    app = build(options, model)
     say(f"lmhead serve: {app.state.served.name} at http://{options.host}:{options.port}/v1 "
         f"(OpenAI API; Ctrl-C stops)")
     uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False)

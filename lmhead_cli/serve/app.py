@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmhead_cli.errors import LmheadError, UsageError
-from lmhead_cli.loading import chat as chat_templates
 from lmhead_cli.render import openai as doc
 from lmhead_cli.serve import answer
 from lmhead_cli.serve.requests import (Limits, ModelInfo, RequestError, bad, chat_plan, check_ids, completion_plan,
@@ -37,7 +36,7 @@ RETRY_AFTER_S = 1
 class Served:
     """What the app serves: the loaded model, its worker, and the settings."""
 
-    loaded: object  # loading.sources.Loaded
+    model: object  # api.Model
     worker: Worker
     name: str
     limits: Limits = field(default_factory=Limits)
@@ -47,16 +46,12 @@ class Served:
 
     @property
     def info(self) -> ModelInfo:
-        eng = self.loaded.engine
-        return ModelInfo(name=self.name, vocab=eng.vocab_size, n_ctx=eng.n_ctx, eos=eng.eos_token_id)
+        m = self.model
+        return ModelInfo(name=self.name, vocab=m.vocab_size, n_ctx=m.n_ctx, eos=m.eos_token_id)
 
     @property
     def tokenizer(self):
-        return self.loaded.tokenizer
-
-    @property
-    def chat_template(self) -> str:
-        return chat_templates.own_template(self.loaded.path) or chat_templates.PLAIN_TEMPLATE
+        return self.model.tokenizer
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -146,19 +141,19 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request, served.limits.max_body)
-        prompt = served.tokenizer.encode_long(_render(served, messages(body)))
-        return await _answer(served, chat_plan(body, list(prompt), served.info, served.limits), request)
+        prompt = served.model.encode(served.model.chat_prompt(messages(body)))
+        return await _answer(served, chat_plan(body, prompt, served.info, served.limits), request)
 
     @api.post("/tokenize")
     async def tokenize(request: Request):
         body = await read_json(request, served.limits.max_body)
         if "messages" in body:
-            text = _render(served, messages(body))
+            text = served.model.chat_prompt(messages(body))
         else:
             text = body.get("prompt")
             if not isinstance(text, str):
                 raise bad("prompt", "prompt must be a string")
-        tokens = list(served.tokenizer.encode_long(text))
+        tokens = served.model.encode(text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": served.info.n_ctx}
 
     @api.post("/detokenize")
@@ -169,17 +164,15 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
             raise bad("tokens", "tokens must be an array of token ids")
         if tokens:
             check_ids(tokens, served.info, "tokens", "tokens")
-        return {"prompt": served.tokenizer.decode(tokens)}
+        return {"prompt": served.model.decode(tokens)}
 
     @api.get("/tokenizer_info")
     async def tokenizer_info():
-        eos = served.info.eos
-        bos = served.loaded.config.get("bos_token_id", eos)
-        bos = bos[0] if isinstance(bos, list) else bos
+        eos, bos = served.model.eos_token_id, served.model.bos_token_id
         text = served.tokenizer.token_text
         return {"tokenizer_class": "GPT2TokenizerFast" if served.tokenizer.byte_level else "PreTrainedTokenizerFast",
                 "eos_token": None if eos is None else text(eos), "bos_token": None if bos is None else text(bos),
-                "pad_token": None, "chat_template": served.chat_template, "model_max_length": served.info.n_ctx,
+                "pad_token": None, "chat_template": served.model.chat_template, "model_max_length": served.info.n_ctx,
                 "vocab_size": served.info.vocab}
 
     app.include_router(api)
@@ -193,12 +186,6 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     return app
 
-
-def _render(served: Served, msgs: list[dict]) -> str:
-    text = served.tokenizer.token_text
-    eos = served.info.eos
-    return chat_templates.render(served.chat_template, msgs, bos_token="" if eos is None else text(eos),
-                                 eos_token="" if eos is None else text(eos))
 
 
 async def _answer(served: Served, plan, request: Request):

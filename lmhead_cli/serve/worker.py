@@ -3,7 +3,7 @@
 Every request becomes a `Job` of rows (one per choice) queued in arrival order. The model's
 thread takes as many queued rows as fit one batch (at most `max_rows` rows, at most `max_tokens`
 padded prompt tokens, and the longest prompt plus the largest max_tokens within the context) and
-runs them with readings.completion.run: one forward for the batch's prompts, then one per step for
+runs them with Model.complete (readings/completion.py): one forward for the batch's prompts, then one per step for
 the rows that generate. A batch runs to its end; rows queued meanwhile go in the next one.
 
 The queue holds at most `max_queue` rows: a request that would go past it is refused at once
@@ -18,7 +18,7 @@ import asyncio
 import threading
 from collections import deque
 
-from lmhead_cli.readings.completion import Echo, Row, Token, run
+from lmhead_cli.readings.completion import Echo, Row, Token
 
 
 class Busy(Exception):
@@ -71,9 +71,9 @@ class _BatchSink:
 class Worker:
     """The model's thread and its queue."""
 
-    def __init__(self, loaded, *, max_rows: int = 16, max_tokens: int = 4096, max_queue: int = 1024):
-        self.loaded = loaded
-        self.n_ctx = loaded.engine.n_ctx
+    def __init__(self, model, *, max_rows: int = 16, max_tokens: int = 4096, max_queue: int = 1024):
+        self.model = model  # api.Model
+        self.n_ctx = model.n_ctx
         self.max_rows, self.max_tokens, self.max_queue = max_rows, max_tokens, max_queue
         self.pending: deque[tuple[Job, int]] = deque()
         self.cond = threading.Condition()
@@ -127,10 +127,7 @@ class Worker:
             if not batch:
                 continue
             try:
-                rows = [job.rows[i] for job, i in batch]
-                # torch's thread count: whichever of (its own, 1) runs the work faster (engine/threads.py)
-                self.loaded.threads.run(lambda: run(self.loaded, rows, _BatchSink(batch, self)),
-                                        units=sum(len(r.ids) + r.max_tokens for r in rows))
+                self.model.complete([job.rows[i] for job, i in batch], _BatchSink(batch, self))
             except Exception as e:  # noqa: BLE001 - every job of the batch hears of it, the thread goes on
                 for job in {id(job): job for job, _ in batch}.values():
                     job.put(("error", e))
