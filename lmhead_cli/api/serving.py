@@ -47,6 +47,15 @@ class Serving:
         bos = "" if self.bos_token_id is None else text(self.bos_token_id)
         return chat.render(self.chat_template, messages, bos_token=bos, eos_token=eos)
 
+    def scored_positions(self, n_tokens: int, *, bos: bool = False, stride: int | None = None) -> list[range]:
+        """Which of a text's n_tokens positions `score` gives a logprob (the rest have nothing before them
+        in their window): ranges of text positions, in order."""
+        from lmhead_cli.readings.score import windows
+
+        n_ctx = self.n_ctx
+        return [range(w.first - bos, w.end - bos)
+                for w in windows(n_tokens + bos, n_ctx, n_ctx // 2 if stride is None else stride)]
+
     def encode(self, text: str) -> list[int]:
         """A text's token ids (any length; long texts are encoded in pieces, with the same ids)."""
         return list(self.tokenizer.encode_long(text))
