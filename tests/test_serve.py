@@ -398,3 +398,21 @@ def test_math_is_finite_in_json(server):
                                          "top_p": 0.001, "logprobs_mode": "processed"})
     lps = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
     assert all(math.isfinite(x) for x in lps) and -9999.0 in lps
+
+
+def test_other_work_runs_on_the_model_thread_between_batches():
+    """Worker.call (the page's readings): fn() on the model's thread, its result or its exception back."""
+    import asyncio
+
+    from lmhead_cli.serve.worker import Worker
+
+    class Model:
+        n_ctx = 16
+
+    worker = Worker(Model())
+    try:
+        assert asyncio.run(worker.call(lambda: threading.current_thread().name)) == "lmhead-model"
+        with pytest.raises(ZeroDivisionError):
+            asyncio.run(worker.call(lambda: 1 / 0))
+    finally:
+        worker.stop()

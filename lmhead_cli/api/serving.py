@@ -33,10 +33,12 @@ class Serving:
 
     @property
     def chat_template(self) -> str:
-        """The checkpoint's own chat template, or the plain one (loading/chat.py)."""
+        """The checkpoint's own chat template, or the plain one (loading/chat.py); read once."""
         from lmhead_cli.loading import chat
 
-        return chat.own_template(self.loaded.path) or chat.PLAIN_TEMPLATE
+        if getattr(self, "_chat_template", None) is None:
+            self._chat_template = chat.own_template(self.loaded.path) or chat.PLAIN_TEMPLATE
+        return self._chat_template
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text for chat `messages` ([{"role", "content"}]) through the chat template."""

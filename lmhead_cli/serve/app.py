@@ -5,7 +5,7 @@
     POST /v1/completions         text_completion: prompts scored (echo) and continued
     POST /v1/chat/completions    chat.completion
     POST /tokenize, /detokenize, GET /tokenizer_info   as lm-evaluation-harness's remote tokenizer probes them
-    /                            the page (serve/page.py, its own router)
+    /                            the page (lmhead_cli/page/routes.py, issue 18)
 
 A route reads like a CLI command: parse and check the body (serve/requests.py), queue the work
 (serve/worker.py), build the answer (serve/answer.py with render/openai.py's builders).
@@ -86,8 +86,18 @@ def _too_large(limit: int) -> RequestError:
                         code="request_too_large")
 
 
+def _page(served: Served, dependencies) -> APIRouter | None:
+    """The page's routes (lmhead_cli/page, issue 18), their model work on the model's thread and behind
+    the API key; None where the page is not part of this build."""
+    try:
+        from lmhead_cli.page.routes import router
+    except ImportError:
+        return None
+    return router(served.model, run=served.worker.call, dependencies=dependencies)
+
+
 def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
-    """The app for one served model; `page` (serve/page.py's router by default) is mounted at /."""
+    """The app for one served model; `page` (lmhead_cli/page's routes by default) is mounted at /."""
     app = FastAPI(title="lmhead", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served
 
@@ -177,8 +187,9 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
 
     app.include_router(api)
     if page is None:
-        from lmhead_cli.serve.page import router as page
-    app.include_router(page)
+        page = _page(served, [Depends(check_key)])
+    if page is not None:
+        app.include_router(page)
     if served.cors:
         from fastapi.middleware.cors import CORSMiddleware
 

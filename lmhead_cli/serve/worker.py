@@ -76,6 +76,7 @@ class Worker:
         self.n_ctx = model.n_ctx
         self.max_rows, self.max_tokens, self.max_queue = max_rows, max_tokens, max_queue
         self.pending: deque[tuple[Job, int]] = deque()
+        self.calls: deque = deque()  # other work for the model's thread (Worker.call)
         self.cond = threading.Condition()
         self.batches = 0  # how many batches have run, and tokens generated (/health shows both)
         self.generated = 0
@@ -91,6 +92,27 @@ class Worker:
             self.pending.extend((job, i) for i in range(len(job.rows)))
             self.cond.notify()
 
+    async def call(self, fn):
+        """fn() on the model's thread, between batches (the page's readings); its result or its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(ok: bool, value) -> None:
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        def task() -> None:
+            try:
+                value, ok = fn(), True
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                value, ok = e, False
+            loop.call_soon_threadsafe(done, ok, value)
+
+        with self.cond:
+            self.calls.append(task)
+            self.cond.notify()
+        return await future
+
     @property
     def queued(self) -> int:
         return len(self.pending)
@@ -100,11 +122,13 @@ class Worker:
             self.stopping = True
             self.cond.notify()
 
-    def _take(self) -> list[tuple[Job, int]]:
-        """The next batch: queued rows in order, while they fit (the first always does)."""
+    def _take(self):
+        """The next batch: queued rows in order, while they fit (the first always does); or a call."""
         with self.cond:
-            while not self.pending and not self.stopping:
+            while not self.pending and not self.calls and not self.stopping:
                 self.cond.wait()
+            if self.calls:
+                return self.calls.popleft()
             batch: list[tuple[Job, int]] = []
             longest = steps = 0
             while self.pending:
@@ -124,6 +148,9 @@ class Worker:
     def _loop(self) -> None:
         while not self.stopping:
             batch = self._take()
+            if callable(batch):
+                batch()
+                continue
             if not batch:
                 continue
             try:
