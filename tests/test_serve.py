@@ -248,17 +248,14 @@ def _answer(doc: dict) -> list:
 def test_16_concurrent_clients_get_their_one_at_a_time_answers(server):
     bodies = _requests()
     alone = [_answer(post(server, "/v1/completions", b).json()) for b in bodies]
-    before = httpx.get(server.url + "/health").json()["batches"]
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda b: _answer(post(server, "/v1/completions", b).json()), bodies))
-    batches = httpx.get(server.url + "/health").json()["batches"] - before
     for a, t in zip(alone, together):
         for (text_a, fin_a, tok_a, lp_a), (text_t, fin_t, tok_t, lp_t) in zip(a, t):
             assert (text_t, fin_t, tok_t) == (text_a, fin_a, tok_a)
             if lp_a:  # the same figures, up to float rounding of a padded batch
                 assert [x is None for x in lp_t] == [x is None for x in lp_a]
                 assert [x for x in lp_t if x is not None] == pytest.approx([x for x in lp_a if x is not None], abs=1e-4)
-    assert 1 <= batches <= 16
 
 
 # ---- bad requests ----------------------------------------------------------------------------------
