@@ -413,3 +413,48 @@ def test_other_work_runs_on_the_model_thread_between_batches():
             asyncio.run(worker.call(lambda: 1 / 0))
     finally:
         worker.stop()
+
+
+def test_a_batch_computes_each_row_as_it_would_alone(tiny):
+    """readings.completion in one batch (left-padded prompts, rows leaving as they finish) against each row
+    alone: the same tokens and text, the same logprobs up to float rounding."""
+    import lmhead_cli
+    from lmhead_cli.decoding.stages import Knobs
+    from lmhead_cli.readings.completion import Row
+
+    model = lmhead_cli.load(str(tiny[0]), device="cpu")
+
+    class Sink:
+        def __init__(self):
+            self.got: dict[int, list] = {}
+
+        def echo(self, b, echo):
+            self.got.setdefault(b, []).append(("echo", echo.logprob[1:].tolist(), echo.top_ids[1:].tolist()))
+
+        def token(self, b, t):
+            self.got.setdefault(b, []).append(("token", t.id, t.text, t.logprob, t.top_ids))
+
+        def finish(self, b, reason, tail):
+            self.got.setdefault(b, []).append(("finish", reason, tail))
+
+        def cancelled(self, b):
+            return False
+
+    rows = [Row(tuple(PROMPT_IDS), echo=True, max_tokens=3, top=2),
+            Row((40, 1101, 257), max_tokens=9, top=1, greedy=False, seed=5, knobs=Knobs(temperature=0.8, top_p=0.9)),
+            Row(tuple(range(300, 340)), echo=True, max_tokens=0, top=3),
+            Row(tuple(PROMPT_IDS[:2]), max_tokens=6, stop=(" ",), top=0, mode="processed", knobs=Knobs(top_k=40)),
+            Row((464,), max_tokens=12, greedy=False, seed=9)]
+    together = Sink()
+    model.complete(rows, together)
+    for b, row in enumerate(rows):
+        alone = Sink()
+        model.complete([row], alone)
+        for a, t in zip(alone.got[0], together.got[b], strict=True):
+            assert t[0] == a[0]
+            if a[0] == "echo":  # (kind, logprobs, top ids)
+                assert t[2] == a[2] and t[1] == pytest.approx(a[1], abs=1e-5)
+            elif a[0] == "token":  # (kind, id, text, logprob, top ids)
+                assert (t[1], t[2], t[4]) == (a[1], a[2], a[4]) and t[3] == pytest.approx(a[3], abs=1e-5)
+            else:  # (kind, reason, tail)
+                assert t == a
