@@ -1,8 +1,9 @@
 """One model, many requests: a queue of rows and the one thread that runs them in batches.
 
 Every request becomes a `Job` of rows (one per choice) queued in arrival order. The model's
-thread takes as many queued rows as fit one batch (at most `max_rows` rows, at most `max_tokens`
-padded prompt tokens, and the longest prompt plus the largest max_tokens within the context) and
+thread takes the first queued row and then, in queue order, every other that fits one batch (at
+most `max_rows` rows, at most `max_tokens` padded prompt tokens, padding at most a quarter more than
+the real tokens, and the longest prompt plus the largest max_tokens within the context) and
 runs them with Model.complete (readings/completion.py): one forward for the batch's prompts, then one per step for
 the rows that generate. A batch runs to its end; rows queued meanwhile go in the next one.
 
@@ -19,6 +20,11 @@ import threading
 from collections import deque
 
 from lmhead_cli.readings.completion import Echo, Row, Token
+
+
+# A batch's padded prompt tokens stay within this many times its real ones: on a CPU a padded position
+# costs as much as a real one, and prompts of mixed lengths padded to the longest waste work.
+PADDING = 1.25
 
 
 class Busy(Exception):
@@ -130,19 +136,21 @@ class Worker:
             if self.calls:
                 return self.calls.popleft()
             batch: list[tuple[Job, int]] = []
-            longest = steps = 0
+            longest = steps = real = 0
+            kept: deque[tuple[Job, int]] = deque()  # rows passed over, back to the queue in order
             while self.pending:
-                job, i = self.pending[0]
+                job, i = self.pending.popleft()
                 if job.cancelled:
-                    self.pending.popleft()
                     continue
                 row = job.rows[i]
                 t, s = max(longest, len(row.ids)), max(steps, row.max_tokens)
                 if batch and (len(batch) >= self.max_rows or t * (len(batch) + 1) > self.max_tokens
-                              or t + s > self.n_ctx):
-                    break
-                batch.append(self.pending.popleft())
-                longest, steps = t, s
+                              or t + s > self.n_ctx or t * (len(batch) + 1) > PADDING * (real + len(row.ids))):
+                    kept.append((job, i))  # a later row may fit (a prompt of another length)
+                    continue
+                batch.append((job, i))
+                longest, steps, real = t, s, real + len(row.ids)
+            self.pending = kept
             return batch
 
     def _loop(self) -> None:
