@@ -177,3 +177,68 @@ def control_byte_checkpoint(folder: Path) -> str:
     state["lm_head.weight"] = head
     save_file(state, str(folder / "model.safetensors"))
     return str(folder)
+
+# ---- a real server (`lmhead serve`) in its own process ---------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A running `lmhead serve`: its base URL, and its output so far (read by a thread, never blocking)."""
+
+    def __init__(self, proc, url: str, lines: list[str]):
+        self.proc, self.url, self.lines = proc, url, lines
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def serving(folder, *args: str, timeout: float = 180.0):
+    """Context manager: `lmhead serve --model folder --port <free> *args` on 127.0.0.1, ready (its
+    /health answers) before the block runs, stopped after it."""
+    import contextlib
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+
+    @contextlib.contextmanager
+    def run():
+        port = free_port()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "lmhead_cli", "serve", "--model", str(folder), "--port", str(port), *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+        served = Served(proc, f"http://127.0.0.1:{port}", lines)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"lmhead serve exited with {proc.returncode}:\n{served.output}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"lmhead serve did not answer within {timeout:.0f} s:\n{served.output}")
+                try:
+                    if httpx.get(served.url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            yield served
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    return run()

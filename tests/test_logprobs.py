@@ -178,7 +178,11 @@ def openai(tiny, *args) -> dict:
 
 
 def check_shape(d: dict, top: int) -> list[dict]:
-    assert list(d) == ["object", "model", "choices", "usage"] and d["object"] == "chat.completion"
+    from openai.types.chat import ChatCompletion
+
+    assert list(d) == ["id", "object", "created", "model", "choices", "usage"] and d["object"] == "chat.completion"
+    assert d["id"].startswith("chatcmpl-") and isinstance(d["created"], int)
+    ChatCompletion.model_validate(d)  # the official openai library's type
     (choice,) = d["choices"]
     assert list(choice) == ["index", "message", "finish_reason", "logprobs"] and choice["index"] == 0
     assert choice["message"]["role"] == "assistant" and list(choice["logprobs"]) == ["content"]
@@ -323,25 +327,38 @@ def test_help_states_the_default_distribution():
 
 # ---- score --format openai -------------------------------------------------------------------------
 
-def test_score_openai_matches_transformers_and_keeps_every_byte(tiny):
+def echo_logprobs(d: dict, n: int) -> dict:
+    """The text_completion `score --format openai` writes: the text echoed, n positions of legacy logprobs."""
+    assert list(d) == ["id", "object", "created", "model", "choices", "usage"] and d["object"] == "text_completion"
+    (choice,) = d["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert list(lp) == ["tokens", "token_logprobs", "top_logprobs", "text_offset", "top_ids"]
+    assert all(len(column) == n for column in lp.values())
+    for i, (tok, top) in enumerate(zip(lp["tokens"], lp["top_logprobs"])):
+        assert top is None or tok in top  # the chosen token is always in its top dict
+    return lp
+
+
+def test_score_openai_matches_transformers(tiny):
     folder, model = tiny
     text = "你好 🙂, the keys"  # characters split across byte-level tokens
     d = openai(tiny, "score", text, "--bos", "--top-logprobs", "3")
-    content = check_shape(d, 3)
-    assert d["choices"][0]["message"]["content"] == text and d["choices"][0]["finish_reason"] == "stop"
-    ids = load(folder).tokenizer.encode(text)
-    assert d["usage"] == {"prompt_tokens": 1, "completion_tokens": len(ids), "total_tokens": len(ids) + 1}
-    # with --bos every token is scored, so the entries' bytes are the text's bytes exactly
-    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
-    assert any(len(e["bytes"]) and bytes(e["bytes"]).decode("utf-8", "replace") != e["token"] for e in content)
-    lp = torch.log_softmax(forward_logits(model, [EOS] + ids), -1)  # position i predicts token i + 1
-    for i, e in enumerate(content):
-        assert e["logprob"] == pytest.approx(float(lp[i, ids[i]]), abs=1e-4)
-        assert [t["logprob"] for t in e["top_logprobs"]] == pytest.approx(torch.topk(lp[i], 3).values.tolist(),
-                                                                          abs=1e-4)
-    plain = openai(tiny, "score", text)  # without --bos the first token has nothing before it
-    assert len(plain["choices"][0]["logprobs"]["content"]) == len(ids) - 1
-    assert plain["usage"] == {"prompt_tokens": 1, "completion_tokens": len(ids) - 1, "total_tokens": len(ids)}
+    tok = load(folder).tokenizer
+    ids = tok.encode(text)
+    lp = echo_logprobs(d, len(ids))
+    assert d["choices"][0]["text"] == text and lp["tokens"] == [tok.token_text(i) for i in ids]
+    assert d["usage"] == {"prompt_tokens": len(ids) + 1, "completion_tokens": 0, "total_tokens": len(ids) + 1}
+    ref = torch.log_softmax(forward_logits(model, [EOS] + ids), -1)  # position i predicts token i + 1
+    for i, pairs in enumerate(lp["top_ids"]):  # with --bos every token is scored
+        assert lp["token_logprobs"][i] == pytest.approx(float(ref[i, ids[i]]), abs=1e-4)
+        best = torch.topk(ref[i], 3)
+        assert [p[0] for p in pairs[:3]] == best.indices.tolist()
+        assert [p[1] for p in pairs[:3]] == pytest.approx(best.values.tolist(), abs=1e-4)
+    plain = echo_logprobs(openai(tiny, "score", text), len(ids))  # without --bos the first token has null
+    assert plain["token_logprobs"][0] is None and None not in plain["token_logprobs"][1:]
+    assert openai(tiny, "score", text)["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                                     "total_tokens": len(ids)}
 
 
 def test_score_openai_streams_chunk_by_chunk_through_windows(tmp_path):
@@ -356,19 +373,21 @@ def test_score_openai_streams_chunk_by_chunk_through_windows(tmp_path):
     ref = json.loads(cli(*args, "--json").stdout)
     got = cli(*args, "--format", "openai", "--top-logprobs", "5")
     d = json.loads(got.stdout)
-    content = check_shape(d, 5)
-    scored = [t for t in ref["tokens"] if t["scored"]]
-    assert len(ref["tokens"]) > 16 and len(scored) < len(ref["tokens"]) - 1  # two windows, a gap at the second
-    assert [e["token"] for e in content] == [t["token"] for t in scored]
-    assert [e["logprob"] for e in content] == pytest.approx([t["logprob"] for t in scored], abs=1e-6)
-    assert [math.exp(e["top_logprobs"][0]["logprob"]) for e in content] == pytest.approx(
-        [t["top_prob"] for t in scored], rel=1e-5)
-    assert d["usage"]["prompt_tokens"] == len(ref["tokens"]) - len(scored)
+    lp = echo_logprobs(d, len(ref["tokens"]))
+    scored = [t["scored"] for t in ref["tokens"]]
+    assert len(ref["tokens"]) > 16 and sum(scored) < len(ref["tokens"]) - 1  # two windows, a gap at the second
+    assert lp["tokens"] == [t["token"] for t in ref["tokens"]]
+    assert [x is not None for x in lp["token_logprobs"]] == scored  # unscored tokens have null
+    assert [x for x in lp["token_logprobs"] if x is not None] == pytest.approx(
+        [t["logprob"] for t in ref["tokens"] if t["scored"]], abs=1e-6)
+    assert [math.exp(p[0][1]) for p in lp["top_ids"] if p] == pytest.approx(
+        [t["top_prob"] for t in ref["tokens"] if t["scored"]], rel=1e-5)
+    assert d["usage"]["prompt_tokens"] == len(ref["tokens"]) and d["choices"][0]["text"] == text
     # each chunk is handed over as it is scored, with only its own top tokens: (at most 3, 5)
     shapes = []
     score_text(load(folder), text, stride=16, chunk=3, top_logprobs=5,
                on_rows=lambda ids, lp, top_ids, top_lp: shapes.append((len(ids), tuple(top_ids.shape))))
-    assert sum(n for n, _ in shapes) == len(scored) and all(n <= 3 and s == (n, 5) for n, s in shapes)
+    assert sum(n for n, _ in shapes) == sum(scored) and all(n <= 3 and s == (n, 5) for n, s in shapes)
 
 
 @pytest.mark.parametrize("args, words", [

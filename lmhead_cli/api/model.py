@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator
 
 from lmhead_cli.api import checks, results
+from lmhead_cli.api.serving import Serving
 from lmhead_cli.errors import BadValue, UnsupportedModel
 
 
@@ -38,7 +39,7 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
                             threads=threads, ignore_memory=ignore_memory, announce=announce))
 
 
-class Model:
+class Model(Serving):
     """A loaded model and its tokenizer. Methods: inspect, explain, score, compare, generate, diff, attribute,
     lens, tie, params (each returns a result with to_dict(), _repr_html_ and __rich__)."""
 

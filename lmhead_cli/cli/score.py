@@ -75,7 +75,7 @@ def score_cmd(
     text = checks.text(read_text("the text on stdin") if text == "-" else text)
     model = source.load()
     model.check_score(stride=stride, chunk=chunk, top_logprobs=top_logprobs)
-    doc = show.openai_document(model.tokenizer, model.source, text) if kind == "openai" else None
+    doc = show.openai_document(model, text, bos, stride) if kind == "openai" else None
     with show.Progress("scoring") as progress:  # the OpenAI document is written as each chunk is scored
         result = model.score(text, bos=bos, stride=stride, chunk=chunk, progress=progress,
                              top_logprobs=top_logprobs, on_rows=doc.rows if doc else None,

@@ -188,19 +188,20 @@ def write_json(score, lines: bool = False) -> None:
 FILE_HEADER = f"{'line':>6}  {'tokens':>7}  {'NLL':>11}  {'perplexity':>12}  {'bits/byte':>9}  text"
 
 
-def openai_document(tokenizer, model: str, text: str):
-    """`score --format openai`: the text as the assistant's message and each scored token's logprob
-    (render.openai.Completion; its `rows` is score_text's `on_rows`). Scoring has no stages, so the
-    logprobs are raw. finish_reason is "stop": the text ends where it ends."""
-    from lmhead_cli.render.openai import Completion
+def openai_document(model, text: str, bos: bool, stride: int | None):
+    """`score --format openai`: a `text_completion` that echoes the text with each token's logprob in the
+    legacy shape, as `lmhead serve` answers echo with max_tokens 0 (render.openai.EchoCompletion; its
+    `rows` is score_text's `on_rows`). Scoring has no stages, so the logprobs are raw."""
+    from lmhead_cli.render.openai import EchoCompletion
 
-    return Completion(tokenizer, model, text, "stop")
+    ids = model.encode(text)
+    return EchoCompletion(model.tokenizer, model.source, text, ids,
+                          model.scored_positions(len(ids), bos=bos, stride=stride), bos)
 
 
 def openai_end(doc, score) -> None:
-    """usage: the scored tokens are the completion; the tokens read but not scored (--bos's token or the
-    text's first, and with --stride n_ctx each later window's first) are the prompt."""
-    doc.end(len(score.ids) + score.bos - score.scored_tokens, score.scored_tokens)
+    """usage: the text's tokens (and --bos's) are the prompt; nothing is generated."""
+    doc.end(len(score.ids) + score.bos)
 
 
 def file_row(item, width: int) -> str:

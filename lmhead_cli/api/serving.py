@@ -1,0 +1,66 @@
+"""The Model methods a server needs (lmhead serve): batches of completions, chat prompts, tokens.
+
+`Model` takes these from the `Serving` mixin, so that the API stays the one door a front end goes
+through: serve/ calls these methods and never a reading or an engine directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class Serving:
+    """Mixed into api.Model (which provides `self.loaded`)."""
+
+    def complete(self, rows: Sequence, sink, chunk: int | None = None) -> None:
+        """Run readings.completion.Row's as one batch, results to `sink` (readings.completion.Sink) as
+        they are made: one forward for the prompts (echo scored in head chunks of `chunk` positions),
+        then one per step for the rows that generate. torch's thread count is chosen by timing batches."""
+        from lmhead_cli.readings.completion import run
+
+        rows = list(rows)
+        self.loaded.threads.run(lambda: run(self.loaded, rows, sink, chunk),
+                                units=sum(len(r.ids) + r.max_tokens for r in rows))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.loaded.engine.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.loaded.config.get("bos_token_id", self.eos_token_id)
+        return bos[0] if isinstance(bos, list) else bos
+
+    @property
+    def chat_template(self) -> str:
+        """The checkpoint's own chat template, or the plain one (loading/chat.py); read once."""
+        from lmhead_cli.loading import chat
+
+        if getattr(self, "_chat_template", None) is None:
+            self._chat_template = chat.own_template(self.loaded.path) or chat.PLAIN_TEMPLATE
+        return self._chat_template
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt text for chat `messages` ([{"role", "content"}]) through the chat template."""
+        from lmhead_cli.loading import chat
+
+        text = self.tokenizer.token_text
+        eos = "" if self.eos_token_id is None else text(self.eos_token_id)
+        bos = "" if self.bos_token_id is None else text(self.bos_token_id)
+        return chat.render(self.chat_template, messages, bos_token=bos, eos_token=eos)
+
+    def scored_positions(self, n_tokens: int, *, bos: bool = False, stride: int | None = None) -> list[range]:
+        """Which of a text's n_tokens positions `score` gives a logprob (the rest have nothing before them
+        in their window): ranges of text positions, in order."""
+        from lmhead_cli.readings.score import windows
+
+        n_ctx = self.n_ctx
+        return [range(w.first - bos, w.end - bos)
+                for w in windows(n_tokens + bos, n_ctx, n_ctx // 2 if stride is None else stride)]
+
+    def encode(self, text: str) -> list[int]:
+        """A text's token ids (any length; long texts are encoded in pieces, with the same ids)."""
+        return list(self.tokenizer.encode_long(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))

@@ -1,0 +1,60 @@
+"""`lmhead serve`: the model behind an OpenAI-compatible HTTP API (lmhead_cli/serve/)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from lmhead_cli.cli.options import ModelChoice, command
+
+ROUTES = ("GET  /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
+          "POST /detokenize", "GET  /tokenizer_info", "GET  /health")
+
+
+@command("serve")
+def serve_cmd(
+    host: Annotated[str, typer.Option("--host", help="The address to listen on; anything but a loopback "
+                                      "address lets other machines in (give --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="The TCP port.", min=0, max=65535)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LMHEAD_API_KEY",
+                                                   help="Requests must send Authorization: Bearer KEY (else 401).")] = None,
+    max_logprobs: Annotated[Optional[int], typer.Option(
+        "--max-logprobs", min=0, show_default="the vocabulary size",
+        help="The most logprobs / top_logprobs a request may ask for per position.")] = None,
+    max_entries: Annotated[int, typer.Option(
+        "--max-entries", min=1, help="The most logprob entries, positions × (logprobs + 1), in one answer.")] = 2_000_000,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue", min=1, help="Choices (prompts × n) waiting at most; past it, 503 with Retry-After.")] = 1024,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Choices run together in one batch.")] = 16,
+    max_body: Annotated[int, typer.Option("--max-body", min=1, help="The largest request body, bytes (else 413).")]
+    = 8 * 2**20,
+    cors: Annotated[Optional[list[str]], typer.Option(
+        "--cors", help="Let web pages from this origin call the API (repeatable); CORS is off without it.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Load the model, check the settings, print what "
+                                          "would be served, and exit.")] = False,
+    source: ModelChoice = None,
+) -> None:
+    """Serve the model over the OpenAI API: completions with the prompt's own logprobs (echo), chat,
+    tokenize; many clients batched on one model. Binds 127.0.0.1 unless --host says otherwise.
+
+    Example: lmhead serve --model random:gpt2 --port 8000 --dry-run
+    """
+    from lmhead_cli import serve
+    from lmhead_cli.cli.boundary import say
+
+    options = serve.Options(model=source.model, host=host, port=port, api_key=api_key, max_logprobs=max_logprobs,
+                            max_entries=max_entries, max_queue=max_queue, max_batch=max_batch, max_body=max_body,
+                            cors=tuple(cors or ()), device=source.device, dtype=source.dtype, engine=source.engine,
+                            threads=source.threads)
+    for line in serve.check(options):
+        say(f"lmhead: warning: {line}")
+    model = source.load()
+    if dry_run:
+        app = serve.build(options, model)
+        typer.echo(f"would serve {app.state.served.name} at http://{host}:{port}/v1"
+                   f" ({'an API key' if api_key else 'no API key'}; CORS {'for ' + ', '.join(cors) if cors else 'off'})")
+        for route in ROUTES:
+            typer.echo(f"  {route}")
+        return
+    serve.serve(options, model, say)

@@ -1,0 +1,96 @@
+"""`lmhead serve`: an OpenAI-compatible local server with the logprobs other servers don't give.
+
+serve/requests.py checks a request, serve/worker.py batches the work on the model's one thread
+(readings/completion.py computes it), serve/answer.py builds the answer with render/openai.py, and
+serve/app.py holds the routes. Nothing heavy is imported here: `lmhead --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class Options:
+    """The server's settings, as `lmhead serve` takes them."""
+
+    model: str
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    max_logprobs: int | None = None
+    max_entries: int = 2_000_000
+    max_body: int = 8 * 2**20
+    max_queue: int = 1024
+    max_batch: int = 16
+    batch_tokens: int = 4096
+    cors: tuple[str, ...] = ()
+    device: str = "auto"
+    dtype: str = "float32"
+    engine: str = "auto"
+    threads: int | None = None
+    name: str | None = None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check(options: Options) -> list[str]:
+    """UsageError for a bad setting; the warnings to print before serving."""
+    from lmhead_cli.errors import BadValue
+
+    if not 0 <= options.port <= 65535:
+        raise BadValue("port", f"must be between 0 and 65535 (got {options.port})")
+    for key in ("max_entries", "max_body", "max_queue", "max_batch", "batch_tokens"):
+        if getattr(options, key) < 1:
+            raise BadValue(key, f"must be at least 1 (got {getattr(options, key)})")
+    if options.max_logprobs is not None and options.max_logprobs < 0:
+        raise BadValue("max_logprobs", f"must be 0 or more (got {options.max_logprobs})")
+    warnings = []
+    if not is_loopback(options.host) and not options.api_key:
+        warnings.append(f"serving on {options.host}, which other machines can reach, without --api-key: anyone "
+                        "who can reach it can use the model")
+    return warnings
+
+
+def model_name(source: str) -> str:
+    """The name /v1/models shows: a local folder by its last part (no path leaves the server)."""
+    from pathlib import Path
+
+    path = Path(source).expanduser()
+    return path.name if path.exists() else source
+
+
+def build(options: Options, model):
+    """The FastAPI app serving `model` (an api.Model) with these options."""
+    from lmhead_cli.serve.app import Served, build_app
+    from lmhead_cli.serve.requests import Limits
+    from lmhead_cli.serve.worker import Worker
+
+    worker = Worker(model, max_rows=options.max_batch, max_tokens=options.batch_tokens, max_queue=options.max_queue)
+    limits = Limits(max_logprobs=options.max_logprobs, max_entries=options.max_entries,
+                    max_choices=min(options.max_queue, 1024), max_body=options.max_body)
+    served = Served(model=model, worker=worker, name=options.name or model_name(options.model), limits=limits,
+                    api_key=options.api_key, cors=options.cors)
+    return build_app(served)
+
+
+def serve(options: Options, model, say=lambda line: print(line, file=sys.stderr, flush=True)) -> None:
+    """Serve until interrupted (uvicorn, one process; the model's work on its own thread)."""
+    import uvicorn
+
+    app = build(options, model)
+    say(f"lmhead serve: {app.state.served.name} at http://{options.host}:{options.port}/v1 "
+        f"(OpenAI API; Ctrl-C stops)")
+    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False)

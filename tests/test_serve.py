@@ -1,0 +1,460 @@
+"""`lmhead serve`: a real server process on 127.0.0.1, talked to with the official `openai` client and
+raw HTTP (httpx). transformers is the oracle: echo logprobs are its log_softmax at every position,
+greedy text is its generate()."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from helpers import PROMPT, PROMPT_IDS, serving
+
+openai = pytest.importorskip("openai")
+from openai.types import Completion  # noqa: E402
+from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
+
+KEY = "test-key-1234"
+V = 50257
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with serving(tiny[0]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def strict(tiny):
+    """A server with a key, a queue of 4 rows, batches of one row, a small body limit and a logprobs cap."""
+    with serving(tiny[0], "--api-key", KEY, "--max-queue", "4", "--max-batch", "1", "--max-body", "4096",
+                 "--max-logprobs", "100") as s:
+        yield s
+
+
+def client(served, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def post(served, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(served.url + path, json=body, timeout=120, **kw)
+
+
+def oracle_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' log_softmax at every position of `ids`: (T, V)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def validate_completion(doc: dict) -> Completion:
+    """Completion.model_validate, after checking echo's first position is null (OpenAI's legacy API and
+    vLLM put null there; the openai package's types declare floats only) and setting it aside."""
+    doc = json.loads(json.dumps(doc))
+    for c in doc["choices"]:
+        lp = c.get("logprobs")
+        if lp and lp["token_logprobs"] and lp["token_logprobs"][0] is None:
+            assert lp["top_logprobs"][0] is None and lp["top_ids"][0] is None
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset", "top_ids"):
+                lp[key] = lp[key][1:]
+    return Completion.model_validate(doc)
+
+
+# ---- what the answers hold -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", [PROMPT, [PROMPT], PROMPT_IDS, [PROMPT_IDS]])
+def test_echo_logprobs_are_transformers_log_softmax(server, tiny, prompt):
+    r = client(server).completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=0, logprobs=5)
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.text == PROMPT and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == ["The", " keys", " on", " the", " table"]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [0, 3, 8, 11, 15]
+    ref = oracle_logprobs(tiny[1], PROMPT_IDS)
+    for i in range(1, len(PROMPT_IDS)):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, PROMPT_IDS[i]]), abs=1e-4)
+        top = torch.topk(ref[i - 1], 5)
+        pairs = lp.model_extra["top_ids"][i]
+        assert [p[0] for p in pairs[:5]] == top.indices.tolist()
+        assert [p[1] for p in pairs[:5]] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert lp.tokens[i] in lp.top_logprobs[i]  # the chosen token is always in its top dict
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 0
+
+
+def test_echo_for_several_prompts_sets_each_index(server, tiny):
+    prompts = [PROMPT_IDS, [40, 1101, 257], list(range(300, 340))]
+    r = post(server, "/v1/completions", {"prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 0}).json()
+    validate_completion(r)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    for ids, c in zip(prompts, r["choices"]):
+        ref = oracle_logprobs(tiny[1], ids)
+        want = ref[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(want.tolist(), abs=1e-4)
+        assert all(len(top) == 1 for top in c["logprobs"]["top_logprobs"][1:])  # logprobs 0: the chosen token
+
+
+def test_all_v_logprobs_keep_every_id_apart(server, tiny):
+    """logprobs = V at one position: every id once in top_ids (the dict may merge same-text ids), summing to 1."""
+    r = post(server, "/v1/completions", {"prompt": PROMPT_IDS[:2], "echo": True, "max_tokens": 0, "logprobs": V}).json()
+    pairs = r["choices"][0]["logprobs"]["top_ids"][1]
+    assert sorted(p[0] for p in pairs) == list(range(V))
+    assert torch.logsumexp(torch.tensor([p[1] for p in pairs], dtype=torch.float64), 0) == pytest.approx(0, abs=1e-4)
+
+
+def test_greedy_text_is_transformers_generate(server, tiny):
+    folder, model = tiny
+    out = model.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=12, do_sample=False, pad_token_id=50256)
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    want = GPT2Tokenizer.from_folder(folder).decode(out[0, len(PROMPT_IDS):].tolist())
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    assert r.choices[0].text == want
+    validate_completion(r.model_dump())
+    # with echo and max_tokens = 1, as lm-evaluation-harness asks: prompt tokens, then the one generated
+    r = post(server, "/v1/completions", {"prompt": [PROMPT_IDS], "echo": True, "max_tokens": 1, "temperature": 0,
+                                         "logprobs": 1}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(PROMPT_IDS) + 1
+    assert lp["top_ids"][-1][0][0] == int(out[0, len(PROMPT_IDS)])
+
+
+def test_processed_logprobs_follow_the_softcap(server, tiny):
+    ref = oracle_logprobs(tiny[1], PROMPT_IDS)  # raw
+    capped = torch.log_softmax(2.0 * torch.tanh(_logits(tiny[1]) / 2.0), -1)  # Gemma's c·tanh(z/c), c = 2
+    for mode, want in (("raw", ref), ("processed", capped)):
+        r = post(server, "/v1/completions", {"prompt": PROMPT_IDS, "echo": True, "max_tokens": 0, "logprobs": 1,
+                                             "softcap": 2.0, "logprobs_mode": mode}).json()
+        got = r["choices"][0]["logprobs"]["token_logprobs"][1:]
+        expect = want[:-1].gather(-1, torch.tensor(PROMPT_IDS[1:])[:, None])[:, 0]
+        assert got == pytest.approx(expect.tolist(), abs=1e-4)
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT_IDS])).logits[0].float()
+
+
+def test_stream_equals_unstreamed(server):
+    c = client(server)
+    for body in ({"prompt": PROMPT, "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": 7, "logprobs": 2},
+                 {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "echo": True, "logprobs": 1},
+                 {"prompt": [PROMPT, "Hello"], "max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 2}):
+        whole = c.completions.create(model="tiny", **body)
+        pieces: dict[int, list[str]] = {}
+        tokens: dict[int, list[str]] = {}
+        finish = {}
+        for chunk in c.completions.create(model="tiny", stream=True, **body):
+            for ch in chunk.choices:
+                pieces.setdefault(ch.index, []).append(ch.text)
+                if ch.logprobs:
+                    tokens.setdefault(ch.index, []).extend(ch.logprobs.tokens)
+                if ch.finish_reason:
+                    finish[ch.index] = ch.finish_reason
+        for ch in whole.choices:
+            assert "".join(pieces[ch.index]) == ch.text
+            assert finish[ch.index] == ch.finish_reason
+            if ch.logprobs:
+                assert tokens[ch.index] == ch.logprobs.tokens
+
+
+def test_stream_ends_with_done_and_usage(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+def test_stop_strings_end_the_text_before_them(server):
+    c = client(server)
+    full = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full[:full.index(stop)]
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.text for chunk in c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10,
+                                                                temperature=0, stop=stop, stream=True)
+                       for ch in chunk.choices)
+    assert streamed == cut
+
+
+def test_n_choices_draw_with_seed_plus_index(server):
+    c = client(server)
+    many = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, n=3, seed=11, temperature=1.0)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    for j in range(3):
+        one = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, seed=11 + j, temperature=1.0)
+        assert one.choices[0].text == many.choices[j].text
+
+
+def test_chat_uses_the_plain_template_and_validates(server):
+    c = client(server)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+                                  temperature=0, logprobs=True, top_logprobs=3)
+    raw = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6,
+                                                "temperature": 0, "logprobs": True, "top_logprobs": 3}).json()
+    ChatCompletion.model_validate(raw)
+    assert raw["id"].startswith("chatcmpl-") and isinstance(raw["created"], int)
+    same = c.completions.create(model="tiny", prompt="user: Hello\nassistant:", max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == same.choices[0].text
+    for entry in r.choices[0].logprobs.content:
+        assert bytes(entry.bytes).decode("utf-8", "backslashreplace") == entry.token
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=6, temperature=0, stream=True))
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.model_dump())
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
+
+
+def test_models_health_and_tokenizer_endpoints(server, tiny):
+    assert [m.id for m in client(server).models.list()] == [tiny[0].name]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 1024
+    assert post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"] == PROMPT_IDS
+    assert post(server, "/tokenize", {"prompt": "<|endoftext|>"}).json()["tokens"] == [50256]
+    assert post(server, "/detokenize", {"tokens": PROMPT_IDS}).json() == {"prompt": PROMPT}
+
+
+# ---- many clients ----------------------------------------------------------------------------------
+
+def _requests() -> list[dict]:
+    bodies = []
+    for i in range(16):
+        ids = PROMPT_IDS + list(range(1000 + 37 * i, 1000 + 37 * i + i))  # lengths 5 … 20
+        if i % 3 == 0:
+            bodies.append({"prompt": [ids], "echo": True, "max_tokens": 1, "temperature": 0, "logprobs": 2})
+        elif i % 3 == 1:
+            bodies.append({"prompt": ids, "max_tokens": 4 + i, "temperature": 0, "logprobs": 1})
+        else:
+            bodies.append({"prompt": ids, "max_tokens": 6, "temperature": 0.8, "seed": i, "n": 2})
+    return bodies
+
+
+def _answer(doc: dict) -> list:
+    return [(c["text"], c["finish_reason"], c["logprobs"] and c["logprobs"]["tokens"],
+             c["logprobs"] and c["logprobs"]["token_logprobs"]) for c in doc["choices"]]
+
+
+def test_16_concurrent_clients_get_their_one_at_a_time_answers(server):
+    bodies = _requests()
+    alone = [_answer(post(server, "/v1/completions", b).json()) for b in bodies]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda b: _answer(post(server, "/v1/completions", b).json()), bodies))
+    for a, t in zip(alone, together):
+        for (text_a, fin_a, tok_a, lp_a), (text_t, fin_t, tok_t, lp_t) in zip(a, t):
+            assert (text_t, fin_t, tok_t) == (text_a, fin_a, tok_a)
+            if lp_a:  # the same figures, up to float rounding of a padded batch
+                assert [x is None for x in lp_t] == [x is None for x in lp_a]
+                assert [x for x in lp_t if x is not None] == pytest.approx([x for x in lp_a if x is not None], abs=1e-4)
+
+
+# ---- bad requests ----------------------------------------------------------------------------------
+
+BAD = [
+    ("not json", "/v1/completions", b"{prompt: 1", None),
+    ("not an object", "/v1/completions", b"[1, 2]", None),
+    ("NaN", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', None),
+    ("prompt type", "/v1/completions", {"prompt": 5}, "prompt"),
+    ("mixed prompt", "/v1/completions", {"prompt": ["a", 1]}, "prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
+    ("id outside vocab", "/v1/completions", {"prompt": [1, 50257]}, "prompt"),
+    ("negative id", "/v1/completions", {"prompt": [[1, -1]]}, "prompt"),
+    ("negative logprobs", "/v1/completions", {"prompt": "a", "logprobs": -1}, "logprobs"),
+    ("logprobs over V", "/v1/completions", {"prompt": "a", "logprobs": V + 1}, "logprobs"),
+    ("logprobs type", "/v1/completions", {"prompt": "a", "logprobs": "5"}, "logprobs"),
+    ("temperature < 0", "/v1/completions", {"prompt": "a", "temperature": -0.5}, "temperature"),
+    ("temperature tiny", "/v1/completions", {"prompt": "a", "temperature": 1e-9}, "temperature"),
+    ("top_p 0", "/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
+    ("top_p > 1", "/v1/completions", {"prompt": "a", "top_p": 1.5}, "top_p"),
+    ("max_tokens < 0", "/v1/completions", {"prompt": "a", "max_tokens": -1}, "max_tokens"),
+    ("echo type", "/v1/completions", {"prompt": "a", "echo": "yes"}, "echo"),
+    ("stop type", "/v1/completions", {"prompt": "a", "stop": [1]}, "stop"),
+    ("n 0", "/v1/completions", {"prompt": "a", "n": 0}, "n"),
+    ("mode", "/v1/completions", {"prompt": "a", "logprobs_mode": "cooked"}, "logprobs_mode"),
+    ("penalty", "/v1/completions", {"prompt": "a", "presence_penalty": 1.0}, "presence_penalty"),
+    ("cost", "/v1/completions", {"prompt": [PROMPT_IDS] * 50, "echo": True, "max_tokens": 0, "logprobs": V}, "logprobs"),
+    ("chat messages", "/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("chat top without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("detokenize", "/detokenize", {"tokens": [1, 99999]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_request_is_400_in_openai_shape(server, name, path, body, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, timeout=60, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_context_overflow_names_both_numbers(server):
+    r = post(server, "/v1/completions", {"prompt": list(range(1000)), "max_tokens": 30})
+    assert r.status_code == 400
+    assert "1,000 tokens plus max_tokens 30" in r.json()["error"]["message"] and "1,024" in r.json()["error"]["message"]
+
+
+def test_unknown_path_and_method(server):
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no such path: /v1/nothing"
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    assert httpx.get(server.url + "/health").status_code == 200  # none of these stopped the server
+
+
+def test_key_body_limit_and_logprobs_cap(strict):
+    c = client(strict, KEY)
+    assert c.completions.create(model="x", prompt=PROMPT, max_tokens=1).choices[0].text
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(strict.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(strict, "wrong").models.list()
+    assert httpx.get(strict.url + "/health").status_code == 200  # open: it says nothing of the model
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(strict.url + "/v1/completions", json={"prompt": "a" * 5000}, headers=auth)
+    assert r.status_code == 413 and "4,096 bytes" in r.json()["error"]["message"]
+    r = httpx.post(strict.url + "/v1/completions", json={"prompt": "a", "logprobs": 101}, headers=auth)
+    assert r.status_code == 400 and "between 0 and 100" in r.json()["error"]["message"]
+
+
+def test_full_queue_is_503_with_retry_after_and_a_gone_client_stops_its_work(strict):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    # 4 rows of 1,000 tokens, run one at a time: while the first runs, 3 wait
+    long = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "n": 4}
+    health = lambda: httpx.get(strict.url + "/health").json()  # noqa: E731
+    with httpx.stream("POST", strict.url + "/v1/completions", json=long, headers=auth, timeout=120) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response, and so the connection
+        next(lines)  # its first row runs
+        queued = threading.Thread(target=lambda: httpx.post(strict.url + "/v1/completions", headers=auth, timeout=300,
+                                                            json={"prompt": PROMPT, "max_tokens": 1}))
+        queued.start()
+        deadline = time.monotonic() + 30
+        while health()["queued"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        busy = httpx.post(strict.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=auth)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "overloaded"
+    # the stream is closed: its row leaves the batch, the queued request runs, generation stops
+    queued.join(timeout=60)
+    assert not queued.is_alive()
+    first = health()["generated"]
+    time.sleep(1.0)
+    assert health()["generated"] == first < 4000
+
+
+def test_a_client_that_times_out_stops_its_work(server):
+    before = httpx.get(server.url + "/health").json()["generated"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0},
+                   timeout=0.5)
+    time.sleep(1.0)
+    first = httpx.get(server.url + "/health").json()["generated"]
+    time.sleep(1.0)
+    assert httpx.get(server.url + "/health").json()["generated"] == first < before + 1000
+
+
+def test_non_loopback_host_without_key_warns(tiny):
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    proc = subprocess.Popen([sys.executable, "-m", "lmhead_cli", "serve", "--model", str(tiny[0]), "--host", "0.0.0.0",
+                             "--port", str(free_port())], stderr=subprocess.PIPE, text=True)
+    try:
+        line = _read_line(proc.stderr, timeout=60)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert line.startswith("lmhead: warning: serving on 0.0.0.0") and "--api-key" in line
+
+
+def _read_line(stream, timeout: float) -> str:
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return got[0] if got else ""
+
+
+def test_math_is_finite_in_json(server):
+    """top_p drops tokens: processed logprobs of -inf go out as OpenAI's -9999.0, never as invalid JSON."""
+    r = post(server, "/v1/completions", {"prompt": PROMPT_IDS, "echo": True, "max_tokens": 0, "logprobs": 3,
+                                         "top_p": 0.001, "logprobs_mode": "processed"})
+    lps = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert all(math.isfinite(x) for x in lps) and -9999.0 in lps
+
+
+def test_other_work_runs_on_the_model_thread_between_batches():
+    """Worker.call (the page's readings): fn() on the model's thread, its result or its exception back."""
+    import asyncio
+
+    from lmhead_cli.serve.worker import Worker
+
+    class Model:
+        n_ctx = 16
+
+    worker = Worker(Model())
+    try:
+        assert asyncio.run(worker.call(lambda: threading.current_thread().name)) == "lmhead-model"
+        with pytest.raises(ZeroDivisionError):
+            asyncio.run(worker.call(lambda: 1 / 0))
+    finally:
+        worker.stop()
+
+
+def test_a_batch_computes_each_row_as_it_would_alone(tiny):
+    """readings.completion in one batch (left-padded prompts, rows leaving as they finish) against each row
+    alone: the same tokens and text, the same logprobs up to float rounding."""
+    import lmhead_cli
+    from lmhead_cli.decoding.stages import Knobs
+    from lmhead_cli.readings.completion import Row
+
+    model = lmhead_cli.load(str(tiny[0]), device="cpu")
+
+    class Sink:
+        def __init__(self):
+            self.got: dict[int, list] = {}
+
+        def echo(self, b, echo):
+            self.got.setdefault(b, []).append(("echo", echo.logprob[1:].tolist(), echo.top_ids[1:].tolist()))
+
+        def token(self, b, t):
+            self.got.setdefault(b, []).append(("token", t.id, t.text, t.logprob, t.top_ids))
+
+        def finish(self, b, reason, tail):
+            self.got.setdefault(b, []).append(("finish", reason, tail))
+
+        def cancelled(self, b):
+            return False
+
+    rows = [Row(tuple(PROMPT_IDS), echo=True, max_tokens=3, top=2),
+            Row((40, 1101, 257), max_tokens=9, top=1, greedy=False, seed=5, knobs=Knobs(temperature=0.8, top_p=0.9)),
+            Row(tuple(range(300, 340)), echo=True, max_tokens=0, top=3),
+            Row(tuple(PROMPT_IDS[:2]), max_tokens=6, stop=(" ",), top=0, mode="processed", knobs=Knobs(top_k=40)),
+            Row((464,), max_tokens=12, greedy=False, seed=9)]
+    together = Sink()
+    model.complete(rows, together)
+    for b, row in enumerate(rows):
+        alone = Sink()
+        model.complete([row], alone)
+        for a, t in zip(alone.got[0], together.got[b], strict=True):
+            assert t[0] == a[0]
+            if a[0] == "echo":  # (kind, logprobs, top ids)
+                assert t[2] == a[2] and t[1] == pytest.approx(a[1], abs=1e-5)
+            elif a[0] == "token":  # (kind, id, text, logprob, top ids)
+                assert (t[1], t[2], t[4]) == (a[1], a[2], a[4]) and t[3] == pytest.approx(a[3], abs=1e-5)
+            else:  # (kind, reason, tail)
+                assert t == a
