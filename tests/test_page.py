@@ -15,14 +15,11 @@ import math
 import os
 import random
 import shutil
-import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from fastapi import Depends, HTTPException, Request
-from helpers import control_byte_checkpoint, nan_checkpoint
+from helpers import control_byte_checkpoint, nan_checkpoint, serving
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
@@ -84,33 +81,18 @@ def browser(tmp_path_factory):
 
 
 class Server:
-    """The page's routes (lmhead_cli.page.routes) over one model, on uvicorn at 127.0.0.1, in a thread."""
+    """`lmhead serve --model SOURCE ARGS` in its own process on 127.0.0.1 (helpers.serving), and the same
+    model loaded here (its tokenizer, its results)."""
 
-    def __init__(self, source: str, dependencies=()):
-        import uvicorn
-        from fastapi import FastAPI
-
+    def __init__(self, source: str, *args: str):
         import lmhead_cli
-        from lmhead_cli.page.routes import router
 
         self.model = lmhead_cli.load(source, threads=1)
-        api = FastAPI()
-        api.include_router(router(self.model, dependencies=dependencies))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(api, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
+        self._running = serving(source, *args)
+        self.url = self._running.__enter__().url
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
+        self._running.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -402,16 +384,12 @@ def test_errors_are_shown(browser, served, tiny, tmp_path):
 
 
 def test_api_key(browser, tiny):
-    """Behind the server's key check the page asks for the key, keeps it for the tab and sends it."""
-    def check_key(request: Request) -> None:
-        if request.headers.get("authorization") != "Bearer s3cret":
-            raise HTTPException(401, "a missing or wrong API key")
-
-    server = Server(str(tiny[0]), dependencies=[Depends(check_key)])
+    """With --api-key the page asks for the key, keeps it for the tab and sends it."""
+    server = Server(str(tiny[0]), "--api-key", "s3cret")
     try:
         browser.get(server.url + "/")
         wait_for(browser, "return !document.getElementById('key-row').hidden", "the key field")
-        assert "401" in browser.find_element("id", "page-status").text
+        assert "API key" in browser.find_element("id", "page-status").text
         browser.find_element("id", "key").send_keys("s3cret")
         browser.find_element("id", "key-go").click()
         wait_for(browser, f"return document.getElementById('model-name').textContent === {json.dumps(str(tiny[0]))}",
