@@ -16,7 +16,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lmhead_cli.render import json_text
+from lmhead_cli.render import dumps, json_text
 
 DROPPED = -9999.0  # OpenAI's own stand-in for a log-probability too low to report; here log 0 (filtered out)
 
@@ -69,7 +69,7 @@ class Completion:
         """{"token", "logprob", "bytes"} as JSON text; each token's text and bytes encoded once per run."""
         parts = self.known.get(token_id)
         if parts is None:
-            text = json.dumps(self.tokenizer.token_text(token_id), ensure_ascii=False)
+            text = dumps(self.tokenizer.token_text(token_id))
             data = json.dumps(list(self.tokenizer.token_bytes(token_id)), separators=(",", ":"))
             parts = self.known[token_id] = ('{"token":' + text + ',"logprob":', ',"bytes":' + data + "}")
         return parts[0] + json.dumps(logprob if logprob != float("-inf") else DROPPED) + parts[1]

@@ -3,7 +3,6 @@ sparkline, the summary, `--table` rows, the JSON document streamed token by toke
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict
@@ -13,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lmhead_cli.readings.score import BUCKETS, bucket
-from lmhead_cli.render import _plain, err, out, provenance_json, safe_text, sparkline
+from lmhead_cli.render import _plain, dumps, err, out, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -166,8 +165,7 @@ def json_ends(score) -> tuple[dict, dict]:
 def write_json(score, lines: bool = False) -> None:
     """The documented `score --json` document, written token by token (no list of T dicts is built):
     indented with one token a line, or on one line for JSON Lines."""
-    dump = (lambda v: json.dumps(_plain(v), ensure_ascii=False, separators=(",", ":"))) if lines else \
-        (lambda v: json.dumps(_plain(v), ensure_ascii=False))
+    dump = (lambda v: dumps(_plain(v), separators=(",", ":"))) if lines else (lambda v: dumps(_plain(v)))
     head, tail = json_ends(score)
     sep, indent, nl = ("", "", "") if lines else (" ", "  ", "\n")
     write = sys.stdout.write
