@@ -284,13 +284,13 @@ def test_layer_counts_are_checked_against_the_header_before_anything_is_built(ll
 def test_a_big_text_on_stdin_says_what_it_will_score_and_reports_progress_off_a_terminal(monkeypatch):
     from lmhead_cli.render import score as show
 
-    monkeypatch.setattr(show, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(show, "PROGRESS_DELAY_S", 0.0)  # as if each window took longer than the delay
     text = "The keys on the table are here. " * 400  # 2,800 tokens: 5 windows of distilgpt2's 1,024
     got = invoke(["score", "-", "--model", "random:distilgpt2", "--json"], input=text)
     assert got.exit_code == 0, got.output
-    assert "scoring 2,801 tokens in 5 windows" in got.stderr  # said before the work
-    assert "tokens scored" in got.stderr  # progress lines, though stderr is not a terminal
-    json.loads(got.stdout)
+    n = json.loads(got.stdout)["scored_tokens"]
+    assert f"scoring: {n:,} tokens, about " in got.stderr  # the size of the work and the time it will take
+    assert f"of {n:,} tokens scored, about " in got.stderr  # then progress, though stderr is not a terminal
 
 
 RSS_SCRIPT = textwrap.dedent("""

@@ -26,6 +26,7 @@ TABLE_EDGE = 10  # a long --table shows this many first and last rows
 SURPRISING = 5
 PARAGRAPH_TOKENS = 4096  # the coloured text is printed a paragraph (or this many pieces) at a time
 PROGRESS_DELAY_S = 1.0
+LINES_EVERY = 10  # off a terminal, a progress line every 10 × PROGRESS_DELAY_S seconds
 
 
 def coloured(con) -> bool:
@@ -237,7 +238,7 @@ def file_report(items, corpus, model: str, random_weights: bool, as_json: bool, 
     if not as_json:
         random_banner(model, random_weights)
         con.print(FILE_HEADER, markup=False)
-    with Progress("scoring lines") as progress:
+    with Progress("scoring lines", unit="bytes", verb="read") as progress:
         for item in items:
             if as_json:
                 if item.score is not None:
@@ -255,18 +256,26 @@ def file_report(items, corpus, model: str, random_weights: bool, as_json: bool, 
 # ---- progress --------------------------------------------------------------------------------------
 
 class Progress:
-    """A progress bar on stderr that appears only once the work has taken `delay` seconds and only
-    on a terminal: short runs and pipes see nothing. Call it with (done, total); close() at the end."""
+    """Progress on stderr for work that lasts, called with (done, total) tokens; close() at the end.
 
-    def __init__(self, label: str, delay: float = PROGRESS_DELAY_S, clock=time.monotonic, console=None):
-        self.label, self.delay, self.clock = label, delay, clock
+    On a terminal: a bar, once the work has taken `delay` seconds. Off a terminal (a log, a pipe):
+    once the work has taken `delay` seconds, one line saying its size and the time it will take at
+    the pace so far, then a line every LINES_EVERY × delay seconds. Short runs see nothing."""
+
+    def __init__(self, label: str, delay: float | None = None, clock=time.monotonic, console=None,
+                 unit: str = "tokens", verb: str = "scored"):
+        self.label, self.clock, self.unit, self.verb = label, clock, unit, verb
+        self.delay = PROGRESS_DELAY_S if delay is None else delay
         self.console = console or err()
         self.start = clock()
         self.bar = self.task = None
+        self.last_line: float | None = None  # when the last plain line was written
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.console.is_terminal:
+            return self._line(done, total)
         if self.bar is None:
-            if self.clock() - self.start < self.delay or not self.console.is_terminal:
+            if self.clock() - self.start < self.delay:
                 return
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TimeRemainingColumn
 
@@ -276,6 +285,22 @@ class Progress:
             self.bar.start()
             self.task = self.bar.add_task(self.label, total=total)
         self.bar.update(self.task, completed=done, total=total)
+
+    def _line(self, done: int, total: int) -> None:
+        now = self.clock()
+        elapsed = now - self.start
+        if done <= 0 or elapsed < self.delay or done >= total and self.last_line is None:
+            return
+        left = elapsed / done * (total - done)
+        if self.last_line is None:
+            line = (f"{self.label}: {total:,} {self.unit}, about {_duration(elapsed + left)} at the pace of the "
+                    f"first {done:,}")
+        elif now - self.last_line >= LINES_EVERY * self.delay:
+            line = f"{self.label}: {done:,} of {total:,} {self.unit} {self.verb}, about {_duration(left)} left"
+        else:
+            return
+        self.last_line = now
+        self.console.print(Text(line, style="dim"))
 
     @property
     def shown(self) -> bool:
@@ -291,3 +316,13 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _duration(seconds: float) -> str:
+    """12 s, 3 min 5 s, 2 h 4 min."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
