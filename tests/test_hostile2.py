@@ -255,7 +255,7 @@ def test_a_fifo_in_a_checkpoint_is_refused_without_blocking(tiny, tmp_path, name
     os.mkfifo(folder / name)
     got = lmhead("inspect", "x", "--model", str(folder), timeout=60)
     assert got.returncode == 1, got.stderr
-    assert f"{folder / name} is not a regular file" in got.stderr and len(got.stderr.splitlines()) == 1
+    assert f"{folder / name} is a FIFO (named pipe), not a regular file" in got.stderr and len(got.stderr.splitlines()) == 1
 
 
 def test_a_fifo_as_explores_history_neither_blocks_nor_is_replaced(tmp_path):
@@ -312,10 +312,17 @@ def _peak_rss_kb(lines: int, model: str, tmp_path: Path) -> int:
     return int(out.stdout.strip())
 
 
-def test_inspect_file_memory_is_flat_from_100_to_100000_lines(tmp_path):
+# 20,000 lines by default (before the fix: 297 MB at 100 lines, 424 MB at 20,000 with this model);
+# LMHEAD_RSS_LINES=100000 runs the issue's full size (minutes on a quiet 2-core machine).
+RSS_LINES = int(os.environ.get("LMHEAD_RSS_LINES", "20000"))
+
+
+def test_inspect_file_peak_memory_is_flat_from_100_lines_to_many(tmp_path):
+    """Peak RSS of `inspect --file` on 100 lines and on RSS_LINES lines, each in a fresh process,
+    with GPT-2's vocabulary (the (B, V) buffers are what fragmented the heap): within 32 MB."""
     small = tmp_path / "small"
     build_checkpoint(small, n_embd=16, n_layer=1, n_head=2, n_positions=64)
-    low, high = _peak_rss_kb(100, str(small), tmp_path), _peak_rss_kb(100_000, str(small), tmp_path)
+    low, high = _peak_rss_kb(100, str(small), tmp_path), _peak_rss_kb(RSS_LINES, str(small), tmp_path)
     assert high - low <= 32 * 1024, (low, high)
 
 

@@ -99,8 +99,8 @@ def regular_file(path: Path) -> Path:
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
                 else "a socket" if stat.S_ISSOCK(mode) else "a special file")
-        raise CorruptCheckpoint(f"{path} is not a regular file ({kind}); lmhead reads checkpoint files only from "
-                                "regular files")
+        raise CorruptCheckpoint(f"{path} is {kind}, not a regular file; lmhead reads checkpoint files only from "
+                                "regular files (reading a FIFO would wait for a writer)")
     return path
 
 
