@@ -46,11 +46,13 @@ class Ranks:
         if world > 1:
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
             if missing:  # torchrun sets all of them; without them init_process_group fails deep in torch
-                raise UsageError(f"WORLD_SIZE is {world} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                                 "not set: start lmhead under torchrun (torchrun --nproc-per-node N -m "
-                                 "lmhead_cli ...), or unset WORLD_SIZE to run alone")
+                verb = "is" if len(missing) == 1 else "are"
+                raise UsageError(f"WORLD_SIZE is {world} but {' and '.join(missing)} {verb} not set: start lmhead "
+                                 "under torchrun (torchrun --nproc-per-node N -m lmhead_cli ...), or unset WORLD_SIZE "
+                                 "to run alone")
             if not 0 <= rank < world or not 0 <= local < world:
-                raise UsageError(f"RANK {rank} and LOCAL_RANK {local} must lie in 0 to {world - 1} (WORLD_SIZE {world})")
+                raise UsageError(f"RANK {rank} and LOCAL_RANK {local} must lie in 0 to {world - 1} "
+                                 f"(WORLD_SIZE {world})")
         return cls(rank, world, local) if world > 1 else cls()
 
     @property

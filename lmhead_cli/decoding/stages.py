@@ -157,7 +157,8 @@ def _cap(v) -> bool:
 # Knobs, presets, the command-line options of generate/greedy/sample/softcap and inspect --stages,
 # and the stage table's columns all follow from this list.
 STAGES: tuple[Stage, ...] = (
-    Stage("softcap", float, Rule(_cap, f"a finite number between {MIN_SCALE:g} and {MAX_SOFTCAP:g}, e.g. 30 as in Gemma 2"),
+    Stage("softcap", float,
+          Rule(_cap, f"a finite number between {MIN_SCALE:g} and {MAX_SOFTCAP:g}, e.g. 30 as in Gemma 2"),
           help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).", options=("--softcap", "--cap"),
           apply=softcap, column="soft-capped", name="softcap"),
     Stage("temperature", float,

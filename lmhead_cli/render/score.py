@@ -238,7 +238,8 @@ def file_report(items, corpus, model: str, random_weights: bool, as_json: bool, 
     if not as_json:
         random_banner(model, random_weights)
         con.print(FILE_HEADER, markup=False)
-    with Progress("scoring lines", unit="bytes", verb="read") as progress:
+    # Off a terminal the rows (or JSON lines) are the progress: one per text, as each is scored.
+    with Progress("scoring lines", unit="bytes", verb="read", lines=False) as progress:
         for item in items:
             if as_json:
                 if item.score is not None:
@@ -258,13 +259,13 @@ def file_report(items, corpus, model: str, random_weights: bool, as_json: bool, 
 class Progress:
     """Progress on stderr for work that lasts, called with (done, total) tokens; close() at the end.
 
-    On a terminal: a bar, once the work has taken `delay` seconds. Off a terminal (a log, a pipe):
-    once the work has taken `delay` seconds, one line saying its size and the time it will take at
-    the pace so far, then a line every LINES_EVERY × delay seconds. Short runs see nothing."""
+    On a terminal: a bar, once the work has taken `delay` seconds. Off a terminal (a log, a pipe),
+    with `lines`: once the work has taken `delay` seconds, one line saying its size and the time it
+    will take at the pace so far, then a line every LINES_EVERY × delay seconds. Short runs see nothing."""
 
     def __init__(self, label: str, delay: float | None = None, clock=time.monotonic, console=None,
-                 unit: str = "tokens", verb: str = "scored"):
-        self.label, self.clock, self.unit, self.verb = label, clock, unit, verb
+                 unit: str = "tokens", verb: str = "scored", lines: bool = True):
+        self.label, self.clock, self.unit, self.verb, self.lines = label, clock, unit, verb, lines
         self.delay = PROGRESS_DELAY_S if delay is None else delay
         self.console = console or err()
         self.start = clock()
@@ -273,7 +274,7 @@ class Progress:
 
     def __call__(self, done: int, total: int) -> None:
         if not self.console.is_terminal:
-            return self._line(done, total)
+            return self._line(done, total) if self.lines else None
         if self.bar is None:
             if self.clock() - self.start < self.delay:
                 return
