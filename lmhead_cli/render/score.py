@@ -261,7 +261,8 @@ class Progress:
 
     On a terminal: a bar, once the work has taken `delay` seconds. Off a terminal (a log, a pipe),
     with `lines`: once the work has taken `delay` seconds, one line saying its size and the time it
-    will take at the pace so far, then a line every LINES_EVERY × delay seconds. Short runs see nothing."""
+    will take at the pace so far (work expected to last LINES_EVERY × delay seconds or more), then a
+    line every LINES_EVERY × delay seconds. Short runs see nothing."""
 
     def __init__(self, label: str, delay: float | None = None, clock=time.monotonic, console=None,
                  unit: str = "tokens", verb: str = "scored", lines: bool = True):
@@ -294,6 +295,8 @@ class Progress:
             return
         left = elapsed / done * (total - done)
         if self.last_line is None:
+            if elapsed + left < LINES_EVERY * self.delay:
+                return  # work of a few seconds says nothing
             line = (f"{self.label}: {total:,} {self.unit}, about {_duration(elapsed + left)} at the pace of the "
                     f"first {done:,}")
         elif now - self.last_line >= LINES_EVERY * self.delay:
