@@ -43,6 +43,16 @@ class Ranks:
             local = int(os.environ.get("LOCAL_RANK", "0"))
         except ValueError:
             raise UsageError("RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers (torchrun sets them)") from None
+        if world > 1:
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+            if missing:  # torchrun sets all of them; without them init_process_group fails deep in torch
+                verb = "is" if len(missing) == 1 else "are"
+                raise UsageError(f"WORLD_SIZE is {world} but {' and '.join(missing)} {verb} not set: start lmhead "
+                                 "under torchrun (torchrun --nproc-per-node N -m lmhead_cli ...), or unset WORLD_SIZE "
+                                 "to run alone")
+            if not 0 <= rank < world or not 0 <= local < world:
+                raise UsageError(f"RANK {rank} and LOCAL_RANK {local} must lie in 0 to {world - 1} "
+                                 f"(WORLD_SIZE {world})")
         return cls(rank, world, local) if world > 1 else cls()
 
     @property
@@ -139,4 +149,7 @@ class RankFailed(LmheadError):
     def __init__(self, parts: tuple, exit_code: int, rank: int):
         super().__init__(*parts, *([f" (on rank {rank})"] if rank else []))  # the parts keep their Params
         self.exit_code = exit_code
-        self.args = (parts, exit_code, rank)  # pickled by all_gather_object as its arguments
+        self._given = (tuple(parts), exit_code, rank)
+
+    def __reduce__(self):  # all_gather_object pickles it: rebuilt from its parts, so str() stays one line
+        return (RankFailed, self._given)

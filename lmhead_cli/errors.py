@@ -104,3 +104,16 @@ class NonFiniteLogits(LmheadError):
 
 class UnsupportedModel(LmheadError):
     """A model lmhead cannot run, or a reading this model cannot give; the message names what it lacks."""
+
+
+def is_library_panic(e: BaseException) -> bool:
+    """A Rust library's panic surfacing in Python (tokenizers, safetensors): pyo3's PanicException,
+    which derives from BaseException, so `except Exception` lets it through."""
+    return type(e).__name__ == "PanicException"
+
+
+def library_panic(e: BaseException) -> LmheadError:
+    """A panic as the one line the boundary prints (a library's bug or a file it cannot handle)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return LmheadError(f"a library lmhead uses failed ({type(e).__name__}: {(lines[0] if lines else '')[:200]}); "
+                       "the input or a checkpoint file made it panic")

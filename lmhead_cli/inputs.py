@@ -26,25 +26,29 @@ def decode_utf8(data: bytes, what: str, line: int | None = None, offset: int = 0
 
 
 def check_text(value: str | None, what: str) -> str | None:
-    """An argument as the shell gave it. Python decodes argv with surrogateescape, so a byte that is
-    not UTF-8 arrives as a lone surrogate (U+DC80-U+DCFF): found here, it is a UsageError naming
-    the byte and its position, instead of a TypeError later."""
+    """An argument as the shell gave it, as text. Python decodes argv with surrogateescape, so a byte
+    it could not decode arrives as a lone surrogate (U+DC80-U+DCFF). Under a C or POSIX locale
+    (LANG=C, no UTF-8 mode) that is every non-ASCII byte, even of valid UTF-8 text: those bytes are
+    decoded here as UTF-8 ("café" is "café" again). Bytes that are not UTF-8 are a UsageError naming
+    the byte and its position, instead of a TypeError in the tokenizer later."""
     if value is None:
         return None
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        decode_utf8(value.encode("utf-8", "surrogateescape"), what, advice="pass text in UTF-8")
+        return decode_utf8(value.encode("utf-8", "surrogateescape"), what, advice="pass text in UTF-8")
     return value
 
 
 def check_args(values: dict, spelled=lambda name: f"--{name.replace('_', '-')}") -> None:
-    """check_text on every string (or list of strings) among a command's parameters; `spelled(name)`
-    says how the user typed the parameter (`--target`, `the prompt`)."""
+    """check_text on every string (or list of strings) among a command's parameters, each replaced
+    in `values` by its text; `spelled(name)` says how the user typed the parameter (`--target`,
+    `the prompt`)."""
     for name, value in values.items():
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, str):
-                check_text(v, spelled(name))
+        if isinstance(value, str):
+            values[name] = check_text(value, spelled(name))
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value):
+            values[name] = type(value)(check_text(v, spelled(name)) if isinstance(v, str) else v for v in value)
 
 
 def read_stdin(what: str = "stdin", limit: int | None = None, stream=None) -> str:
@@ -74,7 +78,7 @@ def bounded_lines(stream, label: str, max_bytes: int | None = None):
     UTF-8, is a UsageError naming `label`, the line and the byte. Memory: one line."""
     max_bytes = max_bytes or MAX_LINE_BYTES
     number = offset = 0
-    while raw := stream.readline(max_bytes + 1):  # +1: room for the line break of a full line
+    while raw := _readline(stream, max_bytes + 1, label):  # +1: room for the line break of a full line
         number += 1
         if len(raw) > max_bytes and not raw.endswith(b"\n"):
             raise UsageError(f"{label}: line {number:,} is longer than {max_bytes:,} bytes, the limit for one line "
@@ -82,3 +86,12 @@ def bounded_lines(stream, label: str, max_bytes: int | None = None):
         text = decode_utf8(raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw, label, number, offset)
         offset += len(raw)
         yield number, offset, text.removesuffix("\n").removesuffix("\r")
+
+
+def _readline(stream, limit: int, label: str) -> bytes:
+    """One line of `stream`; a read that fails (/proc/self/mem gives EIO, a disk error) is a UsageError
+    naming `label`, not an OSError."""
+    try:
+        return stream.readline(limit)
+    except OSError as e:
+        raise UsageError(f"{label} cannot be read: {e.strerror or e}") from None

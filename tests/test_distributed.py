@@ -28,6 +28,8 @@ def test_ranks_come_from_torchruns_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # torchrun sets these too
+    monkeypatch.setenv("MASTER_PORT", "29500")
     assert Ranks.from_env() == Ranks(3, 4, 1)
 
 

@@ -478,7 +478,7 @@ def test_out_of_memory_on_the_cpu_gives_no_advice_to_use_the_cpu(tiny):
 @pytest.mark.parametrize("args, message", [
     (["sample", "x", "--temperature", "1e-39"], "--temperature must be a finite number of at least 1e-06 (got 1e-39)"),
     (["inspect", "x", "--stages", "--temperature", "1e-39"], "--temperature must be a finite number of at least 1e-06"),
-    (["inspect", "x", "--stages", "--softcap", "1e-39"], "--softcap must be a finite number of at least 1e-06"),
+    (["inspect", "x", "--stages", "--softcap", "1e-39"], "--softcap must be a finite number between 1e-06 and 1e+06"),
     (["toy", "--hidden", "1e308,1e308,1e308"], "--hidden numbers must lie within ±1e+06"),
     (["toy", "-t", "1e-308"], "--temperature must be a finite number of at least 1e-06; got 1e-308"),
 ])

@@ -36,8 +36,10 @@ def prompt_file(top_k: int, batch_size: int, targets=None) -> list[str]:
     """`inspect --file`'s values; returns the targets as a list."""
     from lmhead_cli.readings.inspect import check_targets
 
+    from lmhead_cli.readings.batch import check_batch_size
+
     at_least_one("top_k", top_k)
-    at_least_one("batch_size", batch_size)
+    check_batch_size(batch_size)
     return check_targets(list(targets or ()))
 
 

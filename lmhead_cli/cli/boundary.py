@@ -14,8 +14,16 @@ import sys
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+try:  # typer >= 0.24 carries its own copy of click
+    from typer._click.exceptions import NoArgsIsHelpError, NoSuchOption, UsageError as ClickUsageError
+except ImportError:  # older typer: click itself
+    from click.exceptions import NoSuchOption, UsageError as ClickUsageError
+
+    NoArgsIsHelpError = None
+
 from lmhead_cli.decoding.stages import option  # the registry: no torch
-from lmhead_cli.errors import BadValue, LmheadError, ModeConflict, NoPrompt, OneToken
+from lmhead_cli.errors import (BadValue, LmheadError, ModeConflict, NoPrompt, OneToken, is_library_panic,
+                               library_panic)
 
 DEFAULT_PROMPT = "The keys on the table"
 
@@ -54,19 +62,52 @@ class Command(FlagsShowAsFlags, TyperCommand):
     def make_context(self, info_name, args, parent=None, **extra):
         given = list(args)
         try:
-            return super().make_context(info_name, list(args), parent=parent, **extra)
+            ctx = super().make_context(info_name, list(args), parent=parent, **extra)
         except typer.BadParameter as e:
-            p = e.param
-            low, high = getattr(p, "min", None), getattr(p, "max", None)
-            ranged = low is not None or high is not None
-            raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name) if ranged else None
-            try:
-                value = int(raw)
-            except (TypeError, ValueError):
-                raise e from None  # not a number, or no range: click's own message
-            must = (f"at least {low:,}" if high is None else f"at most {high:,}" if low is None
-                    else f"between {low:,} and {high:,}")
-            fail(f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}", 2)
+            fail(self._range_message(e, given, info_name) or one_line(e), 2)
+        except ClickUsageError as e:  # an unknown option, a missing value, an extra argument
+            if NoArgsIsHelpError is not None and isinstance(e, NoArgsIsHelpError):
+                raise  # `lmhead inspect` alone: click shows the help
+            fail(one_line(e), 2)
+        check_whole_numbers(ctx)
+        return ctx
+
+    def _range_message(self, e, given, info_name) -> str | None:
+        p = e.param
+        low, high = getattr(p, "min", None), getattr(p, "max", None)
+        if p is None or (low is None and high is None):
+            return None
+        raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name)
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            return None  # not a number: click's own reason, on one line
+        must = (f"at least {low:,}" if high is None else f"at most {high:,}" if low is None
+                else f"between {low:,} and {high:,}")
+        return f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}"
+
+
+# The one rule for numbers on the command line: click parses them (a non-number, nan or 1e309 for a
+# whole number is its one-line reason), the option's min=/max= bound them (Command above), the core
+# checks its own ranges (BadValue), and no whole number beyond a 64-bit integer reaches the core,
+# where it would overflow in torch or itertools instead.
+MAX_WHOLE = 2**63 - 1
+
+
+def check_whole_numbers(ctx) -> None:
+    for p in ctx.command.params:
+        value = ctx.params.get(p.name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_WHOLE:
+            fail(f"{p.opts[0] if p.opts else p.name} must be at most {MAX_WHOLE:,} (got {value:,})", 2)
+
+
+def one_line(e) -> str:
+    """click's message for a usage error, on one line, with the command's --help as the way on."""
+    text = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)
+    where = f"; lmhead {ctx.info_name} --help lists the options" if ctx is not None and isinstance(
+        e, NoSuchOption) else ""
+    return text + where
 
 
 def fail(message: str, code: int) -> None:
@@ -162,6 +203,10 @@ def boundary(fn, command: str):
             if os.environ.get("LMHEAD_DEBUG"):
                 raise
             fail(f"unexpected {type(e).__name__}: {e} (set LMHEAD_DEBUG=1 for the traceback)", 1)
+        except BaseException as e:  # a Rust library's panic (pyo3's PanicException) is a BaseException
+            if not is_library_panic(e) or os.environ.get("LMHEAD_DEBUG"):
+                raise
+            fail(str(library_panic(e)), 1)
 
     return wrapper
 

@@ -40,6 +40,8 @@ def _read(path, text: str) -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise UsageError(f"{path} is not a preset lmhead can read: its TOML is nested too deeply") from None
 
 
 def bundled() -> dict[str, dict]:
@@ -82,7 +84,7 @@ def load_preset(name: str) -> Preset:
         path = Path(name).expanduser()
         if not path.is_file():
             raise BadValue("preset", f"{name}: no such file")
-        return validate(path.stem, path, _read(path, path.read_text(encoding="utf-8")))
+        return validate(path.stem, path, _read(path, _preset_text(path)))
     presets = bundled()
     if name not in presets:
         raise UsageError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(presets))} "
@@ -105,3 +107,25 @@ def knobs(preset: str | None, **flags) -> Knobs:
     values = {k: v for k, v in values.items() if k in Knobs.__dataclass_fields__}  # not max_new_tokens
     check(values)
     return Knobs(**values)
+
+
+MAX_PRESET_BYTES = 1 << 20  # a preset is a few lines
+
+
+def _preset_text(path: Path) -> str:
+    """A preset file's text: a regular file, at most MAX_PRESET_BYTES, UTF-8; else a UsageError naming it."""
+    import os
+    import stat
+
+    from lmhead_cli.inputs import decode_utf8
+
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UsageError(f"{path} is not a regular file; a preset is a .toml file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PRESET_BYTES + 1)
+    except OSError as e:
+        raise UsageError(f"{path} cannot be read: {e.strerror or e}") from None
+    if len(data) > MAX_PRESET_BYTES:
+        raise UsageError(f"{path} is larger than {MAX_PRESET_BYTES:,} bytes; a preset is a few lines")
+    return decode_utf8(data.removeprefix(b"\xef\xbb\xbf"), str(path))

@@ -34,6 +34,9 @@ GEMMA2_CAP = 30.0  # Gemma 2 soft-caps its final logits at 30
 # model's logits, while a T of 1e-39 overflows (inf - inf = NaN in softmax). Below 1e-6 the
 # distribution is already greedy's for any logit gap above 1e-4 (exp(-100) is 0 in float32).
 MIN_SCALE = 1e-6
+# A soft-cap above this caps nothing a model computes (c·tanh(z/c) = z to float32's precision for
+# |z| < c / 1000), and near float32's range c·tanh(z/c) overflows: the bound keeps every figure finite.
+MAX_SOFTCAP = 1e6
 
 
 # ---- the stages: (..., V) -> (..., V) --------------------------------------------------------
@@ -146,11 +149,16 @@ def _scale(v) -> bool:
     return math.isfinite(v) and v >= MIN_SCALE
 
 
+def _cap(v) -> bool:
+    return _scale(v) and v <= MAX_SOFTCAP
+
+
 # The one documented order. A new stage is one function above plus one entry here (and its test):
 # Knobs, presets, the command-line options of generate/greedy/sample/softcap and inspect --stages,
 # and the stage table's columns all follow from this list.
 STAGES: tuple[Stage, ...] = (
-    Stage("softcap", float, Rule(_scale, f"a finite number of at least {MIN_SCALE:g}, e.g. 30 as in Gemma 2"),
+    Stage("softcap", float,
+          Rule(_cap, f"a finite number between {MIN_SCALE:g} and {MAX_SOFTCAP:g}, e.g. 30 as in Gemma 2"),
           help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).", options=("--softcap", "--cap"),
           apply=softcap, column="soft-capped", name="softcap"),
     Stage("temperature", float,
@@ -269,8 +277,9 @@ def stage_table(logits: torch.Tensor, knobs: Knobs, rows: int, token_text) -> St
     if bool(torch.isnan(z).any() | torch.isposinf(z).any()):  # only logits beyond 3.4e32 get here
         from lmhead_cli.errors import NonFiniteLogits
 
-        raise NonFiniteLogits("the stages pushed the logits past float32's range (NaN or inf); "
-                              "a larger temperature or soft-cap keeps them finite")
+        raise NonFiniteLogits("the stages pushed the logits past float32's range (NaN or inf); a larger "
+                              "temperature, or a smaller soft-cap first (c·tanh(z/c) stays within ±c), keeps them "
+                              "finite")
     final = Distribution(z)
     lp = final.logprobs
     ids = torch.topk(logits.float(), min(rows, logits.shape[-1])).indices  # (rows,)

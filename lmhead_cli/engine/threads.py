@@ -34,10 +34,17 @@ ENV = "LMHEAD_THREADS"
 WAIT_POLICY = "PASSIVE"
 
 
+# More threads than this is no machine's count; OpenMP asked for 99,999 fails to map their stacks
+# and takes the process down with it.
+MAX_THREADS = 1024
+
+
 def check(threads: int | None) -> int | None:
-    """A thread count as given by --threads or LMHEAD_THREADS: None (choose), or at least 1."""
+    """A thread count as given by --threads or LMHEAD_THREADS: None (choose), or 1 to MAX_THREADS."""
     if threads is not None and threads < 1:
         raise BadValue("threads", f"must be at least 1 (got {threads})")
+    if threads is not None and threads > MAX_THREADS:
+        raise BadValue("threads", f"must be between 1 and {MAX_THREADS:,} (got {threads:,})")
     return threads
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,14 +85,43 @@ def check_vocabularies(tokenizer_size: int, vocab_size: int, origin: str, path) 
 
 # ---- the files -------------------------------------------------------------------------------
 
-def read_json(path: Path):
-    """A checkpoint's JSON file (config.json, the shard index), or a CorruptCheckpoint naming it."""
+MAX_JSON_BYTES = 256 * 1024**2  # a config, a shard index or a tokenizer.json larger than this is not one
+
+
+def regular_file(path: Path) -> Path:
+    """`path` itself, when it is a regular file (or a link to one): a FIFO, a device or a socket is a
+    CorruptCheckpoint naming it, found by stat() without opening it (opening a FIFO blocks until a
+    writer comes). A missing path or a folder passes through, for the caller's own message."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(f"{path} is not valid JSON: {e}") from None
+        mode = os.stat(path).st_mode
+    except OSError:
+        return path
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+        raise CorruptCheckpoint(f"{path} is {kind}, not a regular file; lmhead reads checkpoint files only from "
+                                "regular files (reading a FIFO would wait for a writer)")
+    return path
+
+
+def read_json(path: Path, limit: int = MAX_JSON_BYTES):
+    """A checkpoint's JSON file (config.json, the shard index, tokenizer.json), or a CorruptCheckpoint
+    naming it: not a regular file, too large, not UTF-8, not JSON, nested too deeply. A UTF-8
+    byte-order mark is allowed (some editors write one)."""
+    regular_file(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
     except OSError as e:
         raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise CorruptCheckpoint(f"{path} is larger than {limit:,} bytes, more than any such file holds")
+    try:
+        return json.loads(data.decode("utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise CorruptCheckpoint(f"{path} is not a config lmhead can read: its JSON is nested too deeply") from None
 
 
 def shard_files(index: Path) -> list[Path]:
@@ -132,6 +162,7 @@ def read_header(files: list[Path]) -> dict[str, TensorInfo]:
     for path in files:
         if not path.exists():
             raise CorruptCheckpoint(f"{path} is listed in the index but missing")
+        regular_file(path)
         if not os.access(path, os.R_OK):
             raise CorruptCheckpoint(f"{path} cannot be read: permission denied")
         try:

@@ -22,11 +22,12 @@ from lmhead_cli.engine.base import Engine, TieNames
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
-from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsafeCheckpoint,
-                               UnsupportedModel, UsageError)
-from lmhead_cli.loading import bundled, checks
+from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
+from lmhead_cli.loading import bundled, checks, validate
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+from lmhead_cli.loading.weights import NOT_WEIGHTS as _NOT_WEIGHTS
+from lmhead_cli.loading.weights import read_weights, weight_files
 
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
@@ -35,8 +36,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ENGINES = ("auto", "lean", "transformers")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "vocab.json", "merges.txt", "generation_config.json"]
-# Buffers some GPT-2 checkpoints store that are not weights (the causal mask).
-_NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")
 
 
 @dataclass(frozen=True)
@@ -125,25 +124,34 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         checks.check_memory(checks.plan_memory(n, dtype, 4 * n, dev.type), source, ignore_memory, announce)
         state = random_state(config, RANDOM_SEED)
         kind, folder, files = "random", None, []
+        engine_name = validate.checkpoint_engine(engine, config, announce)
+        tokenizer = GPT2Tokenizer.bundled()
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
-        _choose_engine(engine, config)  # refuse a wrong engine before reading any weights
+        # Every check before any tensor is read or any model built (loading/validate.py): the engine
+        # (refused, or routed with a note), the config as transformers will build it, the files' dtypes,
+        # names, shapes and layer count, the memory.
+        engine_name = validate.checkpoint_engine(engine, config, announce)
+        if engine_name == "transformers":
+            validate.check_config_for(config, folder / "config.json")
+        tokenizer = GPT2Tokenizer.from_folder(folder) or GPT2Tokenizer.bundled()
         files = weight_files(folder, allow_pickle)
-        header = checks.read_header(files) if files[0].suffix == ".safetensors" else None
-        if header is not None:
-            if config.get("model_type") == "gpt2":
+        if all(f.suffix == ".safetensors" for f in files):
+            header = checks.read_header(files)
+            validate.check_tensors(config, validate.header_tensors(header), folder / "config.json")
+            if engine_name == "lean":  # transformers' GPT-2 is checked against its own skeleton (fit_state)
                 checks.check_gpt2_header(config, header, files, folder / "config.json", _NOT_WEIGHTS)
             weights = {k: t for k, t in header.items() if not k.endswith(_NOT_WEIGHTS)}
             n, size = sum(math.prod(t.shape) for t in weights.values()), sum(t.nbytes for t in weights.values())
-        else:  # a pickle has no header: its size on disk is the estimate
+        else:  # a pickle has no header: its size on disk is the estimate, its tensors are checked once read
             size = sum(f.stat().st_size for f in files)
             n = size // 4
         checks.check_memory(checks.plan_memory(n, dtype, size, dev.type), source, ignore_memory, announce)
         state = read_weights(files)
+        if not all(f.suffix == ".safetensors" for f in files):
+            validate.check_tensors(config, validate.state_tensors(state, files[0]), folder / "config.json")
 
-    engine_name = _choose_engine(engine, config)
-    tokenizer = (GPT2Tokenizer.from_folder(folder) if folder else None) or GPT2Tokenizer.bundled()
     if engine_name == "lean":
         config_tied = bool(config.get("tie_word_embeddings", True))
         stored = file_tie(state, TIE_NAMES) if files else None  # before build_lean consumes the state
@@ -247,100 +255,15 @@ def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
 
 def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ModelNotFound(f"{folder} holds no config.json (expected config.json and model.safetensors)")
     config = checks.read_json(path)
     checks.check_config(config, path)
     return config
 
 
-def _choose_engine(engine: str, config: dict) -> str:
-    is_gpt2 = config.get("model_type") == "gpt2"
-    if engine == "lean" and not is_gpt2:
-        raise UsageError(f"the lean engine runs GPT-2-family checkpoints only (this is "
-                         f"{config.get('model_type')!r}); use ", Param("engine"), " transformers")
-    if engine == "auto":
-        return "lean" if is_gpt2 else "transformers"
-    return engine
-
-
-# ---- weights ---------------------------------------------------------------------------------
-
-def weight_files(folder: Path, allow_pickle: bool) -> list[Path]:
-    """The weight files of a checkpoint folder: its shards (confined to the folder), its one
-    model.safetensors, or (with --allow-pickle only) its pytorch_model.bin."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return checks.shard_files(index)
-    if (folder / "model.safetensors").is_symlink() and not (folder / "model.safetensors").exists():
-        raise CorruptCheckpoint(f"{folder / 'model.safetensors'} is a link to {os.readlink(folder / 'model.safetensors')}, "
-                                "which does not exist (an interrupted download?)")
-    if (folder / "model.safetensors").exists():
-        return [folder / "model.safetensors"]
-    if (folder / "pytorch_model.bin").exists():
-        if not allow_pickle:
-            raise UnsafeCheckpoint(
-                f"{folder / 'pytorch_model.bin'} is a pickle file, and unpickling can run arbitrary code; "
-                "convert it to safetensors, or pass ", Param("allow_pickle"),
-                " to load it with torch.load(weights_only=True)")
-        return [folder / "pytorch_model.bin"]
-    raise ModelNotFound(f"{folder} holds no weights (looked for model.safetensors, "
-                        "model.safetensors.index.json and pytorch_model.bin)")
-
-
-def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    """All tensors of `files` (weight_files), names normalised to GPT-2's (no `transformer.` prefix)."""
-    if files[0].suffix != ".safetensors":
-        return _normalise(_read_pickle(files[0]))
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(_read_safetensors(f))
-    return _normalise(state)
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise CorruptCheckpoint(f"{path} is listed in the index but missing")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except PermissionError as e:
-        raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror}") from None
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CorruptCheckpoint(f"{path} cannot be read (truncated or corrupt?): {e}") from None
-
-
-def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
-    """A pickle of tensors, with torch's weights-only unpickler. What it refuses is reported as the
-    refusal itself: torch's own advice (weights_only=False "will likely succeed") would run the code."""
-    import warnings
-
-    try:
-        with warnings.catch_warnings():  # torch's protocol warnings are noise next to the one line below
-            warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        text = str(e)
-        why = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text \
-            else text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        raise UnsafeCheckpoint(f"{path} holds more than tensors, which lmhead never unpickles ({why[:200]}); "
-                               "convert the weights to safetensors from a trusted copy") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
-        raise CorruptCheckpoint(f"{path} does not hold a dict of named tensors")
-    return state
-
-
-def _normalise(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in state.items():
-        name = name.removeprefix("transformer.")
-        if not name.endswith(_NOT_WEIGHTS):
-            out[name] = t
-    return out
-
+from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
+from lmhead_cli.loading import bundled, checks, validate
 
 def _names(files: list[Path]) -> str:
     return ", ".join(str(f) for f in files) or "the weights"
@@ -393,7 +316,7 @@ def build_transformers(config: dict, state: dict[str, torch.Tensor], files: list
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    cfg = transformers_config(config)
+    cfg = validate.transformers_config(config)
     check_head_is_known(cfg)
     try:
         with torch.device("meta"):
@@ -409,21 +332,6 @@ def build_transformers(config: dict, state: dict[str, torch.Tensor], files: list
         if was_enabled:
             hf_logging.enable_progress_bar()
     return TransformersEngine(config, model.to(device).eval()), bool(cfg.tie_word_embeddings)
-
-
-def transformers_config(config: dict):
-    """transformers' config object for a config.json dict (never remote code)."""
-    from transformers import AutoConfig
-
-    kind = config.get("model_type")
-    try:
-        return AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    except (ValueError, KeyError, TypeError) as e:
-        if config.get("auto_map"):
-            raise UnsupportedModel(f"model_type {kind!r} needs the checkpoint's own code (auto_map), which "
-                                   "lmhead never runs") from None
-        raise UnsupportedModel(f"transformers does not know model_type {kind!r} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:200]})") from None
 
 
 def fit_state(skeleton, state: dict[str, torch.Tensor], files: list[Path]) -> dict[str, torch.Tensor]:

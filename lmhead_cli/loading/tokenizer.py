@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import CorruptCheckpoint, UsageError, is_library_panic
+from lmhead_cli.loading.checks import regular_file
 
 EOT = "<|endoftext|>"
 PIECE_CHARS = 1 << 16  # characters per piece when a long text is encoded
@@ -55,11 +56,22 @@ class GPT2Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path) -> GPT2Tokenizer | None:
-        """The tokenizer a checkpoint folder ships (tokenizer.json, else vocab.json + merges.txt), or None."""
-        if (folder / "tokenizer.json").is_file():
-            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), str(folder / "tokenizer.json"))
-        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-            return cls(_bpe(folder / "vocab.json", folder / "merges.txt"), str(folder))
+        """The tokenizer a checkpoint folder ships (tokenizer.json, else vocab.json + merges.txt), or None.
+
+        Checked before use: regular files only (a FIFO would block), and a file the library cannot
+        read, or a tokenizer that fails (or panics, in Rust) on a probe text, is one CorruptCheckpoint
+        naming the file and the library's reason."""
+        if (folder / "tokenizer.json").exists():
+            path = regular_file(folder / "tokenizer.json")
+            return cls(_checked(path, lambda: Tokenizer.from_file(str(path))), str(path))
+        vocab, merges = folder / "vocab.json", folder / "merges.txt"
+        if vocab.exists() and merges.exists():
+            regular_file(vocab), regular_file(merges)
+
+            def blame(reason: str) -> Path:  # the library names no file: its reason tells which
+                return merges if "out of vocabulary" in reason or "merges" in reason.lower() else vocab
+
+            return cls(_checked(blame, lambda: _bpe(vocab, merges)), str(folder))
         return None
 
     @classmethod
@@ -203,6 +215,27 @@ def _cut(text: str, at: int) -> int:
         if _forced(text, i):
             return i
     return len(text)
+
+
+PROBE = "The keys on the table, don't they? 2024 — café ☕\n\t<|endoftext|>"
+
+
+def _checked(path, load) -> Tokenizer:
+    """`load()`'s tokenizer, tried on PROBE; its failure (an exception, or a Rust panic, which is a
+    BaseException) is a CorruptCheckpoint naming `path` (or `path(reason)`, the file it blames)."""
+    try:
+        tok = load()
+        tok.encode(PROBE, add_special_tokens=False)
+    except BaseException as e:  # noqa: BLE001 - pyo3's PanicException is a BaseException
+        if not (isinstance(e, Exception) or is_library_panic(e)):
+            raise
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        reason = (lines[0] if lines else type(e).__name__)[:200]
+        raise CorruptCheckpoint(f"{path(reason) if callable(path) else path} is not a tokenizer lmhead can read: "
+                                f"{reason}") from None
+    if tok.get_vocab_size(with_added_tokens=True) == 0:
+        raise CorruptCheckpoint(f"{path if not callable(path) else path('')} holds no tokens")
+    return tok
 
 
 def _bpe(vocab: Path, merges: Path) -> Tokenizer:

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from lmhead_cli.engine.heap import fix_mmap_threshold
 from lmhead_cli.errors import BadValue, LmheadError, Param, UsageError
 from lmhead_cli.head import check_finite, clamp_top_k, encode_targets
 from lmhead_cli.inputs import MAX_LINE_BYTES, bounded_lines
@@ -191,6 +192,15 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
+MAX_BATCH_SIZE = 1 << 16  # rows of one forward pass; beyond this no memory holds the batch's logits
+
+
+def check_batch_size(batch_size: int) -> int:
+    if not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise BadValue("batch_size", f"must be between 1 and {MAX_BATCH_SIZE:,} (got {batch_size:,})")
+    return batch_size
+
+
 def inspect_stream(loaded: Loaded, lines: Iterable[PromptLine], top_k: int = 10, targets: list[str] | None = None,
                    batch_size: int = 32, stats: BatchStats | None = None,
                    run=batch_logits) -> Iterator[list[tuple[PromptLine, Inspection]]]:
@@ -199,7 +209,8 @@ def inspect_stream(loaded: Loaded, lines: Iterable[PromptLine], top_k: int = 10,
 
     `run(loaded, rows) -> (B, V)` is the forward (a parameter so tests can make memory run out).
     Memory: one batch of token ids (<= batch_size x n_ctx) and its (B, V) logits, whatever the file.
-    batch_size >= 1 is the API's check (api.checks.prompt_file), made before the model loads."""
+    batch_size in 1 to MAX_BATCH_SIZE is the API's check (api.checks.prompt_file), made before the model loads."""
+    fix_mmap_threshold()  # each batch's (B, V) buffers go back to the OS, not into a growing heap (engine/heap.py)
     k = clamp_top_k(top_k, loaded.engine.vocab_size)
     targets = check_targets(targets)
     stats = stats if stats is not None else BatchStats(batch_size, targets)

@@ -192,10 +192,14 @@ def history_file() -> Path:
 
 
 class History:
-    """readline's history, read at the start and written at the end; never an error if the file can't be."""
+    """readline's history, read at the start and merged into the file at the end; never an error if
+    the file can't be read or written. Only a regular file is read or replaced (a FIFO there would
+    block the start, and is left alone). Two sessions sharing the file keep both sessions' lines:
+    `save` re-reads the file under a lock and adds this session's lines to what is there now."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.start = 0
         try:
             import readline  # noqa: F401 - importing it gives input() line editing and history
         except ImportError:  # Windows without pyreadline: plain input()
@@ -203,32 +207,87 @@ class History:
             return
         self.readline = readline
         readline.set_history_length(HISTORY_LENGTH)
-        try:
-            readline.read_history_file(path)
-        except (OSError, ValueError):
-            pass
+        if _is_regular(path):
+            try:
+                readline.read_history_file(path)
+            except (OSError, ValueError):
+                pass
+        self.start = readline.get_current_history_length()
+
+    def new_lines(self) -> list[str]:
+        """The lines typed in this session (readline counts its items from 1)."""
+        rl = self.readline
+        return [rl.get_history_item(i) for i in range(self.start + 1, rl.get_current_history_length() + 1)]
 
     def save(self) -> None:
-        """Write the history atomically: to a new file beside it, then renamed over it. The rename
-        replaces a symlink at `path` itself, so nothing is ever written through one, and no other
-        file is truncated."""
+        """Merge this session's lines into the file: under a lock, the file's lines as they are now, then
+        this session's, the last HISTORY_LENGTH kept; written to a new file beside it and renamed over
+        it, so nothing is written through a symlink and no other file is truncated."""
         if self.readline is None:
             return
         import tempfile
 
-        tmp = None
+        rl, new, tmp = self.readline, self.new_lines(), None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".history.")
-            os.close(fd)
-            self.readline.write_history_file(tmp)
-            os.replace(tmp, self.path)
+            with _locked(self.path.with_name(self.path.name + ".lock")):
+                if self.path.exists() and not _is_regular(self.path):
+                    return  # a FIFO or a device: never read, never replaced
+                rl.clear_history()
+                if self.path.exists():
+                    rl.read_history_file(self.path)
+                for line in new:
+                    rl.add_history(line)
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".history.")
+                os.close(fd)
+                rl.write_history_file(tmp)
+                os.replace(tmp, self.path)
+                tmp = None
         except (OSError, ValueError):
+            pass
+        finally:
             if tmp is not None:
                 try:
                     os.unlink(tmp)
                 except OSError:
                     pass
+
+
+def _is_regular(path: Path) -> bool:
+    """True for a regular file (or a link to one); False for a missing path, a FIFO, a device, a folder."""
+    import stat
+
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+class _locked:
+    """An exclusive flock on `path` (created if needed) for the length of a `with`, waiting up to 5 s for
+    another session's save; without fcntl (Windows), or if the lock file can't be made, no lock."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+            for _ in range(100):
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.05)
+        except (ImportError, OSError):
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
 
 
 def terminal_lines(prompt: str = PROMPT, on_cancel: Callable[[], None] = lambda: None) -> Iterator[str]:

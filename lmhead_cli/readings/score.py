@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from lmhead_cli.errors import BadValue, OneToken, UsageError
+from lmhead_cli.errors import BadValue, OneToken, UnsupportedModel, UsageError
 from lmhead_cli import inputs
 from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
@@ -272,6 +272,9 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     fix_mmap_threshold()  # the chunks' buffers go back to the OS, not into a growing heap (engine/heap.py)
     eng = loaded.engine
     n_ctx = eng.n_ctx
+    if n_ctx < 2:  # not the user's stride: a window of one position predicts nothing
+        raise UnsupportedModel(f"the model's context of {n_ctx} token is too short to score: a token is predicted "
+                               "from the tokens before it in its window, so the context must hold at least 2")
     stride = n_ctx // 2 if stride is None else stride
     check_chunk(chunk)
     chunk = chunk or default_chunk(eng.vocab_size)

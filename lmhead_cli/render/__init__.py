@@ -168,11 +168,26 @@ def provenance_json(src, *more: str) -> dict:
     return {"model": src.model, "random_weights": src.random_weights, **{k: getattr(src, k) for k in more}}
 
 
+# What json.dumps leaves raw that a terminal showing the JSON would obey or choke on: DEL and the C1
+# controls (U+009B is CSI), lone surrogates (undecodable bytes), U+2028/U+2029 (line breaks to JavaScript).
+_JSON_RAW = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def dumps(value: Any, **kwargs) -> str:
+    """The one JSON writer: json.dumps (non-ASCII kept as UTF-8), with C0 controls escaped by json and
+    DEL, C1 controls, lone surrogates and U+2028/9 escaped here as \\uXXXX. They can only occur inside
+    strings, and json.loads gives back the exact string."""
+    text = json.dumps(value, ensure_ascii=False, **kwargs)
+    return _JSON_RAW.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def json_text(doc: Any, *, lines: bool = False, ascii: bool = False) -> str:  # noqa: A002
     """A document as JSON text: indented, or on one compact line with ``lines``; infinities made finite;
-    non-ASCII as \\u escapes with ``ascii``."""
-    return json.dumps(_plain(doc), ensure_ascii=ascii, separators=(",", ":") if lines else None,
-                      indent=None if lines else 2)
+    controls escaped (`dumps`); non-ASCII as \\u escapes with ``ascii``."""
+    if ascii:
+        return json.dumps(_plain(doc), ensure_ascii=True, separators=(",", ":") if lines else None,
+                          indent=None if lines else 2)
+    return dumps(_plain(doc), separators=(",", ":") if lines else None, indent=None if lines else 2)
 
 
 def print_json(doc: Any, *, lines: bool = False) -> None:

@@ -8,7 +8,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from lmhead_cli.render import _plain, compact_table, compose, data, out, sparkline
+from lmhead_cli.render import _plain, dumps, compact_table, compose, data, out, sparkline
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -141,7 +141,7 @@ def report(c) -> None:
 def write_json(c) -> None:
     """The `compare --json` document (Comparison.to_dict()), written token by token: no list of T rows
     is built."""
-    dump = lambda v: json.dumps(_plain(v), ensure_ascii=False)  # noqa: E731
+    dump = lambda v: dumps(_plain(v))  # noqa: E731
     write = sys.stdout.write
     write("{\n")
     for k, v in c.header().items():

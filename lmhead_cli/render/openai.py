@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from lmhead_cli.render import json_text
+from lmhead_cli.render import dumps, json_text
 
 DROPPED = -9999.0  # OpenAI's own stand-in for a log-probability too low to report; here log 0 (filtered out)
 
@@ -72,7 +72,7 @@ class Completion:
         parts = self.known.get(token_id)
         if parts is None:
             fields = token_fields(self.tokenizer, token_id)
-            text = json.dumps(fields["token"], ensure_ascii=False)
+            text = dumps(fields["token"])
             data = json.dumps(fields["bytes"], separators=(",", ":"))
             parts = self.known[token_id] = ('{"token":' + text + ',"logprob":', ',"bytes":' + data + "}")
         return parts[0] + json.dumps(logprob_value(logprob)) + parts[1]
@@ -204,8 +204,7 @@ class EchoCompletion:
         n = len(cols["tokens"])
         for c in self.COLUMNS:
             if n:
-                self.spools[c].write(("," if self.count else "") + json.dumps(cols[c], ensure_ascii=False,
-                                                                               separators=(",", ":"))[1:-1])
+                self.spools[c].write(("," if self.count else "") + dumps(cols[c], separators=(",", ":"))[1:-1])
         self.count += n
 
     def end(self, prompt_tokens: int) -> None:

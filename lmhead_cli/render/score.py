@@ -3,7 +3,6 @@ sparkline, the summary, `--table` rows, the JSON document streamed token by toke
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict
@@ -13,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lmhead_cli.readings.score import BUCKETS, bucket
-from lmhead_cli.render import _plain, err, out, provenance_json, safe_text, sparkline
+from lmhead_cli.render import _plain, dumps, err, out, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -27,6 +26,7 @@ TABLE_EDGE = 10  # a long --table shows this many first and last rows
 SURPRISING = 5
 PARAGRAPH_TOKENS = 4096  # the coloured text is printed a paragraph (or this many pieces) at a time
 PROGRESS_DELAY_S = 1.0
+LINES_EVERY = 10  # off a terminal, a progress line every 10 × PROGRESS_DELAY_S seconds
 
 
 def coloured(con) -> bool:
@@ -166,8 +166,7 @@ def json_ends(score) -> tuple[dict, dict]:
 def write_json(score, lines: bool = False) -> None:
     """The documented `score --json` document, written token by token (no list of T dicts is built):
     indented with one token a line, or on one line for JSON Lines."""
-    dump = (lambda v: json.dumps(_plain(v), ensure_ascii=False, separators=(",", ":"))) if lines else \
-        (lambda v: json.dumps(_plain(v), ensure_ascii=False))
+    dump = (lambda v: dumps(_plain(v), separators=(",", ":"))) if lines else (lambda v: dumps(_plain(v)))
     head, tail = json_ends(score)
     sep, indent, nl = ("", "", "") if lines else (" ", "  ", "\n")
     write = sys.stdout.write
@@ -240,7 +239,8 @@ def file_report(items, corpus, model: str, random_weights: bool, as_json: bool, 
     if not as_json:
         random_banner(model, random_weights)
         con.print(FILE_HEADER, markup=False)
-    with Progress("scoring lines") as progress:
+    # Off a terminal the rows (or JSON lines) are the progress: one per text, as each is scored.
+    with Progress("scoring lines", unit="bytes", verb="read", lines=False) as progress:
         for item in items:
             if as_json:
                 if item.score is not None:
@@ -258,18 +258,27 @@ def file_report(items, corpus, model: str, random_weights: bool, as_json: bool, 
 # ---- progress --------------------------------------------------------------------------------------
 
 class Progress:
-    """A progress bar on stderr that appears only once the work has taken `delay` seconds and only
-    on a terminal: short runs and pipes see nothing. Call it with (done, total); close() at the end."""
+    """Progress on stderr for work that lasts, called with (done, total) tokens; close() at the end.
 
-    def __init__(self, label: str, delay: float = PROGRESS_DELAY_S, clock=time.monotonic, console=None):
-        self.label, self.delay, self.clock = label, delay, clock
+    On a terminal: a bar, once the work has taken `delay` seconds. Off a terminal (a log, a pipe),
+    with `lines`: once the work has taken `delay` seconds, one line saying its size and the time it
+    will take at the pace so far (work expected to last LINES_EVERY × delay seconds or more), then a
+    line every LINES_EVERY × delay seconds. Short runs see nothing."""
+
+    def __init__(self, label: str, delay: float | None = None, clock=time.monotonic, console=None,
+                 unit: str = "tokens", verb: str = "scored", lines: bool = True):
+        self.label, self.clock, self.unit, self.verb, self.lines = label, clock, unit, verb, lines
+        self.delay = PROGRESS_DELAY_S if delay is None else delay
         self.console = console or err()
         self.start = clock()
         self.bar = self.task = None
+        self.last_line: float | None = None  # when the last plain line was written
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.console.is_terminal:
+            return self._line(done, total) if self.lines else None
         if self.bar is None:
-            if self.clock() - self.start < self.delay or not self.console.is_terminal:
+            if self.clock() - self.start < self.delay:
                 return
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TimeRemainingColumn
 
@@ -279,6 +288,24 @@ class Progress:
             self.bar.start()
             self.task = self.bar.add_task(self.label, total=total)
         self.bar.update(self.task, completed=done, total=total)
+
+    def _line(self, done: int, total: int) -> None:
+        now = self.clock()
+        elapsed = now - self.start
+        if done <= 0 or elapsed < self.delay or done >= total and self.last_line is None:
+            return
+        left = elapsed / done * (total - done)
+        if self.last_line is None:
+            if elapsed + left < LINES_EVERY * self.delay:
+                return  # work of a few seconds says nothing
+            line = (f"{self.label}: {total:,} {self.unit}, about {_duration(elapsed + left)} at the pace of the "
+                    f"first {done:,}")
+        elif now - self.last_line >= LINES_EVERY * self.delay:
+            line = f"{self.label}: {done:,} of {total:,} {self.unit} {self.verb}, about {_duration(left)} left"
+        else:
+            return
+        self.last_line = now
+        self.console.print(Text(line, style="dim"))
 
     @property
     def shown(self) -> bool:
@@ -294,3 +321,13 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _duration(seconds: float) -> str:
+    """12 s, 3 min 5 s, 2 h 4 min."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"

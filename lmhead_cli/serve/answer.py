@@ -12,6 +12,7 @@ import json
 import time
 
 from lmhead_cli.readings.completion import Echo, Token
+from lmhead_cli.render import dumps
 from lmhead_cli.render import openai as doc
 from lmhead_cli.serve.requests import Plan, RequestError
 from lmhead_cli.serve.worker import Job
@@ -126,7 +127,7 @@ async def collect(job: Job, plan: Plan, tokenizer, request, model: str) -> dict:
 
 
 def sse(data: dict | str) -> bytes:
-    return b"data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)).encode() + b"\n\n"
+    return b"data: " + (data if isinstance(data, str) else dumps(data)).encode() + b"\n\n"
 
 
 async def stream(job: Job, plan: Plan, tokenizer, request, model: str):
