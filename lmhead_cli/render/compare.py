@@ -3,7 +3,6 @@ text, the positions that moved most, and the JSON document streamed token by tok
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import asdict

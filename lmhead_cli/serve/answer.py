@@ -8,7 +8,6 @@ with a null logprob, as OpenAI's legacy API and vLLM have it) before the generat
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from lmhead_cli.readings.completion import Echo, Token
