@@ -31,7 +31,8 @@ from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
 DEVICES = ("auto", "cpu", "cuda", "mps")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# int8: weight-only, quantised at load from float32 (engine/int8.py); activations stay float32.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 ENGINES = ("auto", "lean", "transformers")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "vocab.json", "merges.txt", "generation_config.json"]
@@ -54,6 +55,8 @@ class TieReport:
     shape: tuple[int, int]  # (V, D)
     # c when the model soft-caps its own logits after the head (Gemma-2's final_logit_softcapping), else None
     own_softcap: float | None = None
+    # how the shared (or head's) matrix is stored: "float32", ..., or "int8 table + float32 scale per row"
+    storage: str = "float32"
 
 
 @dataclass
@@ -111,6 +114,12 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    int8 = dt == torch.int8
+    if int8:
+        dt = torch.float32  # built in float32, then quantised: activations, norms and softmax stay float32
+        if engine == "transformers":
+            raise UsageError("--dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers "
+                             "use float32, bfloat16 or float16")
     pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
         raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
@@ -128,7 +137,9 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
-        _choose_engine(engine, config)  # refuse a wrong engine before reading any weights
+        if _choose_engine(engine, config) != "lean" and int8:  # refuse a wrong engine before reading any weights
+            raise UsageError(f"--dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only (this is "
+                             f"{config.get('model_type')!r}); use float32, bfloat16 or float16")
         files = weight_files(folder, allow_pickle)
         header = checks.read_header(files) if files[0].suffix == ".safetensors" else None
         if header is not None:
@@ -147,12 +158,13 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     if engine_name == "lean":
         config_tied = bool(config.get("tie_word_embeddings", True))
         stored = file_tie(state, TIE_NAMES) if files else None  # before build_lean consumes the state
-        eng: Engine = LeanGPT2(config, build_lean(config, state, config_tied, files, dev, dt))
+        eng: Engine = LeanGPT2(config, build_lean(config, state, config_tied, files, dev, dt, int8, announce))
     else:
         eng, config_tied = build_transformers(config, state, files, dev, dt)
         stored = file_tie(state, eng.tie_names) if files else None
     state.clear()  # the model holds what it needs
     tie = tie_report(eng, stored, config_tied)
+    pace.offer(eng)  # the product forms the engine can run in are timed with the thread counts
     # After the build, whose own checks name an unsupported model first; before any prompt is read.
     checks.check_vocabularies(tokenizer.vocab_size, eng.vocab_size, tokenizer.origin,
                               (folder / "config.json") if folder else source)
@@ -354,8 +366,10 @@ def random_state(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: list[Path],
-               device: torch.device, dtype: torch.dtype) -> GPT2:
-    """The lean GPT-2 module holding `state`; tied means lm_head.weight *is* wte.weight."""
+               device: torch.device, dtype: torch.dtype, int8: bool = False, announce=lambda line: None) -> GPT2:
+    """The lean GPT-2 module holding `state`; tied means lm_head.weight *is* wte.weight. int8: every
+    matrix quantised (engine/int8.py), tied as one table; `announce` names a fallback where the device
+    has no int8 kernel."""
     if not tied and "lm_head.weight" not in state:
         raise CorruptCheckpoint(f"{_names(files)}: the config unties the head (tie_word_embeddings: false) "
                                 "but the weights hold no lm_head.weight")
@@ -376,6 +390,14 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     del weights
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
+    if int8:
+        from lmhead_cli.engine.int8 import kernel_for, quantise_gpt2_
+
+        kernel = kernel_for(device)
+        if not kernel:
+            announce(f"--dtype int8 on {device.type}: torch has no int8 product kernel there; each product "
+                     "dequantises its weights to float32 instead (the same figures, none of the speed)")
+        quantise_gpt2_(model, tied, kernel)
     return model.to(device).eval()
 
 
@@ -485,6 +507,7 @@ def tie_report(eng: Engine, stored: tuple[bool, bool | None] | None, config_tied
         embedding_name=names.embedding,
         shape=tuple(head_w.shape),
         own_softcap=eng.own_stages.get("softcap"),
+        storage="int8 table + float32 scale per row" if eng.weight_format == "int8" else eng.weight_format,
     )
 
 

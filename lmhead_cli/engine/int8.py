@@ -1,0 +1,154 @@
+"""int8 weights for the lean engine: each matrix quantised at load, symmetric, one scale per output row.
+
+    W ≈ q · s,   q = round(W / s) ∈ [-127, 127] (int8, [N, K] rows),   s = max|W_row| / 127 (float32, [N])
+
+A tied model keeps ONE table for the embedding and the head: `wte` looks rows up in it and `lm_head`
+multiplies by it (`GPT2.wte.table is GPT2.lm_head.table`). Activations, norms, attention and the
+softmax stay float32.
+
+The product x · qᵀ runs on int8 kernels without rounding x to 8 bits: each row of x (float32) is split
+exactly into three int8 digits of its own scale, x ≈ σ (a₀ + a₁/128 + a₂/128²) with σ = max|x| / 127 —
+21 bits of the row's largest value, the error of float32 rounding at that size — and one int8 × int8 →
+int32 matrix product (torch._int_mm, oneDNN with AMX or VNNI where the CPU has them) takes all three
+digit rows through the weights in one pass. The int32 sums are exact; they are recombined in float32
+and scaled by σ and s. The weights are read once, as int8: a quarter of float32's bytes.
+
+Where torch has no int8 kernel for the device (a GPU here), each product dequantises its weight to
+float32 first: the same figures, none of the speed (`kernel_for` says which, and load_model names it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DIGIT = 128.0  # the base of the activation digits: |a₁|, |a₂| ≤ 64 fit int8 with room
+QMAX = 127
+
+
+def kernel_for(device: torch.device) -> bool:
+    """Whether torch's int8 matrix product runs on `device` for these shapes (a one-off tiny call)."""
+    if device.type != "cpu":
+        return False
+    try:
+        a = torch.ones(3, 8, dtype=torch.int8)
+        return bool(torch._int_mm(torch.ones(4, 8, dtype=torch.int8), a.t()).sum() == 96)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (q int8 (N, K), s float32 (N,)), symmetric per row; an all-zero row gets s = 1."""
+    w = w.detach().float()
+    s = w.abs().amax(1) / QMAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (w / s[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.contiguous(), s.contiguous()
+
+
+def digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (a (K, 3M) int8: columns [a₀ rows, a₁ rows, a₂ rows], σ (M, 1)) with
+    x = σ (a₀ + a₁/128 + a₂/128²) to 2⁻²¹ of max|x| per row."""
+    sigma = x.abs().amax(-1, keepdim=True).div_(QMAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    r = x / sigma  # (M, K) in [-127, 127]
+    a0 = r.round()
+    r = r.sub_(a0).mul_(DIGIT)
+    a1 = r.round()
+    a2 = r.sub_(a1).mul_(DIGIT).round_()
+    return torch.cat([a0, a1, a2]).to(torch.int8).t().contiguous(), sigma
+
+
+def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None,
+               kernel: bool = True) -> torch.Tensor:
+    """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32."""
+    if not kernel:  # no int8 kernel here: dequantise, then the plain product
+        w = q.to(x.dtype) * s[:, None].to(x.dtype)
+        return F.linear(x, w, bias)
+    M = x.shape[0]
+    a, sigma = digits(x.float())
+    acc = torch._int_mm(q, a).float()  # (N, 3M): exact int32 sums, then float32
+    y = torch.add(acc[:, :M], acc[:, M:2 * M], alpha=1 / DIGIT).add_(acc[:, 2 * M:], alpha=1 / DIGIT ** 2)  # (N, M)
+    y = y.t() * (sigma * s)  # (M, N)
+    return y if bias is None else y.add_(bias)
+
+
+class Int8Table(nn.Module):
+    """One quantised matrix: q (N, K) int8 rows and s (N,) float32, W ≈ q · s. `kernel`: torch's int8
+    product runs on its device (else products dequantise)."""
+
+    def __init__(self, w: torch.Tensor, kernel: bool = True):
+        super().__init__()
+        q, s = quantise(w)
+        self.q = nn.Parameter(q, requires_grad=False)
+        self.s = nn.Parameter(s, requires_grad=False)
+        self.kernel = kernel
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantise(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """q · s as float32: all rows, or `rows` (ids): (n, K)."""
+        return self.q[rows].float() * self.s[rows, None]
+
+    def times(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., K) -> x · Wᵀ + bias (..., N) float32."""
+        y = int8_times(x.reshape(-1, x.shape[-1]), self.q, self.s, bias, self.kernel)
+        return y.view(*x.shape[:-1], -1)
+
+
+class Int8Conv1D(nn.Module):
+    """GPT-2's Conv1D (y = x @ W + b, W (in, out)) over an int8 table of W's rows (out, in)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, kernel: bool):
+        super().__init__()
+        self.table = Int8Table(weight.detach().t(), kernel)
+        self.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W (in, out) dequantised, float32: for readings that split the layer (components)."""
+        return self.table.dequantise().t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table.times(x, self.bias)
+
+
+class Int8Embedding(nn.Module):
+    """Rows of an int8 table, dequantised: the token embedding (the very table the tied head multiplies by)."""
+
+    def __init__(self, table: Int8Table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.table.q).float() * F.embedding(ids, self.table.s[:, None])
+
+
+class Int8Head(nn.Module):
+    """The head z = h · W_outᵀ over an int8 table (no bias)."""
+
+    bias = None
+
+    def __init__(self, table: Int8Table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.table.times(h)
+
+
+def quantise_gpt2_(gpt: nn.Module, tied: bool, kernel: bool) -> None:
+    """Replace every matrix of a lean GPT2 (engine/lean.py) by its int8 table, in place: each block's
+    Conv1Ds, and wte with lm_head (one table when tied). wpe, norms and biases stay float32."""
+    from lmhead_cli.engine.lean import Conv1D
+
+    for block in gpt.h:
+        for parent in (block.attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Conv1D):
+                    setattr(parent, name, Int8Conv1D(child.weight, child.bias, kernel))
+    table = Int8Table(gpt.wte.weight, kernel)
+    head = table if tied else Int8Table(gpt.lm_head.weight, kernel)
+    gpt.wte, gpt.lm_head = Int8Embedding(table), Int8Head(head)
