@@ -4,7 +4,7 @@ one JSON line.
     python benchmarks/probes.py bandwidth
     python benchmarks/probes.py head FOLDER T REPEATS
     python benchmarks/probes.py head-forms FOLDER REPEATS
-    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE blocked|plain
+    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE linear|blocked|packed
     python benchmarks/probes.py step FOLDER STEPS
     python benchmarks/probes.py weight-bytes FOLDER DTYPE
     python benchmarks/probes.py bfloat16-error FOLDER PROMPT
@@ -36,7 +36,22 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(_times(fn, repeats))
 
 
-def bandwidth(size_bytes: int = 256 * 2**20, repeats: int = 15) -> dict:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), 0 where it cannot be read."""
+    from pathlib import Path
+
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        try:
+            n = int(text.rstrip("KMG"))
+        except ValueError:
+            continue
+        best = max(best, n * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1))
+    return best
+
+
+def bandwidth(size_bytes: int | None = None, repeats: int = 15) -> dict:
     """Streaming memory bandwidth with torch's own kernels, over buffers far larger than the caches,
     on 1 thread and on all of torch's threads: the fastest of `repeats` passes, since other work can
     only slow a pass down and a bound should not be low.
@@ -46,6 +61,8 @@ def bandwidth(size_bytes: int = 256 * 2**20, repeats: int = 15) -> dict:
     """
     import torch
 
+    # Far larger than the caches: a buffer the last-level cache holds would measure the cache.
+    size_bytes = size_bytes or max(256 * 2**20, 2 * last_level_cache_bytes())
     n = size_bytes // 4
     a, b = torch.randn(n), torch.randn(n)  # written, so every page is really there
     threads = torch.get_num_threads()
@@ -109,6 +126,7 @@ def head_forms(folder: str, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from lmhead_cli.engine.products import rows_times
     from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
@@ -118,7 +136,7 @@ def head_forms(folder: str, repeats: int) -> dict:
     Et = E.detach().t().contiguous()  # (D, V)
     copy_s = time.perf_counter() - start
     nbytes = E.numel() * E.element_size()
-    forms = {"blocked": lambda: eng.head(h), "linear": lambda: F.linear(h, E), "copy": lambda: h @ Et}
+    forms = {"blocked": lambda: rows_times(E, h), "linear": lambda: F.linear(h, E), "copy": lambda: h @ Et}
     out = {"copy_s": copy_s, "copy_mb": nbytes / MB, "tied": eng.head_weight is eng.embedding_weight}
     times = {name: [] for name in forms}
     with torch.inference_mode():
@@ -131,20 +149,17 @@ def head_forms(folder: str, repeats: int) -> dict:
     return out
 
 
-def decode(folder: str, prompt: str, n: int, dtype: str, products: str) -> dict:
+def decode(folder: str, prompt: str, n: int, dtype: str, form: str) -> dict:
     """Greedy decoding straight over the engine, timed as `lmhead greedy` times itself (prefill and
-    every step, no warm-up; and the rate after the first token). products "plain" turns the blocked
-    matrix-vector products off (the engine as it was before them), "blocked" leaves them on."""
+    every step, no warm-up; and the rate after the first token), with the product form `form`
+    (engine/products.py) fixed on torch's thread count: nothing is chosen by timing."""
     import torch
 
-    from lmhead_cli.engine import lean as engine
     from lmhead_cli.loading.sources import load_model
 
-    if products == "plain":
-        engine._streams = lambda x: False  # addmm and F.linear, as BLAS runs them
-        engine.pack_for_onednn = lambda w: None
     loaded = load_model(folder, device="cpu", dtype=dtype, engine="lean")
     eng = loaded.engine
+    eng.use_form(form)
     ids = loaded.tokenizer.encode(prompt)
     out = []
     with torch.inference_mode():
@@ -203,7 +218,7 @@ def weight_bytes_per_token(folder: str, dtype: str) -> dict:
     from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype=dtype, engine="lean").engine
-    lookups = {id(eng.gpt.wpe.weight)} | ({id(eng.gpt.wte.weight)} if eng.gpt.wte.weight is not eng.head_weight else set())
+    lookups = {id(eng.gpt.wpe.weight)} | ({id(p) for p in eng.gpt.wte.parameters()} if not eng.tied else set())
     read = [p for p in eng.gpt.parameters() if id(p) not in lookups]  # parameters() counts a tied one once
     return {"bytes": sum(p.numel() * p.element_size() for p in read)}
 

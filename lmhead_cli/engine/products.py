@@ -7,7 +7,8 @@ machine is (on one 2-core machine blocked rows beat BLAS's gemv 2×, on another 
 the engine offers each dtype's forms and `engine/threads.py` keeps whichever measures fastest on the
 decoding steps themselves, as it does for the thread count:
 
-- "linear": addmm / F.linear over the weight as rows [N, K] (BLAS, or oneDNN for bfloat16).
+- "linear": addmm / F.linear over the weight as rows [N, K] (BLAS's gemm, or oneDNN for bfloat16).
+- "gemv" (float32): one position as addmv over the rows (BLAS's gemv; several positions run "linear").
 - "blocked": the rows in 2·threads blocks as one batched matmul over views (`rows_times`).
 - "packed" (bfloat16): oneDNN's linear over a copy of the weight packed once in its own blocked layout.
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
-FORMS = {torch.float32: ("linear", "blocked"), torch.bfloat16: ("packed", "linear", "blocked")}
+FORMS = {torch.float32: ("linear", "gemv", "blocked"), torch.bfloat16: ("packed", "linear", "blocked")}
 
 
 @dataclass
@@ -115,6 +116,9 @@ def few_rows_product(form: str, x2: torch.Tensor, rows: torch.Tensor, bias: torc
         return packed_linear(x2, packed, bias)
     if form == "blocked":
         return rows_times(rows, x2, bias)
+    if form == "gemv" and x2.shape[0] == 1:
+        y = torch.mv(rows, x2[0]) if bias is None else torch.addmv(bias, rows, x2[0])
+        return y[None]
     if bias is None:
         return torch.mm(x2, rows.t())
     return torch.addmm(bias, x2, rows.t())
