@@ -6,6 +6,7 @@ one JSON line.
     python benchmarks/probes.py head-forms FOLDER REPEATS
     python benchmarks/probes.py decode FOLDER PROMPT N DTYPE linear|blocked|packed
     python benchmarks/probes.py step FOLDER STEPS
+    python benchmarks/probes.py profile FOLDER DTYPE FORM|-   (torch.profiler over decoding steps)
     python benchmarks/probes.py weight-bytes FOLDER DTYPE
     python benchmarks/probes.py bfloat16-error FOLDER PROMPT
     python benchmarks/probes.py precision FOLDER DEVICE     (bfloat16 against float32 over 32 prompts)
@@ -212,6 +213,37 @@ def step(folder: str, steps: int) -> dict:
             "smallest_mb": min(sizes), "largest_mb": max(sizes)}
 
 
+def profile_step(folder: str, dtype: str, form: str, steps: int = 20) -> dict:
+    """torch.profiler over `steps` warm decoding steps (after a 64-token prefill) in `dtype` with the
+    product form `form` on torch's thread count: each op's share of the time, the wall time per step,
+    and how many ops one step dispatches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lmhead_cli.loading.sources import load_model
+
+    eng = load_model(folder, device="cpu", dtype=dtype, engine="lean").engine
+    if form != "-":
+        eng.use_form(form)
+    prompt = torch.randint(0, eng.vocab_size - 1, (1, 64), generator=torch.Generator().manual_seed(0))
+    cache = eng.new_cache(1, 64 + 2 * steps + 8)
+    token = eng.head(eng.body(prompt, cache)[:, -1:])[:, 0].argmax(-1)[:, None]
+    for _ in range(steps):  # lays the weights out, faults the pages in
+        token = eng.head(eng.body(token, cache))[:, 0].argmax(-1)[:, None]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = eng.head(eng.body(token, cache))[:, 0].argmax(-1)[:, None]
+        wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    return {"dtype": dtype, "form": form, "threads": torch.get_num_threads(), "step_ms_profiled": wall * 1e3,
+            "ops_per_step": sum(e.count for e in events) / steps,
+            "top": [{"op": e.key, "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps,
+                     "us_per_call": e.self_cpu_time_total / e.count} for e in top]}
+
+
 def weight_bytes_per_token(folder: str, dtype: str) -> dict:
     """Bytes of weights one decoding step reads: every matrix, bias and norm once, the head's matrix
     once (tied: E is read by the head; the embedding lookups read one row each, left out)."""
@@ -313,6 +345,8 @@ def main(argv: list[str]) -> None:
         result = decode(rest[0], rest[1], int(rest[2]), rest[3], rest[4])
     elif what == "step":
         result = step(rest[0], int(rest[1]))
+    elif what == "profile":
+        result = profile_step(rest[0], rest[1], rest[2])
     elif what == "weight-bytes":
         result = weight_bytes_per_token(rest[0], rest[1])
     elif what == "bfloat16-error":

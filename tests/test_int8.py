@@ -60,10 +60,15 @@ def test_logits_match_the_dequantised_model(pair, length):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-def test_greedy_ids_match_the_dequantised_model_step_by_step(pair):
-    """Prefill, then one position per step (the products' few-row path and the KV cache)."""
+@pytest.mark.parametrize("form", ["int_mm", "packed"])
+def test_greedy_ids_match_the_dequantised_model_step_by_step(pair, form):
+    """Prefill, then one position per step (the products' few-row path, in each int8 form, and the KV
+    cache)."""
     loaded, reference = pair
     eng, ids = loaded.engine, PROMPT_IDS
+    if form not in eng.forms:
+        pytest.skip(f"torch has no {form} int8 product here")
+    eng.use_form(form)
     with torch.inference_mode():
         out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
                                  pad_token_id=50256, return_dict_in_generate=True, output_logits=True)

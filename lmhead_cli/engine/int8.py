@@ -38,6 +38,19 @@ def kernel_for(device: torch.device) -> bool:
         return False
 
 
+def forms_for(device: torch.device) -> tuple[str, ...]:
+    """The int8 product forms on `device`: torch._int_mm ("int_mm"), and oneDNN's quantised linear over
+    packed copies of the body's tables ("packed") where torch has it; none without an int8 kernel."""
+    if not kernel_for(device):
+        return ()
+    try:
+        q = torch.ones(8, 16, dtype=torch.int8)
+        y = int8_times(torch.ones(1, 16), q, torch.ones(8), packed=pack_for_qlinear(q))
+        return ("int_mm", "packed") if bool((y == 16).all()) else ("int_mm",)
+    except (RuntimeError, AttributeError, NotImplementedError, TypeError):
+        return ("int_mm",)
+
+
 def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) float -> (q int8 (N, K), s float32 (N,)), symmetric per row; an all-zero row gets s = 1."""
     w = w.detach().float()
@@ -60,17 +73,32 @@ def digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None,
-               kernel: bool = True) -> torch.Tensor:
-    """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32."""
+               kernel: bool = True, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32. `packed`: q packed for oneDNN's
+    quantised linear (`pack_for_qlinear`), which then runs instead of torch._int_mm."""
     if not kernel:  # no int8 kernel here: dequantise, then the plain product
         w = q.to(x.dtype) * s[:, None].to(x.dtype)
         return F.linear(x, w, bias)
     M = x.shape[0]
     a, sigma = digits(x.float())
+    if packed is not None:  # (3M, N) float32 = Σ a·q · s, each row's int32 sum exact before the scale
+        zero = torch.zeros(q.shape[0], dtype=torch.int64)
+        part = torch.ops.onednn.qlinear_pointwise(a.t(), 1.0, 0, packed, s, zero, None, 1.0, 0, torch.float32,
+                                                  "none", [], "")
+        y = torch.add(part[:M], part[M:2 * M], alpha=1 / DIGIT).add_(part[2 * M:], alpha=1 / DIGIT ** 2).mul_(sigma)
+        return y if bias is None else y.add_(bias)
     acc = torch._int_mm(q, a).float()  # (N, 3M): exact int32 sums, then float32
     y = torch.add(acc[:, :M], acc[:, M:2 * M], alpha=1 / DIGIT).add_(acc[:, 2 * M:], alpha=1 / DIGIT ** 2)  # (N, M)
     y = y.t() * (sigma * s)  # (M, N)
     return y if bias is None else y.add_(bias)
+
+
+def pack_for_qlinear(q: torch.Tensor) -> torch.Tensor | None:
+    """q (N, K) int8 in oneDNN's layout for its quantised linear (a copy), or None where torch lacks it."""
+    try:
+        return torch.ops.onednn.qlinear_prepack(q, [3, q.shape[1]])
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
 
 
 class Int8Table(nn.Module):
@@ -99,20 +127,35 @@ class Int8Table(nn.Module):
 
 
 class Int8Conv1D(nn.Module):
-    """GPT-2's Conv1D (y = x @ W + b, W (in, out)) over an int8 table of W's rows (out, in)."""
+    """GPT-2's Conv1D (y = x @ W + b, W (in, out)) over an int8 table of W's rows (out, in). In the
+    engine's "packed" form (engine/products.py) a few positions run over a copy of the table packed for
+    oneDNN's quantised linear, made at the second one-position call."""
+
+    products = None  # the engine's Products, set when it is built
+    packed: torch.Tensor | None = None
+    _one_row_calls = 0
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, kernel: bool):
         super().__init__()
         self.table = Int8Table(weight.detach().t(), kernel)
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        few = x2.shape[0] <= 4 and x2.device.type == "cpu"
+        if few and self._one_row_calls < 2 and self.products is not None and "packed" in self.products.forms:
+            self._one_row_calls += 1
+            if self._one_row_calls == 2 and not (self.products.settled and self.products.form != "packed"):
+                self.packed = pack_for_qlinear(self.table.q)
+        packed = self.packed if few and self.products is not None and self.products.form == "packed" else None
+        t = self.table
+        return int8_times(x2, t.q, t.s, self.bias, t.kernel, packed).view(*x.shape[:-1], -1)
+
     @property
     def weight(self) -> torch.Tensor:
         """W (in, out) dequantised, float32: for readings that split the layer (components)."""
         return self.table.dequantise().t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.table.times(x, self.bias)
 
 
 class Int8Embedding(nn.Module):

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm
-from lmhead_cli.engine.int8 import Int8Head
+from lmhead_cli.engine.int8 import Int8Conv1D, Int8Head
+from lmhead_cli.engine.int8 import forms_for as int8_forms
 
 from lmhead_cli.engine.products import (BLOCKED_MAX_ROWS, Products, few_cpu_rows, few_rows_product,  # noqa: F401
                                         pack_for_onednn, packed_linear, products_for, release_mapped_pages,
@@ -215,9 +216,13 @@ class LeanGPT2(Engine):
         super().__init__(name="lean", config=config, module=module)
         self.gpt = module
         self.int8 = isinstance(module.lm_head, Int8Head)  # quantised at load (engine/int8.py)
-        self.products = Products() if self.int8 else products_for(self.dtype, self.device)
+        if self.int8:
+            forms = int8_forms(self.device)
+            self.products = Products(forms=forms, form=forms[0] if forms else "linear")
+        else:
+            self.products = products_for(self.dtype, self.device)
         for m in module.modules():
-            if isinstance(m, _LaysOut):
+            if isinstance(m, (_LaysOut, Int8Conv1D)):
                 m.products = self.products
                 self.products.modules.append(m)
 
