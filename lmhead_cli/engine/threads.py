@@ -134,7 +134,7 @@ class ThreadChooser:
         n, form = best
         previous = (self.choices[-1] if n is not None and self.choices else None,
                     self.form_choices[-1] if form is not None and self.form_choices else None)
-        kept = (self.choices or self.form_choices) and previous == best
+        kept = bool(self.choices or self.form_choices) and previous == best
         if n is not None:
             self.choices.append(n)
         if form is not None:
