@@ -107,11 +107,13 @@ def test_activation_digits_reconstruct_float32():
 
     x = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1e-3], [1.0], [300.0]])
     x[1, 7] = 0.0
-    a, sigma = digits(x)
-    assert a.dtype == torch.int8 and a.shape == (500, 9)
-    d = a.t().double().view(3, 3, 500)  # (digit, row, K)
-    back = sigma.double() * (d[0] + d[1] / DIGIT + d[2] / DIGIT**2)
-    assert ((back - x.double()).abs() <= 2.0**-21 * x.abs().amax(1, keepdim=True).double()).all()
+    for rows in (x, x[1:2]):  # several positions, and one (a decoding step's own path)
+        M = rows.shape[0]
+        a, sigma = digits(rows)
+        assert a.dtype == torch.int8 and a.shape == (500, 3 * M)
+        d = a.t().double().view(3, M, 500)  # (digit, row, K)
+        back = sigma.double() * (d[0] + d[1] / DIGIT + d[2] / DIGIT**2)
+        assert ((back - rows.double()).abs() <= 2.0**-21 * rows.abs().amax(1, keepdim=True).double()).all()
 
 
 def test_without_a_kernel_the_fallback_is_named_and_gives_the_same_logits(pair, monkeypatch):

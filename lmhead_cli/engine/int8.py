@@ -25,6 +25,7 @@ from torch import nn
 
 DIGIT = 128.0  # the base of the activation digits: |a₁|, |a₂| ≤ 64 fit int8 with room
 QMAX = 127
+_POWERS = torch.tensor([1.0, 1 / DIGIT, 1 / DIGIT**2])  # the digits' weights
 
 
 def kernel_for(device: torch.device) -> bool:
@@ -69,6 +70,8 @@ def digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r = r.sub_(a0).mul_(DIGIT)
     a1 = r.round()
     a2 = r.sub_(a1).mul_(DIGIT).round_()
+    if x.shape[0] == 1:  # a decoding step: (K, 3) in one op, no transpose
+        return torch.stack([a0[0], a1[0], a2[0]], 1).to(torch.int8), sigma
     return torch.cat([a0, a1, a2]).to(torch.int8).t().contiguous(), sigma
 
 
@@ -88,6 +91,9 @@ def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Te
         y = torch.add(part[:M], part[M:2 * M], alpha=1 / DIGIT).add_(part[2 * M:], alpha=1 / DIGIT ** 2).mul_(sigma)
         return y if bias is None else y.add_(bias)
     acc = torch._int_mm(q, a).float()  # (N, 3M): exact int32 sums, then float32
+    if M == 1:  # Σ_d acc[:, d] σ/128^d as one (N, 3) × (3,) product, then · s + bias in one op
+        y = torch.mv(acc, sigma[0] * _POWERS.to(x.device))[None]  # (1, N)
+        return y.mul_(s) if bias is None else torch.addcmul(bias, y, s)
     y = torch.add(acc[:, :M], acc[:, M:2 * M], alpha=1 / DIGIT).add_(acc[:, 2 * M:], alpha=1 / DIGIT ** 2)  # (N, M)
     y = y.t() * (sigma * s)  # (M, N)
     return y if bias is None else y.add_(bias)
