@@ -259,13 +259,14 @@ def targets(R: dict) -> list[tuple[str, str, bool | None]]:
     """(target, measured, met) for every target; None: not measured."""
     t = TARGETS
     out = []
-    insp = R["inspect"]
-    ratio = insp["lean_s"] / insp["hf_s"]
-    out.append((f"inspect ≤ {t['ratio']}× the transformers script", f"{ratio:.2f}×", ratio <= t["ratio"]))
-    lm = [r for r in R["startup"] if r["imported"] is not None]
-    no_torch = all("torch" not in r["imported"] for r in lm)
-    out.append(("start-up without torch", f"{len(lm)} commands, torch imported by "
-                f"{sum('torch' in r['imported'] for r in lm)}", no_torch))
+    if "inspect" in R:
+        insp = R["inspect"]
+        ratio = insp["lean_s"] / insp["hf_s"]
+        out.append((f"inspect ≤ {t['ratio']}× the transformers script", f"{ratio:.2f}×", ratio <= t["ratio"]))
+        lm = [r for r in R["startup"] if r["imported"] is not None]
+        no_torch = all("torch" not in r["imported"] for r in lm)
+        out.append(("start-up without torch", f"{len(lm)} commands, torch imported by "
+                    f"{sum('torch' in r['imported'] for r in lm)}", no_torch))
     idle, bw = R["decode"], R.get("bandwidth")
     f32 = row(idle, "float32", "lmhead")
     for dtype, ratio_key, fraction_key, vs, bound_name in (
@@ -312,14 +313,50 @@ def targets(R: dict) -> list[tuple[str, str, bool | None]]:
     return out
 
 
+def report_front(R: dict) -> list[str]:
+    """Start-up and `inspect` end to end."""
+    t, insp, lines = TARGETS, R["inspect"], []
+    lines += ["", "## Start-up (fresh process)", "", "| command | wall time | torch imported | target |",
+              "|---|---:|---|---|"]
+    for r in R["startup"]:
+        if r["imported"] is None:
+            lines.append(f"| `{r['name']}` (reference) | {r['s']:.2f} s | | |")
+        else:
+            torch_in = "torch" in r["imported"]
+            lines.append(f"| `{r['name']}` | {r['s']:.2f} s | {'yes' if torch_in else 'no'} | "
+                         f"{ok(r['s'] < t['startup_s'] and not torch_in)} < {t['startup_s']} s, no torch |")
+    ratio = insp["lean_s"] / insp["hf_s"]
+    rss_ok = insp["lean_rss_mb"] <= insp["hf_rss_mb"]
+    lines += [
+        "",
+        "## `lmhead inspect` end to end (fresh process)",
+        "",
+        f"`lmhead inspect \"{PROMPT}\" --model CHECKPOINT` (tables on stdout) against "
+        "benchmarks/transformers_inspect.py doing the same work (import, load the folder, one forward with "
+        "`logits_to_keep=1`, softmax, top 10).",
+        "",
+        "| | lmhead inspect | transformers script | ratio | target |",
+        "|---|---:|---:|---:|---|",
+        f"| wall time | {insp['lean_s']:.2f} s | {insp['hf_s']:.2f} s | {ratio:.2f}× | "
+        f"{ok(ratio <= t['ratio'])} ≤ {t['ratio']}× |",
+        f"| peak resident memory | {insp['lean_rss_mb']:.0f} MB | {insp['hf_rss_mb']:.0f} MB | "
+        f"{insp['lean_rss_mb'] / insp['hf_rss_mb']:.2f}× | {ok(rss_ok)} ≤ 1× |",
+        "",
+        f"Heavy modules imported by `lmhead inspect`: {', '.join(insp['imported']) or 'none'} "
+        f"({ok('transformers' not in insp['imported'])} no transformers).",
+    ]
+    return lines
+
+
 def report(R: dict, args) -> str:
-    m, ck, bw, insp = R["machine"], R["checkpoint"], R.get("bandwidth"), R["inspect"]
+    m, ck, bw = R["machine"], R["checkpoint"], R.get("bandwidth")
     t = TARGETS
     loads = R["loads"]
     lines = [
         "# lmhead benchmark results",
         "",
-        f"Written by `python benchmarks/run.py{' --quick' if args.quick else ''}{' --write' if args.write else ''}"
+        f"Written by `python benchmarks/run.py{' --quick' if args.quick else ''}{' --decode-only' if args.decode_only else ''}"
+        f"{' --write' if args.write else ''}"
         f"{' --device ' + args.device if args.device != 'cpu' else ''}` on "
         f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {R['elapsed_s'] / 60:.1f} min. "
         "Every comparison is a ratio of two figures measured in this same run.",
@@ -351,34 +388,9 @@ def report(R: dict, args) -> str:
     lines += ["", "## Targets", "", "| target | measured in this run | met |", "|---|---|---|"]
     for name, value, met in targets(R):
         lines.append(f"| {name} | {value} | {ok(met)} |")
-    lines += ["", "## Start-up (fresh process)", "", "| command | wall time | torch imported | target |",
-              "|---|---:|---|---|"]
-    for r in R["startup"]:
-        if r["imported"] is None:
-            lines.append(f"| `{r['name']}` (reference) | {r['s']:.2f} s | | |")
-        else:
-            torch_in = "torch" in r["imported"]
-            lines.append(f"| `{r['name']}` | {r['s']:.2f} s | {'yes' if torch_in else 'no'} | "
-                         f"{ok(r['s'] < t['startup_s'] and not torch_in)} < {t['startup_s']} s, no torch |")
-    ratio = insp["lean_s"] / insp["hf_s"]
-    rss_ok = insp["lean_rss_mb"] <= insp["hf_rss_mb"]
+    if "startup" in R:
+        lines += report_front(R)
     lines += [
-        "",
-        "## `lmhead inspect` end to end (fresh process)",
-        "",
-        f"`lmhead inspect \"{PROMPT}\" --model CHECKPOINT` (tables on stdout) against "
-        "benchmarks/transformers_inspect.py doing the same work (import, load the folder, one forward with "
-        "`logits_to_keep=1`, softmax, top 10).",
-        "",
-        "| | lmhead inspect | transformers script | ratio | target |",
-        "|---|---:|---:|---:|---|",
-        f"| wall time | {insp['lean_s']:.2f} s | {insp['hf_s']:.2f} s | {ratio:.2f}× | "
-        f"{ok(ratio <= t['ratio'])} ≤ {t['ratio']}× |",
-        f"| peak resident memory | {insp['lean_rss_mb']:.0f} MB | {insp['hf_rss_mb']:.0f} MB | "
-        f"{insp['lean_rss_mb'] / insp['hf_rss_mb']:.2f}× | {ok(rss_ok)} ≤ 1× |",
-        "",
-        f"Heavy modules imported by `lmhead inspect`: {', '.join(insp['imported']) or 'none'} "
-        f"({ok('transformers' not in insp['imported'])} no transformers).",
         "",
         "## Greedy decoding",
         "",
@@ -417,6 +429,21 @@ def report(R: dict, args) -> str:
             f"({parts['head_gbs']:.1f} GB/s): {1 / step_s:.1f} steps/s. The body's {parts['matrices']:.0f} "
             f"matrices per step are {parts['smallest_mb']:.1f} to {parts['largest_mb']:.1f} MB each.",
         ]
+    profiles = R.get("profiles")
+    if profiles:
+        lines += [
+            "",
+            "Where a decoding step's time goes, by op (torch.profiler over 20 warm steps, one product form fixed, "
+            "torch's threads; benchmarks/probes.py profile): each op's share of the profiled time, calls per step, "
+            "time per call.",
+            "",
+            "| dtype, form | ms per step (profiled) | ops per step | top ops: share, calls/step, µs/call |",
+            "|---|---:|---:|---|",
+        ]
+        for p in profiles:
+            top = "; ".join(f"{o['op'].removeprefix('aten::')} {o['share']:.0%}, {o['calls_per_step']:.0f}, "
+                            f"{o['us_per_call']:.0f}" for o in p["top"][:6])
+            lines.append(f"| {p['dtype']}, {p['form']} | {p['step_ms_profiled']:.1f} | {p['ops_per_step']:.0f} | {top} |")
     bf16 = R.get("bf16_error")
     if bf16:
         lines += [
@@ -524,7 +551,7 @@ def report(R: dict, args) -> str:
             f"{forms['blocked']['gbs']:.1f} | {base / forms['blocked']['s']:.2f}× | 0 MB | "
             f"{'yes' if forms['tied'] else 'no'} |",
         ]
-    lines += report_batch(R["batch"])
+    lines += report_batch(R["batch"]) if "batch" in R else []
     dist = R.get("distributed")
     if dist:
         lines += [
@@ -581,11 +608,13 @@ def main() -> None:
                         help="a smoke test in about a minute on an idle machine: one process per figure, 16 new tokens, no waiting for "
                         "idle CPUs, the slow sections left out")
     parser.add_argument("--write", action="store_true", help="keep the report in benchmarks/RESULTS.md (full runs only)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the bandwidth, the greedy-decoding sections (idle and busy) and the step profiles")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     parser.add_argument("--out", type=Path, help="where the report goes (default: benchmarks/.cache/RESULTS-*.md)")
     args = parser.parse_args()
-    if args.write and args.quick:
-        parser.error("--write keeps a full run's figures; --quick runs are written to benchmarks/.cache/")
+    if args.write and (args.quick or args.decode_only):
+        parser.error("--write keeps a full run's figures; other runs are written to benchmarks/.cache/")
     if args.device == "cuda":
         import torch
 
@@ -597,7 +626,7 @@ def main() -> None:
         args.repeats, args.decode_repeats, args.new_tokens = 1, 1, 16
         QUIET.patience, QUIET.retries = 0.0, 0
     out = args.out or (HERE / "RESULTS.md" if args.write else
-                       HERE / ".cache" / f"RESULTS-{'quick' if args.quick else 'full'}.md")
+                       HERE / ".cache" / f"RESULTS-{'quick' if args.quick else 'decode' if args.decode_only else 'full'}.md")
     cpu = args.device == "cpu"
     began = time.perf_counter()
     R: dict = {"loads": []}
@@ -609,12 +638,13 @@ def main() -> None:
     section("start")
     folder = gpt2_small()
     bandwidths = [probe("bandwidth")] if cpu else []
-    section("start-up")
-    R["startup"] = startup(args.repeats, args.quick)
-    section("inspect")
-    R["inspect"] = inspect(folder, args.repeats, args.device)
-    section("inspect --file")
-    R["batch"] = batch(folder, 16 if args.quick else 32, args.repeats, not args.quick, args.device)
+    if not args.decode_only:
+        section("start-up")
+        R["startup"] = startup(args.repeats, args.quick)
+        section("inspect")
+        R["inspect"] = inspect(folder, args.repeats, args.device)
+        section("inspect --file")
+        R["batch"] = batch(folder, 16 if args.quick else 32, args.repeats, not args.quick, args.device)
     section("decode")
     if cpu and not args.quick:
         bandwidths.append(probe("bandwidth"))
@@ -625,7 +655,7 @@ def main() -> None:
         ["lmhead", "lmhead, linear form", "lmhead, blocked form", "lmhead, packed form", "transformers"]
     R["decode"] = decode(folder, args.decode_repeats, args.new_tokens,
                          {"float32": f32, "bfloat16": b16, **({"int8": ["lmhead"]} if cpu else {})}, args.device)
-    if not args.quick:
+    if not args.quick and not args.decode_only:
         section("precision")
         R["precision"] = probe("precision", str(folder), args.device)
     if cpu:
@@ -640,7 +670,11 @@ def main() -> None:
         R["bf16_error"] = probe("bfloat16-error", str(folder), PROMPT)
         steps = [probe("step", str(folder), "60") for _ in range(3)]
         R["step"] = {k: median([p[k] for p in steps]) for k in steps[0]}
+        R["profiles"] = [probe("profile", str(folder), dtype, form)
+                         for dtype, form in (("float32", "linear"), ("float32", "gemv"), ("int8", "int_mm"),
+                                             ("bfloat16", "packed"))]
         bandwidths.append(probe("bandwidth"))
+    if cpu and not args.quick and not args.decode_only:
         section("head alone")
         # Every allocation over 64 kB straight from mmap and back on free, so the resident high-water mark
         # shows each call's own peak (glibc otherwise keeps freed blocks resident and reuses them).
@@ -649,7 +683,7 @@ def main() -> None:
         R["forms"] = probe("head-forms", str(folder), str(max(args.repeats * 4, 10)))
         section("distributed")
         R["distributed"] = distributed(folder, 256, 2, 1)
-    if cpu:  # `lmhead score` (benchmarks/score_bench.py)
+    if cpu and not args.decode_only:  # `lmhead score` (benchmarks/score_bench.py)
         section("score")
         R["score"] = score_bench.measure(folder, run, quick=args.quick)
         section("compare")  # `lmhead compare` (benchmarks/compare_bench.py), where the command exists
