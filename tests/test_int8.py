@@ -139,3 +139,29 @@ def test_the_transformers_engine_and_other_models_are_refused(tiny, tmp_path):
                 vocab_size=50257).save_pretrained(tmp_path)
     with pytest.raises(UsageError, match="--dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only"):
         load_model(str(tmp_path), dtype="int8")
+
+
+def test_the_command_line_says_int8_and_how_the_tie_is_stored(tiny):
+    """--dtype int8 on any model command: the JSON names the weights' format, `tie` how the one table
+    is stored, and the transformers engine is refused in one line, exit 2."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from lmhead_cli.cli import app
+
+    runner = CliRunner()
+    folder = str(tiny[0])
+    got = runner.invoke(app, ["greedy", "The keys", "-n", "3", "--model", folder, "--dtype", "int8", "--json"])
+    assert got.exit_code == 0, got.output
+    assert json.loads(got.stdout)["dtype"] == "int8"
+    got = runner.invoke(app, ["inspect", "The keys", "--model", folder, "--dtype", "int8", "--json"])
+    assert got.exit_code == 0 and json.loads(got.stdout)["dtype"] == "int8"
+    got = runner.invoke(app, ["tie", "--model", folder, "--dtype", "int8", "--json"])
+    doc = json.loads(got.stdout)
+    assert doc["tied"] and doc["storage"] == "int8 table + float32 scale per row"
+    assert "stored as" in runner.invoke(app, ["tie", "--model", folder, "--dtype", "int8"]).stdout
+    got = runner.invoke(app, ["inspect", "x", "--model", folder, "--dtype", "int8", "--engine", "transformers"])
+    assert got.exit_code == 2 and got.stderr.strip().splitlines() == [
+        "lmhead: error: --dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers use "
+        "float32, bfloat16 or float16"]

@@ -107,7 +107,7 @@ def inspection_from_logits(loaded: Loaded, ids: list[int], dropped: int, logits:
     nats = float(entropy(log_softmax(logits)))
     return Inspection(
         model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied, engine=eng.name,
-        device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
+        device=str(eng.device), dtype=eng.weight_format,
         prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
         top=top_tokens(logits, k, text), targets=[target_score(logits, t, tid, text) for t, tid in target_ids],
         entropy=nats, entropy_bits=nats_to_bits(nats), logits=logits,
