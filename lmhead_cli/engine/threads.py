@@ -58,7 +58,9 @@ class ThreadChooser:
     `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
     one thread (first-call set-up is not what is compared; with forms, two calls: the second
     one-position call lays the weights out); the next settings × trials calls alternate between the
-    settings, and the fastest (best time per unit each) is kept. Then the median of the last 5 calls
+    settings, and the fastest (best time per unit each) is kept. With forms, the trial times each
+    form on one thread, then torch's count with the fastest of them: one call on more threads, not
+    one per form. Then the median of the last 5 calls
     is watched against the median of the first 5 after the choice: when it is more than `slack` times
     slower, or after `recheck` calls, the trial runs again. A trial costs calls on slower settings,
     which on a busy machine can take many times longer, so a trial that keeps the same setting
@@ -101,7 +103,11 @@ class ThreadChooser:
         if len(forms) < 2:
             return
         self.forms, self._engine = forms, engine
-        self._settings = [(n, f) for n in (self.candidates or [None]) for f in forms]
+        # The forms on one thread first (on a busy machine a call on more threads can take many times
+        # longer), then the other count with whichever form was fastest ("best", resolved when reached).
+        counts = self.candidates or [None]
+        first = 1 if 1 in counts else counts[0]
+        self._settings = [(first, f) for f in forms] + [(n, "best") for n in counts if n != first]
         self._warm_up = 2
         self._start_trial()
 
@@ -118,6 +124,12 @@ class ThreadChooser:
     def _start_trial(self) -> None:
         self._pending = self._settings * self.trials  # alternating: drift hits all alike
         self._timed = {}
+
+    def _resolve(self, setting: tuple[int | None, str | None]) -> tuple[int | None, str | None]:
+        """(n, "best"): the form timed fastest so far in this trial."""
+        if setting[1] != "best":
+            return setting
+        return setting[0], min(self._timed, key=self._timed.get)[1]
 
     def _apply(self, setting: tuple[int | None, str | None]) -> None:
         import torch
@@ -142,6 +154,8 @@ class ThreadChooser:
             self._engine.settle_form()
             if form != "packed":  # settle_form dropped the packed copies: that form is gone
                 self._settings = [s for s in self._settings if s[1] != "packed"]
+                if len(self._settings) < 2:  # nothing left to choose between
+                    self._settings = []
         # The slowest setting's call is what a trial costs: the more it lost by, the longer until the next.
         lost_by = max(self._timed.values()) / max(self._timed[best], 1e-12)
         self._interval = min(int(self._interval * max(2.0, lost_by)), self.max_recheck) if kept else self.recheck
@@ -161,6 +175,7 @@ class ThreadChooser:
             return fn()
 
         if self._pending:
+            self._pending[0] = self._resolve(self._pending[0])
             self._apply(self._pending[0])
         start = time.perf_counter()
         out = fn()
