@@ -612,7 +612,19 @@ def main() -> None:
                         help="only the bandwidth, the greedy-decoding sections (idle and busy) and the step profiles")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     parser.add_argument("--out", type=Path, help="where the report goes (default: benchmarks/.cache/RESULTS-*.md)")
+    parser.add_argument("--report-from", type=Path, metavar="JSON",
+                        help="write the report again from a run's kept figures (benchmarks/.cache/measured-*.json)")
     args = parser.parse_args()
+    if args.report_from:
+        kept = json.loads(args.report_from.read_text(encoding="utf-8"))
+        kept_args = argparse.Namespace(**{**kept["args"], "out": args.out})
+        R = kept["R"]
+        R["loads"] = [tuple(x) for x in R["loads"]]
+        for k, v in R.get("quiet", {}).items():  # the run's own waiting and retry counts
+            setattr(QUIET, k, v)
+        out = args.out or (HERE / "RESULTS.md" if kept_args.write else args.report_from.with_suffix(".md"))
+        write(R, kept_args, out)
+        return
     if args.write and (args.quick or args.decode_only):
         parser.error("--write keeps a full run's figures; other runs are written to benchmarks/.cache/")
     if args.device == "cuda":
@@ -697,6 +709,14 @@ def main() -> None:
                        "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
     R["machine"] = machine()
     R["elapsed_s"] = time.perf_counter() - began
+    R["quiet"] = {k: v for k, v in vars(QUIET).items() if isinstance(v, (int, float))}
+    measured = HERE / ".cache" / f"measured-{out.stem}.json"  # the figures, kept before the report is written
+    measured.parent.mkdir(parents=True, exist_ok=True)
+    measured.write_text(json.dumps({"R": R, "args": vars(args)}, default=str), encoding="utf-8")
+    write(R, args, out)
+
+
+def write(R: dict, args, out: Path) -> None:
     text = report(R, args) + (score_bench.report(R["score"]) if "score" in R else "") + (
         compare_bench.report(R["compare"]) if R.get("compare") else "")
     out.parent.mkdir(parents=True, exist_ok=True)
