@@ -188,10 +188,16 @@ class Int8Head(nn.Module):
         return self.table.times(h)
 
 
-def quantise_gpt2_(gpt: nn.Module, tied: bool, kernel: bool) -> None:
+def quantise_gpt2_(gpt: nn.Module, tied: bool, device: torch.device, announce=lambda line: None) -> None:
     """Replace every matrix of a lean GPT2 (engine/lean.py) by its int8 table, in place: each block's
-    Conv1Ds, and wte with lm_head (one table when tied). wpe, norms and biases stay float32."""
+    Conv1Ds, and wte with lm_head (one table when tied). wpe, norms and biases stay float32. Where
+    `device` has no int8 kernel, `announce(line)` names the fallback."""
     from lmhead_cli.engine.lean import Conv1D
+
+    kernel = kernel_for(device)
+    if not kernel:
+        announce(f"--dtype int8 on {device.type}: torch has no int8 product kernel there; each product "
+                 "dequantises its weights to float32 instead (the same figures, none of the speed)")
 
     for block in gpt.h:
         for parent in (block.attn, block.mlp):

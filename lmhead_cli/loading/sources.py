@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from lmhead_cli.engine.base import Engine, TieNames
+from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
@@ -26,6 +26,7 @@ from lmhead_cli.errors import (CorruptCheckpoint, LmheadError, ModelNotFound, Un
                                UnsupportedModel, UsageError)
 from lmhead_cli.loading import bundled, checks
 from lmhead_cli.loading.model_configs import config_names, load_config
+from lmhead_cli.loading.tie import TieReport, file_tie, tie_report  # noqa: F401 - the tie's own module
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 
 RANDOM_PREFIX = "random:"
@@ -38,25 +39,6 @@ HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "to
              "vocab.json", "merges.txt", "generation_config.json"]
 # Buffers some GPT-2 checkpoints store that are not weights (the causal mask).
 _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")
-
-
-@dataclass(frozen=True)
-class TieReport:
-    """Whether the output matrix W_out is the embedding table E, and the evidence."""
-
-    tied: bool  # the head's weight is the embedding's weight object
-    same_object: bool  # the head's weight is the embedding's (e.g. lm_head.weight is wte.weight)
-    same_data_ptr: bool
-    config_tie_word_embeddings: bool
-    file_has_lm_head: bool | None  # the file stores the head's own weight; None: no file (random weights)
-    file_lm_head_equals_wte: bool | None  # that stored head equals the stored embedding
-    head_name: str  # the model's own names, e.g. "lm_head.weight" and "model.embed_tokens.weight"
-    embedding_name: str
-    shape: tuple[int, int]  # (V, D)
-    # c when the model soft-caps its own logits after the head (Gemma-2's final_logit_softcapping), else None
-    own_softcap: float | None = None
-    # how the shared (or head's) matrix is stored: "float32", ..., or "int8 table + float32 scale per row"
-    storage: str = "float32"
 
 
 @dataclass
@@ -114,12 +96,11 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    int8 = dt == torch.int8
-    if int8:
-        dt = torch.float32  # built in float32, then quantised: activations, norms and softmax stay float32
-        if engine == "transformers":
-            raise UsageError("--dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers "
-                             "use float32, bfloat16 or float16")
+    int8 = dt == torch.int8  # built in float32, then quantised: activations, norms and softmax stay float32
+    dt = torch.float32 if int8 else dt
+    if int8 and engine == "transformers":
+        raise UsageError("--dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers "
+                         "use float32, bfloat16 or float16")
     pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
         raise UsageError("--model is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
@@ -137,9 +118,7 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
-        if _choose_engine(engine, config) != "lean" and int8:  # refuse a wrong engine before reading any weights
-            raise UsageError(f"--dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only (this is "
-                             f"{config.get('model_type')!r}); use float32, bfloat16 or float16")
+        _choose_engine(engine, config, int8)  # refuse a wrong engine before reading any weights
         files = weight_files(folder, allow_pickle)
         header = checks.read_header(files) if files[0].suffix == ".safetensors" else None
         if header is not None:
@@ -265,8 +244,11 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
-def _choose_engine(engine: str, config: dict) -> str:
+def _choose_engine(engine: str, config: dict, int8: bool = False) -> str:
     is_gpt2 = config.get("model_type") == "gpt2"
+    if int8 and not is_gpt2:
+        raise UsageError(f"--dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only (this is "
+                         f"{config.get('model_type')!r}); use float32, bfloat16 or float16")
     if engine == "lean" and not is_gpt2:
         raise UsageError(f"the lean engine runs GPT-2-family checkpoints only (this is "
                          f"{config.get('model_type')!r}); use --engine transformers")
@@ -368,8 +350,7 @@ def random_state(config: dict, seed: int) -> dict[str, torch.Tensor]:
 def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: list[Path],
                device: torch.device, dtype: torch.dtype, int8: bool = False, announce=lambda line: None) -> GPT2:
     """The lean GPT-2 module holding `state`; tied means lm_head.weight *is* wte.weight. int8: every
-    matrix quantised (engine/int8.py), tied as one table; `announce` names a fallback where the device
-    has no int8 kernel."""
+    matrix quantised (engine/int8.py; `announce` hears of a device without an int8 kernel)."""
     if not tied and "lm_head.weight" not in state:
         raise CorruptCheckpoint(f"{_names(files)}: the config unties the head (tie_word_embeddings: false) "
                                 "but the weights hold no lm_head.weight")
@@ -391,13 +372,9 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
     if int8:
-        from lmhead_cli.engine.int8 import kernel_for, quantise_gpt2_
+        from lmhead_cli.engine.int8 import quantise_gpt2_
 
-        kernel = kernel_for(device)
-        if not kernel:
-            announce(f"--dtype int8 on {device.type}: torch has no int8 product kernel there; each product "
-                     "dequantises its weights to float32 instead (the same figures, none of the speed)")
-        quantise_gpt2_(model, tied, kernel)
+        quantise_gpt2_(model, tied, device, announce)
     return model.to(device).eval()
 
 
@@ -482,35 +459,3 @@ def _dims(shape) -> str:
 
 def _few(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
-def file_tie(state: dict[str, torch.Tensor], names: TieNames) -> tuple[bool, bool | None]:
-    """What the checkpoint file stores: (its own head weight?, that head equal to the stored embedding?
-    None when either is absent)."""
-    head, embedding = _stored(state, names.head), _stored(state, names.embedding)
-    return head is not None, (torch.equal(head, embedding) if head is not None and embedding is not None else None)
-
-
-def tie_report(eng: Engine, stored: tuple[bool, bool | None] | None, config_tied: bool) -> TieReport:
-    """Whether the engine's head weight is its embedding weight, under the model's own names, and what
-    the checkpoint file stores (`file_tie`; None for random weights)."""
-    names = eng.tie_names
-    head_w, emb_w = eng.head_weight, eng.embedding_weight
-    return TieReport(
-        tied=head_w is emb_w,
-        same_object=head_w is emb_w,
-        same_data_ptr=head_w.data_ptr() == emb_w.data_ptr(),
-        config_tie_word_embeddings=config_tied,
-        file_has_lm_head=None if stored is None else stored[0],
-        file_lm_head_equals_wte=None if stored is None else stored[1],
-        head_name=names.head,
-        embedding_name=names.embedding,
-        shape=tuple(head_w.shape),
-        own_softcap=eng.own_stages.get("softcap"),
-        storage="int8 table + float32 scale per row" if eng.weight_format == "int8" else eng.weight_format,
-    )
-
-
-def _stored(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """The file's tensor for the model's parameter `name` (file names are normalised: no `transformer.`)."""
-    return state.get(name, state.get(name.removeprefix("transformer.")))
