@@ -297,9 +297,10 @@ def targets(R: dict) -> list[tuple[str, str, bool | None]]:
         lb = row(busy, "float32", "lmhead")
         x = lb["steady"] / f32["steady"]
         out.append((f"busy: lmhead ≥ {t['busy_own']}× its own idle speed", f"{x:.2f}×", x >= t["busy_own"]))
-        y = lb["steady"] / lb["hf_steady"]
-        out.append((f"busy: lmhead ≥ {t['decode_ratio']}× generate() beside the same competitor", f"{y:.2f}×",
-                    y >= t["decode_ratio"]))
+        if lb["hf_steady"]:
+            y = lb["steady"] / lb["hf_steady"]
+            out.append((f"busy: lmhead ≥ {t['decode_ratio']}× generate() beside the same competitor", f"{y:.2f}×",
+                        y >= t["decode_ratio"]))
     score = R.get("score")
     if score:
         p = score["inproc"]
@@ -494,11 +495,11 @@ def report(R: dict, args) -> str:
             vs_hf = f"{r['steady'] / r['hf_steady']:.2f}×" if r["hf_steady"] else "n/a"
             vs_f32 = f"{r['steady'] / base['steady']:.2f}×" if base else "n/a"
             target = ""
-            if r["engine"] == "lmhead" and r["dtype"] == "float32":
+            if r["engine"] == "lmhead" and r["dtype"] == "float32" and r["hf_steady"]:
                 target = (f"{ok(idle is not None and r['steady'] / idle['steady'] >= t['busy_own'])} ≥ "
                           f"{t['busy_own']}× idle, {ok(r['steady'] / r['hf_steady'] >= t['decode_ratio'])} ≥ "
                           f"{t['decode_ratio']}× transformers")
-            elif r["engine"] == "lmhead" and r["dtype"] == "bfloat16" and base:
+            elif r["engine"] == "lmhead" and r["dtype"] == "bfloat16" and base and r["hf_steady"]:
                 target = (f"{ok(r['steady'] / base['steady'] >= t['bf16_vs_f32'])} ≥ {t['bf16_vs_f32']}× float32, "
                           f"{ok(r['steady'] / r['hf_steady'] >= t['bf16_vs_hf'])} ≥ {t['bf16_vs_hf']}× transformers")
             elif r["engine"] == "lmhead" and r["dtype"] == "int8" and base:
@@ -674,7 +675,7 @@ def main() -> None:
         section("busy")
         with Competitor():
             R["busy"] = decode(folder, args.decode_repeats, args.new_tokens,
-                               {"float32": [v for v in f32 if "form" not in v],
+                               {"float32": [v for v in f32 if not v.endswith(" form")],
                                 "bfloat16": ["lmhead", "transformers"], "int8": ["lmhead"]}, args.device,
                                "beside a busy process, ")
     if cpu and not args.quick:
