@@ -7,6 +7,7 @@ one JSON line.
     python benchmarks/probes.py decode FOLDER PROMPT N DTYPE linear|blocked|packed
     python benchmarks/probes.py step FOLDER STEPS
     python benchmarks/probes.py profile FOLDER DTYPE FORM|-   (torch.profiler over decoding steps)
+    python benchmarks/probes.py side-by-side FOLDER THREADS ROUNDS SPEC...   (DTYPE:FORM or hf:DTYPE steps, alternating)
     python benchmarks/probes.py weight-bytes FOLDER DTYPE
     python benchmarks/probes.py bfloat16-error FOLDER PROMPT
     python benchmarks/probes.py precision FOLDER DEVICE     (bfloat16 against float32 over 32 prompts)
@@ -244,6 +245,60 @@ def profile_step(folder: str, dtype: str, form: str, steps: int = 20) -> dict:
                      "us_per_call": e.self_cpu_time_total / e.count} for e in top]}
 
 
+BLOCK = 4  # side_by_side: steps per set-up per round
+
+
+def side_by_side(folder: str, threads: int, rounds: int, specs: list[str]) -> dict:
+    """Warm decoding steps of several set-ups in ONE process, alternating step by step (drift and other
+    work hit all alike): each spec is DTYPE:FORM for lmhead's engine (FORM "-": the default) or
+    hf:DTYPE for transformers' GPT2LMHeadModel stepping with its own KV cache, as generate() does.
+    Each round runs BLOCK steps of each set-up in turn. Median seconds per step after a 16-token
+    prompt, on `threads` threads, and the read bandwidth measured in the same process."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from lmhead_cli.loading.sources import load_model
+
+    torch.set_num_threads(threads)
+    prompt = torch.randint(0, 50256, (1, 16), generator=torch.Generator().manual_seed(0))
+    steppers = {}
+    for spec in specs:
+        kind, form = spec.split(":")
+        if kind == "hf":
+            model = GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, form)).eval()
+            state = {"past": None, "x": prompt}
+
+            def step(model=model, state=state):
+                out = model(state["x"], past_key_values=state["past"], use_cache=True, logits_to_keep=1)
+                state["past"], state["x"] = out.past_key_values, out.logits[:, -1].argmax(-1)[:, None]
+        else:
+            eng = load_model(folder, device="cpu", dtype=kind, engine="lean").engine
+            if form != "-":
+                eng.use_form(form)
+            state = {"cache": eng.new_cache(1, 16 + BLOCK * rounds + 8), "x": prompt}
+
+            def step(eng=eng, state=state):
+                h = eng.body(state["x"], state["cache"])[:, -1:]
+                state["x"] = eng.head(h)[:, 0].argmax(-1)[:, None]
+        steppers[spec] = step
+    times = {spec: [] for spec in specs}
+    with torch.inference_mode():
+        for step in steppers.values():
+            for _ in range(3):  # prefill, then the lay-out step
+                step()
+        for _ in range(rounds):
+            for spec, step in steppers.items():
+                for i in range(BLOCK):  # a few steps each: a model small enough stays in the cache, as it
+                    start = time.perf_counter()  # would decoding on its own; the first of a block is left out
+                    step()
+                    if i:
+                        times[spec].append(time.perf_counter() - start)
+    bw = bandwidth(repeats=5)
+    return {"threads": threads, "rounds": rounds, "read_gbs": bw[f"read_gbs_{threads}"] if f"read_gbs_{threads}" in bw
+            else bw["read_gbs"], "step_s": {k: statistics.median(v) for k, v in times.items()},
+            "best_s": {k: min(v) for k, v in times.items()}}
+
+
 def weight_bytes_per_token(folder: str, dtype: str) -> dict:
     """Bytes of weights one decoding step reads: every matrix, bias and norm once, the head's matrix
     once (tied: E is read by the head; the embedding lookups read one row each, left out)."""
@@ -345,6 +400,8 @@ def main(argv: list[str]) -> None:
         result = decode(rest[0], rest[1], int(rest[2]), rest[3], rest[4])
     elif what == "step":
         result = step(rest[0], int(rest[1]))
+    elif what == "side-by-side":
+        result = side_by_side(rest[0], int(rest[1]), int(rest[2]), rest[3:])
     elif what == "profile":
         result = profile_step(rest[0], rest[1], rest[2])
     elif what == "weight-bytes":
