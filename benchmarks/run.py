@@ -609,6 +609,8 @@ def main() -> None:
                         help="a smoke test in about a minute on an idle machine: one process per figure, 16 new tokens, no waiting for "
                         "idle CPUs, the slow sections left out")
     parser.add_argument("--write", action="store_true", help="keep the report in benchmarks/RESULTS.md (full runs only)")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="measure at once: no waiting for idle CPUs, no measurement taken again (a busy machine)")
     parser.add_argument("--decode-only", action="store_true",
                         help="only the bandwidth, the greedy-decoding sections (idle and busy) and the step profiles")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
@@ -637,6 +639,7 @@ def main() -> None:
             raise SystemExit(1)
     if args.quick:
         args.repeats, args.decode_repeats, args.new_tokens = 1, 1, 16
+    if args.quick or args.no_wait:
         QUIET.patience, QUIET.retries = 0.0, 0
     out = args.out or (HERE / "RESULTS.md" if args.write else
                        HERE / ".cache" / f"RESULTS-{'quick' if args.quick else 'decode' if args.decode_only else 'full'}.md")
