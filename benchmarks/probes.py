@@ -4,8 +4,10 @@ one JSON line.
     python benchmarks/probes.py bandwidth
     python benchmarks/probes.py head FOLDER T REPEATS
     python benchmarks/probes.py head-forms FOLDER REPEATS
-    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE blocked|plain
+    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE linear|blocked|packed
     python benchmarks/probes.py step FOLDER STEPS
+    python benchmarks/probes.py profile FOLDER DTYPE FORM|-   (torch.profiler over decoding steps)
+    python benchmarks/probes.py side-by-side FOLDER THREADS ROUNDS SPEC...   (DTYPE:FORM or hf:DTYPE steps, alternating)
     python benchmarks/probes.py weight-bytes FOLDER DTYPE
     python benchmarks/probes.py bfloat16-error FOLDER PROMPT
     python benchmarks/probes.py precision FOLDER DEVICE     (bfloat16 against float32 over 32 prompts)
@@ -36,7 +38,22 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(_times(fn, repeats))
 
 
-def bandwidth(size_bytes: int = 256 * 2**20, repeats: int = 15) -> dict:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), 0 where it cannot be read."""
+    from pathlib import Path
+
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        try:
+            n = int(text.rstrip("KMG"))
+        except ValueError:
+            continue
+        best = max(best, n * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1))
+    return best
+
+
+def bandwidth(size_bytes: int | None = None, repeats: int = 15) -> dict:
     """Streaming memory bandwidth with torch's own kernels, over buffers far larger than the caches,
     on 1 thread and on all of torch's threads: the fastest of `repeats` passes, since other work can
     only slow a pass down and a bound should not be low.
@@ -46,8 +63,10 @@ def bandwidth(size_bytes: int = 256 * 2**20, repeats: int = 15) -> dict:
     """
     import torch
 
+    # Far larger than the caches: a buffer the last-level cache holds would measure the cache.
+    size_bytes = size_bytes or max(256 * 2**20, 2 * last_level_cache_bytes())
     n = size_bytes // 4
-    a, b = torch.randn(n), torch.randn(n)  # written, so every page is really there
+    a, b = torch.full((n,), 1.0), torch.full((n,), 2.0)  # written, so every page is really there
     threads = torch.get_num_threads()
     out = {"buffer_mb": size_bytes / MB, "threads": threads, "copy_gbs": 0.0, "read_gbs": 0.0}
     for t in sorted({1, threads}):
@@ -109,6 +128,7 @@ def head_forms(folder: str, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from lmhead_cli.engine.products import rows_times
     from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype="float32", engine="lean").engine
@@ -118,7 +138,7 @@ def head_forms(folder: str, repeats: int) -> dict:
     Et = E.detach().t().contiguous()  # (D, V)
     copy_s = time.perf_counter() - start
     nbytes = E.numel() * E.element_size()
-    forms = {"blocked": lambda: eng.head(h), "linear": lambda: F.linear(h, E), "copy": lambda: h @ Et}
+    forms = {"blocked": lambda: rows_times(E, h), "linear": lambda: F.linear(h, E), "copy": lambda: h @ Et}
     out = {"copy_s": copy_s, "copy_mb": nbytes / MB, "tied": eng.head_weight is eng.embedding_weight}
     times = {name: [] for name in forms}
     with torch.inference_mode():
@@ -131,20 +151,17 @@ def head_forms(folder: str, repeats: int) -> dict:
     return out
 
 
-def decode(folder: str, prompt: str, n: int, dtype: str, products: str) -> dict:
+def decode(folder: str, prompt: str, n: int, dtype: str, form: str) -> dict:
     """Greedy decoding straight over the engine, timed as `lmhead greedy` times itself (prefill and
-    every step, no warm-up; and the rate after the first token). products "plain" turns the blocked
-    matrix-vector products off (the engine as it was before them), "blocked" leaves them on."""
+    every step, no warm-up; and the rate after the first token), with the product form `form`
+    (engine/products.py) fixed on torch's thread count: nothing is chosen by timing."""
     import torch
 
-    from lmhead_cli.engine import lean as engine
     from lmhead_cli.loading.sources import load_model
 
-    if products == "plain":
-        engine._streams = lambda x: False  # addmm and F.linear, as BLAS runs them
-        engine.pack_for_onednn = lambda w: None
     loaded = load_model(folder, device="cpu", dtype=dtype, engine="lean")
     eng = loaded.engine
+    eng.use_form(form)
     ids = loaded.tokenizer.encode(prompt)
     out = []
     with torch.inference_mode():
@@ -197,13 +214,98 @@ def step(folder: str, steps: int) -> dict:
             "smallest_mb": min(sizes), "largest_mb": max(sizes)}
 
 
+def profile_step(folder: str, dtype: str, form: str, steps: int = 20) -> dict:
+    """torch.profiler over `steps` warm decoding steps (after a 64-token prefill) in `dtype` with the
+    product form `form` on torch's thread count: each op's share of the time, the wall time per step,
+    and how many ops one step dispatches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lmhead_cli.loading.sources import load_model
+
+    eng = load_model(folder, device="cpu", dtype=dtype, engine="lean").engine
+    if form != "-":
+        eng.use_form(form)
+    prompt = torch.randint(0, eng.vocab_size - 1, (1, 64), generator=torch.Generator().manual_seed(0))
+    cache = eng.new_cache(1, 64 + 2 * steps + 8)
+    token = eng.head(eng.body(prompt, cache)[:, -1:])[:, 0].argmax(-1)[:, None]
+    for _ in range(steps):  # lays the weights out, faults the pages in
+        token = eng.head(eng.body(token, cache))[:, 0].argmax(-1)[:, None]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = eng.head(eng.body(token, cache))[:, 0].argmax(-1)[:, None]
+        wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    return {"dtype": dtype, "form": form, "threads": torch.get_num_threads(), "step_ms_profiled": wall * 1e3,
+            "ops_per_step": sum(e.count for e in events) / steps,
+            "top": [{"op": e.key, "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps,
+                     "us_per_call": e.self_cpu_time_total / e.count} for e in top]}
+
+
+BLOCK = 4  # side_by_side: steps per set-up per round
+
+
+def side_by_side(folder: str, threads: int, rounds: int, specs: list[str]) -> dict:
+    """Warm decoding steps of several set-ups in ONE process, alternating step by step (drift and other
+    work hit all alike): each spec is DTYPE:FORM for lmhead's engine (FORM "-": the default) or
+    hf:DTYPE for transformers' GPT2LMHeadModel stepping with its own KV cache, as generate() does.
+    Each round runs BLOCK steps of each set-up in turn. Median seconds per step after a 16-token
+    prompt, on `threads` threads, and the read bandwidth measured in the same process."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from lmhead_cli.loading.sources import load_model
+
+    torch.set_num_threads(threads)
+    prompt = torch.randint(0, 50256, (1, 16), generator=torch.Generator().manual_seed(0))
+    steppers = {}
+    for spec in specs:
+        kind, form = spec.split(":")
+        if kind == "hf":
+            model = GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, form)).eval()
+            state = {"past": None, "x": prompt}
+
+            def step(model=model, state=state):
+                out = model(state["x"], past_key_values=state["past"], use_cache=True, logits_to_keep=1)
+                state["past"], state["x"] = out.past_key_values, out.logits[:, -1].argmax(-1)[:, None]
+        else:
+            eng = load_model(folder, device="cpu", dtype=kind, engine="lean").engine
+            if form != "-":
+                eng.use_form(form)
+            state = {"cache": eng.new_cache(1, 16 + BLOCK * rounds + 8), "x": prompt}
+
+            def step(eng=eng, state=state):
+                h = eng.body(state["x"], state["cache"])[:, -1:]
+                state["x"] = eng.head(h)[:, 0].argmax(-1)[:, None]
+        steppers[spec] = step
+    times = {spec: [] for spec in specs}
+    with torch.inference_mode():
+        for step in steppers.values():
+            for _ in range(3):  # prefill, then the lay-out step
+                step()
+        for _ in range(rounds):
+            for spec, step in steppers.items():
+                for i in range(BLOCK):  # a few steps each: a model small enough stays in the cache, as it
+                    start = time.perf_counter()  # would decoding on its own; the first of a block is left out
+                    step()
+                    if i:
+                        times[spec].append(time.perf_counter() - start)
+    bw = bandwidth(repeats=5)
+    return {"threads": threads, "rounds": rounds, "read_gbs": bw[f"read_gbs_{threads}"] if f"read_gbs_{threads}" in bw
+            else bw["read_gbs"], "step_s": {k: statistics.median(v) for k, v in times.items()},
+            "best_s": {k: min(v) for k, v in times.items()}}
+
+
 def weight_bytes_per_token(folder: str, dtype: str) -> dict:
     """Bytes of weights one decoding step reads: every matrix, bias and norm once, the head's matrix
     once (tied: E is read by the head; the embedding lookups read one row each, left out)."""
     from lmhead_cli.loading.sources import load_model
 
     eng = load_model(folder, device="cpu", dtype=dtype, engine="lean").engine
-    lookups = {id(eng.gpt.wpe.weight)} | ({id(eng.gpt.wte.weight)} if eng.gpt.wte.weight is not eng.head_weight else set())
+    lookups = {id(eng.gpt.wpe.weight)} | ({id(p) for p in eng.gpt.wte.parameters()} if not eng.tied else set())
     read = [p for p in eng.gpt.parameters() if id(p) not in lookups]  # parameters() counts a tied one once
     return {"bytes": sum(p.numel() * p.element_size() for p in read)}
 
@@ -298,6 +400,10 @@ def main(argv: list[str]) -> None:
         result = decode(rest[0], rest[1], int(rest[2]), rest[3], rest[4])
     elif what == "step":
         result = step(rest[0], int(rest[1]))
+    elif what == "side-by-side":
+        result = side_by_side(rest[0], int(rest[1]), int(rest[2]), rest[3:])
+    elif what == "profile":
+        result = profile_step(rest[0], rest[1], rest[2])
     elif what == "weight-bytes":
         result = weight_bytes_per_token(rest[0], rest[1])
     elif what == "bfloat16-error":

@@ -32,101 +32,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import compare_bench  # noqa: E402 - `lmhead compare`'s rows: benchmarks/compare_bench.py
+import score_bench  # noqa: E402 - `lmhead score`'s rows, measured and written by benchmarks/score_bench.py
 from checkpoint import gpt2_small  # noqa: E402
-import score_bench  # noqa: E402 - issue 11's rows, measured and written by benchmarks/score_bench.py
+from harness import PYTHON, QUIET, Competitor, load1, lmhead, log, median, probe, run  # noqa: E402
 from prompts import file_prompts  # noqa: E402
 
-PYTHON = sys.executable
 PROMPT = "The keys on the table"
 TARGETS = {"ratio": 0.5, "startup_s": 0.5, "decode_ratio": 1.3, "bound_fraction": 0.7, "bf16_ratio": 1.5,
-           "bf16_bound_fraction": 0.5, "busy_own": 0.7}
+           "bf16_bound_fraction": 0.5, "busy_own": 0.7, "int8_vs_f32": 1.8, "bf16_vs_f32": 1.3, "bf16_vs_hf": 1.2}
 HEAD_T = (16, 128, 1024)
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-
-
-# ---- running things ----------------------------------------------------------------------------
-
-def _cpu_jiffies() -> tuple[int, int] | None:
-    """(busy, total) clock ticks of all CPUs so far, from /proc/stat; None where there is none."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return sum(fields) - fields[3] - fields[4], sum(fields)  # idle and iowait are not busy
-
-
-class Quiet:
-    """Keeps other work out of the figures on a shared machine, where it stalls multi-threaded kernels
-    for whole scheduler slices. Before each measurement it waits (up to `patience` s, `budget` s in
-    all) for idle CPUs; after it, it compares the CPU time all processes used with the CPU time the
-    measured one used, and a measurement during which other work kept more than `busy` of a core
-    busy is taken again (`retries` times at most, `retry_budget` s of measuring again in all).
-    `expected` cores of other work are the benchmark's own (its busy competitor), not disturbance.
-    Counts what it could not avoid."""
-
-    def __init__(self, patience: float = 30.0, budget: float = 180.0, busy: float = 0.15, retries: int = 2,
-                 retry_budget: float = 240.0):
-        self.patience, self.budget, self.busy, self.retries = patience, budget, busy, retries
-        self.retry_budget, self.retried_s, self.expected = retry_budget, 0.0, 0.0
-        self.waited_s, self.measurements, self.repeated, self.noisy = 0.0, 0, 0, 0
-        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.cores = os.cpu_count() or 1
-
-    def wait(self) -> None:
-        start = time.perf_counter()
-        while time.perf_counter() - start < min(self.patience, self.budget - self.waited_s):
-            before = _cpu_jiffies()
-            time.sleep(0.5)
-            after = _cpu_jiffies()
-            if before is None or after is None:
-                break
-            busy_cores = (after[0] - before[0]) / max(after[1] - before[1], 1) * self.cores
-            if busy_cores <= self.busy + self.expected:
-                break
-        self.waited_s += time.perf_counter() - start
-
-    def others(self, before, after, wall: float, own_cpu_s: float) -> float:
-        """Cores' worth of CPU time that other processes used during a measurement of `wall` seconds."""
-        if before is None or after is None or wall <= 0:
-            return 0.0
-        return max(0.0, max(0.0, (after[0] - before[0]) / self.tick - own_cpu_s) / wall - self.expected)
-
-
-QUIET = Quiet()
-
-
-def run(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """Run cmd to completion on a quiet machine: (wall seconds, peak resident MB, stdout). Raises on failure."""
-    QUIET.measurements += 1
-    for attempt in range(QUIET.retries + 1):
-        QUIET.wait()
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            before, start = _cpu_jiffies(), time.perf_counter()
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env={**ENV, **(env or {})})
-            _, status, usage = os.wait4(proc.pid, 0)
-            wall, after = time.perf_counter() - start, _cpu_jiffies()
-            out.seek(0), err.seek(0)
-            stdout, stderr = out.read().decode(), err.read().decode()
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {code}:\n{stderr[-2000:]}")
-        if QUIET.others(before, after, wall, usage.ru_utime + usage.ru_stime) <= QUIET.busy:
-            break
-        if attempt < QUIET.retries and QUIET.retried_s < QUIET.retry_budget:
-            QUIET.repeated += 1
-            QUIET.retried_s += wall
-        else:
-            QUIET.noisy += 1
-            break
-    return wall, usage.ru_maxrss / 1024 * 1.048576, stdout  # ru_maxrss is KiB on Linux
-
-
-def probe(*args: str, env: dict | None = None) -> dict:
-    return json.loads(run([PYTHON, str(HERE / "probes.py"), *args], env)[2].strip().splitlines()[-1])
-
-
-def lmhead(*args: str) -> list[str]:
-    return [PYTHON, "-m", "lmhead_cli", *args]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -134,14 +49,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ---- the measurements ------------------------------------------------------------------------
@@ -239,7 +146,10 @@ VARIANTS = {
     "lmhead": {"via": "`lmhead greedy`"},
     "lmhead, 1 thread": {"via": "`lmhead greedy --threads 1`", "threads": 1},
     "lmhead, spinning threads": {"via": "`OMP_WAIT_POLICY=ACTIVE lmhead greedy --threads N`", "spin": True},
-    "lmhead, plain products": {"via": "engine loop", "probe": "plain"},
+    "lmhead, linear form": {"via": "engine loop, BLAS over rows", "probe": "linear"},
+    "lmhead, gemv form": {"via": "engine loop, BLAS gemv over rows", "probe": "gemv"},
+    "lmhead, blocked form": {"via": "engine loop, blocked rows", "probe": "blocked"},
+    "lmhead, packed form": {"via": "engine loop, oneDNN packed", "probe": "packed"},
     "transformers": {"via": "`generate()`"},
 }
 
@@ -266,47 +176,31 @@ def greedy_once(folder: Path, variant: str, dtype: str, new_tokens: int, device:
 
 def decode(folder: Path, repeats: int, new_tokens: int, plan: dict[str, list[str]], device: str,
            label: str = "") -> list[dict]:
-    """Greedy tokens/s for each dtype's variants in `plan`, alternating (drift hits all alike), each
-    against transformers' generate() in the same dtype and conditions."""
+    """Greedy tokens/s of every (dtype, variant) in `plan`, all in one alternating loop (drift hits all
+    alike), each against transformers' generate() in the same dtype and conditions where the plan has
+    it (int8 has none: its ids are compared with lmhead float32's)."""
+    pairs = [(dtype, v) for dtype, variants in plan.items() for v in variants]
+    bytes_per_token = {d: probe("weight-bytes", str(folder), d)["bytes"] if device == "cpu" else None for d in plan}
+    runs: dict[tuple[str, str], list[dict]] = {p: [] for p in pairs}
+    for _ in range(repeats):
+        for dtype, v in pairs:
+            runs[dtype, v].append(greedy_once(folder, v, dtype, new_tokens, device))
     rows = []
-    for dtype, variants in plan.items():
-        bytes_per_token = probe("weight-bytes", str(folder), dtype)["bytes"] if device == "cpu" else None
-        runs = {v: [] for v in variants}
-        for _ in range(repeats):
-            for v in variants:
-                runs[v].append(greedy_once(folder, v, dtype, new_tokens, device))
-        reference = runs["transformers"]
-        hf_tps = median([d["tokens_per_second"] for d in reference])
-        hf_steady = median([d["decode_tokens_per_second"] for d in reference])
-        for name, docs in runs.items():
-            rows.append({"dtype": dtype, "engine": name, "via": VARIANTS[name]["via"],
-                         "tps": median([d["tokens_per_second"] for d in docs]), "hf_tps": hf_tps,
-                         "steady": median([d["decode_tokens_per_second"] for d in docs]), "hf_steady": hf_steady,
-                         "bytes_per_token": bytes_per_token,
-                         "same_ids": _common_prefix(docs[0]["generated_ids"], reference[0]["generated_ids"])})
-        log(f"  decode {label}{dtype}: " + ", ".join(f"{r['engine']} {r['tps']:.1f}" for r in rows
+    for (dtype, name), docs in runs.items():
+        reference = runs.get((dtype, "transformers"))
+        same_as = "transformers" if reference else "lmhead float32"
+        ids_ref = (reference or runs.get(("float32", "lmhead")) or docs)[0]["generated_ids"]
+        rows.append({"dtype": dtype, "engine": name, "via": VARIANTS[name]["via"],
+                     "tps": median([d["tokens_per_second"] for d in docs]),
+                     "hf_tps": median([d["tokens_per_second"] for d in reference]) if reference else None,
+                     "steady": median([d["decode_tokens_per_second"] for d in docs]),
+                     "hf_steady": median([d["decode_tokens_per_second"] for d in reference]) if reference else None,
+                     "bytes_per_token": bytes_per_token[dtype], "same_as": same_as,
+                     "same_ids": _common_prefix(docs[0]["generated_ids"], ids_ref)})
+    for dtype in plan:
+        log(f"  decode {label}{dtype}: " + ", ".join(f"{r['engine']} {r['steady']:.1f}" for r in rows
                                                      if r["dtype"] == dtype))
     return rows
-
-
-class Competitor:
-    """One CPU-bound process beside the measurements (a Python loop), started and ended here; the
-    Quiet checks count its core as expected, not as disturbance."""
-
-    def __enter__(self):
-        self.proc = subprocess.Popen([PYTHON, "-c", "while True: pass"])
-        QUIET.expected = 1.0
-        time.sleep(1.0)  # scheduled and spinning before the first measurement
-        return self
-
-    def __exit__(self, *exc):
-        QUIET.expected = 0.0
-        self.proc.kill()
-        self.proc.wait()
-
-
-def load1() -> float:
-    return os.getloadavg()[0]
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -340,19 +234,20 @@ def bound(r: dict, gbs: float) -> float | None:
 
 
 def decode_table(rows: list[dict], bw: dict | None, new_tokens: int) -> list[str]:
-    lines = ["| dtype | engine | tokens/s | vs transformers | after the first token | vs transformers | "
-             "weight bytes / token | bound | fraction of bound | same ids as transformers |",
+    f32 = row(rows, "float32", "lmhead")
+    lines = ["| dtype | engine | tokens/s | after the first token | vs transformers (same dtype) | "
+             "vs lmhead float32 | weight bytes / token | bound | fraction of bound | same ids |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        b = bound(r, bw["copy_gbs"]) if bw else None
-        b1 = bound(r, bw["copy_gbs_1"]) if bw else None
-        engine = f"{r['engine']} ({r['via']})" if r["engine"] in ("lmhead", "transformers") else \
-            f"{r['engine']} ({r['via']})" if "`" in r["via"] else r["engine"]
-        lines.append(f"| {r['dtype']} | {engine} | {r['tps']:.1f} | {r['tps'] / r['hf_tps']:.2f}× | "
-                     f"{r['steady']:.1f} | {r['steady'] / r['hf_steady']:.2f}× | "
+        b = bound(r, bw["read_gbs"]) if bw else None
+        b1 = bound(r, bw["read_gbs_1"]) if bw else None
+        vs_hf = f"{r['steady'] / r['hf_steady']:.2f}×" if r["hf_steady"] else "n/a"
+        vs_f32 = f"{r['steady'] / f32['steady']:.2f}×" if f32 else "n/a"
+        lines.append(f"| {r['dtype']} | {r['engine']} ({r['via']}) | {r['tps']:.1f} | {r['steady']:.1f} | {vs_hf} | "
+                     f"{vs_f32} | "
                      + (f"{r['bytes_per_token'] / 1e6:.0f} MB | {b:.1f} tok/s | {r['steady'] / b:.2f} "
                         f"({r['steady'] / b1:.2f}) | " if b else "n/a | n/a | n/a | ")
-                     + f"{r['same_ids']} of {new_tokens} |")
+                     + f"{r['same_ids']} of {new_tokens} as {r['same_as']} |")
     return lines
 
 
@@ -361,16 +256,17 @@ def row(rows: list[dict], dtype: str, engine: str) -> dict | None:
 
 
 def targets(R: dict) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) for every target of issue 13 and the existing rows; None: not measured."""
+    """(target, measured, met) for every target; None: not measured."""
     t = TARGETS
     out = []
-    insp = R["inspect"]
-    ratio = insp["lean_s"] / insp["hf_s"]
-    out.append((f"inspect ≤ {t['ratio']}× the transformers script", f"{ratio:.2f}×", ratio <= t["ratio"]))
-    lm = [r for r in R["startup"] if r["imported"] is not None]
-    no_torch = all("torch" not in r["imported"] for r in lm)
-    out.append(("start-up without torch", f"{len(lm)} commands, torch imported by "
-                f"{sum('torch' in r['imported'] for r in lm)}", no_torch))
+    if "inspect" in R:
+        insp = R["inspect"]
+        ratio = insp["lean_s"] / insp["hf_s"]
+        out.append((f"inspect ≤ {t['ratio']}× the transformers script", f"{ratio:.2f}×", ratio <= t["ratio"]))
+        lm = [r for r in R["startup"] if r["imported"] is not None]
+        no_torch = all("torch" not in r["imported"] for r in lm)
+        out.append(("start-up without torch", f"{len(lm)} commands, torch imported by "
+                    f"{sum('torch' in r['imported'] for r in lm)}", no_torch))
     idle, bw = R["decode"], R.get("bandwidth")
     f32 = row(idle, "float32", "lmhead")
     for dtype, ratio_key, fraction_key, vs, bound_name in (
@@ -382,16 +278,35 @@ def targets(R: dict) -> list[tuple[str, str, bool | None]]:
         x = r["steady"] / r["hf_steady"]
         out.append((f"{dtype} greedy ≥ {t[ratio_key]}× {vs}", f"{x:.2f}×", x >= t[ratio_key]))
         if bw:
-            f = r["steady"] / bound(r, bw["copy_gbs"])
+            f = r["steady"] / bound(r, bw["read_gbs"])
             out.append((f"{dtype} ≥ {t[fraction_key]} of {bound_name}", f"{f:.2f}", f >= t[fraction_key]))
     busy = R.get("busy")
+    for when, rows in (("idle", idle), ("busy", busy)):  # cheaper arithmetic: int8 and bfloat16 against float32
+        base = row(rows or [], "float32", "lmhead")
+        i8, b16 = row(rows or [], "int8", "lmhead"), row(rows or [], "bfloat16", "lmhead")
+        if base and i8:
+            x = i8["steady"] / base["steady"]
+            out.append((f"{when}: int8 greedy ≥ {t['int8_vs_f32']}× lmhead float32", f"{x:.2f}×", x >= t["int8_vs_f32"]))
+        if base and b16:
+            x, y = b16["steady"] / base["steady"], b16["steady"] / b16["hf_steady"]
+            out.append((f"{when}: bfloat16 greedy ≥ {t['bf16_vs_f32']}× lmhead float32", f"{x:.2f}×",
+                        x >= t["bf16_vs_f32"]))
+            out.append((f"{when}: bfloat16 greedy ≥ {t['bf16_vs_hf']}× generate() in bfloat16", f"{y:.2f}×",
+                        y >= t["bf16_vs_hf"]))
     if busy and f32:
         lb = row(busy, "float32", "lmhead")
         x = lb["steady"] / f32["steady"]
         out.append((f"busy: lmhead ≥ {t['busy_own']}× its own idle speed", f"{x:.2f}×", x >= t["busy_own"]))
-        y = lb["steady"] / lb["hf_steady"]
-        out.append((f"busy: lmhead ≥ {t['decode_ratio']}× generate() beside the same competitor", f"{y:.2f}×",
-                    y >= t["decode_ratio"]))
+        if lb["hf_steady"]:
+            y = lb["steady"] / lb["hf_steady"]
+            out.append((f"busy: lmhead ≥ {t['decode_ratio']}× generate() beside the same competitor", f"{y:.2f}×",
+                        y >= t["decode_ratio"]))
+    score = R.get("score")
+    if score:
+        p = score["inproc"]
+        x = (p["ours_s"] / p["scored"]) / (p["theirs_s"] / p["tokens"])
+        out.append((f"score in-process ≤ {score_bench.IN_PROCESS_TARGET}× transformers' full-logits forward",
+                    f"{x:.2f}×", x <= score_bench.IN_PROCESS_TARGET))
     dist = R.get("distributed")
     if dist:
         out.append((f"torchrun, {dist['procs']} processes: output identical to 1 process ({dist['n']} prompts)",
@@ -399,44 +314,9 @@ def targets(R: dict) -> list[tuple[str, str, bool | None]]:
     return out
 
 
-def report(R: dict, args) -> str:
-    m, ck, bw, insp = R["machine"], R["checkpoint"], R.get("bandwidth"), R["inspect"]
-    t = TARGETS
-    loads = R["loads"]
-    lines = [
-        "# lmhead benchmark results",
-        "",
-        f"Written by `python benchmarks/run.py{' --quick' if args.quick else ''}{' --write' if args.write else ''}"
-        f"{' --device ' + args.device if args.device != 'cpu' else ''}` on "
-        f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {R['elapsed_s'] / 60:.1f} min. "
-        "Every comparison is a ratio of two figures measured in this same run.",
-        "",
-        f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "
-        f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}"
-        + (f"; GPU: {m['gpu']}" if m.get("gpu") else ""),
-        "- load average (1 min) at the start of each section: "
-        + ", ".join(f"{name} {value:.2f}" for name, value in loads)
-        + f" (on {m['cores']} cores; other work on the machine slows both sides of every ratio, and "
-        "multi-threaded kernels most). Before each of the "
-        f"{QUIET.measurements} measured processes the run waited for idle CPUs (at most {QUIET.patience:.0f} s "
-        f"each, {QUIET.budget:.0f} s in all; it waited {QUIET.waited_s:.0f} s), and took a measurement again when "
-        f"other processes had kept more than {QUIET.busy:.0%} of a core busy during it: {QUIET.repeated} taken "
-        f"again ({QUIET.retried_s:.0f} s, at most {QUIET.retry_budget:.0f} s), {QUIET.noisy} kept although disturbed",
-        f"- checkpoint: GPT-2 small's shapes ({ck['n_layer']} layers, D {ck['n_embd']}, V {ck['vocab_size']:,}, "
-        f"tie_word_embeddings {str(ck.get('tie_word_embeddings', True)).lower()}), seeded random weights, saved by "
-        f"transformers as model.safetensors ({ck['file_mb']:.1f} MB)",
-        f"- repeats: {args.repeats} fresh processes per start-up and inspect figure, {args.decode_repeats} per "
-        f"decode figure ({args.new_tokens} new tokens); medians",
-    ]
-    if bw:
-        lines.append(
-            f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, the fastest of 15 passes at "
-            f"{bw['points']} points of the run): copy {bw['copy_gbs']:.1f} GB/s (read + write, the better of 1 and "
-            f"{bw['threads']} threads; {bw['copy_gbs_1']:.1f} GB/s on 1 thread), read {bw['read_gbs']:.1f} GB/s "
-            f"({bw['read_gbs_1']:.1f} on 1 thread)")
-    lines += ["", "## Targets", "", "| target | measured in this run | met |", "|---|---|---|"]
-    for name, value, met in targets(R):
-        lines.append(f"| {name} | {value} | {ok(met)} |")
+def report_front(R: dict) -> list[str]:
+    """Start-up and `inspect` end to end."""
+    t, insp, lines = TARGETS, R["inspect"], []
     lines += ["", "## Start-up (fresh process)", "", "| command | wall time | torch imported | target |",
               "|---|---:|---|---|"]
     for r in R["startup"]:
@@ -465,27 +345,78 @@ def report(R: dict, args) -> str:
         "",
         f"Heavy modules imported by `lmhead inspect`: {', '.join(insp['imported']) or 'none'} "
         f"({ok('transformers' not in insp['imported'])} no transformers).",
+    ]
+    return lines
+
+
+def report(R: dict, args) -> str:
+    m, ck, bw = R["machine"], R["checkpoint"], R.get("bandwidth")
+    t = TARGETS
+    loads = R["loads"]
+    lines = [
+        "# lmhead benchmark results",
+        "",
+        f"Written by `python benchmarks/run.py{' --quick' if args.quick else ''}{' --decode-only' if args.decode_only else ''}"
+        f"{' --write' if args.write else ''}"
+        f"{' --device ' + args.device if args.device != 'cpu' else ''}` on "
+        f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {R['elapsed_s'] / 60:.1f} min. "
+        "Every comparison is a ratio of two figures measured in this same run.",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "
+        f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}"
+        + (f"; GPU: {m['gpu']}" if m.get("gpu") else ""),
+        "- load average (1 min) at the start of each section: "
+        + ", ".join(f"{name} {value:.2f}" for name, value in loads)
+        + f" (on {m['cores']} cores; other work on the machine slows both sides of every ratio, and "
+        "multi-threaded kernels most). Before each of the "
+        f"{QUIET.measurements} measured processes the run waited for idle CPUs (at most {QUIET.patience:.0f} s "
+        f"each, {QUIET.budget:.0f} s in all; it waited {QUIET.waited_s:.0f} s), and took a measurement again when "
+        f"other processes had kept more than {QUIET.busy:.0%} of a core busy during it: {QUIET.repeated} taken "
+        f"again ({QUIET.retried_s:.0f} s, at most {QUIET.retry_budget:.0f} s), {QUIET.noisy} kept although disturbed",
+        f"- checkpoint: GPT-2 small's shapes ({ck['n_layer']} layers, D {ck['n_embd']}, V {ck['vocab_size']:,}, "
+        f"tie_word_embeddings {str(ck.get('tie_word_embeddings', True)).lower()}), seeded random weights, saved by "
+        f"transformers as model.safetensors ({ck['file_mb']:.1f} MB)",
+        f"- repeats: {args.repeats} fresh processes per start-up and inspect figure, {args.decode_repeats} per "
+        f"decode figure ({args.new_tokens} new tokens); medians",
+    ]
+    if bw:
+        lines.append(
+            f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, twice the last-level cache or more, "
+            f"the fastest of 15 passes at "
+            f"{bw['points']} points of the run): copy {bw['copy_gbs']:.1f} GB/s (read + write, the better of 1 and "
+            f"{bw['threads']} threads; {bw['copy_gbs_1']:.1f} GB/s on 1 thread), read {bw['read_gbs']:.1f} GB/s "
+            f"({bw['read_gbs_1']:.1f} on 1 thread)")
+    lines += ["", "## Targets", "", "| target | measured in this run | met |", "|---|---|---|"]
+    for name, value, met in targets(R):
+        lines.append(f"| {name} | {value} | {ok(met)} |")
+    if "startup" in R:
+        lines += report_front(R)
+    lines += [
         "",
         "## Greedy decoding",
         "",
         f"{args.new_tokens} new tokens after the {len(PROMPT.split())}-word prompt, end-of-text ignored, timed from "
         "the prefill to the last token with no warm-up (a first call's set-up counts), and from the first new "
-        "token to the last (the steady rate, which the bound is about), in a fresh process each. lmhead: "
-        "`lmhead greedy --json`, its own figures, with its default threads (torch's count or 1, chosen by timing "
-        "the first steps; OpenMP threads waiting passively); `1 thread` fixes `--threads 1`; `spinning threads` is "
-        "how lmhead ran before it chose its threads (torch's count, OpenMP's default spinning wait); `plain "
-        "products` is the engine loop with its blocked and packed products turned off (benchmarks/probes.py "
-        "decode: addmm and F.linear as BLAS runs them, which is how transformers runs them too); transformers: "
+        "token to the last (the steady rate, which the bound and every ratio here are about), in a fresh process "
+        "each; every row of the table alternates with every other in one loop. lmhead: `lmhead greedy --json`, its "
+        "own figures, with its defaults: threads (torch's count or 1) and product form chosen by timing the first "
+        "steps, OpenMP threads waiting passively; `1 thread` fixes `--threads 1`; `spinning threads` is torch's "
+        "count with OpenMP's default spinning wait; `linear`, `gemv`, `blocked` and `packed form` are the engine "
+        "loop (benchmarks/probes.py decode) with one product form fixed on torch's thread count: BLAS's gemm (oneDNN "
+        "for bfloat16) over the weights' rows, which is how transformers runs them too; BLAS's gemv over the same "
+        "rows; batched matmuls over row blocks; oneDNN over a packed copy. int8: `lmhead greedy --dtype int8` (engine/int8.py). transformers: "
         "benchmarks/transformers_generate.py, `generate(do_sample=False)`. The bandwidth bound is the weight "
-        "bytes one step reads (every matrix once; the tied head's E once) ÷ the copy bandwidth above: the speed "
-        "if nothing but reading the weights took any time; the fraction is given against the best copy "
-        "bandwidth and, in brackets, against the 1-thread one. Same ids: how many of the first new tokens equal "
-        "transformers' in the same dtype.",
+        "bytes one step reads (every matrix once; the tied head's E once; int8: the int8 tables and their "
+        "float32 scales) ÷ the read bandwidth above: the speed if nothing but reading the weights took any time; "
+        "the fraction is given against the best read bandwidth and, in brackets, against the 1-thread one. Same "
+        "ids: how many of the first new tokens equal transformers' in the same dtype (int8: lmhead float32's).",
         "",
         *decode_table(R["decode"], bw, args.new_tokens),
         "",
         f"Targets: lmhead float32 ≥ {t['decode_ratio']}× transformers and ≥ {t['bound_fraction']} of the bound; "
-        f"bfloat16 ≥ {t['bf16_ratio']}× transformers in bfloat16 and ≥ {t['bf16_bound_fraction']} of its bound.",
+        f"bfloat16 ≥ {t['bf16_ratio']}× transformers in bfloat16 (and ≥ {t['bf16_vs_hf']}×, idle and busy), ≥ "
+        f"{t['bf16_vs_f32']}× lmhead float32 and ≥ {t['bf16_bound_fraction']} of its bound; int8 ≥ "
+        f"{t['int8_vs_f32']}× lmhead float32.",
     ]
     parts = R.get("step")
     if parts:
@@ -499,6 +430,21 @@ def report(R: dict, args) -> str:
             f"({parts['head_gbs']:.1f} GB/s): {1 / step_s:.1f} steps/s. The body's {parts['matrices']:.0f} "
             f"matrices per step are {parts['smallest_mb']:.1f} to {parts['largest_mb']:.1f} MB each.",
         ]
+    profiles = R.get("profiles")
+    if profiles:
+        lines += [
+            "",
+            "Where a decoding step's time goes, by op (torch.profiler over 20 warm steps, one product form fixed, "
+            "torch's threads; benchmarks/probes.py profile): each op's share of the profiled time, calls per step, "
+            "time per call.",
+            "",
+            "| dtype, form | ms per step (profiled) | ops per step | top ops: share, calls/step, µs/call |",
+            "|---|---:|---:|---|",
+        ]
+        for p in profiles:
+            top = "; ".join(f"{o['op'].removeprefix('aten::')} {o['share']:.0%}, {o['calls_per_step']:.0f}, "
+                            f"{o['us_per_call']:.0f}" for o in p["top"][:6])
+            lines.append(f"| {p['dtype']}, {p['form']} | {p['step_ms_profiled']:.1f} | {p['ops_per_step']:.0f} | {top} |")
     bf16 = R.get("bf16_error")
     if bf16:
         lines += [
@@ -534,24 +480,32 @@ def report(R: dict, args) -> str:
             "",
             "## With one busy process beside it",
             "",
-            "The float32 decode rows again while the benchmark keeps one CPU-bound process running beside them "
+            "The decode rows again while the benchmark keeps one CPU-bound process running beside them "
             f"(`python -c 'while True: pass'`, started and ended by the benchmark; load average at the start of the "
             f"section {dict(loads)['busy']:.2f}). Own idle speed: the same variant's steady rate in the table above.",
             "",
-            "| engine | tokens/s | after the first token | vs its own idle speed | vs transformers beside the "
-            "same competitor | target |",
-            "|---|---:|---:|---:|---:|---|",
+            "| dtype | engine | tokens/s | after the first token | vs its own idle speed | vs transformers beside "
+            "the same competitor (same dtype) | vs lmhead float32 beside it | target |",
+            "|---|---|---:|---:|---:|---:|---:|---|",
         ]
+        base = row(busy, "float32", "lmhead")
         for r in busy:
             idle = row(R["decode"], r["dtype"], r["engine"])
             own = f"{r['steady'] / idle['steady']:.2f}×" if idle else "n/a"
+            vs_hf = f"{r['steady'] / r['hf_steady']:.2f}×" if r["hf_steady"] else "n/a"
+            vs_f32 = f"{r['steady'] / base['steady']:.2f}×" if base else "n/a"
             target = ""
-            if r["engine"] == "lmhead":
+            if r["engine"] == "lmhead" and r["dtype"] == "float32" and r["hf_steady"]:
                 target = (f"{ok(idle is not None and r['steady'] / idle['steady'] >= t['busy_own'])} ≥ "
                           f"{t['busy_own']}× idle, {ok(r['steady'] / r['hf_steady'] >= t['decode_ratio'])} ≥ "
                           f"{t['decode_ratio']}× transformers")
-            lines.append(f"| {r['engine']} ({r['via']}) | {r['tps']:.1f} | {r['steady']:.1f} | {own} | "
-                         f"{r['steady'] / r['hf_steady']:.2f}× | {target} |")
+            elif r["engine"] == "lmhead" and r["dtype"] == "bfloat16" and base and r["hf_steady"]:
+                target = (f"{ok(r['steady'] / base['steady'] >= t['bf16_vs_f32'])} ≥ {t['bf16_vs_f32']}× float32, "
+                          f"{ok(r['steady'] / r['hf_steady'] >= t['bf16_vs_hf'])} ≥ {t['bf16_vs_hf']}× transformers")
+            elif r["engine"] == "lmhead" and r["dtype"] == "int8" and base:
+                target = f"{ok(r['steady'] / base['steady'] >= t['int8_vs_f32'])} ≥ {t['int8_vs_f32']}× float32"
+            lines.append(f"| {r['dtype']} | {r['engine']} ({r['via']}) | {r['tps']:.1f} | {r['steady']:.1f} | {own} | "
+                         f"{vs_hf} | {vs_f32} | {target} |")
     heads = R.get("heads")
     if heads:
         lines += [
@@ -594,11 +548,11 @@ def report(R: dict, args) -> str:
             "0 MB | yes |",
             f"| `h @ Eᵀ` over a [D, V] copy | {forms['copy']['s'] * 1e3:.2f} ms | {forms['copy']['gbs']:.1f} | "
             f"{base / forms['copy']['s']:.2f}× | {forms['copy_mb']:.0f} MB | no (equal values) |",
-            f"| lmhead: blocked rows of E (`engine.rows_times`) | {forms['blocked']['s'] * 1e3:.2f} ms | "
+            f"| blocked rows of E (`engine/products.rows_times`) | {forms['blocked']['s'] * 1e3:.2f} ms | "
             f"{forms['blocked']['gbs']:.1f} | {base / forms['blocked']['s']:.2f}× | 0 MB | "
             f"{'yes' if forms['tied'] else 'no'} |",
         ]
-    lines += report_batch(R["batch"])
+    lines += report_batch(R["batch"]) if "batch" in R else []
     dist = R.get("distributed")
     if dist:
         lines += [
@@ -655,11 +609,27 @@ def main() -> None:
                         help="a smoke test in about a minute on an idle machine: one process per figure, 16 new tokens, no waiting for "
                         "idle CPUs, the slow sections left out")
     parser.add_argument("--write", action="store_true", help="keep the report in benchmarks/RESULTS.md (full runs only)")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="measure at once: no waiting for idle CPUs, no measurement taken again (a busy machine)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the bandwidth, the greedy-decoding sections (idle and busy) and the step profiles")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     parser.add_argument("--out", type=Path, help="where the report goes (default: benchmarks/.cache/RESULTS-*.md)")
+    parser.add_argument("--report-from", type=Path, metavar="JSON",
+                        help="write the report again from a run's kept figures (benchmarks/.cache/measured-*.json)")
     args = parser.parse_args()
-    if args.write and args.quick:
-        parser.error("--write keeps a full run's figures; --quick runs are written to benchmarks/.cache/")
+    if args.report_from:
+        kept = json.loads(args.report_from.read_text(encoding="utf-8"))
+        kept_args = argparse.Namespace(**{**kept["args"], "out": args.out})
+        R = kept["R"]
+        R["loads"] = [tuple(x) for x in R["loads"]]
+        for k, v in R.get("quiet", {}).items():  # the run's own waiting and retry counts
+            setattr(QUIET, k, v)
+        out = args.out or (HERE / "RESULTS.md" if kept_args.write else args.report_from.with_suffix(".md"))
+        write(R, kept_args, out)
+        return
+    if args.write and (args.quick or args.decode_only):
+        parser.error("--write keeps a full run's figures; other runs are written to benchmarks/.cache/")
     if args.device == "cuda":
         import torch
 
@@ -669,9 +639,10 @@ def main() -> None:
             raise SystemExit(1)
     if args.quick:
         args.repeats, args.decode_repeats, args.new_tokens = 1, 1, 16
+    if args.quick or args.no_wait:
         QUIET.patience, QUIET.retries = 0.0, 0
     out = args.out or (HERE / "RESULTS.md" if args.write else
-                       HERE / ".cache" / f"RESULTS-{'quick' if args.quick else 'full'}.md")
+                       HERE / ".cache" / f"RESULTS-{'quick' if args.quick else 'decode' if args.decode_only else 'full'}.md")
     cpu = args.device == "cpu"
     began = time.perf_counter()
     R: dict = {"loads": []}
@@ -683,33 +654,43 @@ def main() -> None:
     section("start")
     folder = gpt2_small()
     bandwidths = [probe("bandwidth")] if cpu else []
-    section("start-up")
-    R["startup"] = startup(args.repeats, args.quick)
-    section("inspect")
-    R["inspect"] = inspect(folder, args.repeats, args.device)
-    section("inspect --file")
-    R["batch"] = batch(folder, 16 if args.quick else 32, args.repeats, not args.quick, args.device)
+    if not args.decode_only:
+        section("start-up")
+        R["startup"] = startup(args.repeats, args.quick)
+        section("inspect")
+        R["inspect"] = inspect(folder, args.repeats, args.device)
+        section("inspect --file")
+        R["batch"] = batch(folder, 16 if args.quick else 32, args.repeats, not args.quick, args.device)
     section("decode")
     if cpu and not args.quick:
         bandwidths.append(probe("bandwidth"))
     f32 = ["lmhead", "transformers"] if args.quick or not cpu else \
-        ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, plain products", "transformers"]
+        ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, linear form", "lmhead, gemv form",
+         "lmhead, blocked form", "transformers"]
+    b16 = ["lmhead", "transformers"] if args.quick or not cpu else \
+        ["lmhead", "lmhead, linear form", "lmhead, blocked form", "lmhead, packed form", "transformers"]
     R["decode"] = decode(folder, args.decode_repeats, args.new_tokens,
-                         {"float32": f32, "bfloat16": ["lmhead", "transformers"]}, args.device)
-    section("precision")
-    R["precision"] = probe("precision", str(folder), args.device)
+                         {"float32": f32, "bfloat16": b16, **({"int8": ["lmhead"]} if cpu else {})}, args.device)
+    if not args.quick and not args.decode_only:
+        section("precision")
+        R["precision"] = probe("precision", str(folder), args.device)
     if cpu:
         section("busy")
         with Competitor():
             R["busy"] = decode(folder, args.decode_repeats, args.new_tokens,
-                               {"float32": [v for v in f32 if v != "lmhead, plain products"]}, args.device,
+                               {"float32": [v for v in f32 if not v.endswith(" form")],
+                                "bfloat16": ["lmhead", "transformers"], "int8": ["lmhead"]}, args.device,
                                "beside a busy process, ")
     if cpu and not args.quick:
         section("step")
         R["bf16_error"] = probe("bfloat16-error", str(folder), PROMPT)
         steps = [probe("step", str(folder), "60") for _ in range(3)]
         R["step"] = {k: median([p[k] for p in steps]) for k in steps[0]}
+        R["profiles"] = [probe("profile", str(folder), dtype, form)
+                         for dtype, form in (("float32", "linear"), ("float32", "gemv"), ("int8", "int_mm"),
+                                             ("bfloat16", "packed"))]
         bandwidths.append(probe("bandwidth"))
+    if cpu and not args.quick and not args.decode_only:
         section("head alone")
         # Every allocation over 64 kB straight from mmap and back on free, so the resident high-water mark
         # shows each call's own peak (glibc otherwise keeps freed blocks resident and reuses them).
@@ -718,9 +699,11 @@ def main() -> None:
         R["forms"] = probe("head-forms", str(folder), str(max(args.repeats * 4, 10)))
         section("distributed")
         R["distributed"] = distributed(folder, 256, 2, 1)
-    if cpu:  # issue 11: `lmhead score` (benchmarks/score_bench.py)
+    if cpu and not args.decode_only:  # `lmhead score` (benchmarks/score_bench.py)
         section("score")
         R["score"] = score_bench.measure(folder, run, quick=args.quick)
+        section("compare")  # `lmhead compare` (benchmarks/compare_bench.py), where the command exists
+        R["compare"] = compare_bench.measure(folder, run, quick=args.quick)
     if bandwidths:
         # The best of the measurements (start, middle, end): other work can only make it look lower.
         R["bandwidth"] = {k: max(b[k] for b in bandwidths) if "gbs" in k else v for k, v in bandwidths[0].items()}
@@ -730,7 +713,16 @@ def main() -> None:
                        "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
     R["machine"] = machine()
     R["elapsed_s"] = time.perf_counter() - began
-    text = report(R, args) + (score_bench.report(R["score"]) if "score" in R else "")
+    R["quiet"] = {k: v for k, v in vars(QUIET).items() if isinstance(v, (int, float))}
+    measured = HERE / ".cache" / f"measured-{out.stem}.json"  # the figures, kept before the report is written
+    measured.parent.mkdir(parents=True, exist_ok=True)
+    measured.write_text(json.dumps({"R": R, "args": vars(args)}, default=str), encoding="utf-8")
+    write(R, args, out)
+
+
+def write(R: dict, args, out: Path) -> None:
+    text = report(R, args) + (score_bench.report(R["score"]) if "score" in R else "") + (
+        compare_bench.report(R["compare"]) if R.get("compare") else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     print(text)

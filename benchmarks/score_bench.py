@@ -148,7 +148,7 @@ def report(s: dict) -> str:
         f"(stdin, windows of 1,024, the head {s['chunk']} positions at a time) against `lmhead inspect` on the same "
         "text (the body on every position, the head on the last only) and benchmarks/transformers_score.py "
         "(import, load, one forward with the full logits, log-softmax, gather). Fresh processes, "
-        f"median of {s['repeats']}; peak resident memory from the kernel (ru_maxrss).",
+        f"median of {s['repeats']}; peak resident memory from the kernel (each process's own ru_maxrss, read by benchmarks/launch.py).",
         "",
         "| | score | inspect | transformers script | target |",
         "|---|---:|---:|---:|---|",
@@ -182,7 +182,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(HERE))
     from checkpoint import gpt2_small
-    from run import run
+    from harness import run
 
     s = measure(gpt2_small(), run, quick="--quick" in sys.argv)
     print(json.dumps(s), file=sys.stderr)

@@ -211,19 +211,30 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row,
     and with `top` = K the K most probable of each row too.
 
-    The logits are overwritten with their log-probabilities, so the N rows take two (N, V) float32
-    buffers at most (the logits, and a temporary for the softmax's sum and then for the entropy's
-    probabilities): a caller bounds the memory by how many rows it passes (`lmhead score --chunk`)."""
-    rank = ranks(logits, ids[:, None])[:, 0]  # its int32 count is the one other (N, V) buffer, for a moment
-    logprobs = log_softmax(logits, inplace=True)  # (N, V) float32, in the logits' place
-    top_logprob, top_id = logprobs.max(-1)
-    if not bool(torch.isfinite(top_logprob).all()):  # a NaN or +inf logit makes its row's max NaN: O(N), not O(N·V)
+    One pass per reduction, over buffers the (N, V) rows already need: the logits are overwritten with
+    d = z - max z, and e = exp(d) is the one other (N, V) float32 buffer (the rank's comparison, a
+    boolean one, comes and goes before it). With S = Σ e: log p = d - log S, and the entropy
+    H = log S - Σ e·d / S (e·d in e's place, no third buffer), which stays exact near 0 because
+    it is computed from d, not from the large log-sum-exp. A caller bounds the memory by how many rows
+    it passes (`lmhead score --chunk`)."""
+    z = logits.float()
+    picked = z.gather(-1, ids.unsqueeze(-1))  # (N, 1)
+    rank = 1 + (z > picked).sum(-1, dtype=torch.int32).long()
+    top_z, top_id = z.max(-1)
+    if not bool(torch.isfinite(top_z).all()):  # a NaN or +inf logit makes its row's max NaN or inf: O(N)
         raise NonFiniteLogits("the head produced non-finite logits (NaN or inf) at "
-                              f"{int((~torch.isfinite(top_logprob)).sum())} positions: " + NON_FINITE_ADVICE)
-    best = torch.topk(logprobs, top, dim=-1) if top else None
-    return RowScores(logprob=logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1), rank=rank,
-                     entropy=entropy(logprobs), top_id=top_id, top_logprob=top_logprob,
-                     top_ids=best.indices if best else None, top_logprobs=best.values if best else None)
+                              f"{int((~torch.isfinite(top_z)).sum())} positions: " + NON_FINITE_ADVICE)
+    best = torch.topk(z, top, dim=-1) if top else None
+    d = z.sub_(top_z[:, None])  # (N, V), ≤ 0, in the logits' place
+    e = d.exp()
+    log_s = e.sum(-1).log_()  # (N,)
+    spread = e.mul_(d).sum(-1)  # Σ e·d, in e's place; a dropped token (-inf) makes 0·(-inf) = NaN
+    if not bool(torch.isfinite(spread).all()):
+        spread = e.nan_to_num_(nan=0.0).sum(-1)
+    h = (log_s - spread / log_s.exp()).clamp_min_(0.0) + 0.0  # never -0.0 or a rounding speck below 0
+    return RowScores(logprob=(picked[:, 0] - top_z) - log_s, rank=rank, entropy=h, top_id=top_id,
+                     top_logprob=-log_s, top_ids=best.indices if best else None,
+                     top_logprobs=(best.values - top_z[:, None]) - log_s[:, None] if best else None)
 
 
 def check_top_logprobs(n: int, vocab: int) -> None:

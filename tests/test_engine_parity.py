@@ -141,17 +141,20 @@ def assert_same_sums(got, want, x, w, bias=None):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_blocked_products_equal_the_plain_ones(threads):
-    """A few positions' body and head products as batched matmuls over row blocks of the weights (what
-    makes them stream at full bandwidth) give what addmm and F.linear give, for any thread count, a
-    row count that no block count divides, with and without a bias."""
-    from lmhead_cli.engine.lean import Conv1D, rows_times
+def test_every_product_form_equals_the_plain_product(threads):
+    """A few positions' body and head products in each float32 form (BLAS over rows, batched matmuls over
+    row blocks of the weights) give what addmm and F.linear give, for any thread count, a row count that
+    no block count divides, with and without a bias."""
+    from lmhead_cli.engine.lean import Conv1D
+    from lmhead_cli.engine.products import few_rows_product, products_for, rows_times
 
     g = torch.Generator().manual_seed(threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         layer = Conv1D(64, 190)
+        layer.products = products_for(torch.float32, torch.device("cpu"))
+        assert set(layer.products.forms) == {"linear", "gemv", "blocked"}
         with torch.no_grad():
             layer.weight.copy_(torch.randn(64, 190, generator=g))
             layer.bias.copy_(torch.randn(190, generator=g))
@@ -159,25 +162,34 @@ def test_blocked_products_equal_the_plain_ones(threads):
         layer.lay_out_()
         assert layer.weight.shape == (64, 190) and layer.weight.t().is_contiguous()  # (in, out) as checkpoints name it
         E = torch.randn(50257, 64, generator=g)
-        for rows in (1, 3):
-            x = torch.randn(rows, 64, generator=g)
-            with torch.inference_mode():
-                assert_same_sums(layer(x), torch.addmm(layer.bias, x, w), x, w, layer.bias)
-            assert_same_sums(rows_times(E, x), torch.nn.functional.linear(x, E), x, E.t())
+        for form in layer.products.forms:
+            layer.products.use(form)
+            for rows in (1, 3):
+                x = torch.randn(rows, 64, generator=g)
+                with torch.inference_mode():
+                    assert_same_sums(layer(x), torch.addmm(layer.bias, x, w), x, w, layer.bias)
+                assert_same_sums(few_rows_product(form, x, E, None, None), torch.nn.functional.linear(x, E), x, E.t())
+        assert_same_sums(rows_times(E, x), torch.nn.functional.linear(x, E), x, E.t())
     finally:
         torch.set_num_threads(before)
 
 
-def test_bfloat16_weights_are_packed_where_onednn_has_bfloat16(tiny):
-    """On a CPU whose oneDNN runs bfloat16, the second one-position step packs every matrix once."""
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        pytest.skip("this CPU's oneDNN has no bfloat16: the products stay plain F.linear")
-    eng = load_model(str(tiny[0]), device="cpu", dtype="bfloat16", engine="lean").engine
-    cache = eng.new_cache(1, 8)
-    eng.body(torch.tensor([[464, 8251, 319]]), cache)
-    for _ in range(2):  # two one-position steps: the second packs the weights
-        eng.head(eng.body(torch.tensor([[13]]), cache))
-    assert eng.gpt.h[0].attn.c_attn.packed is not None and eng.head_module.packed is not None
+def test_decoding_times_the_forms_and_keeps_one(tiny):
+    """greedy decoding times each (thread count, product form) setting and keeps one; the ids are those
+    of every other form (the forms differ in float rounding only)."""
+    loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
+    assert loaded.engine.forms == ("linear", "gemv", "blocked")
+    ids = []
+    for form in loaded.engine.forms:
+        loaded.engine.use_form(form)
+        got, _ = lean_decode(loaded.engine, prompt(5), 8, lambda z: int(z.argmax()))
+        ids.append(got)
+    assert ids[0] == ids[1] == ids[2]
+    chooser = loaded.threads
+    for _ in range(2 + len(chooser._settings)):
+        chooser.run(lambda: lean_decode(loaded.engine, prompt(3), 2, lambda z: int(z.argmax())))
+    assert chooser.form_choices and chooser.form_choices[-1] in loaded.engine.forms
+    assert loaded.engine.products.settled and not chooser.deciding
 
 
 def test_bfloat16_products_equal_f_linear(tiny):
@@ -229,7 +241,7 @@ def test_released_pages_of_a_mapped_checkpoint_read_back_from_the_file(tiny):
     ordinary memory is never touched."""
     from safetensors import safe_open
 
-    from lmhead_cli.engine.lean import release_mapped_pages
+    from lmhead_cli.engine.products import release_mapped_pages
 
     with safe_open(str(tiny[0] / "model.safetensors"), framework="pt") as f:
         name = max(f.keys(), key=lambda k: f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1])
@@ -243,9 +255,10 @@ def test_released_pages_of_a_mapped_checkpoint_read_back_from_the_file(tiny):
 
 def test_other_devices_take_the_plain_products():
     """The streaming and packed products are the CPU's; a GPU (here the meta device) runs addmm and
-    F.linear in the dtype asked for."""
-    from lmhead_cli.engine.lean import _streams, pack_for_onednn
+    F.linear in the dtype asked for, and nothing is timed."""
+    from lmhead_cli.engine.products import few_cpu_rows, pack_for_onednn, products_for
 
     assert pack_for_onednn(torch.empty(8, 4, dtype=torch.bfloat16, device="meta")) is None
-    assert not _streams(torch.empty(1, 4, device="meta"))
-    assert _streams(torch.empty(1, 4)) and not _streams(torch.empty(5, 4))  # a few float32 CPU rows only
+    assert products_for(torch.float32, torch.device("meta")).forms == ()
+    assert not few_cpu_rows(torch.empty(1, 4, device="meta"))
+    assert few_cpu_rows(torch.empty(1, 4)) and not few_cpu_rows(torch.empty(5, 4))  # a few CPU rows only

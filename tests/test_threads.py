@@ -121,3 +121,50 @@ def test_lmhead_threads_sets_the_count(tiny, monkeypatch, restore_threads):
     got = cli("greedy", "The keys", "-n", "3", "--model", str(tiny[0]), "--json")
     assert got.exit_code == 0, got.output
     assert calls == [1]  # fixed before the load, and never changed by a trial
+
+
+class FormsEngine:
+    """An engine's product-form hooks, recording what the chooser asks for."""
+
+    forms = ("packed", "linear")
+
+    def __init__(self):
+        self.form, self.settled = "packed", 0
+
+    def use_form(self, form):
+        self.form = form
+
+    def settle_form(self):
+        self.settled += 1
+
+
+def test_offered_forms_are_timed_on_one_thread_then_the_count_with_the_fastest(monkeypatch, restore_threads):
+    """Two warm-up calls on one thread (the second lays the weights out), then each form on one thread,
+    then torch's count with the faster form; 1 thread with "linear" is fastest here, so it stays, the
+    engine settles, and the packed form (whose copies settling drops) is not timed again."""
+    torch.set_num_threads(2)
+    eng = FormsEngine()
+    chooser = ThreadChooser(recheck=2)
+    chooser.offer(eng)
+    seen = []
+    clock(monkeypatch, [3, 1, 2, 1, 1, 1, 2])  # (1, packed), (1, linear), (2, linear), 2 watched, (1, linear), (2, ..)
+    run = lambda n: [chooser.run(lambda: seen.append((torch.get_num_threads(), eng.form))) for _ in range(n)]  # noqa: E731
+    run(2 + 3)
+    assert seen == [(1, "packed")] * 3 + [(1, "linear"), (2, "linear")]
+    assert chooser.choices == [1] and chooser.form_choices == ["linear"] and eng.settled == 1
+    run(2 + 2)
+    assert seen[5:7] == [(1, "linear")] * 2  # recheck 2: then a trial of what is left
+    assert seen[7:] == [(1, "linear"), (2, "linear")]
+    assert chooser.choices == [1, 1] and chooser.form_choices == ["linear", "linear"]
+
+
+def test_forms_are_timed_even_with_a_fixed_count(monkeypatch, restore_threads):
+    eng = FormsEngine()
+    chooser = ThreadChooser(fixed=1)
+    chooser.offer(eng)
+    clock(monkeypatch, [1, 3, 1])  # (1, packed), (1, linear), then the chosen one watched
+    seen = []
+    for _ in range(2 + 2 + 1):
+        chooser.run(lambda: seen.append((torch.get_num_threads(), eng.form)))
+    assert seen == [(1, "packed")] * 3 + [(1, "linear"), (1, "packed")]
+    assert chooser.choices == [] and chooser.form_choices == ["packed"] and torch.get_num_threads() == 1

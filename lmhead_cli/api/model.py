@@ -23,8 +23,8 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
          announce: Callable[[str], None] | None = None) -> Model:
     """Load `source` (a hub id, a local folder or random:NAME) and return a Model.
 
-    device: auto, cpu, cuda or mps; dtype: float32, bfloat16 or float16; engine: auto, lean or
-    transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept
+    device: auto, cpu, cuda or mps; dtype: float32, bfloat16, float16 or int8 (weights only, quantised at
+    load; the lean engine's); engine: auto, lean or transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept
     pytorch_model.bin checkpoints; ignore_memory: load even when the estimate exceeds what is free.
     `announce(line)` hears the loader's notices (a large model; default: one dim line on stderr).
     """
@@ -77,7 +77,7 @@ class Model(Serving):
     def provenance(self) -> results.Provenance:
         ld, eng = self.loaded, self.loaded.engine
         return results.Provenance(model=ld.source, random_weights=ld.random_weights, engine=eng.name,
-                                  device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
+                                  device=str(eng.device), dtype=eng.weight_format,
                                   kind=ld.kind, path=ld.path, seed=ld.seed)
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ def devices(incomplete: str) -> list[str]:
 
 
 def dtypes(incomplete: str) -> list[str]:
-    return _starting(("float32", "bfloat16", "float16"), incomplete)
+    return _starting(("float32", "bfloat16", "float16", "int8"), incomplete)
 
 
 def engines(incomplete: str) -> list[str]:

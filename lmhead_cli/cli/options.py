@@ -97,7 +97,8 @@ MODEL_OPTIONS = [
     _param("device", Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.",
                                                                 autocompletion=complete.devices)], "auto"),
     _param("dtype", Annotated[str, typer.Option(
-        "--dtype", help="float32, bfloat16 or float16 (softmax is always float32).",
+        "--dtype", help="float32, bfloat16, float16, or int8 (weights quantised at load, lean engine; activations "
+        "float32). Softmax is always float32.",
         autocompletion=complete.dtypes)], "float32"),
     _param("engine", Annotated[str, typer.Option(
         "--engine", help="auto (lean for GPT-2 checkpoints, transformers otherwise), lean or transformers.",

@@ -268,6 +268,27 @@ class Engine(ABC):
         return self.head_weight.dtype
 
     @property
+    def weight_format(self) -> str:
+        """How the weights are stored: "float32", "bfloat16", "float16", or "int8" (quantised, computing in float32)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def head_rows(self, ids) -> torch.Tensor:
+        """Rows `ids` of W_out in the compute dtype, (n, D) (int8 weights: dequantised)."""
+        return self.head_weight[ids]
+
+    # -- how the products run: forms the thread chooser may time (engine/threads.py) ------------
+    @property
+    def forms(self) -> tuple[str, ...]:
+        """The product forms this engine can run in on its device; () for one fixed way."""
+        return ()
+
+    def use_form(self, form: str) -> None:
+        """Run the products in `form` (one of `forms`) from now on."""
+
+    def settle_form(self) -> None:
+        """The current form has been chosen: copies that only the other forms use may go."""
+
+    @property
     def n_ctx(self) -> int:
         return int(config_value(self.config, "n_positions", 1024))
 

@@ -17,118 +17,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
+from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
                                     position_ids)
+from lmhead_cli.engine.int8 import Int8Conv1D, Int8Head
+from lmhead_cli.engine.int8 import forms_for as int8_forms
 
-# One position at a time (inspect's last position, every decoding step) the body's and the head's
-# products are matrix-vector products that do nothing but stream weights, and how they are laid out
-# and dispatched decides the speed (benchmarks/run.py measures each form):
-# - float32: every matrix is kept as rows [N, K] (the head's E already is; Conv1D's [K, N] checkpoint
-#   weights are transposed once at load, the parameter staying a [K, N] view of them), and the product
-#   runs as one batched matmul over 2·threads row blocks of it (views: nothing is copied, the tie stays
-#   one object). BLAS's gemv over the same rows reads them at about half that speed on the 2-core
-#   benchmark machine; the [K, N] layout, blocked by columns, at about two thirds.
-# - bfloat16: those forms run no faster than F.linear; oneDNN's linear over a weight packed once into
-#   its own blocked layout does (a second, packed copy of each matrix: bfloat16 then holds about the
-#   memory float32 would, for about 1.6× the speed).
-# A matrix is laid out the second time it meets one position (the second decoding step), not at load:
-# a single forward (inspect, lens) never pays for the copy, and the checkpoint's memory-mapped pages
-# of a transposed matrix are handed back, so decoding holds each matrix once.
-BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
+from lmhead_cli.engine.products import (BLOCKED_MAX_ROWS, Products, few_cpu_rows, few_rows_product,  # noqa: F401
+                                        pack_for_onednn, packed_linear, products_for, release_mapped_pages,
+                                        rows_times)
 
-
-def _few_cpu_rows(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.shape[0] <= BLOCKED_MAX_ROWS
-
-
-def _streams(x: torch.Tensor) -> bool:
-    """A few float32 rows on the CPU: the blocked row products apply."""
-    return x.dtype == torch.float32 and _few_cpu_rows(x)
-
-
-def release_mapped_pages(t: torch.Tensor) -> bool:
-    """Give back the pages of `t` when they are a read-only use of a memory-mapped .safetensors file
-    (t has been copied into another layout and nothing reads it any more): the whole pages inside
-    its bytes, with madvise(MADV_DONTNEED), which for a private file mapping just drops them (they
-    would be read from the file again if touched). Anything else is left alone. True if released."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux") or t.device.type != "cpu":
-        return False
-    start, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
-    try:
-        with open("/proc/self/maps") as f:
-            mapped = any(_maps_file(line, start, nbytes) for line in f)
-    except OSError:
-        return False
-    page = 4096
-    first, last = -(-start // page) * page, (start + nbytes) // page * page
-    if not mapped or last <= first:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4) == 0  # MADV_DONTNEED
-
-
-def _maps_file(line: str, start: int, nbytes: int) -> bool:
-    """A /proc/self/maps line: a private mapping of a .safetensors file holding [start, start + nbytes)."""
-    fields = line.split()
-    if len(fields) < 6 or not fields[5].endswith(".safetensors") or "p" not in fields[1]:
-        return False
-    lo, hi = (int(v, 16) for v in fields[0].split("-"))
-    return lo <= start and start + nbytes <= hi
+# How the few-position products run (float32 rows, blocked rows, bfloat16 packed for oneDNN) is
+# engine/products.py's; which of them runs is chosen by timing the decoding steps (engine/threads.py).
 
 
 class _LaysOut:
     """A module whose weight is laid out for one-position products on the second such call."""
 
     packed: torch.Tensor | None = None
+    products = Products()  # the engine's, set when it is built
     _one_row_calls = 0
 
     def _maybe_lay_out(self, x2: torch.Tensor) -> None:
-        if self._one_row_calls < 2 and _few_cpu_rows(x2):
+        if self._one_row_calls < 2 and few_cpu_rows(x2):
             self._one_row_calls += 1
             if self._one_row_calls == 2:
                 with torch.inference_mode(False):
                     self.lay_out_()
-
-
-def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """h · wᵀ (+ b) for a few positions h (R, D) and a row-major w (V, D): (R, V), computed as w's rows
-    in 2·threads blocks times h (one batched matmul over views of w, the bias added in the same
-    call) plus any last rows."""
-    V, D = w.shape
-    R = h.shape[0]
-    s = 2 * max(1, torch.get_num_threads())
-    n = V // s
-    hs = h.t().expand(s, D, R)  # (s, D, R), a view
-    out = torch.empty(V, R, dtype=h.dtype, device=h.device)  # written in place: no concatenation
-    blocks, last = out[: s * n].view(s, n, R), out[s * n:]
-    if b is None:
-        torch.bmm(w[: s * n].view(s, n, D), hs, out=blocks)
-        if s * n < V:
-            torch.mm(w[s * n:], h.t(), out=last)
-    else:
-        torch.baddbmm(b[: s * n].view(s, n, 1), w[: s * n].view(s, n, D), hs, out=blocks)
-        if s * n < V:
-            torch.addmm(b[s * n:, None], w[s * n:], h.t(), out=last)
-    return out.t().contiguous()  # (R, V); one row needs no copy
-
-
-def pack_for_onednn(w: torch.Tensor) -> torch.Tensor | None:
-    """w (N, K) in oneDNN's own blocked layout for `packed_linear` (a copy), where that is the fast
-    bfloat16 path: a bfloat16 CPU weight and a torch with oneDNN's bfloat16 kernels. None otherwise."""
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1)
-    except (RuntimeError, AttributeError):  # a torch built without it: the plain product runs
-        return None
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) times a packed (N, K) weight, plus b: (M, N), by oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
 class Conv1D(_LaysOut, nn.Module):
@@ -141,10 +55,11 @@ class Conv1D(_LaysOut, nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out))
 
     def lay_out_(self) -> None:
-        """float32: rows for the streaming products; bfloat16: a oneDNN-packed copy (see above)."""
-        self.packed = pack_for_onednn(self.weight.t())
+        """Rows (out, in) on the CPU; and a oneDNN-packed copy while "packed" may still be chosen."""
+        if "packed" in self.products.forms and not (self.products.settled and self.products.form != "packed"):
+            self.packed = pack_for_onednn(self.weight.t())
         rows = self.weight.detach().t()  # (out, in)
-        if self.packed is None and self.weight.device.type == "cpu" and not rows.is_contiguous():
+        if self.weight.device.type == "cpu" and not rows.is_contiguous():
             old = self.weight
             self.weight = nn.Parameter(rows.contiguous().t(), requires_grad=old.requires_grad)
             release_mapped_pages(old)
@@ -153,29 +68,28 @@ class Conv1D(_LaysOut, nn.Module):
         x2 = x.reshape(-1, x.shape[-1])  # (M, in)
         self._maybe_lay_out(x2)
         rows = self.weight.t()  # (out, in), a view
-        if self.packed is not None:
-            y = packed_linear(x2, self.packed, self.bias)
-        elif _streams(x2) and rows.is_contiguous():
-            y = rows_times(rows, x2, self.bias)
+        if few_cpu_rows(x2) and rows.is_contiguous() and self.products.forms:
+            y = few_rows_product(self.products.form, x2, rows, self.bias, self.packed)
         else:
             y = torch.addmm(self.bias, x2, self.weight)
         return y.view(*x.shape[:-1], -1)
 
 
 class LMHead(_LaysOut, nn.Linear):
-    """The head z = h · W_outᵀ, W_out (V, D), no bias; a few positions stream W_out in row blocks
-    (float32: E's rows as they are) or run over a packed copy (bfloat16)."""
+    """The head z = h · W_outᵀ, W_out (V, D), no bias; a few positions run in the engine's product
+    form over W_out's rows as they are (E's, when tied) or over a packed copy (bfloat16)."""
 
     def lay_out_(self) -> None:
-        self.packed = pack_for_onednn(self.weight) if self.bias is None else None
+        if "packed" in self.products.forms and self.bias is None and not (
+                self.products.settled and self.products.form != "packed"):
+            self.packed = pack_for_onednn(self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h2 = h.reshape(-1, h.shape[-1])  # (R, D)
         self._maybe_lay_out(h2)
-        if self.packed is not None:
-            return packed_linear(h2, self.packed, None).view(*h.shape[:-1], -1)
-        if _streams(h2) and self.bias is None and self.weight.is_contiguous():
-            return rows_times(self.weight, h2).view(*h.shape[:-1], -1)
+        if few_cpu_rows(h2) and self.weight.is_contiguous() and self.products.forms:
+            return few_rows_product(self.products.form, h2, self.weight, self.bias,
+                                    self.packed).view(*h.shape[:-1], -1)
         return super().forward(h)
 
 
@@ -226,7 +140,14 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, T, hd)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, T_past + T, hd)
-        if mask is None:
+        if T == 1 and x.device.type == "cpu":
+            # One new position (a decoding step): three small products. SDPA's CPU kernels set up
+            # blocks for long queries, which for one query costs more than the attention itself.
+            att = torch.matmul(q, k.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # (B, H, 1, T_all)
+            if mask is not None:
+                att = att.add_(mask)
+            y = torch.matmul(att.softmax(-1), v)  # (B, H, 1, hd)
+        elif mask is None:
             # No padding: causal within the new positions; a single new position sees everything.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and k.shape[2] == T)
         else:
@@ -295,14 +216,49 @@ class LeanGPT2(Engine):
     def __init__(self, config: dict, module: GPT2):
         super().__init__(name="lean", config=config, module=module)
         self.gpt = module
+        self.int8 = isinstance(module.lm_head, Int8Head)  # quantised at load (engine/int8.py)
+        if self.int8:
+            forms = int8_forms(self.device)
+            self.products = Products(forms=forms, form=forms[0] if forms else "linear")
+        else:
+            self.products = products_for(self.dtype, self.device)
+        for m in module.modules():
+            if isinstance(m, (_LaysOut, Int8Conv1D)):
+                m.products = self.products
+                self.products.modules.append(m)
 
     @property
     def embedding_weight(self) -> torch.Tensor:
-        return self.gpt.wte.weight
+        """E (V, D); int8: the table's q, the one tensor that the lookups and the tied head share."""
+        return self.gpt.wte.table.q if self.int8 else self.gpt.wte.weight
 
     @property
     def head_weight(self) -> torch.Tensor:
-        return self.gpt.lm_head.weight
+        return self.gpt.lm_head.table.q if self.int8 else self.gpt.lm_head.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the activations (and the KV cache) are in: float32 for int8 weights."""
+        return self.gpt.ln_f.weight.dtype
+
+    @property
+    def weight_format(self) -> str:
+        return "int8" if self.int8 else super().weight_format
+
+    def head_rows(self, ids) -> torch.Tensor:
+        if self.int8:
+            return self.gpt.lm_head.table.dequantise(torch.as_tensor(ids, device=self.device))
+        return super().head_rows(ids)
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        return self.products.forms
+
+    def use_form(self, form: str) -> None:
+        self.products.use(form)
+
+    def settle_form(self) -> None:
+        self.products.settle()
 
     @property
     def head_module(self) -> nn.Module:

@@ -13,7 +13,9 @@ Three things follow (figures in README, Performance):
   again when its speed halves, or after `recheck` calls (twice as many after each trial that kept
   the count: on a busy machine the call on the slower count can take many times longer).
   A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
-* `--threads N` / LMHEAD_THREADS fix the count, and nothing is timed.
+* `--threads N` / LMHEAD_THREADS fix the count, and it is not timed.
+* The same trials choose the engine's product form (engine/products.py: BLAS's gemv, blocked rows,
+  oneDNN's packed bfloat16), which differs from CPU to CPU and between a quiet and a busy machine.
 
 No torch import at module top: `prepare` must run before torch is first imported.
 """
@@ -56,16 +58,22 @@ def prepare(threads: int | None = None) -> int | None:
 
 
 class ThreadChooser:
-    """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster.
+    """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster, and the
+    engine's product form (`offer`: e.g. float32 "linear" or "blocked", bfloat16 "packed") at whichever
+    of its forms does: every (count, form) pair is a setting, and the trials time them all.
 
     `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
-    one thread (first-call set-up is not what is compared); the next 2 × trials calls alternate
-    between the two counts, and the faster (best time per unit each) is kept. Then the median of the
-    last 5 calls is watched against the median of the first 5 after the choice: when it is more than
-    `slack` times slower, or after `recheck` calls, the trial runs again. A trial costs a call on the
-    slower count, which on a busy machine can take many times longer, so a trial that keeps the same
-    count multiplies the calls until the next by how many times slower the other count was (at least
-    2, up to `max_recheck` calls). With `fixed` (or one core, or a GPU) nothing is timed.
+    one thread (first-call set-up is not what is compared; with forms, two calls: the second
+    one-position call lays the weights out); the next settings × trials calls alternate between the
+    settings, and the fastest (best time per unit each) is kept. With forms, the trial times each
+    form on one thread, then torch's count with the fastest of them: one call on more threads, not
+    one per form. Then the median of the last 5 calls
+    is watched against the median of the first 5 after the choice: when it is more than `slack` times
+    slower, or after `recheck` calls, the trial runs again. A trial costs calls on slower settings,
+    which on a busy machine can take many times longer, so a trial that keeps the same setting
+    multiplies the calls until the next by how many times slower the slowest was (at least 2, up to
+    `max_recheck` calls). With `fixed` (or one core, or a GPU) the thread count is not timed; forms
+    still are, where the engine offers more than one.
     """
 
     WINDOW = 5
@@ -82,14 +90,33 @@ class ThreadChooser:
         self.candidates = [most, 1] if fixed is None and device_type == "cpu" and most > 1 else []
         self.trials, self.slack, self.recheck, self.max_recheck = trials, slack, recheck, max_recheck
         self.choices: list[int] = []  # the count each trial chose, in order
-        self._pending: list[int] = []
-        self._timed: dict[int, float] = {}
+        self.forms: tuple[str, ...] = ()
+        self.form_choices: list[str] = []  # the form each trial chose, in order (with forms)
+        self._engine = None
+        self._settings: list[tuple[int | None, str | None]] = [(n, None) for n in self.candidates]
+        self._pending: list[tuple[int | None, str | None]] = []
+        self._timed: dict[tuple[int | None, str | None], float] = {}
         self._window: deque[float] = deque(maxlen=self.WINDOW)
         self._reference: float | None = None
         self._interval, self._since = recheck, 0
-        self._warm_up = bool(self.candidates)
-        if self.candidates:
+        self._warm_up = 1 if self._settings else 0
+        if self._settings:
             self._start_trial()
+
+    def offer(self, engine) -> None:
+        """Time the engine's product forms too (`engine.forms`, `use_form`, `settle_form`), where it
+        has more than one."""
+        forms = tuple(engine.forms)
+        if len(forms) < 2:
+            return
+        self.forms, self._engine = forms, engine
+        # The forms on one thread first (on a busy machine a call on more threads can take many times
+        # longer), then the other count with whichever form was fastest ("best", resolved when reached).
+        counts = self.candidates or [None]
+        first = 1 if 1 in counts else counts[0]
+        self._settings = [(first, f) for f in forms] + [(n, "best") for n in counts if n != first]
+        self._warm_up = 2
+        self._start_trial()
 
     @property
     def threads(self) -> int:
@@ -102,41 +129,67 @@ class ThreadChooser:
         return bool(self._pending)
 
     def _start_trial(self) -> None:
-        self._pending = self.candidates * self.trials  # alternating: drift hits both alike
+        self._pending = self._settings * self.trials  # alternating: drift hits all alike
         self._timed = {}
 
-    def _choose(self) -> None:
+    def _resolve(self, setting: tuple[int | None, str | None]) -> tuple[int | None, str | None]:
+        """(n, "best"): the form timed fastest so far in this trial."""
+        if setting[1] != "best":
+            return setting
+        return setting[0], min(self._timed, key=self._timed.get)[1]
+
+    def _apply(self, setting: tuple[int | None, str | None]) -> None:
         import torch
 
+        n, form = setting
+        if n is not None:
+            torch.set_num_threads(n)
+        if form is not None:
+            self._engine.use_form(form)
+
+    def _choose(self) -> None:
         best = min(self._timed, key=self._timed.get)
-        torch.set_num_threads(best)
-        kept = bool(self.choices) and self.choices[-1] == best
-        self.choices.append(best)
-        # The slower count's call is what a trial costs: the more it lost by, the longer until the next.
+        self._apply(best)
+        n, form = best
+        previous = (self.choices[-1] if n is not None and self.choices else None,
+                    self.form_choices[-1] if form is not None and self.form_choices else None)
+        kept = bool(self.choices or self.form_choices) and previous == best
+        if n is not None:
+            self.choices.append(n)
+        if form is not None:
+            self.form_choices.append(form)
+            self._engine.settle_form()
+            if form != "packed":  # settle_form dropped the packed copies: that form is gone
+                self._settings = [s for s in self._settings if s[1] != "packed"]
+                if len(self._settings) < 2:  # nothing left to choose between
+                    self._settings = []
+        # The slowest setting's call is what a trial costs: the more it lost by, the longer until the next.
         lost_by = max(self._timed.values()) / max(self._timed[best], 1e-12)
         self._interval = min(int(self._interval * max(2.0, lost_by)), self.max_recheck) if kept else self.recheck
         self._since, self._reference = 0, None
         self._window.clear()
 
     def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
-        """fn(), timed per unit when the count is being chosen or watched."""
-        if not self.candidates:
+        """fn(), timed per unit when the setting is being chosen or watched."""
+        if not self._settings:
             return fn()
         import torch
 
         if self._warm_up:  # on one thread: on a busy machine the other count can take many times longer
-            self._warm_up = False
-            torch.set_num_threads(1)
+            self._warm_up -= 1
+            if self.candidates:
+                torch.set_num_threads(1)
             return fn()
 
         if self._pending:
-            torch.set_num_threads(self._pending[0])
+            self._pending[0] = self._resolve(self._pending[0])
+            self._apply(self._pending[0])
         start = time.perf_counter()
         out = fn()
         per_unit = (time.perf_counter() - start) / max(units, 1e-9)
         if self._pending:
-            n = self._pending.pop(0)
-            self._timed[n] = min(self._timed.get(n, math.inf), per_unit)
+            setting = self._pending.pop(0)
+            self._timed[setting] = min(self._timed.get(setting, math.inf), per_unit)
             if not self._pending:
                 self._choose()
             return out

@@ -23,7 +23,7 @@ GPT2_INTS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 # Bytes per element of the safetensors dtypes a checkpoint may hold.
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-TORCH_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TORCH_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 LARGE_BYTES = 2 * 1024**3  # a model estimated above this is announced before it is built
 _BLOCK = re.compile(r"^h\.(\d+)\.")
 

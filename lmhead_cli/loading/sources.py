@@ -18,13 +18,14 @@ from urllib.parse import urlparse
 
 import torch
 
-from lmhead_cli.engine.base import Engine, TieNames
+from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
 from lmhead_cli.loading import bundled, checks, validate
 from lmhead_cli.loading.model_configs import config_names, load_config
+from lmhead_cli.loading.tie import TieReport, file_tie, tie_report  # noqa: F401 - the tie's own module
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 from lmhead_cli.loading.weights import NOT_WEIGHTS as _NOT_WEIGHTS
 from lmhead_cli.loading.weights import read_weights, weight_files
@@ -32,27 +33,11 @@ from lmhead_cli.loading.weights import read_weights, weight_files
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
 DEVICES = ("auto", "cpu", "cuda", "mps")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# int8: weight-only, quantised at load from float32 (engine/int8.py); activations stay float32.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 ENGINES = ("auto", "lean", "transformers")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "vocab.json", "merges.txt", "generation_config.json"]
-
-
-@dataclass(frozen=True)
-class TieReport:
-    """Whether the output matrix W_out is the embedding table E, and the evidence."""
-
-    tied: bool  # the head's weight is the embedding's weight object
-    same_object: bool  # the head's weight is the embedding's (e.g. lm_head.weight is wte.weight)
-    same_data_ptr: bool
-    config_tie_word_embeddings: bool
-    file_has_lm_head: bool | None  # the file stores the head's own weight; None: no file (random weights)
-    file_lm_head_equals_wte: bool | None  # that stored head equals the stored embedding
-    head_name: str  # the model's own names, e.g. "lm_head.weight" and "model.embed_tokens.weight"
-    embedding_name: str
-    shape: tuple[int, int]  # (V, D)
-    # c when the model soft-caps its own logits after the head (Gemma-2's final_logit_softcapping), else None
-    own_softcap: float | None = None
 
 
 @dataclass
@@ -110,6 +95,11 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     if engine not in ENGINES:
         raise UsageError("unknown ", Param("engine"), f" {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    int8 = dt == torch.int8  # built in float32, then quantised: activations, norms and softmax stay float32
+    dt = torch.float32 if int8 else dt
+    if int8 and engine == "transformers":
+        raise UsageError("--dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers "
+                         "use float32, bfloat16 or float16")
     pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
         raise UsageError(Param("source"), " is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
@@ -136,6 +126,9 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         if engine_name == "transformers":
             validate.check_config_for(config, folder / "config.json")
         tokenizer = GPT2Tokenizer.from_folder(folder) or GPT2Tokenizer.bundled()
+        if int8 and engine_name != "lean":
+            raise UsageError("int8 runs on the lean engine, which takes plain GPT-2 checkpoints only (this "
+                             "one runs on transformers); use float32, bfloat16 or float16")
         files = weight_files(folder, allow_pickle)
         if all(f.suffix == ".safetensors" for f in files):
             header = checks.read_header(files)
@@ -155,12 +148,13 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     if engine_name == "lean":
         config_tied = bool(config.get("tie_word_embeddings", True))
         stored = file_tie(state, TIE_NAMES) if files else None  # before build_lean consumes the state
-        eng: Engine = LeanGPT2(config, build_lean(config, state, config_tied, files, dev, dt))
+        eng: Engine = LeanGPT2(config, build_lean(config, state, config_tied, files, dev, dt, int8, announce))
     else:
         eng, config_tied = build_transformers(config, state, files, dev, dt)
         stored = file_tie(state, eng.tie_names) if files else None
     state.clear()  # the model holds what it needs
     tie = tie_report(eng, stored, config_tied)
+    pace.offer(eng)  # the product forms the engine can run in are timed with the thread counts
     # After the build, whose own checks name an unsupported model first; before any prompt is read.
     checks.check_vocabularies(tokenizer.vocab_size, eng.vocab_size, tokenizer.origin,
                               (folder / "config.json") if folder else source)
@@ -262,8 +256,6 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
-from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
-from lmhead_cli.loading import bundled, checks, validate
 
 def _names(files: list[Path]) -> str:
     return ", ".join(str(f) for f in files) or "the weights"
@@ -279,8 +271,9 @@ def random_state(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: list[Path],
-               device: torch.device, dtype: torch.dtype) -> GPT2:
-    """The lean GPT-2 module holding `state`; tied means lm_head.weight *is* wte.weight."""
+               device: torch.device, dtype: torch.dtype, int8: bool = False, announce=lambda line: None) -> GPT2:
+    """The lean GPT-2 module holding `state`; tied means lm_head.weight *is* wte.weight. int8: every
+    matrix quantised (engine/int8.py; `announce` hears of a device without an int8 kernel)."""
     if not tied and "lm_head.weight" not in state:
         raise CorruptCheckpoint(f"{_names(files)}: the config unties the head (tie_word_embeddings: false) "
                                 "but the weights hold no lm_head.weight")
@@ -301,6 +294,10 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     del weights
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
+    if int8:
+        from lmhead_cli.engine.int8 import quantise_gpt2_
+
+        quantise_gpt2_(model, tied, device, announce)
     return model.to(device).eval()
 
 
@@ -370,34 +367,3 @@ def _dims(shape) -> str:
 
 def _few(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
-def file_tie(state: dict[str, torch.Tensor], names: TieNames) -> tuple[bool, bool | None]:
-    """What the checkpoint file stores: (its own head weight?, that head equal to the stored embedding?
-    None when either is absent)."""
-    head, embedding = _stored(state, names.head), _stored(state, names.embedding)
-    return head is not None, (torch.equal(head, embedding) if head is not None and embedding is not None else None)
-
-
-def tie_report(eng: Engine, stored: tuple[bool, bool | None] | None, config_tied: bool) -> TieReport:
-    """Whether the engine's head weight is its embedding weight, under the model's own names, and what
-    the checkpoint file stores (`file_tie`; None for random weights)."""
-    names = eng.tie_names
-    head_w, emb_w = eng.head_weight, eng.embedding_weight
-    return TieReport(
-        tied=head_w is emb_w,
-        same_object=head_w is emb_w,
-        same_data_ptr=head_w.data_ptr() == emb_w.data_ptr(),
-        config_tie_word_embeddings=config_tied,
-        file_has_lm_head=None if stored is None else stored[0],
-        file_lm_head_equals_wte=None if stored is None else stored[1],
-        head_name=names.head,
-        embedding_name=names.embedding,
-        shape=tuple(head_w.shape),
-        own_softcap=eng.own_stages.get("softcap"),
-    )
-
-
-def _stored(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """The file's tensor for the model's parameter `name` (file names are normalised: no `transformer.`)."""
-    return state.get(name, state.get(name.removeprefix("transformer.")))

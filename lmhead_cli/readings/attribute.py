@@ -129,8 +129,8 @@ def attribute_logit(loaded: Loaded, prompt: str, target: str, vs: str | None = N
     _check_close(norm.apply(resid, sigma) + (beta if beta is not None else 0), eng.final_norm(c.resid)[0].double(),
                  eng.dtype, "its final norm is not γ ⊙ centre(x) / σ + β")
 
-    W = eng.head_weight
-    e = W[t].double() - (W[u].double() if u is not None else 0)  # (D,): the row (or the difference of rows)
+    W = eng.head_rows([t] if u is None else [t, u]).double()  # W_out's rows (int8 weights: dequantised)
+    e = W[0] - (W[1] if u is not None else 0)  # (D,): the row (or the difference of rows)
 
     def share(part: torch.Tensor) -> torch.Tensor:  # (..., D) -> (...): e · (γ ⊙ centre(part)) / σ
         return norm.apply(part, sigma) @ e

@@ -96,7 +96,7 @@ def explain_logit(loaded: Loaded, prompt: str, token: str, top_k: int = 5,
     h_norm = float(h_last.norm())
 
     def parts(i: int) -> LogitParts:
-        e = eng.head_weight[i].double()  # (D,): token i's row of W_out (= E with tied weights)
+        e = eng.head_rows([i])[0].double()  # (D,): token i's row of W_out (= E with tied weights)
         b = float(bias[i]) if bias is not None else 0.0
         dot = float(e @ h_last)
         e_norm = float(e.norm())

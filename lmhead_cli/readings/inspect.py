@@ -105,7 +105,7 @@ def inspection_from_logits(loaded: Loaded, ids: list[int], dropped: int, logits:
     dist = Distribution(logits)
     return Inspection(
         model=loaded.source, random_weights=loaded.random_weights, tied=loaded.tie.tied, engine=eng.name,
-        device=str(eng.device), dtype=str(eng.dtype).removeprefix("torch."),
+        device=str(eng.device), dtype=eng.weight_format,
         prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, shapes=walk,
         top=dist.top(k, text), targets=[dist.target(t, tid, text) for t, tid in target_ids],
         entropy=dist.entropy, entropy_bits=dist.entropy_bits, logits=logits,

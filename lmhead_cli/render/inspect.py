@@ -146,6 +146,7 @@ def tie_report(result) -> None:
         table.add_row(compose("  stored ", data(tie.head_name), " equals ", data(tie.embedding_name)),
                       yes(tie.file_lm_head_equals_wte))
     table.add_row("matrix shape (V × d)", f"{tie.shape[0]:,} × {tie.shape[1]:,}")
+    table.add_row("stored as", tie.storage)
     if tie.own_softcap:
         table.add_row("the model's own soft-cap c", f"{tie.own_softcap:g}")
     table.add_row("engine", src.engine)

@@ -1,0 +1,167 @@
+"""--dtype int8: weight-only int8, symmetric per output row, quantised at load (engine/int8.py).
+
+The oracle is transformers' own GPT-2 holding the dequantised weights, q · s, computed here from the
+checkpoint's float weights: logits agree within 1e-4 and greedy ids are token-identical. The tie stays
+one int8 table; the transformers engine and non-GPT-2 models are refused in one line; a device
+without an int8 kernel is told which fallback runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmhead_cli.errors import UsageError
+from lmhead_cli.loading.sources import load_model
+from helpers import PROMPT_IDS, build_checkpoint
+
+ATOL = 1e-4
+NEW = 12
+
+
+def dequantised(w: torch.Tensor, rows_dim: int) -> torch.Tensor:
+    """w with each output row r replaced by round(r / s) · s, s = max|r| / 127 (rows along `rows_dim`)."""
+    rows = w if rows_dim == 0 else w.t()
+    s = rows.abs().amax(1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    out = (rows / s).round().clamp(-127, 127) * s
+    return out if rows_dim == 0 else out.t()
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def pair(request, tmp_path_factory):
+    """(int8 Loaded, transformers GPT-2 with the dequantised weights) from one tiny checkpoint."""
+    tied = request.param == "tied"
+    folder = tmp_path_factory.mktemp(f"int8_{request.param}")
+    reference = build_checkpoint(folder, tied=tied, n_layer=3, seed=11 if tied else 12)
+    with torch.no_grad():
+        for block in reference.transformer.h:
+            for conv in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                conv.weight.copy_(dequantised(conv.weight, rows_dim=1))  # Conv1D: (in, out), rows are columns
+        reference.transformer.wte.weight.copy_(dequantised(reference.transformer.wte.weight, rows_dim=0))
+        if not tied:
+            reference.lm_head.weight.copy_(dequantised(reference.lm_head.weight, rows_dim=0))
+    return load_model(str(folder), device="cpu", dtype="int8"), reference
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(0, 50256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+@pytest.mark.parametrize("length", [1, 5, 40])
+def test_logits_match_the_dequantised_model(pair, length):
+    loaded, reference = pair
+    ids = prompt(length)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]  # (T, V)
+    eng = loaded.engine
+    got = eng.head(eng.body(torch.tensor([ids])))[0]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["int_mm", "packed"])
+def test_greedy_ids_match_the_dequantised_model_step_by_step(pair, form):
+    """Prefill, then one position per step (the products' few-row path, in each int8 form, and the KV
+    cache)."""
+    loaded, reference = pair
+    eng, ids = loaded.engine, PROMPT_IDS
+    if form not in eng.forms:
+        pytest.skip(f"torch has no {form} int8 product here")
+    eng.use_form(form)
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
+                                 pad_token_id=50256, return_dict_in_generate=True, output_logits=True)
+    expected = out.sequences[0, len(ids):].tolist()
+    cache = eng.new_cache(1, len(ids) + NEW)
+    x, got = torch.tensor([ids]), []
+    for step in range(NEW):
+        z = eng.head(eng.body(x, cache)[:, -1:])[0, 0]  # (V,)
+        torch.testing.assert_close(z, out.logits[step][0], atol=ATOL, rtol=0)
+        got.append(int(z.argmax()))
+        x = torch.tensor([[got[-1]]])
+    assert got == expected
+
+
+def test_the_tie_is_one_int8_table(pair):
+    loaded, reference = pair
+    eng, tie = loaded.engine, loaded.tie
+    assert eng.weight_format == "int8" and eng.dtype == torch.float32
+    V, D = reference.transformer.wte.weight.shape
+    tables = [p for p in eng.module.parameters() if p.dtype == torch.int8 and tuple(p.shape) == (V, D)]
+    if reference.config.tie_word_embeddings:
+        assert eng.gpt.wte.table is eng.gpt.lm_head.table and eng.head_weight is eng.embedding_weight
+        assert tie.tied and tie.same_object and tie.same_data_ptr and len(tables) == 1
+    else:
+        assert not tie.tied and len(tables) == 2
+    assert tie.storage == "int8 table + float32 scale per row" and tie.shape == (V, D)
+    assert all(p.dtype in (torch.int8, torch.float32) for p in eng.module.parameters())
+    # The embedding lookup reads the same table: its rows are the dequantised rows of the head.
+    ids = torch.tensor([[5, 7]])
+    torch.testing.assert_close(eng.gpt.wte(ids)[0], eng.head_rows([5, 7]) if tie.tied else
+                               dequantised(reference.transformer.wte.weight, 0)[[5, 7]], atol=1e-6, rtol=0)
+
+
+def test_activation_digits_reconstruct_float32():
+    from lmhead_cli.engine.int8 import DIGIT, digits
+
+    x = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1e-3], [1.0], [300.0]])
+    x[1, 7] = 0.0
+    for rows in (x, x[1:2]):  # several positions, and one (a decoding step's own path)
+        M = rows.shape[0]
+        a, sigma = digits(rows)
+        assert a.dtype == torch.int8 and a.shape == (500, 3 * M)
+        d = a.t().double().view(3, M, 500)  # (digit, row, K)
+        back = sigma.double() * (d[0] + d[1] / DIGIT + d[2] / DIGIT**2)
+        assert ((back - rows.double()).abs() <= 2.0**-21 * rows.abs().amax(1, keepdim=True).double()).all()
+
+
+def test_without_a_kernel_the_fallback_is_named_and_gives_the_same_logits(pair, monkeypatch):
+    from lmhead_cli.engine import int8
+
+    loaded, _ = pair
+    monkeypatch.setattr(int8, "kernel_for", lambda device: False)
+    said = []
+    slow = load_model(loaded.path, device="cpu", dtype="int8", announce=said.append)
+    assert len(said) == 1 and "no int8 product kernel" in said[0] and "dequantises" in said[0]
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.inference_mode():
+        torch.testing.assert_close(slow.engine.head(slow.engine.body(ids)), loaded.engine.head(loaded.engine.body(ids)),
+                                   atol=ATOL, rtol=0)
+
+
+def test_the_transformers_engine_and_other_models_are_refused(tiny, tmp_path):
+    from transformers import LlamaConfig
+
+    with pytest.raises(UsageError, match="--dtype int8 is the lean engine's"):
+        load_model(str(tiny[0]), dtype="int8", engine="transformers")
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=50257).save_pretrained(tmp_path)
+    with pytest.raises(UsageError, match="--dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only"):
+        load_model(str(tmp_path), dtype="int8")
+
+
+def test_the_command_line_says_int8_and_how_the_tie_is_stored(tiny):
+    """--dtype int8 on any model command: the JSON names the weights' format, `tie` how the one table
+    is stored, and the transformers engine is refused in one line, exit 2."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from lmhead_cli.cli import app
+
+    runner = CliRunner()
+    folder = str(tiny[0])
+    got = runner.invoke(app, ["greedy", "The keys", "-n", "3", "--model", folder, "--dtype", "int8", "--json"])
+    assert got.exit_code == 0, got.output
+    assert json.loads(got.stdout)["dtype"] == "int8"
+    got = runner.invoke(app, ["inspect", "The keys", "--model", folder, "--dtype", "int8", "--json"])
+    assert got.exit_code == 0 and json.loads(got.stdout)["dtype"] == "int8"
+    got = runner.invoke(app, ["tie", "--model", folder, "--dtype", "int8", "--json"])
+    doc = json.loads(got.stdout)
+    assert doc["tied"] and doc["storage"] == "int8 table + float32 scale per row"
+    assert "stored as" in runner.invoke(app, ["tie", "--model", folder, "--dtype", "int8"]).stdout
+    got = runner.invoke(app, ["inspect", "x", "--model", folder, "--dtype", "int8", "--engine", "transformers"])
+    assert got.exit_code == 2 and got.stderr.strip().splitlines() == [
+        "lmhead: error: --dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers use "
+        "float32, bfloat16 or float16"]
