@@ -102,14 +102,14 @@ def pytest_collection_modifyitems(config, items):
     if "__mutmut_" not in name or not Path(COVERAGE).exists():
         return
     allowed = tests_reaching(name)
-    if not allowed:
-        fastest_first(items)
-        return
-    keep = [i for i in items if i.nodeid in allowed]
+    before = len(items)
+    keep = [i for i in items if i.nodeid in allowed] if allowed else []
     if keep and len(keep) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in allowed])
         items[:] = keep
     fastest_first(items)
+    with open("narrow.log", "a") as log:  # mutant, tests reaching its function, tests kept
+        log.write(f"{name} {before} {len(items)}\n")
 
 
 def fastest_first(items) -> None:

@@ -40,12 +40,12 @@ EQUIVALENT = ROOT / "mutation" / "equivalent.toml"
 # per mutant, the tests among these that reach it.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_mutants.py", "tests/test_diff.py"]),
-    "decoding": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/generate.py", "lmhead_cli/decoding/presets.py"],
-                 ["tests/test_mutants.py", "tests/test_decoding.py", "tests/test_generation.py",
-                  "tests/test_logprobs.py"]),
+    "stages": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/presets.py"],
+               ["tests/test_decoding.py", "tests/test_mutants.py"]),
+    "generate": (["lmhead_cli/decoding/generate.py"],
+                 ["tests/test_mutants.py", "tests/test_generation.py", "tests/test_logprobs.py"]),
     "lean": (["lmhead_cli/engine/lean.py"],
-             ["tests/test_mutants.py", "tests/test_engine_parity.py", "tests/test_lens.py",
-              "tests/test_attribute.py"]),
+             ["tests/test_mutants.py", "tests/test_engine_parity.py", "tests/test_lens.py"]),
     "score": (["lmhead_cli/readings/score.py"], ["tests/test_mutants.py", "tests/test_score.py"]),
     "attribute": (["lmhead_cli/readings/attribute.py"], ["tests/test_attribute.py"]),
     "diff": (["lmhead_cli/readings/diff.py"], ["tests/test_mutants.py", "tests/test_diff.py"]),
@@ -156,6 +156,8 @@ def run_module(name: str, jobs: int) -> dict:
             equivalent.append({**entry, "reason": reason})
         else:
             survivors.append(entry)
+    narrowed = [line.split() for line in (work / "mutants" / "narrow.log").read_text().splitlines()] \
+        if (work / "mutants" / "narrow.log").exists() else []
     counts: dict[str, int] = {}
     for status in found.values():
         counts[status] = counts.get(status, 0) + 1
@@ -165,6 +167,9 @@ def run_module(name: str, jobs: int) -> dict:
             "date": datetime.date.today().isoformat(), "commit": git_commit(), "seconds": round(elapsed),
             "mutants": len(found), "counts": counts, "equivalent": equivalent, "survivors": survivors,
             "detected": detected, "considered": considered,
+            # mean tests per mutant: those that call its function (mutmut), those that execute its statement (narrow.py)
+            "tests_per_mutant": [round(sum(int(n[1]) for n in narrowed) / len(narrowed), 1),
+                                 round(sum(int(n[2]) for n in narrowed) / len(narrowed), 1)] if narrowed else None,
             "score": round(100 * detected / considered, 1) if considered else None}
 
 
@@ -197,6 +202,11 @@ def write_report(results: dict) -> None:
         lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {r['detected']} | "
                      f"{c.get('survived', 0) - len(r['equivalent'])} | {c.get('no tests', 0)} | {len(r['equivalent'])} | "
                      f"{r['score']}% | {r['seconds'] // 60} min |")
+    for r in rows:
+        if r.get("tests_per_mutant"):
+            by_function, by_statement = r["tests_per_mutant"]
+            lines.append(f"- {r['module']}: {by_function} tests per mutant reach its function, {by_statement} its "
+                         f"statement (only those run); test files: {', '.join(r['tests'])}")
     lines += ["", "## Surviving mutants", ""]
     any_left = False
     for r in rows:
