@@ -84,14 +84,17 @@ def pytest_unconfigure(config):
         return
     _cov.stop()
     data = _cov.get_data()
-    tests: dict[str, int] = {}
-    lines: dict[str, dict[int, list[int]]] = {}
+    # mutmut reruns the stats for new tests only: add to what an earlier stats run recorded
+    old = json.loads(Path(COVERAGE).read_text()) if Path(COVERAGE).exists() else {"tests": [], "lines": {}}
+    tests: dict[str, int] = {t: i for i, t in enumerate(old["tests"])}
+    lines: dict[str, dict[str, set[int]]] = {f: {n: set(ids) for n, ids in by.items()} for f, by in old["lines"].items()}
     root = Path.cwd().resolve()
     for path in data.measured_files():
-        by_line = data.contexts_by_lineno(path)
         rel = str(Path(path).resolve().relative_to(root))
-        lines[rel] = {n: sorted({tests.setdefault(c, len(tests)) for c in ctx if c}) for n, ctx in by_line.items()}
-    Path(COVERAGE).write_text(json.dumps({"tests": list(tests), "lines": lines}))
+        for n, ctx in data.contexts_by_lineno(path).items():
+            lines.setdefault(rel, {}).setdefault(str(n), set()).update(tests.setdefault(c, len(tests)) for c in ctx if c)
+    Path(COVERAGE).write_text(json.dumps({"tests": list(tests), "lines": {
+        f: {n: sorted(ids) for n, ids in by.items()} for f, by in lines.items()}}))
     _cov = None
 
 

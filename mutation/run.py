@@ -85,6 +85,7 @@ def prepare(name: str) -> Path:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert "[tool.mutmut]" not in pyproject, "the [tool.mutmut] section is written per module by mutation/run.py"
     (work / "pyproject.toml").write_text(pyproject + mutmut_section(files, tests))
+    (work / "provenance.json").write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": git_commit()}))
     return work
 
 
@@ -139,15 +140,25 @@ def run_module(name: str, jobs: int) -> dict:
     log_path = work / "mutmut.log"
     with open(log_path, "w") as log:
         done = mutmut(work, "run", "--max-children", str(jobs), log=log)
-    elapsed = time.time() - start
-    found = statuses(work)
-    if done.returncode != 0 or not found:
+    (work / "seconds").write_text(str(round(time.time() - start)))
+    if done.returncode != 0:
         tail = log_path.read_text()[-3000:]
         raise SystemExit(f"mutmut failed on {name} (exit {done.returncode}); the end of {log_path}:\n{tail}")
+    return collect(name)
+
+
+def collect(name: str) -> dict:
+    """The results of a module from its scratch folder (after `run_module`, or after rerunning some of
+    its mutants there with `python -m mutmut run NAME`)."""
+    work = SCRATCH / name
+    found = statuses(work)
+    if not found:
+        raise SystemExit(f"no mutmut results in {work}; run the module first")
+    elapsed = int((work / "seconds").read_text()) if (work / "seconds").exists() else 0
     known = equivalents()
     survivors, equivalent = [], []
     for mutant, status in sorted(found.items()):
-        if status in DETECTED:
+        if status in DETECTED or status == "not checked":
             continue
         function, removed, added = diff_of(work, mutant)
         entry = {"mutant": mutant, "status": status, "function": function, "removed": removed, "added": added}
@@ -162,9 +173,10 @@ def run_module(name: str, jobs: int) -> dict:
     for status in found.values():
         counts[status] = counts.get(status, 0) + 1
     detected = sum(counts.get(s, 0) for s in DETECTED)
-    considered = len(found) - len(equivalent)
+    considered = len(found) - counts.get("not checked", 0) - len(equivalent)  # an interrupted run leaves some unchecked
+    made = json.loads((work / "provenance.json").read_text())
     return {"module": name, "files": MODULES[name][0], "tests": MODULES[name][1],
-            "date": datetime.date.today().isoformat(), "commit": git_commit(), "seconds": round(elapsed),
+            "date": made["date"], "commit": made["commit"], "seconds": round(elapsed),
             "mutants": len(found), "counts": counts, "equivalent": equivalent, "survivors": survivors,
             "detected": detected, "considered": considered,
             # mean tests per mutant: those that call its function (mutmut), those that execute its statement (narrow.py)
@@ -195,13 +207,13 @@ def write_report(results: dict) -> None:
                   f"({sum(r['mutants'] for r in rows)} mutants, {sum(len(r['equivalent']) for r in rows)} equivalent).", ""]
     if missing:
         lines += [f"Not run yet: {', '.join(missing)}.", ""]
-    lines += ["| module | date | commit | mutants | detected | survived | no tests | equivalent | score | time |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| module | date | commit | mutants | detected | survived | no tests | equivalent | not checked | score | time |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r["counts"]
         lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {r['detected']} | "
                      f"{c.get('survived', 0) - len(r['equivalent'])} | {c.get('no tests', 0)} | {len(r['equivalent'])} | "
-                     f"{r['score']}% | {r['seconds'] // 60} min |")
+                     f"{c.get('not checked', 0)} | {r['score']}% | {r['seconds'] // 60} min |")
     for r in rows:
         if r.get("tests_per_mutant"):
             by_function, by_statement = r["tests_per_mutant"]
@@ -229,6 +241,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=JOBS, help="mutant processes at a time")
     p.add_argument("--list", action="store_true", help="list the modules, their files and tests")
     p.add_argument("--report-only", action="store_true", help="rewrite the report from mutation/results.json")
+    p.add_argument("--collect", action="store_true",
+                   help="read the results from the modules' scratch folders again, without running mutmut")
     p.add_argument("--tests", nargs="+", help="test files to use instead of the module's (a trial; not recorded)")
     a = p.parse_args()
     if a.list:
@@ -238,21 +252,21 @@ def main() -> None:
     unknown = [m for m in a.modules if m not in MODULES]
     if unknown:
         p.error(f"unknown module(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for name in [] if a.report_only else (a.modules or list(MODULES)):
         if a.tests:
             MODULES[name] = (MODULES[name][0], a.tests)
-        print(f"{name}: running mutmut on {', '.join(MODULES[name][0])} ...", flush=True)
-        r = run_module(name, a.jobs)
+        print(f"{name}: {'collecting' if a.collect else 'running mutmut on'} {', '.join(MODULES[name][0])} ...", flush=True)
+        r = collect(name) if a.collect else run_module(name, a.jobs)
         if a.tests:
             print(json.dumps(r, indent=1, ensure_ascii=False))
             continue
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # another module's run may have written
         results[name] = r
         RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
         write_report(results)
         print(f"{name}: {r['detected']}/{r['considered']} detected ({r['score']}%), {len(r['survivors'])} surviving, "
               f"{len(r['equivalent'])} equivalent, {r['seconds']} s", flush=True)
-    write_report(results)
+    write_report(json.loads(RESULTS.read_text()) if RESULTS.exists() else {})
 
 
 if __name__ == "__main__":
