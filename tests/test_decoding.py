@@ -367,3 +367,19 @@ def test_stage_table_refuses_logits_pushed_past_float32(logits, knobs):
         decoding.stage_table(logits, knobs, 2, str)
     assert str(e.value) == ("the stages pushed the logits past float32's range (NaN or inf); "
                             "a larger temperature or soft-cap keeps them finite")
+
+
+def test_option_spells_each_setting_as_its_command_line_flag():
+    assert decoding.option("softcap") == "--softcap" and decoding.option("top_k") == "--top-k"
+    assert decoding.option("max_new_tokens") == "--max-new-tokens"
+    assert decoding.option("ignore_eos") == "--ignore-eos"  # not a setting: the flag by the same rule
+
+
+def test_stage_table_rows_carry_their_text_log_probability_and_the_table_its_entropy():
+    knobs = Knobs(top_k=2)
+    t = decoding.stage_table(LOGITS, knobs, 3, lambda i: f"t{i}")
+    lp = torch.log_softmax(torch.tensor(LOGITS[:2].tolist()), -1)
+    assert [r.token for r in t.rows] == ["t0", "t1", "t2"] and t.knobs is knobs
+    assert [r.logprob for r in t.rows][:2] == pytest.approx(lp.tolist(), abs=1e-6) and t.rows[2].logprob == -math.inf
+    assert [c.rank for c in t.rows[2].cells] == [3, 3, 3, None]  # filtered out: no rank in the last column
+    assert t.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), abs=1e-6)
