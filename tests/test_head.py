@@ -212,3 +212,11 @@ def test_divergences_by_their_definitions():
     assert head.js_divergence(lp, lq) == pytest.approx(js, rel=1e-9) and 0 < js < math.log(2)
     assert head.total_variation(lp, lq) == pytest.approx(0.5 * float((p - q).abs().sum()), rel=1e-12)
     assert head.kl_divergence(lp, lp) == head.js_divergence(lp, lp) == head.total_variation(lp, lp) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU every tensor is on one device")
+def test_rank_of_and_target_score_on_the_gpu():
+    """rank_of builds its index on the logits' device (an index left on the CPU fails on a GPU)."""
+    z = ROW.cuda()
+    assert head.rank_of(z, int(ROW.argmax())) == 1
+    assert head.target_score(z, "x", [int(ROW.argmin())], str).rank == 50
