@@ -147,6 +147,25 @@ def run_module(name: str, jobs: int) -> dict:
     return collect(name)
 
 
+def rerun_survivors(name: str, jobs: int) -> dict:
+    """After new tests: copy the tests (and the plugin) into the module's scratch folder and rerun only
+    its mutants that were not detected; mutmut records the new tests' calls first. Then collect."""
+    work = SCRATCH / name
+    before = statuses(work)
+    left = [m for m, status in before.items() if status not in DETECTED]
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for where in (work, work / "mutants"):
+        shutil.copytree(ROOT / "tests", where / "tests", ignore=ignore, dirs_exist_ok=True)
+        shutil.copy(ROOT / "mutation" / "narrow.py", where / "narrow.py")
+    start = time.time()
+    if left:
+        with open(work / "mutmut-rerun.log", "w") as log:
+            mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
+    seconds = work / "seconds"
+    seconds.write_text(str(int(seconds.read_text() if seconds.exists() else 0) + round(time.time() - start)))
+    return collect(name)
+
+
 def collect(name: str) -> dict:
     """The results of a module from its scratch folder (after `run_module`, or after rerunning some of
     its mutants there with `python -m mutmut run NAME`)."""
@@ -241,6 +260,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=JOBS, help="mutant processes at a time")
     p.add_argument("--list", action="store_true", help="list the modules, their files and tests")
     p.add_argument("--report-only", action="store_true", help="rewrite the report from mutation/results.json")
+    p.add_argument("--rerun", action="store_true",
+                   help="after writing tests: rerun only the mutants a module's last run did not detect")
     p.add_argument("--collect", action="store_true",
                    help="read the results from the modules' scratch folders again, without running mutmut")
     p.add_argument("--tests", nargs="+", help="test files to use instead of the module's (a trial; not recorded)")
@@ -256,7 +277,7 @@ def main() -> None:
         if a.tests:
             MODULES[name] = (MODULES[name][0], a.tests)
         print(f"{name}: {'collecting' if a.collect else 'running mutmut on'} {', '.join(MODULES[name][0])} ...", flush=True)
-        r = collect(name) if a.collect else run_module(name, a.jobs)
+        r = collect(name) if a.collect else rerun_survivors(name, a.jobs) if a.rerun else run_module(name, a.jobs)
         if a.tests:
             print(json.dumps(r, indent=1, ensure_ascii=False))
             continue

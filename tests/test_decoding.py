@@ -383,3 +383,25 @@ def test_stage_table_rows_carry_their_text_log_probability_and_the_table_its_ent
     assert [r.logprob for r in t.rows][:2] == pytest.approx(lp.tolist(), abs=1e-6) and t.rows[2].logprob == -math.inf
     assert [c.rank for c in t.rows[2].cells] == [3, 3, 3, None]  # filtered out: no rank in the last column
     assert t.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), abs=1e-6)
+
+
+def test_top_p_of_one_keeps_even_a_tail_that_float32_rounds_away():
+    """p = 1 keeps every token; the cumulative sum would reach 1.0 early (0.99999999... rounds to 1)."""
+    z = torch.tensor([0.0, -30.0, -30.0, -31.0])
+    assert kept(decoding.top_p(z, 1.0)) == [0, 1, 2, 3]
+
+
+def test_a_rule_without_advice_adds_nothing_to_its_message():
+    with pytest.raises(BadValue) as e:
+        decoding.check({"top_k": 0})
+    assert str(e.value) == "top_k must be at least 1 (got 0)"
+    with pytest.raises(BadValue) as e:
+        decoding.check({"temperature": 0.0})
+    assert str(e.value) == ("temperature must be a finite number of at least 1e-06 (got 0.0); "
+                            "for the most likely token every time, use lmhead greedy")
+
+
+def test_an_unknown_attribute_of_stages_is_an_attribute_error():
+    with pytest.raises(AttributeError) as e:
+        decoding.no_such_thing  # noqa: B018
+    assert str(e.value) == "module 'lmhead_cli.decoding.stages' has no attribute 'no_such_thing'"
