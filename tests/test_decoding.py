@@ -365,8 +365,8 @@ def test_stage_table_refuses_logits_pushed_past_float32(logits, knobs):
 
     with pytest.raises(NonFiniteLogits) as e:
         decoding.stage_table(logits, knobs, 2, str)
-    assert str(e.value) == ("the stages pushed the logits past float32's range (NaN or inf); "
-                            "a larger temperature or soft-cap keeps them finite")
+    assert str(e.value) == ("the stages pushed the logits past float32's range (NaN or inf); a larger "
+                            "temperature, or a smaller soft-cap first (c·tanh(z/c) stays within ±c), keeps them finite")
 
 
 def test_option_spells_each_setting_as_its_command_line_flag():

@@ -110,15 +110,15 @@ def test_check_and_clamp_top_k():
 
 def test_top_tokens_is_the_k_highest_with_their_figures():
     lp = ref_logprobs(ROW)
-    rows = head.top_tokens(ROW, 4, lambda i: f"<{i}>")
+    rows = head.Distribution(ROW).top(4, lambda i: f"<{i}>")
     order = torch.argsort(ROW, descending=True)[:4].tolist()
     assert [r.id for r in rows] == order and [r.rank for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r.token == f"<{r.id}>" and r.logit == float(ROW[r.id])
         assert r.logprob == pytest.approx(float(lp[r.id]), abs=1e-6)
         assert r.prob == pytest.approx(math.exp(float(lp[r.id])), abs=1e-7)
-    assert len(head.top_tokens(ROW, 99, str)) == 50  # k beyond the vocabulary: all of it
-    half = head.top_tokens(ROW.half(), 2, str)
+    assert len(head.Distribution(ROW).top(99, str)) == 50  # k beyond the vocabulary: all of it
+    half = head.Distribution(ROW.half()).top(2, str)
     assert [r.id for r in half] == order[:2] and isinstance(half[0].logit, float)
 
 
@@ -144,10 +144,30 @@ def test_encode_target_and_targets():
         head.encode_targets(Tok(), ["a", "#"])
 
 
+def test_a_distribution_reads_everything_off_one_log_softmax():
+    d = head.Distribution(ROW.half())
+    lp = ref_logprobs(ROW.half().float())
+    assert d.logits.dtype == d.logprobs.dtype == torch.float32 and d.vocab == 50
+    torch.testing.assert_close(d.probs.double(), lp.exp(), atol=1e-7, rtol=1e-6)
+    assert d.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), abs=1e-5)
+    assert d.entropy_bits == pytest.approx(d.entropy / math.log(2), rel=1e-12)
+    best = int(ROW.argmax())
+    assert d.prob(best) == pytest.approx(math.exp(float(lp[best])), rel=1e-6) and d.rank(best) == 1
+    z = ROW.half().float()
+    assert d.ranks(torch.tensor([best, 3])).tolist() == [1, 1 + int((z > z[3]).sum())]
+
+
+def test_a_table_row_lists_only_the_optional_fields_that_are_set():
+    row = head.TokenScore(rank=1, id=2, token="t", logit=0.5, prob=0.25, logprob=-1.0)
+    assert row.to_dict() == {"rank": 1, "id": 2, "token": "t", "logit": 0.5, "prob": 0.25, "logprob": -1.0}
+    assert head.TokenScore(1, 2, "t", 0.5, 0.25, -1.0, other_rank=3).to_dict()["other_rank"] == 3
+    assert "scaled" not in head.TokenScore(1, 2, "t", 0.5, 0.25, -1.0, other_rank=3).to_dict()
+
+
 def test_target_score_reads_the_first_token_of_the_text():
     z = ROW.half()  # any dtype: the figures come out in float32
     first = int(torch.argsort(ROW, descending=True)[2])
-    t = head.target_score(z, " xy", [first, 9], lambda i: f"<{i}>")
+    t = head.Distribution(z).target(" xy", [first, 9], lambda i: f"<{i}>")
     lp = ref_logprobs(z.float())
     assert (t.token, t.id, t.pieces, t.rank) == (" xy", first, [f"<{first}>", "<9>"], 3)
     assert t.logit == float(z[first].float()) and t.prob == pytest.approx(math.exp(float(lp[first])), rel=1e-6)
@@ -219,4 +239,4 @@ def test_rank_of_and_target_score_on_the_gpu():
     """rank_of builds its index on the logits' device (an index left on the CPU fails on a GPU)."""
     z = ROW.cuda()
     assert head.rank_of(z, int(ROW.argmax())) == 1
-    assert head.target_score(z, "x", [int(ROW.argmin())], str).rank == 50
+    assert head.Distribution(z).target("x", [int(ROW.argmin())], str).rank == 50

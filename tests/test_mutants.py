@@ -22,7 +22,7 @@ from helpers import PROMPT, PROMPT_IDS, build_checkpoint, loud_checkpoint
 
 from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.generate import generate, make_settings
-from lmhead_cli.head import RANKS_BY_COMPARISON, rank_of, ranks, score_rows, target_score
+from lmhead_cli.head import RANKS_BY_COMPARISON, Distribution, rank_of, ranks, score_rows
 from lmhead_cli.loading.sources import load_model
 
 ARE = 389  # " are", the twin of the top token in `twin`
@@ -58,7 +58,7 @@ def test_rank_of_a_tied_token_is_the_better_rank():
 
 
 def test_target_score_of_a_tied_token_is_the_better_rank():
-    t = target_score(TIED, " x", [3, 9], str)
+    t = Distribution(TIED).target(" x", [3, 9], str)
     assert (t.id, t.rank) == (3, 2)
 
 
@@ -200,6 +200,9 @@ class BigramEngine:
 
     def head(self, h):
         return h @ self.table  # (R, T, V)
+
+    def last_logits(self, ids, cache=None):
+        return self.head(self.body(ids, cache))[:, -1].float()  # (R, V)
 
 
 def bigram_loaded(table: torch.Tensor):
