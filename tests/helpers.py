@@ -242,3 +242,18 @@ def serving(folder, *args: str, timeout: float = 180.0):
                 proc.wait()
 
     return run()
+
+
+def loud_checkpoint(folder: Path, *, seed: int = 5, fc: float = 5.0, proj: float = 20.0, head: float = 20.0):
+    """A tiny untied GPT-2 with its MLPs and head scaled up (returns the model): the MLPs' inputs reach
+    the range where gelu_new and exact gelu differ (~1e-3 in the logits, against ~5e-6 of float noise
+    between engines), and the next-token distributions are peaked, so two prompts' distributions are
+    far apart and KL(p‖q), KL(q‖p) differ clearly. The default tiny model's are near-uniform."""
+    model = build_checkpoint(folder, tied=False, seed=seed)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.mlp.c_fc.weight.mul_(fc)
+            block.mlp.c_proj.weight.mul_(proj)
+        model.lm_head.weight.mul_(head)
+    model.save_pretrained(folder)
+    return model

@@ -268,3 +268,140 @@ def test_softcap_processor_in_transformers_generate(tiny):
     assert torch.equal(out.sequences, plain)  # capping never changes the greedy choice
     with pytest.raises(UsageError):
         decoding.softcap_processor(0.0)
+
+
+# ---- presets: the bundled file, your own, and the layers -----------------------------------------
+
+def test_bundled_presets_are_the_tables_of_configs_presets_toml():
+    import tomllib
+    from pathlib import Path
+
+    from lmhead_cli.decoding import presets
+
+    on_disk = tomllib.loads((Path(__file__).resolve().parent.parent / "configs" / "presets.toml").read_text())
+    assert presets.bundled() == on_disk and presets.preset_names() == sorted(on_disk)
+    precise = presets.load_preset("precise")
+    assert (precise.name, precise.description) == ("precise", on_disk["precise"]["description"])
+    assert precise.values == {"temperature": 0.7, "top_k": 40, "min_p": 0.05}
+    assert precise.path.endswith("presets.toml")
+
+
+def test_a_preset_file_of_your_own(tmp_path):
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "mine.toml"
+    f.write_text('description = "mine"\ntemperature = 2\ntop_k = 3\n')
+    p = presets.load_preset(str(f))
+    assert (p.name, p.path, p.description) == ("mine", str(f), "mine")
+    assert p.values == {"temperature": 2.0, "top_k": 3} and isinstance(p.values["temperature"], float)
+    with pytest.raises(BadValue) as e:
+        presets.load_preset(str(tmp_path / "absent.toml"))
+    assert (e.value.key, e.value.problem) == ("preset", f"{tmp_path / 'absent.toml'}: no such file")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("temperature = = 1\n")
+    with pytest.raises(UsageError, match=rf"^{bad} is not valid TOML: "):
+        presets.load_preset(str(bad))
+    with pytest.raises(UsageError) as e:
+        presets.load_preset("nosuch")
+    assert str(e.value) == (f"unknown preset 'nosuch'; choose one of: {', '.join(presets.preset_names())} "
+                            "(or give a .toml file)")
+
+
+def test_presets_merge_under_the_flags_and_over_the_defaults():
+    from lmhead_cli.decoding import presets
+
+    assert presets.merge(None, {"top_k": 5}, {"top_k": None, "top_p": 0.9}) == {"top_k": 5, "top_p": 0.9}
+    assert presets.merge("precise", {"top_k": 5, "seed": 1}, {"top_k": 7, "min_p": None}) == {
+        "top_k": 7, "seed": 1, "temperature": 0.7, "min_p": 0.05}
+    assert presets.knobs("precise", top_k=7) == Knobs(temperature=0.7, top_k=7, min_p=0.05)
+    assert presets.knobs(None) == Knobs()
+    with pytest.raises(BadValue, match="top_p"):
+        presets.knobs(None, top_p=2.0)
+
+
+def test_a_presets_own_max_new_tokens_is_not_a_stage(tmp_path):
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "long.toml"
+    f.write_text("max_new_tokens = 5\ntemperature = 0.5\n")
+    assert presets.load_preset(str(f)).values == {"max_new_tokens": 5, "temperature": 0.5}
+    assert presets.knobs(str(f)) == Knobs(temperature=0.5)
+
+
+@pytest.mark.parametrize("table,message", [
+    ([1, 2], "must be a table of settings, not list"),
+    ({"temprature": 1.0}, "unknown key 'temprature'; allowed: description, softcap, temperature, top_k, top_p, "
+                          "min_p, max_new_tokens"),
+    ({"temperature": "hot"}, "temperature must be a number (got 'hot')"),
+    ({"temperature": True}, "temperature must be a number (got True)"),
+    ({"top_k": 2.5}, "top_k must be int (got 2.5)"),
+    ({"top_k": True}, "top_k must be int (got True)"),
+    ({"description": 3}, "description must be str (got 3)"),
+    ({"top_p": 0}, "top_p must be in (0, 1] (got 0.0)"),
+])
+def test_validate_names_the_file_the_preset_and_the_key(table, message):
+    from lmhead_cli.decoding import presets
+
+    with pytest.raises(UsageError) as e:
+        presets.validate("p", "f.toml", table)
+    assert str(e.value) == f"preset 'p' in f.toml: {message}"
+
+
+def test_validate_keeps_ints_where_ints_are_asked_and_floats_where_floats_are():
+    from lmhead_cli.decoding import presets
+
+    p = presets.validate("p", "f.toml", {"temperature": 1, "top_k": 3, "description": "d"})
+    assert p.values == {"temperature": 1.0, "top_k": 3} and type(p.values["temperature"]) is float
+    assert type(p.values["top_k"]) is int and (p.name, p.path, p.description) == ("p", "f.toml", "d")
+    assert presets.validate("q", "f.toml", {}).description == ""
+
+
+@pytest.mark.parametrize("logits,knobs", [
+    (LOGITS * 1e33, Knobs(temperature=1e-6)),  # overflow to +inf
+    (torch.tensor([float("nan"), 1.0, 0.5]), Knobs()),  # a NaN logit, no infinity
+])
+def test_stage_table_refuses_logits_pushed_past_float32(logits, knobs):
+    from lmhead_cli.errors import NonFiniteLogits
+
+    with pytest.raises(NonFiniteLogits) as e:
+        decoding.stage_table(logits, knobs, 2, str)
+    assert str(e.value) == ("the stages pushed the logits past float32's range (NaN or inf); a larger "
+                            "temperature, or a smaller soft-cap first (c·tanh(z/c) stays within ±c), keeps them finite")
+
+
+def test_option_spells_each_setting_as_its_command_line_flag():
+    assert decoding.option("softcap") == "--softcap" and decoding.option("top_k") == "--top-k"
+    assert decoding.option("max_new_tokens") == "--max-new-tokens"
+    assert decoding.option("ignore_eos") == "--ignore-eos"  # not a setting: the flag by the same rule
+
+
+def test_stage_table_rows_carry_their_text_log_probability_and_the_table_its_entropy():
+    knobs = Knobs(top_k=2)
+    t = decoding.stage_table(LOGITS, knobs, 3, lambda i: f"t{i}")
+    lp = torch.log_softmax(torch.tensor(LOGITS[:2].tolist()), -1)
+    assert [r.token for r in t.rows] == ["t0", "t1", "t2"] and t.knobs is knobs
+    assert [r.logprob for r in t.rows][:2] == pytest.approx(lp.tolist(), abs=1e-6) and t.rows[2].logprob == -math.inf
+    assert [c.rank for c in t.rows[2].cells] == [3, 3, 3, None]  # filtered out: no rank in the last column
+    assert t.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), abs=1e-6)
+
+
+def test_top_p_of_one_keeps_even_a_tail_that_float32_rounds_away():
+    """p = 1 keeps every token; the cumulative sum would reach 1.0 early (0.99999999... rounds to 1)."""
+    z = torch.tensor([0.0, -30.0, -30.0, -31.0])
+    assert kept(decoding.top_p(z, 1.0)) == [0, 1, 2, 3]
+
+
+def test_a_rule_without_advice_adds_nothing_to_its_message():
+    with pytest.raises(BadValue) as e:
+        decoding.check({"top_k": 0})
+    assert str(e.value) == "top_k must be at least 1 (got 0)"
+    with pytest.raises(BadValue) as e:
+        decoding.check({"temperature": 0.0})
+    assert str(e.value) == ("temperature must be a finite number of at least 1e-06 (got 0.0); "
+                            "for the most likely token every time, use lmhead greedy")
+
+
+def test_an_unknown_attribute_of_stages_is_an_attribute_error():
+    with pytest.raises(AttributeError) as e:
+        decoding.no_such_thing  # noqa: B018
+    assert str(e.value) == "module 'lmhead_cli.decoding.stages' has no attribute 'no_such_thing'"

@@ -1,0 +1,294 @@
+"""Mutation testing of lmhead's core with mutmut: how many realistic one-line bugs the tests catch.
+
+    python mutation/run.py                  # every module of the core (hours on 2 cores)
+    python mutation/run.py head diff        # some of them
+    python mutation/run.py --list           # the modules, their files and their tests
+
+For each module: a scratch copy of the package and the tests in build/mutation/<module>/, a
+[tool.mutmut] section naming the module's files and its fast test files, then `mutmut run`. mutmut
+records which test calls which function and runs only those tests against each mutant (in processes
+forked from one that has already imported torch); mutation/narrow.py narrows that to the tests that
+executed the mutated statement (per-test line coverage), caps each mutant's memory, and mutmut's own
+CPU-time limit stops a mutant that loops. Results are merged into mutation/results.json and written
+to docs/mutation-results.md: the score, the counts, every surviving mutant, and those listed in
+mutation/equivalent.toml (mutants that cannot change any output) with their reasons.
+
+Not run by .ci/run: it takes far longer than CI's limit. Run it after any change to the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRATCH = ROOT / "build" / "mutation"
+RESULTS = ROOT / "mutation" / "results.json"
+REPORT = ROOT / "docs" / "mutation-results.md"
+EQUIVALENT = ROOT / "mutation" / "equivalent.toml"
+
+# module: (files to mutate, the fast test files that exercise them). mutmut and narrow.py then pick,
+# per mutant, the tests among these that reach it.
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_mutants.py", "tests/test_diff.py"]),
+    "stages": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/presets.py"],
+               ["tests/test_decoding.py", "tests/test_mutants.py"]),
+    "generate": (["lmhead_cli/decoding/generate.py"],
+                 ["tests/test_mutants.py", "tests/test_generation.py", "tests/test_logprobs.py"]),
+    "lean": (["lmhead_cli/engine/lean.py"],
+             ["tests/test_mutants.py", "tests/test_engine_parity.py", "tests/test_lens.py"]),
+    "score": (["lmhead_cli/readings/score.py"], ["tests/test_mutants.py", "tests/test_score.py"]),
+    "attribute": (["lmhead_cli/readings/attribute.py"], ["tests/test_attribute.py"]),
+    "diff": (["lmhead_cli/readings/diff.py"], ["tests/test_mutants.py", "tests/test_diff.py"]),
+    "lens": (["lmhead_cli/readings/lens.py"], ["tests/test_lens.py"]),
+}
+DETECTED = ("killed", "timeout", "segfault")  # a test failed, or the mutant hung or crashed its process
+JOBS = 2  # mutant processes at a time: the 2-core machines this project runs on
+# A mutant's CPU-time limit, which mutmut sets to (its tests' time in the stats run + constant) × multiplier × 2:
+# (t + 10 s) × 6. CPU time, not wall time, so a busy machine does not turn slow mutants into timeouts.
+TIMEOUT_MULTIPLIER, TIMEOUT_CONSTANT = 3.0, 10.0
+
+
+def mutmut_section(files: list[str], tests: list[str]) -> str:
+    def toml_list(items):
+        return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+    return (f"\n[tool.mutmut]\nsource_paths = [\"lmhead_cli\"]\nonly_mutate = {toml_list(files)}\n"
+            f"pytest_add_cli_args_test_selection = {toml_list(tests)}\n"
+            f"pytest_add_cli_args = [\"-p\", \"narrow\", \"-p\", \"no:cacheprovider\"]\n"
+            f"also_copy = [\"narrow.py\"]\nprocess_isolation = \"forkserver\"\n"
+            f"timeout_multiplier = {TIMEOUT_MULTIPLIER}\ntimeout_constant = {TIMEOUT_CONSTANT}\n"
+            f"use_git_change_detection = false\n")
+
+
+def prepare(name: str) -> Path:
+    """A fresh scratch copy for one module: the package (with configs/ inside, as installed), the
+    tests, the plugin, and pyproject.toml with this module's [tool.mutmut]."""
+    files, tests = MODULES[name]
+    work = SCRATCH / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "lmhead_cli", work / "lmhead_cli", ignore=ignore)
+    shutil.copytree(ROOT / "configs", work / "lmhead_cli" / "configs", ignore=ignore)
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=ignore)
+    shutil.copy(ROOT / "mutation" / "narrow.py", work / "narrow.py")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "[tool.mutmut]" not in pyproject, "the [tool.mutmut] section is written per module by mutation/run.py"
+    (work / "pyproject.toml").write_text(pyproject + mutmut_section(files, tests))
+    (work / "provenance.json").write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": git_commit()}))
+    return work
+
+
+def mutmut(work: Path, *args: str, log=None) -> subprocess.CompletedProcess:
+    files, _ = MODULES[work.name]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST")}
+    env.update(LMHEAD_MUTATION_FILES=",".join(files), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, env=env, text=True,
+                          stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT if log else subprocess.PIPE)
+
+
+def statuses(work: Path) -> dict[str, str]:
+    out = mutmut(work, "results", "--all", "true").stdout
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\s+(\S+__mutmut_\d+): (.+)$", out, re.M)}
+
+
+def diff_of(work: Path, mutant: str) -> tuple[str, list[str], list[str]]:
+    """(function, removed lines, added lines) of a mutant, lines stripped."""
+    out = mutmut(work, "show", mutant).stdout.splitlines()
+    removed = [line[1:].strip() for line in out if line.startswith("-") and not line.startswith("---")]
+    added = [line[1:].strip() for line in out if line.startswith("+") and not line.startswith("+++")]
+    return function_of(mutant), removed, added
+
+
+def function_of(mutant: str) -> str:
+    """'lmhead_cli.head.x_ranks__mutmut_7' -> 'lmhead_cli.head.ranks'; methods 'module.Class.method'."""
+    module, _, rest = mutant.rpartition(".")
+    mangled = rest.rpartition("__mutmut_")[0]
+    return f"{module}.{'.'.join(mangled.split('ǁ')[1:])}" if mangled.startswith("xǁ") else f"{module}.{mangled[2:]}"
+
+
+def equivalents() -> list[dict]:
+    if not EQUIVALENT.exists():
+        return []
+    return tomllib.loads(EQUIVALENT.read_text()).get("equivalent", [])
+
+
+def reason_for(function: str, added: list[str], known: list[dict]) -> str | None:
+    """The reason a mutant is equivalent, if mutation/equivalent.toml lists it (by function and the
+    mutated line, so that it survives edits elsewhere in the file)."""
+    mutated = " / ".join(added)
+    for e in known:
+        if e["function"] == function and e["mutant"].strip() == mutated:
+            return e["reason"]
+    return None
+
+
+def run_module(name: str, jobs: int) -> dict:
+    work = prepare(name)
+    start = time.time()
+    log_path = work / "mutmut.log"
+    with open(log_path, "w") as log:
+        done = mutmut(work, "run", "--max-children", str(jobs), log=log)
+    (work / "seconds").write_text(str(round(time.time() - start)))
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise SystemExit(f"mutmut failed on {name} (exit {done.returncode}); the end of {log_path}:\n{tail}")
+    return collect(name)
+
+
+def rerun_survivors(name: str, jobs: int) -> dict:
+    """After new tests: copy the tests (and the plugin) into the module's scratch folder and rerun only
+    its mutants that were not detected; mutmut records the new tests' calls first. Then collect."""
+    work = SCRATCH / name
+    before = statuses(work)
+    left = [m for m, status in before.items() if status not in DETECTED]
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for where in (work, work / "mutants"):
+        shutil.copytree(ROOT / "tests", where / "tests", ignore=ignore, dirs_exist_ok=True)
+        shutil.copy(ROOT / "mutation" / "narrow.py", where / "narrow.py")
+    start = time.time()
+    if left:
+        with open(work / "mutmut-rerun.log", "w") as log:
+            mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
+    seconds = work / "seconds"
+    seconds.write_text(str(int(seconds.read_text() if seconds.exists() else 0) + round(time.time() - start)))
+    return collect(name)
+
+
+def collect(name: str) -> dict:
+    """The results of a module from its scratch folder (after `run_module`, or after rerunning some of
+    its mutants there with `python -m mutmut run NAME`)."""
+    work = SCRATCH / name
+    found = statuses(work)
+    if not found:
+        raise SystemExit(f"no mutmut results in {work}; run the module first")
+    elapsed = int((work / "seconds").read_text()) if (work / "seconds").exists() else 0
+    known = equivalents()
+    survivors, equivalent = [], []
+    for mutant, status in sorted(found.items()):
+        if status in DETECTED or status == "not checked":
+            continue
+        function, removed, added = diff_of(work, mutant)
+        entry = {"mutant": mutant, "status": status, "function": function, "removed": removed, "added": added}
+        reason = reason_for(function, added, known) if status == "survived" else None
+        if reason:
+            equivalent.append({**entry, "reason": reason})
+        else:
+            survivors.append(entry)
+    narrowed = [line.split() for line in (work / "mutants" / "narrow.log").read_text().splitlines()] \
+        if (work / "mutants" / "narrow.log").exists() else []
+    counts: dict[str, int] = {}
+    for status in found.values():
+        counts[status] = counts.get(status, 0) + 1
+    detected = sum(counts.get(s, 0) for s in DETECTED)
+    considered = len(found) - counts.get("not checked", 0) - len(equivalent)  # an interrupted run leaves some unchecked
+    made = json.loads((work / "provenance.json").read_text())
+    return {"module": name, "files": MODULES[name][0], "tests": MODULES[name][1],
+            "date": made["date"], "commit": made["commit"], "seconds": round(elapsed),
+            "mutants": len(found), "counts": counts, "equivalent": equivalent, "survivors": survivors,
+            "detected": detected, "considered": considered,
+            # mean tests per mutant: those that call its function (mutmut), those that execute its statement (narrow.py)
+            "tests_per_mutant": [round(sum(int(n[1]) for n in narrowed) / len(narrowed), 1),
+                                 round(sum(int(n[2]) for n in narrowed) / len(narrowed), 1)] if narrowed else None,
+            "score": round(100 * detected / considered, 1) if considered else None}
+
+
+def git_commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, capture_output=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "lmhead_cli", "tests"], cwd=ROOT, text=True,
+                           capture_output=True).stdout.strip()
+    return r.stdout.strip() + (" + uncommitted changes" if dirty else "")
+
+
+def write_report(results: dict) -> None:
+    rows = [results[m] for m in MODULES if m in results]
+    missing = [m for m in MODULES if m not in results]
+    detected = sum(r["detected"] for r in rows)
+    considered = sum(r["considered"] for r in rows)
+    lines = ["# Mutation testing results", "",
+             "Written by `python mutation/run.py` (see [mutation-testing.md](mutation-testing.md)); do not edit by hand.",
+             "Score = mutants detected (a test failed, or the mutant timed out or crashed) / mutants that are not "
+             "equivalent.", ""]
+    if rows:
+        lines += [f"**Over the modules run: {detected} of {considered} non-equivalent mutants detected: "
+                  f"{100 * detected / considered:.1f}%** "
+                  f"({sum(r['mutants'] for r in rows)} mutants, {sum(len(r['equivalent']) for r in rows)} equivalent).", ""]
+    if missing:
+        lines += [f"Not run yet: {', '.join(missing)}.", ""]
+    lines += ["| module | date | commit | mutants | detected | survived | no tests | equivalent | not checked | score | time |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r["counts"]
+        lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {r['detected']} | "
+                     f"{c.get('survived', 0) - len(r['equivalent'])} | {c.get('no tests', 0)} | {len(r['equivalent'])} | "
+                     f"{c.get('not checked', 0)} | {r['score']}% | {r['seconds'] // 60} min |")
+    for r in rows:
+        if r.get("tests_per_mutant"):
+            by_function, by_statement = r["tests_per_mutant"]
+            lines.append(f"- {r['module']}: {by_function} tests per mutant reach its function, {by_statement} its "
+                         f"statement (only those run); test files: {', '.join(r['tests'])}")
+    lines += ["", "## Surviving mutants", ""]
+    any_left = False
+    for r in rows:
+        for s in r["survivors"]:
+            any_left = True
+            lines.append(f"- `{s['mutant']}` ({s['status']}): `{' / '.join(s['removed'])}` → `{' / '.join(s['added'])}`")
+    if not any_left:
+        lines.append("None.")
+    lines += ["", "## Equivalent mutants (cannot change any output)", ""]
+    for r in rows:
+        for e in r["equivalent"]:
+            lines.append(f"- `{e['function']}`: `{' / '.join(e['removed'])}` → `{' / '.join(e['added'])}`: {e['reason']}")
+    REPORT.parent.mkdir(exist_ok=True)
+    REPORT.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("modules", nargs="*", help=f"modules to run (default: all): {', '.join(MODULES)}")
+    p.add_argument("--jobs", type=int, default=JOBS, help="mutant processes at a time")
+    p.add_argument("--list", action="store_true", help="list the modules, their files and tests")
+    p.add_argument("--report-only", action="store_true", help="rewrite the report from mutation/results.json")
+    p.add_argument("--rerun", action="store_true",
+                   help="after writing tests: rerun only the mutants a module's last run did not detect")
+    p.add_argument("--collect", action="store_true",
+                   help="read the results from the modules' scratch folders again, without running mutmut")
+    p.add_argument("--tests", nargs="+", help="test files to use instead of the module's (a trial; not recorded)")
+    a = p.parse_args()
+    if a.list:
+        for name, (files, tests) in MODULES.items():
+            print(f"{name}: {' '.join(files)}\n    tests: {' '.join(tests)}")
+        return
+    unknown = [m for m in a.modules if m not in MODULES]
+    if unknown:
+        p.error(f"unknown module(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
+    for name in [] if a.report_only else (a.modules or list(MODULES)):
+        if a.tests:
+            MODULES[name] = (MODULES[name][0], a.tests)
+        print(f"{name}: {'collecting' if a.collect else 'running mutmut on'} {', '.join(MODULES[name][0])} ...", flush=True)
+        r = collect(name) if a.collect else rerun_survivors(name, a.jobs) if a.rerun else run_module(name, a.jobs)
+        if a.tests:
+            print(json.dumps(r, indent=1, ensure_ascii=False))
+            continue
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # another module's run may have written
+        results[name] = r
+        RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+        write_report(results)
+        print(f"{name}: {r['detected']}/{r['considered']} detected ({r['score']}%), {len(r['survivors'])} surviving, "
+              f"{len(r['equivalent'])} equivalent, {r['seconds']} s", flush=True)
+    write_report(json.loads(RESULTS.read_text()) if RESULTS.exists() else {})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""head.py's functions one by one on small tensors, against plain torch in float64 and arithmetic here.
+
+Fast (no checkpoint), so the mutation run (docs/mutation-testing.md) can afford them for every mutant
+of head.py; the figures through a real model are checked against transformers in test_inspect,
+test_score and test_diff.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmhead_cli import head
+from lmhead_cli.errors import BadValue, NonFiniteLogits
+
+G = torch.Generator().manual_seed(0)
+Z = torch.randn(3, 50, generator=G) * 3  # (3, 50) logits, no ties
+ROW = Z[0]
+
+
+def ref_logprobs(z: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(z.double(), -1)
+
+
+# ---- finiteness, log-softmax, entropy --------------------------------------------------------------
+
+def test_check_finite_passes_finite_logits_and_counts_the_bad_ones():
+    head.check_finite(Z)
+    bad = Z.clone()
+    bad[0, 3], bad[1, 4], bad[2, 5] = float("nan"), float("inf"), float("-inf")
+    with pytest.raises(NonFiniteLogits) as e:
+        head.check_finite(bad)
+    assert str(e.value) == f"the head produced 3 non-finite logits (NaN or inf): {head.NON_FINITE_ADVICE}"
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_log_softmax_is_torchs_in_float32_on_both_paths(inplace):
+    z = Z.clone()
+    got = head.log_softmax(z, inplace=inplace)
+    assert got.dtype == torch.float32 and got.shape == Z.shape
+    torch.testing.assert_close(got.double(), ref_logprobs(Z), atol=1e-6, rtol=1e-6)
+    assert (got.data_ptr() == z.data_ptr()) == inplace  # in place: the logits' own buffer, else a new one
+    assert torch.equal(z, got if inplace else Z)
+
+
+def test_log_softmax_of_lower_precision_is_float32_and_keeps_minus_infinity():
+    z = Z[0].to(torch.bfloat16)
+    z[7] = float("-inf")
+    for inplace in (False, True):
+        got = head.log_softmax(z.clone(), inplace=inplace)
+        assert got.dtype == torch.float32 and got[7] == float("-inf")
+        torch.testing.assert_close(got.double(), ref_logprobs(z.float()), atol=1e-6, rtol=1e-6)
+
+
+def test_entropy_is_minus_sum_p_log_p_per_row():
+    lp = ref_logprobs(Z).float()
+    expected = -(lp.double().exp() * lp.double()).sum(-1)
+    got = head.entropy(lp)
+    assert got.shape == (3,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_entropy_counts_a_dropped_token_as_nothing_and_never_goes_below_zero():
+    z = torch.tensor([1.0, 2.0, float("-inf"), 0.5])
+    lp = torch.log_softmax(z, -1)
+    p = lp[[0, 1, 3]].double().exp()
+    assert float(head.entropy(lp)) == pytest.approx(float(-(p * p.log()).sum()), abs=1e-6)
+    one_hot = torch.log_softmax(torch.tensor([0.0, float("-inf"), float("-inf")]), -1)
+    h = float(head.entropy(one_hot))
+    assert h == 0.0 and math.copysign(1.0, h) == 1.0  # 0, not -0.0
+    assert float(head.entropy(torch.log_softmax(torch.zeros(8), -1))) == pytest.approx(math.log(8), abs=1e-6)
+
+
+def test_entropy_leaves_its_input_alone():
+    lp = ref_logprobs(Z).float()
+    before = lp.clone()
+    head.entropy(lp)
+    assert torch.equal(lp, before)
+
+
+def test_nats_to_bits():
+    assert head.nats_to_bits(math.log(2)) == pytest.approx(1.0, abs=1e-15)
+    assert head.nats_to_bits(3.0) == pytest.approx(3.0 / math.log(2), abs=1e-15)
+
+
+# ---- ranks and tables ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 5, head.RANKS_BY_COMPARISON, head.RANKS_BY_COMPARISON + 1])
+def test_ranks_without_ties_are_one_plus_the_tokens_above(k):
+    z = torch.randn(2, 100, generator=torch.Generator().manual_seed(k))
+    ids = torch.randperm(100, generator=torch.Generator().manual_seed(k))[:k].expand(2, -1)
+    got = head.ranks(z, ids)
+    assert got.dtype == torch.int64 and got.shape == (2, k)
+    assert got.tolist() == [[1 + int((r > r[i]).sum()) for i in ids[0]] for r in z]
+    assert head.rank_of(z[0], int(z[0].argmax())) == 1 and head.rank_of(z[0], int(z[0].argmin())) == 100
+
+
+def test_check_and_clamp_top_k():
+    assert head.check_top_k(1) == 1 and head.check_top_k(7) == 7
+    for bad in (0, -3):
+        with pytest.raises(BadValue) as e:
+            head.check_top_k(bad)
+        assert (e.value.key, e.value.problem) == ("top_k", f"must be at least 1 (got {bad})")
+    assert head.clamp_top_k(5, 50) == 5 and head.clamp_top_k(50, 50) == 50 and head.clamp_top_k(51, 50) == 50
+    with pytest.raises(BadValue):
+        head.clamp_top_k(0, 50)
+
+
+def test_top_tokens_is_the_k_highest_with_their_figures():
+    lp = ref_logprobs(ROW)
+    rows = head.Distribution(ROW).top(4, lambda i: f"<{i}>")
+    order = torch.argsort(ROW, descending=True)[:4].tolist()
+    assert [r.id for r in rows] == order and [r.rank for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r.token == f"<{r.id}>" and r.logit == float(ROW[r.id])
+        assert r.logprob == pytest.approx(float(lp[r.id]), abs=1e-6)
+        assert r.prob == pytest.approx(math.exp(float(lp[r.id])), abs=1e-7)
+    assert len(head.Distribution(ROW).top(99, str)) == 50  # k beyond the vocabulary: all of it
+    half = head.Distribution(ROW.half()).top(2, str)
+    assert [r.id for r in half] == order[:2] and isinstance(half[0].logit, float)
+
+
+class Tok:
+    """Encodes each character as its code point; '' and '#' (a text with no token) to nothing."""
+
+    def encode(self, text):
+        return [] if text in ("", "#") else [ord(c) for c in text]
+
+
+def test_encode_target_and_targets():
+    assert head.encode_target(Tok(), "ab") == [97, 98]
+    for text in ("", "#"):
+        with pytest.raises(BadValue) as e:
+            head.encode_target(Tok(), text)
+        assert (e.value.key, e.value.problem) == ("target", f"{text!r} encodes to no tokens; give a token such as ' are'")
+    with pytest.raises(BadValue) as e:
+        head.encode_target(Tok(), "#", key="explain")
+    assert e.value.key == "explain"
+    assert head.encode_targets(Tok(), None) == [] and head.encode_targets(Tok(), []) == []
+    assert head.encode_targets(Tok(), ["a", "bc"]) == [("a", [97]), ("bc", [98, 99])]
+    with pytest.raises(BadValue):
+        head.encode_targets(Tok(), ["a", "#"])
+
+
+def test_a_distribution_reads_everything_off_one_log_softmax():
+    d = head.Distribution(ROW.half())
+    lp = ref_logprobs(ROW.half().float())
+    assert d.logits.dtype == d.logprobs.dtype == torch.float32 and d.vocab == 50
+    torch.testing.assert_close(d.probs.double(), lp.exp(), atol=1e-7, rtol=1e-6)
+    assert d.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), abs=1e-5)
+    assert d.entropy_bits == pytest.approx(d.entropy / math.log(2), rel=1e-12)
+    best = int(ROW.argmax())
+    assert d.prob(best) == pytest.approx(math.exp(float(lp[best])), rel=1e-6) and d.rank(best) == 1
+    z = ROW.half().float()
+    assert d.ranks(torch.tensor([best, 3])).tolist() == [1, 1 + int((z > z[3]).sum())]
+
+
+def test_a_table_row_lists_only_the_optional_fields_that_are_set():
+    row = head.TokenScore(rank=1, id=2, token="t", logit=0.5, prob=0.25, logprob=-1.0)
+    assert row.to_dict() == {"rank": 1, "id": 2, "token": "t", "logit": 0.5, "prob": 0.25, "logprob": -1.0}
+    assert head.TokenScore(1, 2, "t", 0.5, 0.25, -1.0, other_rank=3).to_dict()["other_rank"] == 3
+    assert "scaled" not in head.TokenScore(1, 2, "t", 0.5, 0.25, -1.0, other_rank=3).to_dict()
+
+
+def test_target_score_reads_the_first_token_of_the_text():
+    z = ROW.half()  # any dtype: the figures come out in float32
+    first = int(torch.argsort(ROW, descending=True)[2])
+    t = head.Distribution(z).target(" xy", [first, 9], lambda i: f"<{i}>")
+    lp = ref_logprobs(z.float())
+    assert (t.token, t.id, t.pieces, t.rank) == (" xy", first, [f"<{first}>", "<9>"], 3)
+    assert t.logit == float(z[first].float()) and t.prob == pytest.approx(math.exp(float(lp[first])), rel=1e-6)
+
+
+# ---- rows of a text (score) ---------------------------------------------------------------------
+
+def test_score_rows_against_torch():
+    ids = torch.tensor([4, 17, 30])
+    z = Z.clone()
+    rows = head.score_rows(z, ids)
+    lp = ref_logprobs(Z)
+    assert rows.logprob.dtype == torch.float32 and rows.rank.dtype == torch.int64
+    torch.testing.assert_close(rows.logprob.double(), lp.gather(-1, ids[:, None])[:, 0], atol=1e-6, rtol=1e-6)
+    assert rows.rank.tolist() == [1 + int((r > r[i]).sum()) for r, i in zip(Z, ids.tolist())]
+    torch.testing.assert_close(rows.entropy.double(), -(lp.exp() * lp).sum(-1), atol=1e-5, rtol=0)
+    assert rows.top_id.tolist() == Z.argmax(-1).tolist()
+    torch.testing.assert_close(rows.top_logprob.double(), lp.max(-1).values, atol=1e-6, rtol=1e-6)
+    assert rows.top_ids is None and rows.top_logprobs is None  # none asked for
+    torch.testing.assert_close(z.double(), lp, atol=1e-6, rtol=1e-6)  # the logits' buffer now holds log p
+
+
+def test_score_rows_top_k_most_probable():
+    rows = head.score_rows(Z.clone(), torch.tensor([0, 0, 0]), top=3)
+    lp = ref_logprobs(Z)
+    best = torch.topk(lp, 3, dim=-1)
+    assert rows.top_ids.tolist() == best.indices.tolist()
+    torch.testing.assert_close(rows.top_logprobs.double(), best.values, atol=1e-6, rtol=1e-6)
+
+
+def test_score_rows_refuses_non_finite_rows_naming_how_many():
+    z = Z.clone()
+    z[0, 1], z[2, 2] = float("nan"), float("inf")
+    with pytest.raises(NonFiniteLogits) as e:
+        head.score_rows(z, torch.tensor([0, 0, 0]))
+    assert str(e.value) == ("the head produced non-finite logits (NaN or inf) at 2 positions: "
+                            + head.NON_FINITE_ADVICE)
+
+
+def test_check_top_logprobs_bounds():
+    head.check_top_logprobs(0, 50)
+    head.check_top_logprobs(50, 50)
+    for bad in (-1, 51):
+        with pytest.raises(BadValue) as e:
+            head.check_top_logprobs(bad, 50)
+        assert (e.value.key, e.value.problem) == (
+            "top_logprobs", f"must be between 0 and the vocabulary size, 50 (got {bad})")
+
+
+# ---- divergences --------------------------------------------------------------------------------
+
+def test_divergences_by_their_definitions():
+    lp, lq = ref_logprobs(Z[0]).float(), ref_logprobs(Z[1]).float()
+    p, q = lp.double().exp(), lq.double().exp()
+    kl_pq = float((p * (lp.double() - lq.double())).sum())
+    kl_qp = float((q * (lq.double() - lp.double())).sum())
+    assert abs(kl_pq - kl_qp) > 0.1
+    assert head.kl_divergence(lp, lq) == pytest.approx(kl_pq, rel=1e-12)
+    assert head.kl_divergence(lq, lp) == pytest.approx(kl_qp, rel=1e-12)
+    m = (p + q) / 2
+    js = 0.5 * float((p * (p / m).log()).sum()) + 0.5 * float((q * (q / m).log()).sum())
+    assert head.js_divergence(lp, lq) == pytest.approx(js, rel=1e-9) and 0 < js < math.log(2)
+    assert head.total_variation(lp, lq) == pytest.approx(0.5 * float((p - q).abs().sum()), rel=1e-12)
+    assert head.kl_divergence(lp, lp) == head.js_divergence(lp, lp) == head.total_variation(lp, lp) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU every tensor is on one device")
+def test_rank_of_and_target_score_on_the_gpu():
+    """rank_of builds its index on the logits' device (an index left on the CPU fails on a GPU)."""
+    z = ROW.cuda()
+    assert head.rank_of(z, int(ROW.argmax())) == 1
+    assert head.Distribution(z).target("x", [int(ROW.argmin())], str).rank == 50

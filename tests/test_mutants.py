@@ -1,0 +1,308 @@
+"""Cases that catch realistic one-line bugs (issue 22): each test here was shown to fail on the
+mutant its docstring names and to pass on the code.
+
+- ties on every rank path (head.ranks' three ways, rank_of, score's rank, target ranks, a step's rank):
+  a tied token shares the better rank, 1 + the tokens scored strictly higher;
+- top-p and min-p exactly at their boundary, with probabilities that are exact in binary;
+- beam search lets only the best N of its 2N candidates finish (transformers' rule);
+- diff's two KL directions on distributions far enough apart that swapping them shows;
+- the lean engine on activations large enough to tell gelu_new from exact gelu.
+
+Expected figures come from transformers or from arithmetic here, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, loud_checkpoint
+
+from lmhead_cli.decoding import stages
+from lmhead_cli.decoding.generate import generate, make_settings
+from lmhead_cli.head import RANKS_BY_COMPARISON, Distribution, rank_of, ranks, score_rows
+from lmhead_cli.loading.sources import load_model
+
+ARE = 389  # " are", the twin of the top token in `twin`
+
+
+def strictly_higher_plus_one(z: torch.Tensor, i: int) -> int:
+    return 1 + int((z > z[i]).sum())
+
+
+# ---- ties on every rank path ---------------------------------------------------------------------
+
+TIED = torch.tensor([0.5, 2.0, -1.0, 2.0, 0.25, 3.0, 0.5, -1.0])  # 1 and 3 tie below 5; 0 and 6, 2 and 7 tie
+
+
+@pytest.mark.parametrize("k", [1, 2, RANKS_BY_COMPARISON, RANKS_BY_COMPARISON + 1])
+def test_ranks_of_tied_tokens_share_the_better_rank_on_each_path(k):
+    """ranks() has three ways (one id per row, up to 64 by comparison, more by a sort); each counts only
+    the tokens strictly higher. Mutants: `>` as `>=` (without the 1 +) on the first two, searchsorted's
+    right=True as right=False on the third."""
+    z = TIED.repeat(12)  # (96,): every value tied with 11 others at least
+    rows = torch.stack([z, -z])  # (2, 96): two rows, so the paths' (..., K) shapes are exercised
+    ids = torch.tensor([[1, 3, 0, 6, 2, 7, 5, 4] * 9][0][:k]).expand(2, -1)  # (2, k)
+    got = ranks(rows, ids)
+    expected = [[strictly_higher_plus_one(r, int(i)) for i in ids[0]] for r in rows]
+    assert got.tolist() == expected
+    assert got[0, 0] == 1 + 12 and (k < 3 or got[0, 2] == 1 + 12 * 3)  # 3.0 ×12 above 2.0; then 2.0 ×24 too
+
+
+def test_rank_of_a_tied_token_is_the_better_rank():
+    """rank_of (explain, targets): mutant `>` as `>=` on the one-id path gives 3 and 6 below."""
+    assert rank_of(TIED, 1) == rank_of(TIED, 3) == 2
+    assert rank_of(TIED, 0) == rank_of(TIED, 6) == 4
+
+
+def test_target_score_of_a_tied_token_is_the_better_rank():
+    t = Distribution(TIED).target(" x", [3, 9], str)
+    assert (t.id, t.rank) == (3, 2)
+
+
+def test_score_rows_rank_of_a_tied_token_is_the_better_rank():
+    """score's per-token rank (score_rows, one id per row): a tie with the top token is rank 1."""
+    logits = torch.stack([TIED, TIED.flip(0), torch.zeros(8)])  # row 2: all eight tied
+    ids = torch.tensor([1, 4, 4])  # 2.0 tied with 2.0 below 3.0, in each order; 0 among eight zeros
+    rows = score_rows(logits.clone(), ids)
+    assert rows.rank.tolist() == [strictly_higher_plus_one(z, int(i)) for z, i in zip(logits, ids)] == [2, 2, 1]
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """(loaded lean engine, transformers model, top id): a tiny untied GPT-2 whose head row for " are"
+    is a copy of the row of the prompt's top token, so the two tie exactly after PROMPT."""
+    folder = tmp_path_factory.mktemp("twin")
+    model = build_checkpoint(folder, tied=False, seed=7)
+    with torch.no_grad():
+        top = int(model(torch.tensor([PROMPT_IDS])).logits[0, -1].argmax())
+        assert top != ARE
+        model.lm_head.weight[ARE] = model.lm_head.weight[top]
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        z = model(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    third = float(torch.topk(z, 3).values[2])
+    assert z[ARE] == z[top] and float(z[top]) - third > 1e-3  # an exact tie at the top, nothing near it
+    return load_model(str(folder), device="cpu", dtype="float32", engine="lean"), model, top
+
+
+def test_a_twin_tie_in_real_logits_is_rank_one_on_every_reading(twin):
+    """The same tie through score, inspect's targets, diff (its targets and its other-side ranks) and a
+    generated step: every one says rank 1 for both twins, as transformers' logits do."""
+    from lmhead_cli.readings.diff import diff_prompts
+    from lmhead_cli.readings.inspect import inspect_prompt
+    from lmhead_cli.readings.score import score_text
+
+    loaded, model, top = twin
+    with torch.no_grad():
+        z = model(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    assert strictly_higher_plus_one(z, ARE) == strictly_higher_plus_one(z, top) == 1
+    logits = loaded.engine.head(loaded.engine.body(torch.tensor([PROMPT_IDS]))[:, -1:])[0, 0]
+    assert logits[ARE] == logits[top]  # the engine ties them exactly too
+
+    s = score_text(loaded, PROMPT + " are")
+    assert [t.id for t in s.tokens()][-1] == ARE and list(s.tokens())[-1].rank == 1
+
+    i = inspect_prompt(loaded, PROMPT, top_k=3, targets=[" are"])
+    assert i.targets[0].rank == 1
+
+    d = diff_prompts(loaded, PROMPT, PROMPT, top_k=3, targets=[" are"])
+    assert (d.targets[0].rank_a, d.targets[0].rank_b) == (1, 1)
+    assert {t.id: t.other_rank for t in d.a.top if t.id in (ARE, top)} == {ARE: 1, top: 1}
+
+    g = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=1))
+    assert g.generated_ids[0] in (ARE, top) and g.steps[0].rank == 1
+
+
+# ---- top-p and min-p exactly at the boundary -----------------------------------------------------
+
+EXACT = torch.log(torch.tensor([0.125, 0.5, 0.125, 0.25]))  # softmax gives these exactly in float32
+
+
+def kept(z: torch.Tensor) -> list[int]:
+    return torch.isfinite(z).nonzero().flatten().tolist()
+
+
+def test_the_exact_probabilities_are_exact():
+    """The boundary cases below mean something only if float32 softmax and cumsum are exact here."""
+    p = EXACT.softmax(-1)
+    assert p.tolist() == [0.125, 0.5, 0.125, 0.25]
+    assert torch.sort(p, descending=True).values.cumsum(-1).tolist() == [0.5, 0.75, 0.875, 1.0]
+
+
+def test_top_p_stops_at_a_mass_exactly_equal_to_p():
+    """0.5 + 0.25 = 0.75 = p: the third token is not needed. Mutant: `mass_before >= p` as `>`."""
+    assert kept(stages.top_p(EXACT, 0.75)) == [1, 3]
+    assert kept(stages.top_p(EXACT, 0.5)) == [1]
+    assert len(kept(stages.top_p(EXACT, 0.875))) == 3  # 0.5 + 0.25 + 0.125 (either of the tied 0.125s)
+
+
+def test_min_p_keeps_a_token_exactly_at_its_threshold():
+    """p = 0.25 = 0.5 × 0.5 stays; 0.125 = 0.25 × 0.5 stays. Mutant: `z - best < log m` as `<=`."""
+    assert kept(stages.min_p(EXACT, 0.5)) == [1, 3]
+    assert kept(stages.min_p(EXACT, 0.25)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("p", [0.5, 0.75, 0.9])
+def test_top_p_at_the_boundary_matches_transformers(p):
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    theirs = TopPLogitsWarper(top_p=p)(None, EXACT[None].clone())[0]
+    assert kept(stages.top_p(EXACT, p)) == kept(theirs)
+
+
+@pytest.mark.parametrize("m", [0.25, 0.5, 0.6])
+def test_min_p_at_the_boundary_matches_transformers(m):
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    theirs = MinPLogitsWarper(min_p=m)(None, EXACT[None].clone())[0]
+    assert kept(stages.min_p(EXACT, m)) == kept(theirs)
+
+
+# ---- beam search: only the best N candidates may finish ------------------------------------------
+
+STUB_V, STUB_EOS, STUB_PROMPT = 16, 15, 14
+
+
+def bigram_table() -> torch.Tensor:
+    """(V, V) logits of the next token given the last one. After the prompt token: 0 (p .4), 1 (.3),
+    end-of-text (.2), 2 (.06), 3 (.04), so with 2 beams end-of-text is the 3rd of the 4 candidates.
+    After 0 or 1: nearly flat, the best about 0.09, so any two-token beam averages below log .2 and
+    a one-token [end-of-text] (score log .2) would beat them all if it were allowed to finish."""
+    table = torch.full((STUB_V, STUB_V), -30.0)
+    for t, p in {0: 0.4, 1: 0.3, STUB_EOS: 0.2, 2: 0.06, 3: 0.04}.items():
+        table[STUB_PROMPT, t] = math.log(p)
+    table[0] = torch.linspace(0.0, -0.6, STUB_V)
+    table[1] = table[0].roll(3)
+    return table
+
+
+class BigramEngine:
+    """The parts of the engine contract that generate() uses, over a bigram table: the hidden state is
+    the one-hot last token and the head multiplies it by the table. No cache is needed."""
+
+    name, n_ctx, device, dtype = "bigram", 64, torch.device("cpu"), torch.float32
+    vocab_size, eos_token_id, config = STUB_V, STUB_EOS, {"n_layer": 1, "n_embd": STUB_V}
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def new_cache(self, batch, max_len):
+        return None
+
+    def reorder_cache(self, cache, rows):
+        return cache
+
+    def body(self, ids, cache=None):
+        return torch.nn.functional.one_hot(ids, STUB_V).float()  # (R, T, V)
+
+    def head(self, h):
+        return h @ self.table  # (R, T, V)
+
+    def last_logits(self, ids, cache=None):
+        return self.head(self.body(ids, cache))[:, -1].float()  # (R, V)
+
+
+def bigram_loaded(table: torch.Tensor):
+    text = lambda i: f"<{i}>"  # noqa: E731
+    tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
+                                decode=lambda ids: "".join(map(text, ids)))
+    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, threads=SimpleNamespace(run=lambda f: f()))
+
+
+def transformers_bigram_beams(table: torch.Tensor, beams: int, new: int):
+    """transformers' own beam search over the same bigram table: (sequences without the prompt, scores)."""
+    from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class BigramConfig(PretrainedConfig):
+        model_type = "lmhead_test_bigram"
+
+    class Bigram(PreTrainedModel, GenerationMixin):
+        config_class = BigramConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.table = torch.nn.Parameter(table.clone())
+
+        def forward(self, input_ids, attention_mask=None, **kwargs):
+            return CausalLMOutputWithPast(logits=self.table[input_ids])
+
+    model = Bigram(BigramConfig(vocab_size=STUB_V, eos_token_id=STUB_EOS, pad_token_id=STUB_EOS)).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[STUB_PROMPT]]), num_beams=beams, num_return_sequences=beams,
+                             do_sample=False, max_new_tokens=new, use_cache=False, eos_token_id=STUB_EOS,
+                             pad_token_id=STUB_EOS, return_dict_in_generate=True, output_scores=True)
+    return [s[1:].tolist() for s in out.sequences], out.sequences_scores.tolist()
+
+
+def test_end_of_text_ranked_below_the_best_n_candidates_does_not_finish():
+    """End-of-text is the 3rd of 2 × 2 candidates at the first step: transformers lets only the best 2
+    finish, so it never becomes a one-token beam; the two-token beams win, in transformers' order.
+    Mutant: the finishing loop over `cands` instead of `cands[:n]` returns [end-of-text] first."""
+    table = bigram_table()
+    expected, scores = transformers_bigram_beams(table, beams=2, new=2)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=2))
+    assert [b.ids for b in g.beams] == expected and all(len(ids) == 2 for ids in expected)
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.generated_ids == expected[0] and STUB_EOS not in g.generated_ids
+    assert max(scores) < math.log(0.2)  # so a finished [end-of-text] would have won: the case is live
+
+
+# ---- diff: the two KL directions ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loud(tmp_path_factory):
+    """(folder, transformers model) of loud_checkpoint: peaked distributions, MLPs in gelu's curved range."""
+    folder = tmp_path_factory.mktemp("loud")
+    return folder, loud_checkpoint(folder)
+
+
+DIFF_A, DIFF_B = "The key on the table", "The keys on the table"
+KL_ATOL = 1e-5  # engine vs transformers logits differ by ~5e-6 here (logits up to ~16)
+
+
+def test_diff_kl_directions_are_each_right_where_they_differ_clearly(loud):
+    """KL(p‖q) and KL(q‖p) against torch's kl_div on transformers' logits, on prompts whose two
+    directions differ by over 100 × the tolerance. Mutant: kl_ab and kl_ba swapped (or p, q swapped
+    inside kl_divergence)."""
+    from lmhead_cli.readings.diff import diff_prompts
+
+    folder, model = loud
+    with torch.no_grad():
+        lp, lq = (torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+                  for ids in ([464, 1994, 319, 262, 3084], [464, 8251, 319, 262, 3084]))
+    kl = torch.nn.functional.kl_div
+    kl_pq = float(kl(lq, lp, log_target=True, reduction="sum"))  # input log q, target log p: KL(p‖q)
+    kl_qp = float(kl(lp, lq, log_target=True, reduction="sum"))
+    assert abs(kl_pq - kl_qp) > 100 * KL_ATOL  # the directions are told apart
+    for engine in ("lean", "transformers"):
+        d = diff_prompts(load_model(str(folder), device="cpu", dtype="float32", engine=engine), DIFF_A, DIFF_B, top_k=3)
+        assert d.kl_ab == pytest.approx(kl_pq, abs=KL_ATOL) and d.kl_ba == pytest.approx(kl_qp, abs=KL_ATOL)
+
+
+# ---- the lean engine: gelu_new, not exact gelu ----------------------------------------------------
+
+def test_lean_engine_matches_transformers_where_gelu_new_and_gelu_differ(loud):
+    """On loud_checkpoint, transformers' logits under exact gelu differ from its gelu_new ones by more than
+    10 × the parity tolerance; the lean engine matches gelu_new within it, for the whole prompt and for
+    one-position cached steps (the blocked products). Mutant: F.gelu without approximate="tanh"."""
+    from transformers import GPT2LMHeadModel
+
+    folder, model = loud
+    ids = torch.tensor([list(range(100, 2000, 97))])  # (1, 20)
+    exact = GPT2LMHeadModel.from_pretrained(folder, activation_function="gelu").eval()
+    with torch.no_grad():
+        expected = model(ids).logits[0]  # (20, V) gelu_new, GPT-2's activation
+        gap = float((exact(ids).logits[0] - expected).abs().max())
+    atol = 1e-4
+    assert gap > 10 * atol
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean").engine
+    torch.testing.assert_close(eng.head(eng.body(ids))[0], expected, atol=atol, rtol=0)
+    cache = eng.new_cache(1, ids.shape[1])
+    eng.body(ids[:, :-3], cache)
+    for t in range(ids.shape[1] - 3, ids.shape[1]):  # the last three positions one at a time
+        step = eng.head(eng.body(ids[:, t:t + 1], cache))[0, 0]
+        torch.testing.assert_close(step, expected[t], atol=atol, rtol=0)
