@@ -197,8 +197,8 @@ def test_entropy():
     ("temperature", 0.0, "lmhead greedy"), ("temperature", -1.0, "at least 1e-06"),
     ("temperature", float("nan"), "finite"), ("temperature", float("inf"), "finite"),
     ("top_k", 0, "at least 1"), ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"), ("top_p", float("nan"), "(0, 1]"),
-    ("min_p", 1.0, "[0, 1)"), ("min_p", -0.1, "[0, 1)"), ("softcap", 0.0, "at least 1e-06"),
-    ("softcap", float("inf"), "finite"), ("beams", 0, "at least 1"), ("max_new_tokens", 0, "at least 1"),
+    ("min_p", 1.0, "[0, 1)"), ("min_p", -0.1, "[0, 1)"), ("softcap", 0.0, "between 1e-06 and 1e+06"),
+    ("softcap", 2e6, "between 1e-06 and 1e+06"), ("softcap", float("inf"), "finite"), ("beams", 0, "at least 1"), ("max_new_tokens", 0, "at least 1"),
 ])
 def test_check_names_the_setting_and_the_range(key, value, words):
     with pytest.raises(BadValue) as e:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
+from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
                                     position_ids)
 from lmhead_cli.engine.int8 import Int8Conv1D, Int8Head
 from lmhead_cli.engine.int8 import forms_for as int8_forms
