@@ -127,8 +127,8 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
             validate.check_config_for(config, folder / "config.json")
         tokenizer = GPT2Tokenizer.from_folder(folder) or GPT2Tokenizer.bundled()
         if int8 and engine_name != "lean":
-            raise UsageError("int8 runs on the lean engine, which takes plain GPT-2 checkpoints only (this "
-                             "one runs on transformers); use float32, bfloat16 or float16")
+            raise UsageError(f"--dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only (this is "
+                             f"{config.get('model_type')!r}, run on transformers); use float32, bfloat16 or float16")
         files = weight_files(folder, allow_pickle)
         if all(f.suffix == ".safetensors" for f in files):
             header = checks.read_header(files)
