@@ -10,32 +10,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import build_checkpoint, cli, launch, reader, start
+from helpers import build_checkpoint, cli, control_byte_checkpoint, launch, reader, start
 
 
 REPO = Path(__file__).resolve().parents[1]
-ESC_ID, BEL_ID = 215, 195  # GPT-2's single-byte tokens for ESC (0x1b) and BEL (0x07)
 HOSTILE = "\x1b]0;HACKED\x07\x1b[2J[bold]hi[/] \x9b31m\x7f"  # title, clear screen, markup, C1 CSI, DEL
 
 
 @pytest.fixture(scope="module")
 def hostile_model(tmp_path_factory):
-    """A GPT-2 checkpoint whose every prediction is a control byte: ln_f maps any x to the same h
-    (weight 0, bias 1) and the untied head scores only ESC and BEL, so the top tokens, the lens and
-    every generated token are ESC or BEL."""
-    import torch
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("hostile")
-    model = build_checkpoint(folder, tied=False, n_embd=16, n_layer=1, n_head=2, n_positions=64)
-    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if not k.endswith(".attn.bias")}
-    state["transformer.ln_f.weight"].zero_()
-    state["transformer.ln_f.bias"].fill_(1.0)
-    head = torch.zeros_like(state["lm_head.weight"])
-    head[ESC_ID], head[BEL_ID] = 2.0, 1.0
-    state["lm_head.weight"] = head
-    save_file(state, str(folder / "model.safetensors"))
-    return str(folder)
+    """A GPT-2 checkpoint whose every prediction is a control byte (helpers.control_byte_checkpoint):
+    the top tokens, the lens and every generated token are ESC or BEL."""
+    return control_byte_checkpoint(tmp_path_factory.mktemp("hostile"))
 
 
 def control_bytes(text: str) -> list[str]:
