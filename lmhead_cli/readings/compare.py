@@ -220,16 +220,13 @@ def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False
     total, done = sum(w.end - w.first for w in plan), 0
     for w in plan:
         window = seq[None, w.begin:w.end]
-        # Window position p predicts token p + 1: tokens [first, end) come from positions [first - 1, end - 1).
-        span = slice(w.first - 1 - w.begin, w.end - 1 - w.begin)
-        pred_q = q.engine.body(window.to(q.engine.device))[0][span]  # (n, D)
-        pred_b = pred_q if base is q else base.engine.body(window.to(base.engine.device))[0][span]  # (n, D)
-        for c in range(0, len(pred_q), chunk):
-            lo, hi = w.first + c, min(w.first + c + chunk, w.end)
-            tgt = seq[lo:hi, None]
-            lq = log_softmax(q.engine.head(pred_q[c:c + chunk]), inplace=True)  # (n, V) float32
+        pred_q = q.engine.body(window.to(q.engine.device))[0][w.predictors]  # (n, D)
+        pred_b = pred_q if base is q else base.engine.body(window.to(base.engine.device))[0][w.predictors]  # (n, D)
+        for lo, hi in w.chunks(chunk):
+            rows, tgt = slice(lo - w.first, hi - w.first), seq[lo:hi, None]
+            lq = log_softmax(q.engine.head(pred_q[rows]), inplace=True)  # (n, V) float32
             top_q[lo:hi] = _top(lq, who[0], lo - bos).cpu()
-            lb = log_softmax(base.engine.head(pred_b[c:c + chunk]), inplace=True).to(lq.device)  # (n, V)
+            lb = log_softmax(base.engine.head(pred_b[rows]), inplace=True).to(lq.device)  # (n, V)
             top_b[lo:hi] = _top(lb, who[1], lo - bos).cpu()
             lp_q[lo:hi] = lq.gather(-1, tgt.to(lq.device))[:, 0].cpu()
             lp_b[lo:hi] = lb.gather(-1, tgt.to(lq.device))[:, 0].cpu()

@@ -53,6 +53,18 @@ class Window:
     end: int
     first: int
 
+    @property
+    def predictors(self) -> slice:
+        """The window positions whose hidden states predict tokens [first, end): position p predicts
+        token p + 1, so [first - 1, end - 1), counted from begin."""
+        return slice(self.first - 1 - self.begin, self.end - 1 - self.begin)
+
+    def chunks(self, chunk: int) -> Iterator[tuple[int, int]]:
+        """The scored tokens [first, end) in pieces [lo, hi) of at most `chunk`; piece [lo, hi) is
+        predicted by rows [lo - first, hi - first) of the predictors' hidden states."""
+        for lo in range(self.first, self.end, chunk):
+            yield lo, min(lo + chunk, self.end)
+
 
 def windows(T: int, n_ctx: int, stride: int) -> Iterator[Window]:
     """The windows over a sequence of T tokens: begin = 0, S, 2S, …, each covering
@@ -290,13 +302,10 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     top = max(top_logprobs, alternatives)
     total, done = sum(w.end - w.first for w in plan), 0
     for w in plan:
-        hidden = eng.body(seq[None, w.begin:w.end].to(eng.device))[0]  # (L, D), after the final norm
-        # Window position p predicts token p + 1: tokens [first, end) come from positions [first - 1, end - 1).
-        pred = hidden[w.first - 1 - w.begin: w.end - 1 - w.begin]  # (n, D)
-        for c in range(0, len(pred), chunk):
-            lo, hi = w.first + c, min(w.first + c + chunk, w.end)
+        pred = eng.body(seq[None, w.begin:w.end].to(eng.device))[0][w.predictors]  # (n, D), after the final norm
+        for lo, hi in w.chunks(chunk):
             # (chunk, V) logits, dropped here
-            rows = score_rows(eng.head(pred[c:c + chunk]), seq[lo:hi].to(eng.device), top)
+            rows = score_rows(eng.head(pred[lo - w.first:hi - w.first]), seq[lo:hi].to(eng.device), top)
             logprob[lo:hi], rank[lo:hi], entropy[lo:hi] = rows.logprob.cpu(), rows.rank.cpu(), rows.entropy.cpu()
             top_id[lo:hi], top_logprob[lo:hi] = rows.top_id.cpu(), rows.top_logprob.cpu()
             if alternatives:
@@ -309,7 +318,7 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
             done += hi - lo
             if progress is not None:
                 progress(done, total)
-        del hidden, pred
+        del pred
     keep = slice(1, None) if bos else slice(None)  # back to the text's own tokens
     return {"windows": len(plan), "stride": stride, "chunk": chunk, "logprob": logprob[keep], "rank": rank[keep],
             "entropy": entropy[keep], "top_id": top_id[keep], "top_logprob": top_logprob[keep],
