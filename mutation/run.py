@@ -19,6 +19,7 @@ Not run by .ci/run: it takes far longer than CI's limit. Run it after any change
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -70,6 +71,58 @@ def mutmut_section(files: list[str], tests: list[str]) -> str:
             f"use_git_change_detection = false\n")
 
 
+KEPT_DECORATORS = ("staticmethod", "classmethod")  # the only decorators mutmut 3 mutates under
+
+
+def undecorate(source: str) -> str:
+    """The source with each decorated function (top level, or a method of a top-level class: the
+    functions mutmut mutates) written undecorated, its decorators applied by an assignment right after
+    it: `@property` over `def p` becomes `p = property(p)` after it, `@a @b def f` becomes `f = a(b(f))`.
+    mutmut 3 skips decorated functions (bar a lone @staticmethod or @classmethod) because it would put
+    its trampoline under the decorators; applied afterwards, the decorator wraps the trampoline and the
+    function, its behaviour unchanged, gets mutants. A decorator that names the function (`@p.setter`)
+    reads the earlier binding, saved under another name before the def."""
+    tree = ast.parse(source)
+    found = []
+    for node in tree.body:
+        members = node.body if isinstance(node, ast.ClassDef) else [node]
+        for f in members:
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) or not f.decorator_list:
+                continue
+            only = f.decorator_list[0]
+            if len(f.decorator_list) == 1 and isinstance(only, ast.Name) and only.id in KEPT_DECORATORS:
+                continue
+            found.append(f)
+    lines = source.splitlines(keepends=True)
+    for f in sorted(found, key=lambda f: f.lineno, reverse=True):  # bottom-up: earlier line numbers stay valid
+        indent = " " * f.col_offset
+        saved = f"_undecorated_{f.name}"
+        renamer = _Rename(f.name, saved)
+        applied = f.name
+        for d in reversed(f.decorator_list):
+            text = ast.unparse(renamer.visit(d))
+            applied = f"{text}({applied})" if isinstance(d, (ast.Name, ast.Attribute, ast.Call)) else f"({text})({applied})"
+        after = [f"{indent}{f.name} = {applied}\n"] + ([f"{indent}del {saved}\n"] if renamer.used else [])
+        before = [f"{indent}{saved} = {f.name}\n"] if renamer.used else []
+        end = f.end_lineno
+        if not lines[end - 1].endswith("\n"):
+            lines[end - 1] += "\n"
+        lines[end:end] = after
+        lines[f.decorator_list[0].lineno - 1:f.lineno - 1] = before  # the decorator lines (the def's is f.lineno)
+    return "".join(lines)
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, old: str, new: str):
+        self.old, self.new, self.used = old, new, False
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        if node.id != self.old:
+            return node
+        self.used = True
+        return ast.copy_location(ast.Name(id=self.new, ctx=node.ctx), node)
+
+
 def prepare(name: str) -> Path:
     """A fresh scratch copy for one module: the package (with configs/ inside, as installed), the
     tests, the plugin, and pyproject.toml with this module's [tool.mutmut]."""
@@ -81,6 +134,8 @@ def prepare(name: str) -> Path:
     shutil.copytree(ROOT / "lmhead_cli", work / "lmhead_cli", ignore=ignore)
     shutil.copytree(ROOT / "configs", work / "lmhead_cli" / "configs", ignore=ignore)
     shutil.copytree(ROOT / "tests", work / "tests", ignore=ignore)
+    for f in files:  # mutmut skips decorated functions: apply their decorators by assignment instead
+        (work / f).write_text(undecorate((work / f).read_text()))
     shutil.copy(ROOT / "mutation" / "narrow.py", work / "narrow.py")
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert "[tool.mutmut]" not in pyproject, "the [tool.mutmut] section is written per module by mutation/run.py"

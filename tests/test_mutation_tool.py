@@ -1,5 +1,7 @@
-"""mutation/narrow.py, the per-line test selection of the mutation run: on a file laid out as mutmut 3
-lays out its mutants, it finds the statement a mutant changes and keeps the tests that executed it."""
+"""The mutation run's own code. mutation/narrow.py, the per-line test selection: on a file laid out as
+mutmut 3 lays out its mutants, it finds the statement a mutant changes and keeps the tests that executed
+it. mutation/run.py's rewrite of decorated functions (which mutmut skips) into undecorated ones with the
+decorators applied after them: the same behaviour, and only the functions mutmut mutates."""
 
 from __future__ import annotations
 
@@ -79,3 +81,75 @@ def test_mutant_names_split_into_file_function_and_number(narrow):
     assert narrow.split_name("lmhead_cli.head.x_ranks__mutmut_7") == ("lmhead_cli/head.py", "x_ranks", "7")
     assert narrow.split_name("lmhead_cli.engine.lean.xǁMLPǁforward__mutmut_12") == (
         "lmhead_cli/engine/lean.py", "xǁMLPǁforward", "12")
+
+
+# ---- mutation/run.py: decorated functions are written undecorated, so that mutmut mutates them -----
+
+DECORATED = '''\
+import functools
+
+
+class A:
+    def __init__(self):
+        self._p = 1
+
+    @property
+    def p(self):
+        return self._p
+
+    @p.setter
+    def p(self, v):
+        self._p = v
+
+    @staticmethod
+    def s(x):
+        return x + 1
+
+    @functools.cache
+    @staticmethod
+    def c(x):
+        return x + 2
+
+
+@functools.lru_cache(
+    maxsize=2)
+def g(x):
+    return x * 2
+'''
+
+
+@pytest.fixture
+def run_py():
+    spec = importlib.util.spec_from_file_location("run_under_test", ROOT / "mutation" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decorators_become_assignments_after_the_function(run_py):
+    out = run_py.undecorate(DECORATED)
+    lines = out.splitlines()
+    assert [line for line in lines if line.lstrip().startswith("@")] == ["    @staticmethod"]  # the lone one mutmut takes
+    assert "    p = property(p)" in lines and "g = functools.lru_cache(maxsize=2)(g)" in lines
+    assert "    c = functools.cache(staticmethod(c))" in lines  # @a @b def f: f = a(b(f))
+    # a decorator that names the function reads the earlier binding (the property), saved before the def
+    setter = lines.index("    p = _undecorated_p.setter(p)")
+    assert lines[setter - 3:setter - 1] == ["    _undecorated_p = p", "    def p(self, v):"]
+    assert lines[setter + 1] == "    del _undecorated_p"
+    before, after = {}, {}
+    exec(DECORATED, before)
+    exec(out, after)
+    for ns in (before, after):  # the same behaviour either way
+        a = ns["A"]()
+        a.p = 5
+        assert (a.p, ns["A"].s(1), ns["A"].c(1), ns["g"](3), ns["g"].cache_info().misses) == (5, 2, 3, 6, 1)
+        assert isinstance(ns["A"].__dict__["p"], property)
+
+
+def test_only_the_functions_mutmut_mutates_are_rewritten(run_py):
+    """Top-level functions and methods of top-level classes; a class's own decorator (@dataclass) and a
+    function nested in another stay as they are, and a file without decorators is unchanged."""
+    source = ("from dataclasses import dataclass\n\n\n@dataclass(frozen=True)\nclass B:\n    x: int = 0\n\n\n"
+              "def outer():\n    @functools.cache\n    def inner():\n        return 1\n    return inner\n")
+    assert run_py.undecorate(source) == source
+    assert run_py.undecorate(MUTANTS_FILE) == MUTANTS_FILE
