@@ -43,14 +43,24 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_mutants.py", "tests/test_diff.py"]),
     "stages": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/presets.py"],
                ["tests/test_decoding.py", "tests/test_mutants.py"]),
+    # test_generate_cli: the rates and mean entropy (Generation's properties), ids against transformers
     "generate": (["lmhead_cli/decoding/generate.py"],
-                 ["tests/test_mutants.py", "tests/test_generation.py", "tests/test_logprobs.py"]),
+                 ["tests/test_mutants.py", "tests/test_generation.py", "tests/test_logprobs.py",
+                  "tests/test_generate_cli.py"]),
+    # test_batch: padded batches (the attention mask); test_attribute: components; test_int8: the int8 paths
     "lean": (["lmhead_cli/engine/lean.py"],
-             ["tests/test_mutants.py", "tests/test_engine_parity.py", "tests/test_lens.py"]),
-    "score": (["lmhead_cli/readings/score.py"], ["tests/test_mutants.py", "tests/test_score.py"]),
+             ["tests/test_mutants.py", "tests/test_engine_parity.py", "tests/test_lens.py", "tests/test_batch.py",
+              "tests/test_attribute.py", "tests/test_int8.py"]),
+    # test_html: the alternatives; test_logprobs: top log-probs handed over chunk by chunk (on_rows);
+    # test_compare: compare walks the windows through score's Window
+    "score": (["lmhead_cli/readings/score.py"],
+              ["tests/test_mutants.py", "tests/test_score.py", "tests/test_html.py", "tests/test_logprobs.py",
+               "tests/test_compare.py"]),
     "attribute": (["lmhead_cli/readings/attribute.py"], ["tests/test_attribute.py"]),
     "diff": (["lmhead_cli/readings/diff.py"], ["tests/test_mutants.py", "tests/test_diff.py"]),
     "lens": (["lmhead_cli/readings/lens.py"], ["tests/test_lens.py"]),
+    "compare": (["lmhead_cli/readings/compare.py", "lmhead_cli/readings/agreement.py"],
+                ["tests/test_compare.py", "tests/test_mutants.py"]),
 }
 DETECTED = ("killed", "timeout", "segfault")  # a test failed, or the mutant hung or crashed its process
 JOBS = 2  # mutant processes at a time: the 2-core machines this project runs on

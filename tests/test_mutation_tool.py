@@ -153,3 +153,18 @@ def test_only_the_functions_mutmut_mutates_are_rewritten(run_py):
               "def outer():\n    @functools.cache\n    def inner():\n        return 1\n    return inner\n")
     assert run_py.undecorate(source) == source
     assert run_py.undecorate(MUTANTS_FILE) == MUTANTS_FILE
+
+
+def test_every_module_names_files_and_test_files_that_exist(run_py):
+    for name, (files, tests) in run_py.MODULES.items():
+        assert files and tests, name
+        assert all((ROOT / f).is_file() for f in files + tests), name
+
+
+def test_the_docs_table_lists_each_module_with_its_test_files(run_py):
+    rows = {}
+    for line in (ROOT / "docs" / "mutation-testing.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in run_py.MODULES:
+            rows[cells[0]] = [t.strip() for t in cells[2].split(",")]
+    assert rows == {name: [Path(t).stem for t in tests] for name, (_, tests) in run_py.MODULES.items()}
