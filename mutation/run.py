@@ -77,7 +77,7 @@ def mutmut_section(files: list[str], tests: list[str]) -> str:
     return (f"\n[tool.mutmut]\nsource_paths = [\"lmhead_cli\"]\nonly_mutate = {toml_list(files)}\n"
             f"pytest_add_cli_args_test_selection = {toml_list(tests)}\n"
             f"pytest_add_cli_args = [\"-p\", \"narrow\", \"-p\", \"no:cacheprovider\"]\n"
-            f"also_copy = [\"narrow.py\"]\nprocess_isolation = \"forkserver\"\n"
+            f"also_copy = [\"narrow.py\", \"configs\"]\nprocess_isolation = \"forkserver\"\n"
             f"timeout_multiplier = {TIMEOUT_MULTIPLIER}\ntimeout_constant = {TIMEOUT_CONSTANT}\n"
             f"use_git_change_detection = false\n")
 
@@ -135,8 +135,9 @@ class _Rename(ast.NodeTransformer):
 
 
 def prepare(name: str) -> Path:
-    """A fresh scratch copy for one module: the package (with configs/ inside, as installed), the
-    tests, the plugin, and pyproject.toml with this module's [tool.mutmut]."""
+    """A fresh scratch copy for one module: the package (with configs/ inside, as installed), configs/
+    (test_decoding reads it), the tests, the plugin, and pyproject.toml with this module's [tool.mutmut];
+    the module's files undecorated (see `undecorate`)."""
     files, tests = MODULES[name]
     work = SCRATCH / name
     shutil.rmtree(work, ignore_errors=True)
@@ -144,6 +145,7 @@ def prepare(name: str) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "lmhead_cli", work / "lmhead_cli", ignore=ignore)
     shutil.copytree(ROOT / "configs", work / "lmhead_cli" / "configs", ignore=ignore)
+    shutil.copytree(ROOT / "configs", work / "configs", ignore=ignore)  # where the tests read the bundled files
     shutil.copytree(ROOT / "tests", work / "tests", ignore=ignore)
     for f in files:  # mutmut skips decorated functions: apply their decorators by assignment instead
         (work / f).write_text(undecorate((work / f).read_text()))
