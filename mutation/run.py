@@ -64,6 +64,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                 ["tests/test_compare.py", "tests/test_mutants.py"]),
 }
 DETECTED = ("killed", "timeout", "segfault")  # a test failed, or the mutant hung or crashed its process
+SAMPLE_SEED = 22  # --sample's seed: a module's sample is the same on every run of the same code
 JOBS = 2  # mutant processes at a time: the 2-core machines this project runs on
 # A mutant's CPU-time limit, which mutmut sets to (its tests' time in the stats run + constant) × multiplier × 2:
 # (t + 10 s) × 6. CPU time, not wall time, so a busy machine does not turn slow mutants into timeouts.
@@ -202,12 +203,42 @@ def reason_for(function: str, added: list[str], known: list[dict]) -> str | None
     return None
 
 
-def run_module(name: str, jobs: int) -> dict:
+def all_mutants(work: Path) -> list[str]:
+    """Every mutant mutmut makes of the module's files, named as `mutmut results` names them (mutmut's own
+    generator, run in the scratch folder, where its configuration is)."""
+    files, _ = MODULES[work.name]
+    code = ("import json, sys\nfrom pathlib import Path\n"
+            "from mutmut.mutation.file_mutation import mutate_file_contents\n"
+            "from mutmut.utils.format_utils import get_mutant_name\n"
+            "print(json.dumps([get_mutant_name(Path(f), n) for f in sys.argv[1:]"
+            " for n in mutate_file_contents(f, Path(f).read_text()).mutant_names]))")
+    out = subprocess.run([sys.executable, "-c", code, *files], cwd=work, text=True, capture_output=True)
+    if out.returncode != 0:
+        raise SystemExit(f"could not list {work.name}'s mutants:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def sample_of(name: str, mutants: list[str], fraction: float) -> list[str]:
+    """A seeded random sample of a module's mutants (the same for the same module, mutants and fraction),
+    in the mutants' order."""
+    import random
+
+    k = min(len(mutants), max(1, round(len(mutants) * fraction)))
+    chosen = set(random.Random(f"{name}:{SAMPLE_SEED}").sample(sorted(mutants), k))
+    return [m for m in mutants if m in chosen]
+
+
+def run_module(name: str, jobs: int, fraction: float | None = None) -> dict:
     work = prepare(name)
     start = time.time()
     log_path = work / "mutmut.log"
+    names: list[str] = []
+    if fraction is not None:
+        every = all_mutants(work)
+        names = sample_of(name, every, fraction)
+        (work / "sample.json").write_text(json.dumps({"fraction": fraction, "of": len(every), "mutants": names}))
     with open(log_path, "w") as log:
-        done = mutmut(work, "run", "--max-children", str(jobs), log=log)
+        done = mutmut(work, "run", "--max-children", str(jobs), *names, log=log)
     (work / "seconds").write_text(str(round(time.time() - start)))
     if done.returncode != 0:
         tail = log_path.read_text()[-3000:]
@@ -220,7 +251,8 @@ def rerun_survivors(name: str, jobs: int) -> dict:
     its mutants that were not detected; mutmut records the new tests' calls first. Then collect."""
     work = SCRATCH / name
     before = statuses(work)
-    left = [m for m, status in before.items() if status not in DETECTED]
+    sampled = set(json.loads((work / "sample.json").read_text())["mutants"]) if (work / "sample.json").exists() else None
+    left = [m for m, status in before.items() if status not in DETECTED and (sampled is None or m in sampled)]
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for where in (work, work / "mutants"):
         shutil.copytree(ROOT / "tests", where / "tests", ignore=ignore, dirs_exist_ok=True)
@@ -262,10 +294,13 @@ def collect(name: str) -> dict:
     detected = sum(counts.get(s, 0) for s in DETECTED)
     considered = len(found) - counts.get("not checked", 0) - len(equivalent)  # an interrupted run leaves some unchecked
     made = json.loads((work / "provenance.json").read_text())
+    sample = json.loads((work / "sample.json").read_text()) if (work / "sample.json").exists() else None
     return {"module": name, "files": MODULES[name][0], "tests": MODULES[name][1],
             "date": made["date"], "commit": made["commit"], "seconds": round(elapsed),
             "mutants": len(found), "counts": counts, "equivalent": equivalent, "survivors": survivors,
             "detected": detected, "considered": considered,
+            "sample": {"fraction": sample["fraction"], "mutants": len(sample["mutants"]), "of": sample["of"]}
+            if sample else None,
             # mean tests per mutant: those that call its function (mutmut), those that execute its statement (narrow.py)
             "tests_per_mutant": [round(sum(int(n[1]) for n in narrowed) / len(narrowed), 1),
                                  round(sum(int(n[2]) for n in narrowed) / len(narrowed), 1)] if narrowed else None,
@@ -277,6 +312,30 @@ def git_commit() -> str:
     dirty = subprocess.run(["git", "status", "--porcelain", "lmhead_cli", "tests"], cwd=ROOT, text=True,
                            capture_output=True).stdout.strip()
     return r.stdout.strip() + (" + uncommitted changes" if dirty else "")
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson interval of a proportion k/n, in percent."""
+    if n == 0:
+        return 0.0, 100.0
+    p = k / n
+    centre, half = p + z * z / (2 * n), z * ((p * (1 - p) + z * z / (4 * n)) / n) ** 0.5
+    return 100 * (centre - half) / (1 + z * z / n), 100 * (centre + half) / (1 + z * z / n)
+
+
+def core_estimate(rows: list[dict]) -> tuple[float, float, float]:
+    """The score over every mutant of the modules run, from their samples: each module's score weighted by
+    its mutant count (a stratified estimate), with a normal 95% interval; in percent."""
+    total = sum(r["mutants"] for r in rows if r["considered"])
+    mid = var = 0.0
+    for r in rows:
+        if not r["considered"]:
+            continue
+        w, p, n = r["mutants"] / total, r["detected"] / r["considered"], r["considered"]
+        mid += w * p
+        var += w * w * p * (1 - p) / n * (1 - n / r["mutants"] if r.get("sample") else 0.0)  # finite population
+    half = 1.96 * var ** 0.5
+    return 100 * max(0.0, mid - half), 100 * mid, 100 * min(1.0, mid + half)
 
 
 def write_report(results: dict) -> None:
@@ -292,15 +351,23 @@ def write_report(results: dict) -> None:
         lines += [f"**Over the modules run: {detected} of {considered} non-equivalent mutants detected: "
                   f"{100 * detected / considered:.1f}%** "
                   f"({sum(r['mutants'] for r in rows)} mutants, {sum(len(r['equivalent']) for r in rows)} equivalent).", ""]
+    if any(r.get("sample") for r in rows):
+        low, mid, high = core_estimate(rows)
+        lines += ["Some modules ran a seeded random sample of their mutants (`--sample`; the rest count as not "
+                  "checked). Estimated over every mutant of the modules run, each module's score weighted by its "
+                  f"mutants: **{mid:.1f}%** (95% interval {low:.1f}% to {high:.1f}%).", ""]
     if missing:
         lines += [f"Not run yet: {', '.join(missing)}.", ""]
-    lines += ["| module | date | commit | mutants | detected | survived | no tests | equivalent | not checked | score | time |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| module | date | commit | mutants | sampled | detected | survived | no tests | equivalent | not checked "
+              "| score (95% interval) | time |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r["counts"]
-        lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {r['detected']} | "
+        sampled = f"{r['sample']['mutants']}" if r.get("sample") else "all"
+        low, high = wilson(r["detected"], r["considered"])
+        lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {sampled} | {r['detected']} | "
                      f"{c.get('survived', 0) - len(r['equivalent'])} | {c.get('no tests', 0)} | {len(r['equivalent'])} | "
-                     f"{c.get('not checked', 0)} | {r['score']}% | {r['seconds'] // 60} min |")
+                     f"{c.get('not checked', 0)} | {r['score']}% ({low:.1f}-{high:.1f}) | {r['seconds'] // 60} min |")
     for r in rows:
         if r.get("tests_per_mutant"):
             by_function, by_statement = r["tests_per_mutant"]
@@ -332,12 +399,17 @@ def main() -> None:
                    help="after writing tests: rerun only the mutants a module's last run did not detect")
     p.add_argument("--collect", action="store_true",
                    help="read the results from the modules' scratch folders again, without running mutmut")
+    p.add_argument("--sample", type=float, metavar="FRACTION",
+                   help="run a seeded random sample of each module's mutants (0 < FRACTION ≤ 1); the report "
+                        "gives the score of the sample with its 95%% interval")
     p.add_argument("--tests", nargs="+", help="test files to use instead of the module's (a trial; not recorded)")
     a = p.parse_args()
     if a.list:
         for name, (files, tests) in MODULES.items():
             print(f"{name}: {' '.join(files)}\n    tests: {' '.join(tests)}")
         return
+    if a.sample is not None and not 0 < a.sample <= 1:
+        p.error(f"--sample must be a fraction above 0 and at most 1 (got {a.sample})")
     unknown = [m for m in a.modules if m not in MODULES]
     if unknown:
         p.error(f"unknown module(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
@@ -345,7 +417,7 @@ def main() -> None:
         if a.tests:
             MODULES[name] = (MODULES[name][0], a.tests)
         print(f"{name}: {'collecting' if a.collect else 'running mutmut on'} {', '.join(MODULES[name][0])} ...", flush=True)
-        r = collect(name) if a.collect else rerun_survivors(name, a.jobs) if a.rerun else run_module(name, a.jobs)
+        r = collect(name) if a.collect else rerun_survivors(name, a.jobs) if a.rerun else run_module(name, a.jobs, a.sample)
         if a.tests:
             print(json.dumps(r, indent=1, ensure_ascii=False))
             continue

@@ -168,3 +168,26 @@ def test_the_docs_table_lists_each_module_with_its_test_files(run_py):
         if len(cells) == 3 and cells[0] in run_py.MODULES:
             rows[cells[0]] = [t.strip() for t in cells[2].split(",")]
     assert rows == {name: [Path(t).stem for t in tests] for name, (_, tests) in run_py.MODULES.items()}
+
+
+def test_a_sample_is_seeded_sized_and_in_the_mutants_order(run_py):
+    mutants = [f"m.x_f__mutmut_{i}" for i in range(1, 201)]
+    one = run_py.sample_of("head", mutants, 0.25)
+    assert one == run_py.sample_of("head", mutants, 0.25)  # the same sample on every run
+    assert len(one) == 50 and len(set(one)) == 50 and set(one) <= set(mutants)
+    assert one == [m for m in mutants if m in set(one)]
+    assert one != run_py.sample_of("lens", mutants, 0.25)  # each module its own draw
+    assert run_py.sample_of("head", mutants, 1.0) == mutants
+
+
+def test_the_interval_of_a_sampled_score_is_wilsons_and_the_core_estimate_weights_modules(run_py):
+    low, high = run_py.wilson(95, 100)  # Wilson's 95% interval of 95/100: 88.8% to 97.8%
+    assert low == pytest.approx(88.82, abs=0.01) and high == pytest.approx(97.85, abs=0.01)
+    assert run_py.wilson(0, 0) == (0.0, 100.0)
+    full = {"mutants": 100, "considered": 100, "detected": 100, "equivalent": [], "counts": {}, "sample": None}
+    half = {"mutants": 300, "considered": 150, "detected": 120, "equivalent": [], "counts": {"not checked": 150},
+            "sample": {"fraction": 0.5}}
+    low, mid, high = run_py.core_estimate([full, half])
+    assert mid == pytest.approx(100 * (0.25 * 1.0 + 0.75 * 0.8))  # 85%
+    half_width = 1.96 * (0.75 ** 2 * 0.8 * 0.2 / 150 * (1 - 150 / 300)) ** 0.5
+    assert low == pytest.approx(100 * (0.85 - half_width)) and high == pytest.approx(100 * (0.85 + half_width))
