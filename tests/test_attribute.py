@@ -130,8 +130,10 @@ def test_cli_json_has_exactly_the_documented_fields(tiny):
     r = cli("attribute", PROMPT, "-t", " are", "--vs", " is", "--json", "--model", str(tiny[0]))
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert set(doc) == {"target", "vs", "logit", "parts", "heads", "attn_bias", "sum", "error"}
+    assert set(doc) == {"model", "random_weights", "target", "vs", "logit", "parts", "heads", "attn_bias", "sum",
+                        "error"}
     assert doc["target"] == " are" and doc["vs"] == " is"
+    assert doc["model"] == str(tiny[0]) and doc["random_weights"] is False
     assert {p["kind"] for p in doc["parts"]} == {"embed", "attn", "mlp", "ln_f_bias"}
     assert all(set(p) == {"name", "layer", "kind", "value"} for p in doc["parts"])
     assert set(doc["heads"][0]) == {"layer", "head", "value"} and set(doc["attn_bias"][0]) == {"layer", "value"}

@@ -129,7 +129,9 @@ def test_json_has_exactly_the_documented_fields(tiny):
     r = cli("diff", A, B, "--model", str(tiny[0]), "--json", "-k", "3", "-t", " is", "-t", " keys on")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert set(doc) == {"a", "b", "kl_ab", "kl_ba", "js", "tv", "risers", "fallers", "targets"}
+    assert set(doc) == {"model", "random_weights", "a", "b", "kl_ab", "kl_ba", "js", "tv", "risers", "fallers",
+                        "targets"}
+    assert doc["model"] == str(tiny[0]) and doc["random_weights"] is False
     assert set(doc["a"]) == set(doc["b"]) == {"prompt", "prompt_tokens", "top", "entropy"}
     assert doc["a"]["prompt"] == A and doc["b"]["prompt_tokens"][1] == {"id": 8251, "text": " keys"}
     assert set(doc["a"]["top"][0]) == {"rank", "id", "token", "logit", "prob", "logprob", "other_rank"}

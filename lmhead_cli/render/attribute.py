@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from rich.text import Text
 
-from lmhead_cli.render import bar, compact_table, compose, out, text_cell
+from lmhead_cli.render import bar, compact_table, compose, out, provenance_json, text_cell
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -17,6 +17,7 @@ HALF = 12  # cells on each side of a diverging bar
 def attribution_json(a) -> dict:
     """The documented `attribute --json` document."""
     return {
+        **provenance_json(a),
         "target": a.target.token, "vs": a.vs.token if a.vs is not None else None, "logit": a.logit,
         "parts": [asdict(p) for p in a.parts],
         "heads": [asdict(h) for h in a.heads],

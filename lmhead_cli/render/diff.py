@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from lmhead_cli.render import compact_table, compose, out, text_cell
+from lmhead_cli.render import compact_table, compose, out, provenance_json, text_cell
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -20,6 +20,7 @@ def diff_json(d) -> dict:
         return {"id": m.id, "token": m.token, "logprob_a": m.logprob_a, "logprob_b": m.logprob_b, "delta": m.delta}
 
     return {
+        **provenance_json(d),
         "a": side(d.a), "b": side(d.b),
         "kl_ab": d.kl_ab, "kl_ba": d.kl_ba, "js": d.js, "tv": d.tv,
         "risers": [mover(m) for m in d.risers], "fallers": [mover(m) for m in d.fallers],

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from rich import box
 from rich.table import Table
 
-from lmhead_cli.render import compose, data, elided, out, quoted
+from lmhead_cli.render import compose, data, elided, out, provenance_json, quoted
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -15,8 +15,8 @@ TOKEN_WIDTH = 12
 
 
 def explanation_json(ex) -> dict:
-    """The `inspect --explain --json` document."""
-    doc = asdict(ex)
+    """The `inspect --explain --json` document: the provenance header, then every field of the reading."""
+    doc = {**provenance_json(ex), **asdict(ex)}
     doc["prompt_tokens"] = [asdict(t) for t in ex.prompt_tokens]
     return doc
 
