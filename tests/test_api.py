@@ -76,6 +76,30 @@ def test_score_window_and_stride_match_cli(model, tiny):
     assert got["stride"] == 64 and got["chunk"] == 7
 
 
+def test_score_file_runs_through_the_api(model, tiny, tmp_path):
+    """api.files.score_file: each line scored as model.score scores it, empty and one-token lines
+    skipped and counted, the corpus totals the sum of the lines'."""
+    from lmhead_cli.api.files import score_file
+
+    texts = ["The keys on the table.", "", "Hello", "The dog is asleep by the door."]
+    path = tmp_path / "texts.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    seen = {}
+
+    def write(m, items, corpus, size) -> None:
+        seen["items"], seen["corpus"], seen["size"] = list(items), corpus, size  # totals complete after items
+
+    score_file(str(path), lambda device: model, write)
+    items, corpus = seen["items"], seen["corpus"]
+    assert [(i.line, i.skipped) for i in items] == [(1, None), (2, "empty"), (3, "one token"), (4, None)]
+    want = [model.score(texts[0]).reading, model.score(texts[3]).reading]
+    assert [i.score.nll for i in items if i.score] == [w.nll for w in want]
+    assert (corpus.texts, corpus.skipped_empty, corpus.skipped_short) == (2, 1, 1)
+    assert corpus.tokens == sum(w.scored_tokens for w in want)
+    assert corpus.nll == pytest.approx(sum(w.nll for w in want), rel=1e-12)
+    assert seen["size"] == path.stat().st_size
+
+
 def test_generate_greedy_matches_cli(tiny):
     got = fresh(tiny).generate(PROMPT, max_new_tokens=6, temperature=0, show_steps=2).to_dict()
     want = cli_json(tiny, "generate", PROMPT, "-n", "6", "--greedy", "--show-steps", "2")

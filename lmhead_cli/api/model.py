@@ -212,7 +212,8 @@ class Model(Serving):
 
     def score_lines(self, lines, corpus, *, bos: bool = False, stride: int | None = None,
                     chunk: int | None = None) -> Iterator:
-        """score_text over the lines of a file (readings.score.read_lines), lazily; totals in `corpus`."""
+        """score_text over the lines of a file (readings.score.read_lines), lazily; totals in `corpus`
+        (a readings.score.Corpus). api.files.score_file runs a whole file with it."""
         from lmhead_cli.readings.score import score_lines
 
         self.check_score(stride=stride, chunk=chunk)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
 
 from lmhead_cli.cli.options import FormatOpt, JsonOpt, ModelChoice, TopLogprobsOpt, command, output_kind
 from lmhead_cli.errors import UsageError
-
-SCORE_LINES_PER_ROUND = 8  # under torchrun: the lines each rank scores before the ranks hand over
-
 
 @command("score")
 def score_cmd(
@@ -116,35 +112,11 @@ def write_html(result, path: str) -> None:
 
 
 def score_file(file: str, bos: bool, stride, chunk, source: ModelChoice, as_json: bool) -> None:
-    """`score --file`: each line scored as its own text, streamed; under torchrun each rank scores every
-    N-th group of lines (api/files.py)."""
-    import collections
-    import os
-
-    from lmhead_cli.api.files import run_file
-    from lmhead_cli.readings import score as scoring
-    from lmhead_cli.readings.batch import open_input
+    """`score --file`: each line scored as its own text, streamed (api/files.py, torchrun included)."""
+    from lmhead_cli.api.files import score_file as score_lines
     from lmhead_cli.render import score as show
 
-    def work(model, stream, ranks) -> None:
-        corpus = scoring.Corpus()
-        model.check_score(stride=stride, chunk=chunk)
-        items = ranks.spread(scoring.read_lines(stream, file), SCORE_LINES_PER_ROUND,
-                             lambda lines: model.score_lines(lines, corpus, bos=bos, stride=stride, chunk=chunk))
+    def write(model, items, corpus, size) -> None:
+        show.file_report(items, corpus, model.source, model.random_weights, as_json, size)
 
-        def totalled():  # every rank's items, then every rank's counts in `corpus`, for the summary
-            yield from items
-            for name, value in vars(scoring.Corpus.merged(ranks.gather(corpus))).items():
-                setattr(corpus, name, value)
-
-        size = os.fstat(stream.fileno()).st_size if stream is not sys.stdin.buffer else None
-        if ranks.writer:
-            show.file_report(totalled(), corpus, model.source, model.random_weights, as_json, size)
-        else:
-            collections.deque(totalled(), maxlen=0)  # compute and hand over; rank 0 writes
-
-    def close(stream) -> None:
-        if stream is not sys.stdin.buffer:
-            stream.close()
-
-    run_file(file, "texts", lambda: open_input(file, "text file"), source.load, work, close, device=source.device)
+    score_lines(file, source.load, write, bos=bos, stride=stride, chunk=chunk, device=source.device)
