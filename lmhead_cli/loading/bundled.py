@@ -7,7 +7,8 @@ loader reads like a local folder. The files' SHA-256 sums are written beside the
 broken or partial install is one line that names the file and how to reinstall, never a traceback
 from deep in a reader.
 
-Torch-free: the CLI's help and the renderers read the names and descriptions.
+The catalogue (names and descriptions) is lmhead_cli.data's, so that renderers read it without this
+loader.
 """
 
 from __future__ import annotations
@@ -16,35 +17,16 @@ import hashlib
 from importlib import resources
 from pathlib import Path
 
+from lmhead_cli.data import BUNDLED, BUNDLED_PREFIX, describe, is_bundled, names  # noqa: F401 - the loader's names
 from lmhead_cli.errors import CorruptCheckpoint, UsageError
 
-BUNDLED_PREFIX = "bundled:"
 REINSTALL = "pip install --force-reinstall lmhead"
 FILES = ("config.json", "model.safetensors")
-
-# name -> what it is and what it was trained on (the one line its outputs carry instead of the
-# random-weights banner); the figures are documented, with the training script, in docs/bundled-model.md
-BUNDLED = {
-    "tiny": "a small GPT-2 trained on the King James Bible (public domain)",
-}
 
 
 def data_root() -> Path:
     """The folder holding the bundled-NAME folders (tests point this at a copy)."""
     return Path(str(resources.files("lmhead_cli.data")))
-
-
-def is_bundled(source: str) -> bool:
-    return source.startswith(BUNDLED_PREFIX)
-
-
-def names() -> list[str]:
-    return [BUNDLED_PREFIX + n for n in BUNDLED]
-
-
-def describe(source: str) -> str | None:
-    """The one-line description of a bundled source, None for any other source."""
-    return BUNDLED.get(source[len(BUNDLED_PREFIX):]) if is_bundled(source) else None
 
 
 def folder(source: str) -> Path:

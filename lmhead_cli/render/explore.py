@@ -7,7 +7,7 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from lmhead_cli.loading import bundled
+from lmhead_cli.data import describe as bundled_about  # the catalogue, not the loader
 from lmhead_cli.render import bar, compose, data, err, knobs_text, out, own_softcap_notice, print_json
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.generate import stream
@@ -27,7 +27,7 @@ def intro(model: str, random_weights: bool, load_s: float, settings, interactive
     """Where the session stands; on stderr so piped output holds only the answers."""
     con = err()
     weights = " [bold yellow](random weights: the predictions are not real)[/]" if random_weights else ""
-    if about := bundled.describe(model):
+    if about := bundled_about(model):
         weights = f" ({escape(about)})"
     on = f", {threads} CPU thread{'s' * (threads != 1)}" if threads else ""
     con.print(compose("lmhead explore: ", data(model), f" loaded in {load_s:.1f} s{on}{weights}"))

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.loading import bundled
+from lmhead_cli.data import describe as bundled_about  # the catalogue, not the loader
 from lmhead_cli.render import bar, compose, data, elided, out, provenance_json
 from lmhead_cli.render import token_cell as _cell
 
@@ -51,7 +51,7 @@ def random_banner(model: str, random_weights: bool) -> None:
     if random_weights:
         out().print(compose("[bold yellow]random weights[/] (", data(model), ", seeded): the architecture and "
                             "the arithmetic are real, the predictions are not."))
-    elif about := bundled.describe(model):
+    elif about := bundled_about(model):
         out().print(compose(data(model, "bold green"), ": ", data(about + ".")))
 
 
