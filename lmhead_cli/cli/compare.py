@@ -8,8 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import JsonOpt, ModelChoice, command
+from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, chunk_option, command
 from lmhead_cli.errors import UsageError
+
+ChunkOpt = chunk_option("both heads: each pass holds about 4 × N × V × 4 bytes", 41)
 
 
 @command("compare")
@@ -26,18 +28,9 @@ def compare_cmd(
     base_dtype: Annotated[
         str, typer.Option("--base-dtype", help="The base's dtype: float32, bfloat16 or float16.")
     ] = "float32",
-    bos: Annotated[
-        bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is compared too.")
-    ] = False,
-    stride: Annotated[
-        Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
-                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)
-    ] = None,
-    chunk: Annotated[
-        Optional[int], typer.Option("--chunk", help="Positions per pass of both heads: each pass holds about "
-                                    "4 × N × V × 4 bytes.", show_default="the most within 32 MiB: 41 for GPT-2",
-                                    min=1)
-    ] = None,
+    bos: BosOpt = False,
+    stride: StrideOpt = None,
+    chunk: ChunkOpt = None,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:

@@ -62,6 +62,25 @@ LogprobsOpt = Annotated[
 ]
 
 
+# ---- the options of the commands that read a whole text in windows (score, compare) --------------
+BosOpt = Annotated[
+    bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is predicted too.")
+]
+StrideOpt = Annotated[
+    Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
+                                "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)
+]
+
+
+def chunk_option(per_pass: str, most: int):
+    """--chunk, the positions a pass of the head takes: `per_pass` says what a pass holds (the command's
+    own), `most` the default for GPT-2, the most within 32 MiB."""
+    return Annotated[
+        Optional[int], typer.Option("--chunk", help=f"Positions per pass of {per_pass}.",
+                                    show_default=f"the most within 32 MiB: {most} for GPT-2", min=1)
+    ]
+
+
 @dataclass(frozen=True)
 class ModelChoice:
     """What --model, --device, --dtype, --engine, --allow-pickle and --threads asked for."""

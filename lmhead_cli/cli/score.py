@@ -6,8 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import FormatOpt, JsonOpt, ModelChoice, TopLogprobsOpt, command, output_kind
+from lmhead_cli.cli.options import (BosOpt, FormatOpt, JsonOpt, ModelChoice, StrideOpt, TopLogprobsOpt, chunk_option,
+                                    command, output_kind)
 from lmhead_cli.errors import UsageError
+
+ChunkOpt = chunk_option("the head: each pass holds N × V × 4 bytes of float32 logits (GPT-2: 201 kB a position) "
+                        "and one more buffer of that size", 83)
 
 @command("score")
 def score_cmd(
@@ -18,19 +22,9 @@ def score_cmd(
         Optional[str], typer.Option("--file", "-f", help="Score every line of this file (- for stdin) as its own "
                                     "text, streamed; a corpus summary at the end.")
     ] = None,
-    bos: Annotated[
-        bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is scored too.")
-    ] = False,
-    stride: Annotated[
-        Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
-                                    "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)
-    ] = None,
-    chunk: Annotated[
-        Optional[int], typer.Option("--chunk", help="Positions per pass of the head: each pass holds N × V × 4 "
-                                    "bytes of float32 logits (GPT-2: 201 kB a position) and one more buffer of "
-                                    "that size.", show_default="the most within 32 MiB: 83 for GPT-2",
-                                    min=1)
-    ] = None,
+    bos: BosOpt = False,
+    stride: StrideOpt = None,
+    chunk: ChunkOpt = None,
     show_table: Annotated[
         bool, typer.Option("--table", help="Also list every token's figures (a long text: the first and last rows).")
     ] = False,
