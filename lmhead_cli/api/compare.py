@@ -3,20 +3,16 @@ statistics (readings/compare.py). Its own module, so that the Model's file stays
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from lmhead_cli.api.results import Result, html_table
+from lmhead_cli.api.results import ReadingResult, html_table
 from lmhead_cli.errors import UsageError
 
 SAME = "same"  # --base same: the model's own source
 
 
-@dataclass(eq=False)
-class CompareResult(Result):
+class CompareResult(ReadingResult):
     """compare: readings.compare.Comparison (T values a column, `stats`, `tokens()` one row at a time)."""
-
-    reading: Any
 
     def document(self) -> dict:
         return self.reading.to_dict()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 HTML_ROWS = 20  # rows of a list shown in a notebook table; the rest are counted
 
@@ -27,8 +27,12 @@ class Result:
             raise AttributeError(name)
         return getattr(reading, name)
 
+    # The renderer that builds the document, "module:function" in lmhead_cli.render, imported when asked
+    # (so `import lmhead_cli` stays light): function(self), or function(self.reading) for a ReadingResult.
+    DOCUMENT: ClassVar[str] = ""
+
     def document(self) -> dict:
-        raise NotImplementedError
+        return _renderer(self.DOCUMENT)(self)
 
     def to_dict(self) -> dict:
         """The CLI's --json document for the same call, as plain Python values (infinities made finite
@@ -51,6 +55,14 @@ class Result:
         for key, value in self.to_dict().items():
             table.add_row(key, data(_short(value)))
         return table
+
+
+def _renderer(name: str) -> Callable[[Any], dict]:
+    """The function "module:function" of lmhead_cli.render."""
+    import importlib
+
+    module, function = name.split(":")
+    return getattr(importlib.import_module(f"lmhead_cli.render.{module}"), function)
 
 
 def _short(value: Any, limit: int = 200) -> str:
@@ -92,10 +104,19 @@ class Provenance:
 
 
 @dataclass(eq=False)
-class InspectResult(Result):
-    """inspect: readings.inspect.Inspection, the tie report, and with stages= the stage table."""
+class ReadingResult(Result):
+    """A result that wraps one reading: its document is the renderer DOCUMENT names, applied to the reading."""
 
     reading: Any
+
+    def document(self) -> dict:
+        return _renderer(self.DOCUMENT)(self.reading)
+
+
+@dataclass(eq=False)
+class InspectResult(ReadingResult):
+    """inspect: readings.inspect.Inspection, the tie report, and with stages= the stage table."""
+
     tie: Any
     stages: Any = None  # decoding.stages.StageTable
     own_softcap: float | None = None  # the c a model soft-caps its own logits at (Gemma-2)
@@ -108,70 +129,45 @@ class InspectResult(Result):
         return doc | ({"stages": stages_json(self.stages, self.own_softcap)} if self.stages is not None else {})
 
 
-@dataclass(eq=False)
-class ExplainResult(Result):
+class ExplainResult(ReadingResult):
     """inspect --explain: readings.explain.Explanation."""
 
-    reading: Any
-
-    def document(self) -> dict:
-        from lmhead_cli.render.explain import explanation_json
-
-        return explanation_json(self.reading)
+    DOCUMENT = "explain:explanation_json"
 
 
-@dataclass(eq=False)
-class DiffResult(Result):
+class DiffResult(ReadingResult):
     """diff: readings.diff.Diff."""
 
-    reading: Any
-
-    def document(self) -> dict:
-        from lmhead_cli.render.diff import diff_json
-
-        return diff_json(self.reading)
+    DOCUMENT = "diff:diff_json"
 
 
-@dataclass(eq=False)
-class AttributeResult(Result):
+class AttributeResult(ReadingResult):
     """attribute: readings.attribute.Attribution."""
 
-    reading: Any
-
-    def document(self) -> dict:
-        from lmhead_cli.render.attribute import attribution_json
-
-        return attribution_json(self.reading)
+    DOCUMENT = "attribute:attribution_json"
 
 
-@dataclass(eq=False)
-class LensResult(Result):
+class LensResult(ReadingResult):
     """lens: readings.lens.Lens."""
 
-    reading: Any
-
-    def document(self) -> dict:
-        from lmhead_cli.render.lens import lens_json
-
-        return lens_json(self.reading)
+    DOCUMENT = "lens:lens_json"
 
 
 @dataclass(eq=False)
 class TieResult(Result):
     """tie: loading.sources.TieReport and where the model came from."""
 
+    DOCUMENT = "inspect:tie_document"
+
     tie: Any
     source: Provenance
-
-    def document(self) -> dict:
-        from lmhead_cli.render.inspect import tie_document
-
-        return tie_document(self)
 
 
 @dataclass(eq=False)
 class ParamsResult(Result):
     """params: the parameter account, the head's cost and the logits' memory (readings.params)."""
+
+    DOCUMENT = "params:params_document"
 
     model: str
     counted_from: str  # "config" or "tensors"
@@ -179,16 +175,13 @@ class ParamsResult(Result):
     head_cost: Any
     logits_memory: Any
 
-    def document(self) -> dict:
-        from lmhead_cli.render.params import params_document
-
-        return params_document(self)
-
 
 @dataclass(eq=False)
 class GenerateResult(Result):
     """generate: decoding.generate.Generation, the prompt as given, the preset, and the model's
     provenance; `token_text`/`token_bytes` spell ids for the OpenAI document."""
+
+    DOCUMENT = "generate:generation_json"
 
     reading: Any
     source: Provenance
@@ -197,17 +190,9 @@ class GenerateResult(Result):
     token_text: Callable[[int], str] = field(repr=False)
     token_bytes: Callable[[int], bytes] = field(repr=False)
 
-    def document(self) -> dict:
-        from lmhead_cli.render.generate import generation_json
 
-        return generation_json(self)
-
-
-@dataclass(eq=False)
-class ScoreResult(Result):
+class ScoreResult(ReadingResult):
     """score: readings.score.Score (T values a column; `tokens()` yields one row at a time)."""
-
-    reading: Any
 
     def document(self) -> dict:
         from dataclasses import asdict
