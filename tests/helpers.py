@@ -180,6 +180,23 @@ def control_byte_checkpoint(folder: Path) -> str:
 
 # ---- a real server (`lmhead serve`) in its own process ---------------------------------------------
 
+class SystemCall:
+    """What a hostile pickle holds: unpickling it calls os.system("echo pwned")."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def hostile_pickle_folder(tmp_path: Path, save) -> Path:
+    """A model folder (distilgpt2's config) whose pytorch_model.bin is written by `save(payload, path)`,
+    `payload` a SystemCall: pickle.dumps of it, or torch.save's zip around it."""
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(REPO / "configs" / "distilgpt2.json", folder / "config.json")
+    save(SystemCall(), folder / "pytorch_model.bin")
+    return folder
+
+
 def free_port() -> int:
     import socket
 

@@ -10,10 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import build_checkpoint, cli, control_byte_checkpoint, launch, reader, start
+from helpers import build_checkpoint, cli, control_byte_checkpoint, hostile_pickle_folder, launch, reader, start
 
 
-REPO = Path(__file__).resolve().parents[1]
 HOSTILE = "\x1b]0;HACKED\x07\x1b[2J[bold]hi[/] \x9b31m\x7f"  # title, clear screen, markup, C1 CSI, DEL
 
 
@@ -363,17 +362,8 @@ def test_the_hub_layout_loads(tiny, tmp_path):
 
 def test_a_malicious_pickle_gets_no_advice_to_unpickle_it(tmp_path):
     import pickle
-    import shutil
 
-    folder = tmp_path / "pickled"
-    folder.mkdir()
-    shutil.copy(REPO / "configs" / "distilgpt2.json", folder / "config.json")
-
-    class Boom:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"wte.weight": Boom()}))
+    folder = hostile_pickle_folder(tmp_path, lambda boom, path: path.write_bytes(pickle.dumps({"wte.weight": boom})))
     got = invoke(["tie", "--model", str(folder), "--allow-pickle"])
     assert got.exit_code == 1 and "holds more than tensors, which lmhead never unpickles" in got.stderr
     assert "weights_only=False" not in got.stderr and "likely succeed" not in got.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, hostile_pickle_folder
 from typer.testing import CliRunner
 
 from lmhead_cli.cli import app
@@ -109,15 +109,7 @@ def test_an_index_naming_a_pickle_shard_loads_only_with_allow_pickle_and_gives_t
 
 
 def test_allow_pickle_on_a_hostile_pickle_names_the_refused_global_without_torchs_advice(tmp_path):
-    folder = tmp_path / "pickled"
-    folder.mkdir()
-    shutil.copy(REPO / "configs" / "distilgpt2.json", folder / "config.json")
-
-    class Boom:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    torch.save(Boom(), folder / "pytorch_model.bin")  # what a hostile .bin holds: a call to os.system
+    folder = hostile_pickle_folder(tmp_path, torch.save)  # what a hostile .bin holds: a call to os.system
     got = invoke(["tie", "--model", str(folder), "--allow-pickle"])
     one_line(got, 1, "pytorch_model.bin", "refused the unsupported global posix.system")
     for advice in ("weights_only", "likely succeed", "trusted source", "add_safe_globals"):
