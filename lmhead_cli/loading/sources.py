@@ -98,8 +98,8 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     int8 = dt == torch.int8  # built in float32, then quantised: activations, norms and softmax stay float32
     dt = torch.float32 if int8 else dt
     if int8 and engine == "transformers":
-        raise UsageError("--dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers "
-                         "use float32, bfloat16 or float16")
+        raise UsageError(Param("dtype"), " int8 is the lean engine's (GPT-2 checkpoints); with ", Param("engine"),
+                         " transformers use float32, bfloat16 or float16")
     pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
     if not source or not source.strip():
         raise UsageError(Param("source"), " is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
@@ -127,8 +127,9 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
             validate.check_config_for(config, folder / "config.json")
         tokenizer = GPT2Tokenizer.from_folder(folder) or GPT2Tokenizer.bundled()
         if int8 and engine_name != "lean":
-            raise UsageError(f"--dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only (this is "
-                             f"{config.get('model_type')!r}, run on transformers); use float32, bfloat16 or float16")
+            raise UsageError(Param("dtype"), " int8 runs on the lean engine, which takes GPT-2 checkpoints only "
+                             f"(this is {config.get('model_type')!r}, run on transformers); use float32, bfloat16 "
+                             "or float16")
         files = weight_files(folder, allow_pickle)
         if all(f.suffix == ".safetensors" for f in files):
             header = checks.read_header(files)
