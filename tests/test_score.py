@@ -17,7 +17,7 @@ from rich.console import Console
 
 from lmhead_cli.errors import UsageError
 from lmhead_cli.loading.sources import load_model
-from lmhead_cli.readings import score as scoring
+from lmhead_cli.readings import ranks
 from lmhead_cli.readings.score import Corpus, Line, score_lines, score_text, windows
 from lmhead_cli.render.score import MARKS, UNSCORED_MARK, Progress
 
@@ -269,14 +269,14 @@ def test_marks_without_colour_rebuild_the_text(tiny, monkeypatch):
     assert got.exit_code == 0
     shown = got.stdout.split("rank buckets:")[0].rstrip("\n")
     doc = score_json(tiny[0], text)
-    marks = [UNSCORED_MARK if not t["scored"] else MARKS[scoring.bucket(t["rank"])] for t in doc["tokens"]]
+    marks = [UNSCORED_MARK if not t["scored"] else MARKS[ranks.bucket(t["rank"])] for t in doc["tokens"]]
     expected = "".join(t["token"].rstrip("\n") + m + t["token"][len(t["token"].rstrip("\n")):]
                        for t, m in zip(doc["tokens"], marks))
     assert shown == expected
     assert "\x1b[" not in got.stdout
-    counts = [sum(1 for t in doc["tokens"] if t["scored"] and scoring.bucket(t["rank"]) == b) for b in range(5)]
+    counts = [sum(1 for t in doc["tokens"] if t["scored"] and ranks.bucket(t["rank"]) == b) for b in range(5)]
     legend = got.stdout.split("rank buckets:")[1]
-    for (_, name), n in zip(scoring.BUCKETS, counts):
+    for (_, name), n in zip(ranks.BUCKETS, counts):
         assert re.search(rf"{name} {n}( \(|\s)", legend)
 
 

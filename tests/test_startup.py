@@ -41,3 +41,27 @@ def test_light_commands_never_import_torch_or_transformers():
     for r in report:
         assert r["exit_code"] == 0, r
         assert r["heavy"] == [], f"lmhead {' '.join(r['args'])} imported {r['heavy']}"
+
+
+RENDER_PROBE = """
+import importlib, json, pkgutil, sys
+import lmhead_cli.render as render
+
+report = {}
+for info in pkgutil.iter_modules(render.__path__):
+    before = set(sys.modules)
+    importlib.import_module("lmhead_cli.render." + info.name)
+    report[info.name] = sorted(m for m in set(sys.modules) - before
+                               if m == "torch" or m.startswith(("lmhead_cli.loading", "lmhead_cli.engine")))
+print(json.dumps(report))
+"""
+
+
+def test_render_never_imports_the_loader_or_an_engine():
+    """render/ takes results: no renderer imports the model loader, an engine or torch, even through a
+    module it imports (a fresh interpreter, each module's new imports recorded)."""
+    done = subprocess.run([sys.executable, "-c", RENDER_PROBE], capture_output=True, text=True, timeout=60,
+                          check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"inspect", "score", "html", "explore"} <= set(report)
+    assert {name: found for name, found in report.items() if found} == {}

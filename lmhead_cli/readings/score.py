@@ -28,6 +28,7 @@ import torch
 
 from lmhead_cli.errors import BadValue, OneToken, UnsupportedModel, UsageError
 from lmhead_cli import inputs
+from lmhead_cli.readings.ranks import BUCKETS
 from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.readings.inspect import check_prompt
@@ -100,15 +101,6 @@ def check_chunk(chunk: int | None) -> None:
 def default_chunk(vocab: int) -> int:
     """The most positions whose two (chunk, V) float32 buffers fit in CHUNK_BYTES."""
     return max(1, CHUNK_BYTES // (BUFFERS_PER_CHUNK * vocab * FLOAT32_BYTES))
-
-
-# Rank buckets, as GLTR colours a text: (the largest rank in the bucket, its name); the last is open.
-BUCKETS = ((1, "top-1"), (10, "top-10"), (100, "top-100"), (1000, "top-1000"), (math.inf, "rest"))
-
-
-def bucket(rank: int) -> int:
-    """The index in BUCKETS of a rank (1 = the model's own top-1)."""
-    return next(i for i, (top, _) in enumerate(BUCKETS) if rank <= top)
 
 
 # ---- the result ------------------------------------------------------------------------------

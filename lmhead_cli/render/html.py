@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 
-from lmhead_cli.readings.score import BUCKETS
+from lmhead_cli.readings.ranks import BUCKETS
 from lmhead_cli.render import _plain, safe_text, show_token
 
 ALTERNATIVES = 5  # the model's top-k in each token's tooltip (`score --html`, the page): Score(alternatives=5)

@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from lmhead_cli.readings.score import BUCKETS, bucket
+from lmhead_cli.readings.ranks import BUCKETS, bucket
 from lmhead_cli.render import _plain, dumps, err, out, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
