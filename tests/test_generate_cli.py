@@ -171,6 +171,23 @@ def test_bad_input_is_one_clear_line(args, words):
     assert "Traceback" not in got.output
 
 
+@pytest.mark.parametrize("args,words", [
+    (["generate", "--beams", "1000000"], "--beams of 1,000,000 need about"),
+    (["greedy", "--beams", "1000000"], "--beams of 1,000,000 need about"),
+    (["generate", "--beams", "1000000", "--show-steps", "3"], "--beams of 1,000,000 need about"),
+    (["generate", "--top-logprobs", "50258", "--format", "openai"], "--top-logprobs"),
+])
+def test_checks_that_need_the_model_come_before_any_output(tiny, monkeypatch, args, words):
+    # the banner and the prompt are printed once the model is loaded; a value it refuses prints neither
+    from lmhead_cli.loading import checks
+
+    monkeypatch.setattr(checks, "available_memory", lambda device: 10**9)
+    got = run(tiny, args[0], "The keys", *args[1:])
+    assert got.exit_code == 2, got.output
+    assert got.stdout == ""
+    assert got.stderr.count("\n") == 1 and got.stderr.startswith("lmhead: error: ") and words in got.stderr
+
+
 # ---- limits, interruptions, pipes, broken weights -------------------------------------------------
 
 def test_the_context_limit_stops_with_a_notice(tmp_path):

@@ -93,6 +93,14 @@ def generation(*, mode: str = "generate", preset: str | None = None, greedy: boo
                    logprobs=logprobs, **knobs)
 
 
+def generation_fits(loaded, n_prompt: int, settings) -> None:
+    """The checks of generate's Settings that need the loaded model (top_logprobs <= its vocabulary,
+    the beams' memory for a prompt of `n_prompt` tokens): run before anything is printed."""
+    from lmhead_cli.decoding.generate import check_fits
+
+    check_fits(loaded.engine, n_prompt, settings)
+
+
 def _modes() -> dict[str, dict]:
     from lmhead_cli.decoding.stages import GEMMA2_CAP
 

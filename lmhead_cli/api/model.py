@@ -253,6 +253,7 @@ class Model(Serving):
                                      top_k=top_k, top_p=top_p, min_p=min_p, softcap=softcap)
         text = check_prompt(prompt)
         ids, dropped = encode_prompt(self.loaded, text)
+        checks.generation_fits(self.loaded, len(ids), settings)  # before on_start prints anything
         if on_start is not None:
             on_start(ids, dropped, settings)
         g = generate(self.loaded, ids, settings, on_text=on_text)

@@ -195,6 +195,15 @@ def room(n_ctx: int, n_prompt: int) -> int:
     return n_ctx - n_prompt + 1
 
 
+def check_fits(eng, n_prompt: int, s: Settings) -> None:
+    """The checks of `s` that need the model: top_logprobs within its vocabulary, and the beams'
+    memory for the prompt and the tokens that fit after it. BadValue before any work; api.checks
+    runs them before a front end prints anything."""
+    check_top_logprobs(s.top_logprobs, eng.vocab_size)
+    if s.mode == "beam":
+        check_beam_memory(eng, s.beams, n_prompt + min(s.max_new_tokens, room(eng.n_ctx, n_prompt)))
+
+
 def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str], None] | None = None,
              eos_token_id: int | None = None) -> Generation:
     """Generate after the prompt `ids`; `on_text(piece)` sees the text as it is made.
@@ -203,7 +212,7 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     (Chinese, emoji) arrives once all its bytes are there. A final end-of-text is not text.
     """
     eng = loaded.engine
-    check_top_logprobs(s.top_logprobs, eng.vocab_size)
+    check_fits(eng, len(ids), s)
     eos = eng.eos_token_id if eos_token_id is None else eos_token_id
     stop_at = None if s.ignore_eos else eos
     max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))
@@ -211,8 +220,6 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     text = _Text(loaded.tokenizer)
     steps: list[Step] = []
 
-    if s.mode == "beam":
-        check_beam_memory(eng, s.beams, len(ids) + max_new)
     start = time.perf_counter()
     first = None
     if s.mode == "beam":
