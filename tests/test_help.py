@@ -10,6 +10,7 @@ from helpers import cli
 from typer.main import get_command
 
 from lmhead_cli.cli import app
+from lmhead_cli.cli.boundary import RICH_HELP_WIDTH
 
 GROUP = get_command(app)
 
@@ -39,3 +40,18 @@ def test_help_example_runs_offline(name):
     result = cli(*words[1:], input=stdin)
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()
+
+
+def long_options(command) -> list[str]:
+    return [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+
+
+@pytest.mark.parametrize("columns", ["40", "55", str(RICH_HELP_WIDTH)])
+def test_help_cuts_nothing_on_a_narrow_terminal(columns):
+    # rich's panels end a long option name or path in "…" when the terminal is narrower than they need
+    # (--install-c… at 40 columns); below RICH_HELP_WIDTH the help is click's plain one, which wraps
+    for name, command in [("", GROUP), *sorted(GROUP.commands.items())]:
+        out = cli(*filter(None, [name, "--help"]), env={"COLUMNS": columns, "NO_COLOR": "1"}).stdout
+        assert "…" not in out, f"lmhead {name} --help at {columns} columns"
+        assert [o for o in long_options(command) if o not in out] == [], f"lmhead {name} --help at {columns}"
+        assert (command.help or "").split()[0] in out

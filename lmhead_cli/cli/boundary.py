@@ -46,6 +46,31 @@ class FlagsShowAsFlags:
                 p.metavar = ""
         return params
 
+    def format_help(self, ctx, formatter):
+        """Rich's panels where the terminal holds them; on a narrower one, click's plain help, which
+        wraps every line and cuts nothing (rich's columns would end option names and paths in "…")."""
+        width = help_width()
+        if width >= RICH_HELP_WIDTH:
+            return super().format_help(ctx, formatter)
+        formatter.width = max(width - 2, 30)  # click's own default never goes below 50
+        mode, self.rich_markup_mode = self.rich_markup_mode, None
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = mode
+
+
+# The narrowest terminal on which no command's rich help cuts a word (tests/test_help.py checks it).
+RICH_HELP_WIDTH = 70
+
+
+def help_width() -> int:
+    """The width --help is laid out for: Typer's TERMINAL_WIDTH if set, else the terminal's (COLUMNS)."""
+    from rich.console import Console
+    from typer import rich_utils
+
+    return rich_utils.MAX_WIDTH or Console().width
+
 
 class Group(FlagsShowAsFlags, TyperGroup):
     """The `lmhead` group: flags show as flags in its help."""
