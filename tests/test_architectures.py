@@ -327,7 +327,7 @@ def test_params_refuses_in_one_line_naming_the_model_type(arch):
     got = run(arch, "params")
     assert got.exit_code == 1 and got.stdout == ""
     kind = arch[1].config.model_type
-    assert got.stderr == (f"lmhead: error: params --model counts GPT-2-family tensors (wte, wpe, h.N, ln_f); "
+    assert got.stderr == (f"lmhead: error: params counts GPT-2-family tensors (wte, wpe, h.N, ln_f); "
                           f"{arch[0]} is a {kind!r} model\n")
 
 

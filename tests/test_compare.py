@@ -247,7 +247,7 @@ def _stdout(fn, *args) -> str:
 
 def test_json_is_the_result_and_lists_every_token(compared):
     doc = json.loads(_stdout(show.write_json, compared))
-    assert doc == _plain(compared.to_dict())
+    assert doc == _plain(show.comparison_json(compared))
     assert len(doc["tokens"]) == len(compared.ids) and doc["positions"] == compared.stats.positions
     assert doc["text"].startswith("\x1b[31m[bold]") and doc["tokens"][0]["scored"] is False
     row = doc["tokens"][5]

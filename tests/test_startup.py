@@ -65,3 +65,66 @@ def test_render_never_imports_the_loader_or_an_engine():
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert {"inspect", "score", "html", "explore"} <= set(report)
     assert {name: found for name, found in report.items() if found} == {}
+
+
+# ---- the command line calls only the API -----------------------------------------------------------
+
+# What lmhead_cli/cli/ may import from lmhead_cli (a module and everything under it), and why. Anything
+# else (readings, engine, loading, decoding, head, distributed, data...) is reached through lmhead_cli.api.
+CLI_MAY_IMPORT = {
+    "lmhead_cli.cli": "its own modules",
+    "lmhead_cli.api": "the one door: load(), the Model's methods, the checks, the --file pipeline, and "
+                      "api.choices (the stage registry and the values the options offer, torch-free)",
+    "lmhead_cli.render": "the output of a result: tables, JSON documents, notices",
+    "lmhead_cli.errors": "the one error boundary turns the domain errors into one line and an exit code",
+    "lmhead_cli.inputs": "reading a text from stdin with its limits is the front end's own input",
+    "lmhead_cli.serve": "`lmhead serve` starts the server, another front end beside the command line",
+    "lmhead_cli": "the package itself, for --version's __version__ (its submodules are checked by name)",
+}
+
+
+def _imported(source: str, package: str, root) -> list[str]:
+    """The lmhead_cli modules a module's source imports (at any depth in its functions): `from P import
+    N` counts as P.N when that is a module or package under `root` (the folder holding lmhead_cli), else P."""
+    import ast
+
+    def is_module(name: str) -> bool:
+        path = root.joinpath(*name.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .x import y, inside `package`
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            found += [f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names]
+    return [m for m in found if m == "lmhead_cli" or m.startswith("lmhead_cli.")]
+
+
+def _reaching_past(source: str, root) -> list[str]:
+    allowed = sorted(CLI_MAY_IMPORT, key=len, reverse=True)
+    return [m for m in _imported(source, "lmhead_cli.cli", root)
+            if not any(m == a or (a != "lmhead_cli" and m.startswith(a + ".")) for a in allowed)]
+
+
+def test_the_command_line_imports_only_the_api_render_and_its_boundary():
+    """Every module of lmhead_cli/cli/, parsed (imports inside functions included): none imports the
+    readings, engines, loader, decoding or head directly; each goes through lmhead_cli.api."""
+    from pathlib import Path
+
+    import lmhead_cli.cli
+
+    folder = Path(lmhead_cli.cli.__file__).parent
+    root = folder.parent.parent
+    # the check itself finds what it must (so the test below cannot pass by finding nothing)
+    assert _reaching_past("def f():\n    from lmhead_cli.readings import toy\n    import lmhead_cli.engine.threads\n"
+                          "    from lmhead_cli import head, api\n    from lmhead_cli.api import checks\n", root) == [
+        "lmhead_cli.readings.toy", "lmhead_cli.engine.threads", "lmhead_cli.head"]
+    modules = sorted(folder.glob("*.py"))
+    assert {"inspect.py", "score.py", "options.py", "boundary.py"} <= {p.name for p in modules}
+    found = {p.name: _reaching_past(p.read_text(encoding="utf-8"), root) for p in modules}
+    assert {name: past for name, past in found.items() if past} == {}

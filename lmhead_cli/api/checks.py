@@ -26,21 +26,40 @@ def one_prompt(prompt: str | None, targets=None, top_k: int = 10) -> None:
     check_request(prompt, list(targets or ()), top_k)
 
 
+def prompt(value: str | None) -> str:
+    """A prompt: given, and not only white space (NoPrompt otherwise); returned as given."""
+    from lmhead_cli.readings.inspect import check_prompt
+
+    return check_prompt(value)
+
+
+def targets(values) -> list[str]:
+    """Targets (--target): each a non-empty text; returned as a list."""
+    from lmhead_cli.readings.inspect import check_targets
+
+    return check_targets(list(values or ()))
+
+
+def threads(value: int | None) -> int | None:
+    """torch's CPU thread count: None (chosen by timing the work) or 1 to engine.threads.MAX_THREADS."""
+    from lmhead_cli.engine.threads import check
+
+    return check(value)
+
+
 def prompt_or_file(prompt: str | None, file: str | None, noun: str = "a prompt") -> None:
     """Commands that read one input or a file of them take one or the other."""
     if prompt is not None and file is not None:
         raise UsageError(f"give {noun} or ", Param("file"), ", not both")
 
 
-def prompt_file(top_k: int, batch_size: int, targets=None) -> list[str]:
-    """`inspect --file`'s values; returns the targets as a list."""
-    from lmhead_cli.readings.inspect import check_targets
-
+def prompt_file(top_k: int, batch_size: int, asked=None) -> list[str]:
+    """`inspect --file`'s values; returns the targets `asked` as a list."""
     from lmhead_cli.readings.batch import check_batch_size
 
     at_least_one("top_k", top_k)
     check_batch_size(batch_size)
-    return check_targets(list(targets or ()))
+    return targets(asked)
 
 
 def attribution(prompt: str | None, target: str | None, vs: str | None) -> None:
@@ -77,6 +96,15 @@ def settings(values: dict) -> None:
     from lmhead_cli.decoding.stages import check
 
     check(values)
+
+
+def stages(preset: str | None = None, **given):
+    """The stage settings (decoding.stages.Knobs) of a preset (a bundled name or a .toml file) and the
+    values given (None: not given; they override the preset), checked against the stages' rules;
+    what Model.inspect(stages=...) takes."""
+    from lmhead_cli.decoding.presets import knobs
+
+    return knobs(preset, **given)
 
 
 def generation(*, mode: str = "generate", preset: str | None = None, greedy: bool = False, beams: int = 1,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from lmhead_cli.api.results import ReadingResult, html_table
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import Param, UsageError
 
 SAME = "same"  # --base same: the model's own source
 
@@ -14,12 +14,21 @@ SAME = "same"  # --base same: the model's own source
 class CompareResult(ReadingResult):
     """compare: readings.compare.Comparison (T values a column, `stats`, `tokens()` one row at a time)."""
 
-    def document(self) -> dict:
-        return self.reading.to_dict()
+    DOCUMENT = "compare:comparison_json"
 
     def _repr_html_(self) -> str:
         doc = self.to_dict()
         return html_table({**{k: v for k, v in doc.items() if k != "statistics"}, **doc["statistics"]})
+
+
+def check_base(base, base_dtype: str) -> None:
+    """The base asked for: not an empty source, a dtype a model loads in."""
+    from lmhead_cli.loading.sources import DTYPES
+
+    if isinstance(base, str) and not base.strip():
+        raise UsageError(Param("base"), f" is empty; give a model (a hub id, a folder, random:NAME) or {SAME}")
+    if base_dtype not in DTYPES:
+        raise UsageError("unknown ", Param("base_dtype"), f" {base_dtype!r}; choose one of: {', '.join(DTYPES)}")
 
 
 def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool = False, threads: int | None = None,
@@ -33,9 +42,8 @@ def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool =
         return base
     if base is not None and not isinstance(base, str):
         raise UsageError(f"base must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
+    check_base(base, base_dtype)
     source = model.source if base in (None, SAME) else base
-    if not source.strip():
-        raise UsageError(f"the base is empty; give a model source, or {SAME!r} for {model.source}")
     from lmhead_cli.readings.compare import dtype_name
 
     own = model.provenance

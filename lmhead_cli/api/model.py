@@ -164,10 +164,7 @@ class Model(Serving):
         from lmhead_cli.readings import params as count
 
         if self.loaded.engine.name != "lean":
-            kind = self.loaded.config.get("model_type")
-            if kind != "gpt2":
-                raise UnsupportedModel(f"params counts GPT-2-family tensors (wte, wpe, h.N, ln_f); "
-                                       f"{self.source} is a {kind!r} model")
+            gpt2_only(self.source, self.loaded.config.get("model_type"))
         acc = count.account_from_tensors(self.loaded.module.named_parameters(remove_duplicate=False))
         return params_result(self.source, "tensors", acc, batch, seq, vocab)
 
@@ -210,25 +207,34 @@ class Model(Serving):
         return compare(self, text, base, base_dtype=base_dtype, bos=bos, stride=stride, chunk=chunk,
                        progress=progress)
 
-    def score_lines(self, lines, corpus, *, bos: bool = False, stride: int | None = None,
-                    chunk: int | None = None) -> Iterator:
-        """score_text over the lines of a file (readings.score.read_lines), lazily; totals in `corpus`
-        (a readings.score.Corpus). api.files.score_file runs a whole file with it."""
-        from lmhead_cli.readings.score import score_lines
+    def score_lines(self, lines: Iterable, *, bos: bool = False, stride: int | None = None,
+                    chunk: int | None = None) -> results.LineResults:
+        """score_text over many texts, lazily, one at a time: `lines` are texts (numbered from 1) or
+        the lines of a file (readings.score.read_lines). Yields a readings.score.FileItem per line
+        (empty and one-token lines skipped and counted); `totals` (readings.score.Corpus) counts what
+        has been yielded. api.files.score_file runs a whole file with it."""
+        from lmhead_cli.readings.score import Corpus, Line, score_lines
 
         self.check_score(stride=stride, chunk=chunk)
-        return score_lines(self.loaded, lines, corpus, bos=bos, stride=stride, chunk=chunk)
+        numbered = (line if isinstance(line, Line) else Line(n, line if line.strip() else None)
+                    for n, line in enumerate(lines, 1))
+        totals = Corpus()
+        return results.LineResults(score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk),
+                                   totals)
 
-    def inspect_lines(self, lines, top_k: int = 10, targets: Iterable[str] = (), batch_size: int = 32,
-                      stats=None) -> Iterator:
-        """inspect over prompt lines (readings.batch.PromptLine), `batch_size` a forward pass; yields
-        each batch's [(line, InspectResult)]; counts in `stats` (readings.batch.BatchStats)."""
-        from lmhead_cli.readings.batch import inspect_stream
+    def inspect_lines(self, lines: Iterable, top_k: int = 10, targets: Iterable[str] = (),
+                      batch_size: int = 32) -> results.LineResults:
+        """inspect over many prompts, `batch_size` a forward pass: `lines` are prompts (numbered from 1)
+        or a file's readings.batch.PromptLine. Yields each batch's [(line, InspectResult)]; `totals`
+        (readings.batch.BatchStats) counts what has been yielded."""
+        from lmhead_cli.readings.batch import BatchStats, PromptLine, inspect_stream
 
         targets = checks.prompt_file(top_k, batch_size, targets)
-        tie = self.loaded.tie
-        return ([(line, results.InspectResult(r, tie)) for line, r in batch]
-                for batch in inspect_stream(self.loaded, lines, top_k, targets, batch_size, stats))
+        numbered = (line if isinstance(line, PromptLine) else PromptLine(n, line) for n, line in enumerate(lines, 1))
+        tie, stats = self.loaded.tie, BatchStats(batch_size, targets)
+        return results.LineResults(([(line, results.InspectResult(r, tie)) for line, r in batch]
+                                    for batch in inspect_stream(self.loaded, numbered, top_k, targets, batch_size,
+                                                                stats)), stats)
 
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
@@ -271,6 +277,39 @@ def params_result(model: str, counted_from: str, acc, batch: int = 1, seq: int |
             checks.at_least_one(key, value)
     return results.ParamsResult(model, counted_from, acc, count.head_cost(acc.n_embd, acc.vocab_size),
                                 count.logits_memory(batch, seq or acc.n_positions, vocab or acc.vocab_size))
+
+
+def gpt2_only(source: str, kind: str | None) -> None:
+    """UnsupportedModel unless `kind` (a config's model_type) is GPT-2's: params counts its tensors by name."""
+    if kind != "gpt2":
+        raise UnsupportedModel(f"params counts GPT-2-family tensors (wte, wpe, h.N, ln_f); {source} is a "
+                               f"{kind!r} model")
+
+
+def model_params(source: str, batch: int = 1, seq: int | None = None, vocab: int | None = None, *,
+                 allow_pickle: bool = False) -> results.ParamsResult:
+    """`lmhead params --model SOURCE`: a GPT-2-family model's real tensors counted (loaded on the CPU by
+    the lean engine); another architecture is refused from its config, before any weight is read."""
+    from lmhead_cli.loading.sources import model_type
+
+    gpt2_only(source, model_type(source, allow_pickle))
+    return load(source, device="cpu", engine="lean", allow_pickle=allow_pickle).params(batch, seq, vocab)
+
+
+def toy(hidden: str | Iterable[float] | None = None, temperature: float = 1.0, seed: int = 0, draws: int = 20):
+    """`lmhead toy`: the whole last step on a four-word table (readings.toy.ToyExample); `hidden` is
+    3 numbers, or their text "0.5,1,2" (default 1,0,1). Arithmetic only: no torch."""
+    from lmhead_cli.readings import toy as reading
+
+    if hidden is None:
+        h = reading.HIDDEN
+    elif isinstance(hidden, str):
+        h = reading.parse_hidden(hidden)
+    else:
+        h = reading.parse_hidden(",".join(str(float(v)) for v in hidden))
+    reading.check_temperature(temperature)
+    reading.check_draws(draws)
+    return reading.toy_example(h, temperature, seed, draws)
 
 
 def params(config: str = "gpt2", batch: int = 1, seq: int | None = None, vocab: int | None = None) -> results.ParamsResult:

@@ -89,6 +89,22 @@ def html_table(doc: dict) -> str:
     return "<table>" + "".join(rows) + "</table>"
 
 
+class LineResults:
+    """What Model.inspect_lines and Model.score_lines return: their results, lazily, one at a time (a
+    file's worth never held), and `totals`, the counts of what has been yielded so far (the reading's
+    own: readings.batch.BatchStats, readings.score.Corpus)."""
+
+    def __init__(self, items, totals):
+        self._items = iter(items)
+        self.totals = totals
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+
 @dataclass(eq=False)
 class Provenance:
     """Where a result came from: the model as the user named it, and how it ran."""

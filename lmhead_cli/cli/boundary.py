@@ -21,7 +21,7 @@ except ImportError:  # older typer: click itself
 
     NoArgsIsHelpError = None
 
-from lmhead_cli.decoding.stages import option  # the registry: no torch
+from lmhead_cli.api.choices import option  # the registry: no torch
 from lmhead_cli.errors import (BadValue, LmheadError, ModeConflict, NoPrompt, OneToken, is_library_panic,
                                library_panic)
 

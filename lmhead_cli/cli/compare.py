@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Annotated, Optional
 
 import typer
 
 from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, chunk_option, command
+from lmhead_cli.api.choices import COMPARE_BUFFERS, FLOAT32_BYTES
 from lmhead_cli.errors import UsageError
 
-ChunkOpt = chunk_option("both heads: each pass holds about 4 × N × V × 4 bytes", 41)
+ChunkOpt = chunk_option(f"both heads: each pass holds about {COMPARE_BUFFERS} × N × V × {FLOAT32_BYTES} bytes",
+                        "compare")
 
 
 @command("compare")
@@ -43,21 +44,16 @@ def compare_cmd(
     Example: lmhead compare "The keys on the table are on the table." --model random:gpt2 --dtype bfloat16
     """
     from lmhead_cli.api import checks
-    from lmhead_cli.api.compare import SAME
+    from lmhead_cli.api.compare import SAME, check_base
+    from lmhead_cli.api.files import read_text_file
     from lmhead_cli.inputs import read_text
-    from lmhead_cli.readings.batch import open_input
     from lmhead_cli.render import compare as show
     from lmhead_cli.render.score import Progress
 
     if file is not None:
         if text is not None:
             raise UsageError("give a text or --file, not both")
-        stream = open_input(file, "text file")
-        try:
-            text = read_text(f"the text file {file}", stream=stream)
-        finally:
-            if stream is not sys.stdin.buffer and stream is not sys.stdin:
-                stream.close()
+        text = read_text_file(file)
     elif text is None:
         raise UsageError('give a text, e.g. lmhead compare "The keys on the table are here." --dtype bfloat16 '
                          "(- reads stdin; --file PATH reads a file as one text)")
@@ -65,12 +61,7 @@ def compare_cmd(
         text = read_text("the text on stdin")
     text = checks.text(text)
     checks.chunk(chunk)
-    if base is not None and not base.strip():
-        raise UsageError(f"--base is empty; give a model (a hub id, a folder, random:NAME) or {SAME}")
-    from lmhead_cli.loading.sources import DTYPES
-
-    if base_dtype not in DTYPES:
-        raise UsageError(f"unknown --base-dtype {base_dtype!r}; choose one of: {', '.join(DTYPES)}")
+    check_base(base, base_dtype)
     model = source.load()
     base_model = None
     if base not in (None, SAME) or base_dtype != source.dtype:  # else: the model against itself, loaded once

@@ -45,10 +45,9 @@ def cached_hub_ids() -> list[str]:
 def models(incomplete: str) -> list[str]:
     """random:NAME for each bundled config, bundled:NAME for each bundled model, cached hub ids, and
     folders that start with what is typed."""
-    from lmhead_cli.data import names as bundled_names
-    from lmhead_cli.loading.model_configs import config_names
+    from lmhead_cli.api.choices import offline_sources
 
-    found = [f"random:{n}" for n in config_names()] + bundled_names() + cached_hub_ids()
+    found = offline_sources() + cached_hub_ids()
     folder, _, stem = incomplete.rpartition("/")
     try:
         base = Path(os.path.expanduser(folder or "."))

@@ -74,15 +74,10 @@ def explore_cmd(
     """
     import time
 
-    from lmhead_cli.api import checks
-    from lmhead_cli.engine.threads import check as check_threads
-    from lmhead_cli.readings import explore
-    from lmhead_cli.readings.inspect import check_targets
+    from lmhead_cli.api import explore
     from lmhead_cli.render import explore as show
 
-    checks.settings(knobs)  # before the load
-    check_threads(source.threads)
-    settings = explore.Settings(top_k=top_k, **knobs, targets=tuple(check_targets(target)))
+    settings = explore.settings(top_k, **knobs, targets=target or (), threads=source.threads)  # before the load
     if sys.stdin is None or sys.stdin.closed:
         raise UsageError("stdin is closed; explore reads its prompts from the terminal or a pipe")
     interactive = sys.stdin.isatty()
@@ -93,7 +88,7 @@ def explore_cmd(
     n_threads = model.warm_up()
     view.intro(model.source, model.random_weights, time.perf_counter() - start, settings, interactive,
                n_threads if model.provenance.device == "cpu" else None)
-    session = explore.Session(model, settings, view)
+    session = explore.session(model, settings, view)
     if not interactive:
         session.run(explore.piped_lines())
         return

@@ -10,7 +10,7 @@ import typer
 
 from lmhead_cli.cli.options import (DEFAULT_PROMPT, FormatOpt, JsonOpt, LogprobsOpt, ModelChoice, PresetOpt,
                                     TopLogprobsOpt, command, output_kind, stage_options)
-from lmhead_cli.decoding.stages import STAGES
+from lmhead_cli.api.choices import STAGES
 
 
 def decoding_options(
@@ -82,7 +82,6 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, s
     from lmhead_cli import render
     from lmhead_cli.api import checks
     from lmhead_cli.inputs import read_text
-    from lmhead_cli.readings.inspect import check_prompt
     from lmhead_cli.render import generate as show
     from lmhead_cli.render.inspect import random_banner
 
@@ -92,7 +91,7 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, s
                  show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
                  logprobs=logprobs or "raw", **knobs)
     checks.generation(**asked)  # before the load: a bad value fails in an instant
-    text = check_prompt(read_text("the prompt on stdin") if prompt == "-"
+    text = checks.prompt(read_text("the prompt on stdin") if prompt == "-"
                         else DEFAULT_PROMPT if prompt is None else prompt)
     model = source.load()
 

@@ -69,10 +69,10 @@ def stage_knobs(stages: bool, preset: str | None, given: dict):
     """The stage settings for `inspect --stages` (any knob turns the table on), or None."""
     if not stages and preset is None and all(v is None for v in given.values()):
         return None
-    from lmhead_cli.decoding.presets import knobs
+    from lmhead_cli.api import checks
 
     try:
-        return knobs(preset, **given)
+        return checks.stages(preset, **given)
     except BadValue as e:
         if e.key == "top_k":  # inspect's own --top-k counts rows; this is the stage's
             raise UsageError(e.spelled("--filter-top-k")) from None
@@ -84,8 +84,7 @@ def inspect_file(prompt, file, batch_size, explain, top_k, target, source: Model
 
     Under torchrun each rank computes every N-th batch and rank 0 writes them all in order (api/files.py)."""
     from lmhead_cli.api import checks
-    from lmhead_cli.api.files import run_file
-    from lmhead_cli.readings.batch import BatchStats, PromptLines
+    from lmhead_cli.api.files import inspect_file as inspect_lines
     from lmhead_cli.render.batch import JsonLinesWriter, TableWriter, file_notices
 
     if explain is not None:
@@ -93,24 +92,16 @@ def inspect_file(prompt, file, batch_size, explain, top_k, target, source: Model
     checks.prompt_or_file(prompt, file)
     targets = checks.prompt_file(top_k, batch_size, target)
 
-    def open_lines() -> PromptLines:
-        lines = PromptLines(file)
-        lines.first()  # before the load: a missing, empty or undecodable file fails in an instant
-        return lines
-
-    def work(model, lines, ranks) -> None:
+    def write(model, batches, stats, lines) -> None:
         writer = (JsonLinesWriter(lambda r: r.to_dict()) if json_out
-                  else TableWriter(model.source, model.random_weights, targets)) if ranks.writer else None
-        stats = BatchStats(batch_size, targets)
-        mine = ranks.share(lines, batch_size)  # every line on one rank; all of them alone
-        for batch in ranks.merge(model.inspect_lines(mine, top_k, targets, batch_size, stats)):
-            writer.write(batch)  # rank 0 only: the others' merge yields nothing
-        stats = BatchStats.merged(ranks.gather(stats))
-        if ranks.writer:
-            writer.end(stats)
-            file_notices(lines, stats, model.n_ctx)
+                  else TableWriter(model.source, model.random_weights, targets))
+        for batch in batches:
+            writer.write(batch)
+        writer.end(stats)
+        file_notices(lines, stats, model.n_ctx)
 
-    run_file(file, "prompts", open_lines, source.load, work, device=source.device)
+    inspect_lines(file, source.load, write, top_k=top_k, targets=targets, batch_size=batch_size,
+                  device=source.device)
 
 
 def inspect_explain(prompt, explain, top_k, target, source: ModelChoice, json_out) -> None:

@@ -15,7 +15,7 @@ import typer
 from lmhead_cli import __version__
 from lmhead_cli.cli import complete
 from lmhead_cli.cli.boundary import DEFAULT_PROMPT, Command, Group, boundary
-from lmhead_cli.decoding.stages import STAGES  # the registry: no torch
+from lmhead_cli.api.choices import STAGES, chunk_default  # the registry: no torch
 
 app = typer.Typer(
     name="lmhead",
@@ -72,12 +72,12 @@ StrideOpt = Annotated[
 ]
 
 
-def chunk_option(per_pass: str, most: int):
+def chunk_option(per_pass: str, command: str):
     """--chunk, the positions a pass of the head takes: `per_pass` says what a pass holds (the command's
-    own), `most` the default for GPT-2, the most within 32 MiB."""
+    own); the default shown is `command`'s, computed for GPT-2 (api.choices.chunk_default)."""
     return Annotated[
         Optional[int], typer.Option("--chunk", help=f"Positions per pass of {per_pass}.",
-                                    show_default=f"the most within 32 MiB: {most} for GPT-2", min=1)
+                                    show_default=chunk_default(command), min=1)
     ]
 
 
@@ -138,7 +138,7 @@ KNOB = "knob_"  # stage options' parameter names, apart from a command's own (in
 
 def stage_options(only: tuple[str, ...] | None = None,
                   rename: dict[str, tuple[tuple[str, ...], str]] | None = None) -> list[pyinspect.Parameter]:
-    """One option per decoding stage, from the registry (decoding.stages.STAGES): its names, type and
+    """One option per decoding stage, from the registry (api.choices.STAGES): its names, type and
     help. `only` keeps some stages; `rename` gives a stage other names and help where its own clash
     with the command's (inspect's --top-k counts rows, so its top-k stage is --filter-top-k)."""
     params = []

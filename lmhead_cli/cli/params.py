@@ -7,10 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import DEFAULT_MODEL, AllowPickleOpt, JsonOpt, ModelChoice, command
-from lmhead_cli.errors import UnsupportedModel, UsageError
-
-MAX_TOY_DRAWS = 100_000
+from lmhead_cli.cli.options import DEFAULT_MODEL, AllowPickleOpt, JsonOpt, command
+from lmhead_cli.api.choices import MAX_TOY_DRAWS
+from lmhead_cli.errors import UsageError
 
 
 @command()
@@ -52,16 +51,8 @@ def params(
                          "arithmetic, --model counts a loaded model's tensors")
     if model is None:
         result = api.params(config or DEFAULT_MODEL, batch, seq, vocab)
-    else:
-        from lmhead_cli.loading.sources import model_type
-
-        kind = model_type(model, allow_pickle)  # the config only: refuse before reading any weights
-        if kind != "gpt2":
-            raise UnsupportedModel(f"params --model counts GPT-2-family tensors (wte, wpe, h.N, ln_f); "
-                                   f"{model} is a {kind!r} model")
-        # --model here counts tensors (no --device/--engine): imports torch only when asked
-        loaded = ModelChoice(model, device="cpu", engine="lean", allow_pickle=allow_pickle).load()
-        result = loaded.params(batch, seq, vocab)
+    else:  # imports torch only here
+        result = api.model_params(model, batch, seq, vocab, allow_pickle=allow_pickle)
     render_params(result, as_json=json_out)
 
 
@@ -85,9 +76,7 @@ def toy(
 
     Example: lmhead toy --hidden 0.5,1,2 --temperature 0.7
     """
-    from lmhead_cli.readings import toy as toy_head
+    from lmhead_cli import api
     from lmhead_cli.render.toy import render_toy
 
-    h = toy_head.parse_hidden(hidden) if hidden is not None else toy_head.HIDDEN
-    toy_head.check_temperature(temperature)
-    render_toy(toy_head.toy_example(h, temperature, seed, draws), as_json=json_out)
+    render_toy(api.toy(hidden, temperature, seed, draws), as_json=json_out)

@@ -8,10 +8,12 @@ import typer
 
 from lmhead_cli.cli.options import (BosOpt, FormatOpt, JsonOpt, ModelChoice, StrideOpt, TopLogprobsOpt, chunk_option,
                                     command, output_kind)
+from lmhead_cli.api.choices import FLOAT32_BYTES, logits_bytes_per_position
 from lmhead_cli.errors import UsageError
 
-ChunkOpt = chunk_option("the head: each pass holds N × V × 4 bytes of float32 logits (GPT-2: 201 kB a position) "
-                        "and one more buffer of that size", 83)
+ChunkOpt = chunk_option(f"the head: each pass holds N × V × {FLOAT32_BYTES} bytes of float32 logits (GPT-2: "
+                        f"{logits_bytes_per_position() / 1000:.0f} kB a position) and one more buffer of that size",
+                        "score")
 
 @command("score")
 def score_cmd(

@@ -27,18 +27,16 @@ from lmhead_cli.errors import NonFiniteLogits, OneToken, UsageError
 from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.agreement import Statistics, statistics
-from lmhead_cli.readings.score import (CHUNK_BYTES, FLOAT32_BYTES, bos_id, check_chunk, check_stride, check_text,
+from lmhead_cli.readings.chunks import COMPARE_BUFFERS
+from lmhead_cli.readings.chunks import default_chunk as _chunk
+from lmhead_cli.readings.score import (bos_id, check_chunk, check_stride, check_text,
                                        text_ids, windows)
-
-# A chunk holds both models' (chunk, V) float32 log-probabilities, one temporary of that size (the
-# softmax's sum, then the KL's product), and a bfloat16 head's own output before its float32 copy.
-BUFFERS_PER_CHUNK = 4
 
 
 def default_chunk(vocab: int) -> int:
-    """The most positions whose BUFFERS_PER_CHUNK (chunk, V) float32 buffers fit in score's CHUNK_BYTES
+    """The most positions whose COMPARE_BUFFERS (chunk, V) float32 buffers fit in score's CHUNK_BYTES
     (41 positions for GPT-2's 50,257 tokens): compare's chunk costs what score's does."""
-    return max(1, CHUNK_BYTES // (BUFFERS_PER_CHUNK * vocab * FLOAT32_BYTES))
+    return _chunk(vocab, COMPARE_BUFFERS)
 
 
 class Mismatch(UsageError):
@@ -170,19 +168,6 @@ class Comparison:
         if pad:
             kld = torch.cat([kld, kld.new_full((pad,), math.nan)])
         return kld.view(-1, per).nanmean(-1).tolist(), per
-
-    def to_dict(self) -> dict:
-        """The `compare --json` document: provenance, the statistics, one row per token."""
-        from dataclasses import asdict
-
-        return {**self.header(), "statistics": asdict(self.stats), "tokens": [asdict(t) for t in self.tokens()]}
-
-    def header(self) -> dict:
-        from dataclasses import asdict
-
-        return {"q": asdict(self.q), "base": asdict(self.base), "text": self.text, "bos": self.bos,
-                "window": self.window, "stride": self.stride, "chunk": self.chunk, "windows": self.windows,
-                "positions": self.positions}
 
 
 # ---- the computation ---------------------------------------------------------------------------

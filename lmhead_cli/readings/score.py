@@ -34,12 +34,9 @@ from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.readings.inspect import check_prompt
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.engine.heap import fix_mmap_threshold
+from lmhead_cli.readings.chunks import SCORE_BUFFERS
+from lmhead_cli.readings.chunks import default_chunk as _chunk
 
-FLOAT32_BYTES = 4
-# The default chunk's working memory stays within this: its float32 logits and one more buffer of
-# the same size (head.score_rows), so 32 MiB is 83 positions for GPT-2's 50,257 tokens.
-CHUNK_BYTES = 32 * 2**20
-BUFFERS_PER_CHUNK = 2
 # Alternatives kept per position for the HTML view (12 bytes each a token: 20 → 240 bytes a token).
 MAX_ALTERNATIVES = 20
 
@@ -99,8 +96,8 @@ def check_chunk(chunk: int | None) -> None:
 
 
 def default_chunk(vocab: int) -> int:
-    """The most positions whose two (chunk, V) float32 buffers fit in CHUNK_BYTES."""
-    return max(1, CHUNK_BYTES // (BUFFERS_PER_CHUNK * vocab * FLOAT32_BYTES))
+    """The most positions whose two (chunk, V) float32 buffers fit in CHUNK_BYTES (readings/chunks.py)."""
+    return _chunk(vocab, SCORE_BUFFERS)
 
 
 # ---- the result ------------------------------------------------------------------------------

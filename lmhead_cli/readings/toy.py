@@ -26,6 +26,7 @@ SAME = 1e-12  # probabilities closer than this count as unchanged
 # inside a double's range, so exp, fsum and the ratios never overflow.
 MAX_HIDDEN = 1e6
 MIN_TEMPERATURE = 1e-6
+MAX_DRAWS = 100_000  # the draws are kept, one word each
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,12 @@ def check_temperature(temperature: float) -> float:
     if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
         raise BadValue("temperature", f"must be a finite number of at least {MIN_TEMPERATURE:g}; got {temperature}")
     return temperature
+
+
+def check_draws(draws: int) -> int:
+    if not 1 <= draws <= MAX_DRAWS:
+        raise BadValue("draws", f"must be between 1 and {MAX_DRAWS:,}; got {draws}")
+    return draws
 
 
 def toy_example(hidden: Sequence[float] = HIDDEN, temperature: float = 1.0, seed: int = 0,

@@ -7,7 +7,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from lmhead_cli.render import _plain, dumps, compact_table, compose, data, out, sparkline
+from lmhead_cli.render import _plain, dumps, compact_table, compose, data, out, provenance_json, sparkline
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -137,13 +137,27 @@ def report(c) -> None:
     con.print(compose("[dim]statistics as llama-perplexity --kl-divergence defines them; docs/compare.md[/]"))
 
 
+def json_header(c) -> dict:
+    """The `compare --json` document's fields before its statistics: each side's provenance (model,
+    random_weights, dtype), the text and the plan."""
+    return {"q": provenance_json(c.q, "dtype"), "base": provenance_json(c.base, "dtype"), "text": c.text,
+            "bos": c.bos, "window": c.window, "stride": c.stride, "chunk": c.chunk, "windows": c.windows,
+            "positions": c.positions}
+
+
+def comparison_json(c) -> dict:
+    """The `compare --json` document of a readings.compare.Comparison: the header, the statistics, one
+    row per token."""
+    return {**json_header(c), "statistics": asdict(c.stats), "tokens": [asdict(t) for t in c.tokens()]}
+
+
 def write_json(c) -> None:
-    """The `compare --json` document (Comparison.to_dict()), written token by token: no list of T rows
-    is built."""
+    """The `compare --json` document (comparison_json), written token by token: no list of T rows is
+    built."""
     dump = lambda v: dumps(_plain(v))  # noqa: E731
     write = sys.stdout.write
     write("{\n")
-    for k, v in c.header().items():
+    for k, v in json_header(c).items():
         write(f"  {dump(k)}: {dump(v)},\n")
     write(f'  "statistics": {dump(asdict(c.stats))},\n  "tokens": [\n')
     for i, t in enumerate(c.tokens()):
