@@ -136,6 +136,45 @@ def test_lens_matches_cli(model, tiny, position):
     assert got == cli_json(tiny, "lens", PROMPT, "-t", " are", "--position", str(position))
 
 
+def test_lines_take_plain_texts_and_count_what_they_yield(model):
+    """Model.score_lines and Model.inspect_lines: plain texts in (numbered from 1), each line's result as
+    score / inspect give it, and `totals` counting what was yielded; no reading's type to build first."""
+    texts = ["The keys on the table.", " ", "Hello", "The dog is asleep by the door."]
+    scored = model.score_lines(texts)
+    items = list(scored)
+    assert [(i.line, i.skipped) for i in items] == [(1, None), (2, "empty"), (3, "one token"), (4, None)]
+    assert [i.score.nll for i in items if i.score] == [model.score(texts[0]).nll, model.score(texts[3]).nll]
+    assert (scored.totals.texts, scored.totals.skipped_empty, scored.totals.skipped_short) == (2, 1, 1)
+
+    prompts = [PROMPT, "The dog", "Hello there"]
+    inspected = model.inspect_lines(prompts, top_k=3, targets=[" are"], batch_size=2)
+    batches = list(inspected)
+    assert [len(b) for b in batches] == [2, 1]
+    assert [(line.number, line.text) for b in batches for line, _ in b] == [(1, PROMPT), (2, "The dog"),
+                                                                         (3, "Hello there")]
+    got = [r.to_dict()["top"] for b in batches for _, r in b]  # a padded batch: the same up to float rounding
+    want = [model.inspect(p, top_k=3, targets=[" are"]).to_dict()["top"] for p in prompts]
+    assert [[t["id"] for t in top] for top in got] == [[t["id"] for t in top] for top in want]
+    assert [t["logprob"] for top in got for t in top] == pytest.approx([t["logprob"] for top in want for t in top],
+                                                                       abs=1e-5)
+    assert (inspected.totals.prompts, inspected.totals.batches) == (3, 2)
+
+
+def test_params_of_a_model_and_the_toy_are_api_functions(model, tiny):
+    """api.model_params (params --model) and api.toy (toy): the CLI's --json documents."""
+    from lmhead_cli import api
+    from lmhead_cli.render.toy import toy_json
+
+    got = api.model_params(str(tiny[0]), batch=2, seq=16).to_dict()
+    assert got == model.params(batch=2, seq=16).to_dict()
+    toy = api.toy("0.5,1,2", temperature=0.7, seed=3, draws=9)
+    assert toy_json(api.toy([0.5, 1, 2], temperature=0.7, seed=3, draws=9)) == toy_json(toy)
+    out = cli("toy", "--hidden", "0.5,1,2", "--temperature", "0.7", "--seed", "3", "--draws", "9", "--json")
+    assert out.exit_code == 0 and json.loads(out.stdout) == json.loads(json.dumps(toy_json(toy)))
+    with pytest.raises(BadValue, match="draws must be between 1 and"):
+        api.toy(draws=0)
+
+
 def test_tie_matches_cli(model, tiny):
     got = model.tie().to_dict()
     assert got == cli_json(tiny, "tie")
@@ -211,7 +250,8 @@ def test_model_describes_itself(model, tiny):
 
 
 def test_import_does_not_import_torch():
-    code = ("import sys, lmhead_cli, lmhead_cli.api; assert callable(lmhead_cli.load); "
+    code = ("import sys, lmhead_cli, lmhead_cli.api, lmhead_cli.api.choices; assert callable(lmhead_cli.load); "
+            "assert lmhead_cli.api.Model and lmhead_cli.api.toy().greedy; "
             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"

@@ -87,8 +87,8 @@ class Model(Serving):
     def inspect(self, prompt: str, top_k: int = 10, targets: Iterable[str] = (), *,
                 stages=None) -> results.InspectResult:
         """The next-token distribution after `prompt`: the top `top_k` tokens, each target's rank and
-        probability, entropy. `stages` (decoding.stages.Knobs) also follows the top tokens through the
-        decoding stages (`inspect --stages`)."""
+        probability, entropy. `stages` (decoding.stages.Knobs, from api.checks.stages) also follows the
+        top tokens through the decoding stages (`inspect --stages`)."""
         from lmhead_cli.readings.inspect import inspect_prompt
 
         checks.one_prompt(prompt, targets, top_k)
