@@ -55,3 +55,19 @@ def test_help_cuts_nothing_on_a_narrow_terminal(columns):
         assert "…" not in out, f"lmhead {name} --help at {columns} columns"
         assert [o for o in long_options(command) if o not in out] == [], f"lmhead {name} --help at {columns}"
         assert (command.help or "").split()[0] in out
+
+
+@pytest.mark.parametrize("command, buffers", [("score", 2), ("compare", 4)])
+def test_chunk_default_in_the_help_is_the_chunk_a_run_uses(tiny, command, buffers):
+    """--chunk's default in the help is computed, not typed in: it is the chunk that a run on a model with
+    GPT-2's vocabulary (the tiny checkpoint's 50,257 tokens) reports, and 32 MiB over `buffers`
+    float32 (chunk, V) buffers by the arithmetic here."""
+    import json
+
+    out = " ".join(cli(command, "--help", env={"COLUMNS": "200"}).stdout.split())
+    shown = int(re.search(r"the most within 32 MiB: (\d+) for GPT-2", out).group(1))
+    assert shown == (32 * 2**20) // (buffers * 50257 * 4)
+    run = cli(command, "The keys on the table are on the table.", "--model", str(tiny[0]), "--device", "cpu",
+              "--json")
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.stdout)["chunk"] == shown
