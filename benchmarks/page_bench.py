@@ -39,9 +39,9 @@ def measure() -> dict | None:
 
 def report(r: dict | None) -> str:
     if r is None:
-        return "\n## The page (issue 18)\n\nNot measured: chromium and chromium-driver are not installed.\n"
+        return "\n## The page\n\nNot measured: chromium and chromium-driver are not installed.\n"
     ok = "✅" if r["to_paint_ms"] <= TARGET_MS else "❌"
-    return ("\n## The page (issue 18)\n\n"
+    return ("\n## The page\n\n"
             f"A {r['tokens']:,}-token text scored by the page of `lmhead serve` (tiny test checkpoint), timed in "
             "headless chromium with performance.now() (tests/test_page.py): from the server's answer to the "
             "first frame after the view is built.\n\n"

@@ -142,7 +142,7 @@ def report(s: dict) -> str:
     per_ours, per_theirs = p["ours_s"] / p["scored"], p["theirs_s"] / p["tokens"]
     return "\n".join([
         "",
-        "## `lmhead score`: every token of a text, the head in chunks (issue 11)",
+        "## `lmhead score`: every token of a text, the head in chunks",
         "",
         f"A {s['tokens']:,}-token English-like text (GPT-2 small shapes, random weights): `lmhead score - --json` "
         f"(stdin, windows of 1,024, the head {s['chunk']} positions at a time) against `lmhead inspect` on the same "
