@@ -144,7 +144,7 @@ def test_any_position_matches_transformers(ckpt, engine):
     transformers' rows for that prefix are the oracle."""
     folder, model = ckpt
     loaded = load_model(str(folder), device="cpu", engine=engine)
-    for position in (0, 2, -2):
+    for position in (0, 2, -2, -len(PROMPT_IDS)):  # -T is the first token, the last one accepted
         at = position % len(PROMPT_IDS)
         lens = lens_prompt(loaded, PROMPT, [" are"], position=position)
         assert lens.position == at
@@ -168,4 +168,29 @@ def test_cli_position_json_and_range(ckpt, monkeypatch):
     assert "what `lmhead score` reports for token 2" in table.stdout
     for bad in ("5", "-6"):
         got = cli("lens", PROMPT, "--position", bad, "--model", str(folder))
-        assert got.exit_code == 2 and "outside the prompt's 5 tokens" in got.stderr
+        assert got.exit_code == 2
+        assert got.stderr == (f"lmhead: error: --position {bad} is outside the prompt's 5 tokens: give 0 to 4, "
+                              "or -1 for the last\n")
+
+
+def test_lens_carries_the_prompt_and_the_model(ckpt):
+    """What the renderers read off a Lens: the prompt's ids, the provenance, the tie, the default columns."""
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu")
+    lens = lens_prompt(loaded, PROMPT)
+    assert [(t.id, t.text) for t in lens.prompt_tokens] == [(i, loaded.tokenizer.token_text(i)) for i in PROMPT_IDS]
+    assert lens.random_weights is False
+    tied = model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert tied and lens.tied is True  # with_ln_f's checkpoint ties its head, as transformers loads it
+    assert lens.top_columns == len(lens.columns) == 8  # the default heat map: the last layer's top 8
+
+
+def test_ids_go_to_the_engines_device_not_the_default_one(ckpt):
+    """layer_logits puts the prompt's ids on the engine's device: under another default device (a GPU
+    session's `torch.set_default_device("cuda")`; here the meta device) the lens reads the same logits."""
+    folder, _ = ckpt
+    loaded = load_model(str(folder), device="cpu")
+    expected = lens_prompt(loaded, PROMPT).logits
+    with torch.device("meta"):
+        got = lens_prompt(loaded, PROMPT).logits
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
