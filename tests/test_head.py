@@ -233,6 +233,14 @@ def test_divergences_by_their_definitions():
     assert head.kl_divergence(lp, lp) == head.js_divergence(lp, lp) == head.total_variation(lp, lp) == 0.0
 
 
+def test_rank_of_builds_its_index_on_the_logits_device_not_the_default_one():
+    """Under another default device (a GPU session's `torch.set_default_device("cuda")`; here the meta
+    device) rank_of's index still goes where the logits are, and every rank is the definition's."""
+    expected = [1 + int((ROW > ROW[i]).sum()) for i in range(ROW.shape[-1])]
+    with torch.device("meta"):
+        assert [head.rank_of(ROW, i) for i in range(ROW.shape[-1])] == expected
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU every tensor is on one device")
 def test_rank_of_and_target_score_on_the_gpu():
     """rank_of builds its index on the logits' device (an index left on the CPU fails on a GPU)."""
