@@ -72,6 +72,20 @@ def test_divergences_and_ranks_against_transformers(tiny, engine):
         assert t.delta == pytest.approx(float(lq[i] - lp[i]), abs=1e-4)
 
 
+def test_movers_caps_the_risers_and_fallers(tiny):
+    """--movers N lists the N largest rises and falls of the pool (top_k's by default), not all of them."""
+    folder, model = tiny
+    loaded = load_model(str(folder), device="cpu")
+    lp, lq = reference(model, A_IDS), reference(model, B_IDS)
+    pool = set(torch.topk(lp, 6).indices.tolist()) | set(torch.topk(lq, 6).indices.tolist())
+    up = sorted((i for i in pool if lq[i] > lp[i]), key=lambda i: float(lp[i] - lq[i]))
+    down = sorted((i for i in pool if lq[i] < lp[i]), key=lambda i: float(lq[i] - lp[i]))
+    assert len(up) >= 2 and len(down) >= 2  # so that a cap of 1 leaves some out
+    for movers, cap in ((1, 1), (0, 0), (None, 6)):
+        d = diff_prompts(loaded, A, B, top_k=6, movers=movers)
+        assert [r.id for r in d.risers] == up[:cap] and [f.id for f in d.fallers] == down[:cap]
+
+
 def test_divergence_arithmetic_against_torch():
     """head.py's divergences on two clearly different distributions, against torch's kl_div and definitions."""
     from lmhead_cli.head import RANKS_BY_COMPARISON, js_divergence, kl_divergence, log_softmax, ranks, total_variation

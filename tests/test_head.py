@@ -189,6 +189,19 @@ def test_score_rows_against_torch():
     assert rows.top_ids is None and rows.top_logprobs is None  # none asked for
 
 
+def test_score_rows_with_dropped_tokens():
+    """A logit of -inf (a token the head rules out) has p = 0: it adds nothing to the entropy (its
+    0·(-inf) = NaN is counted as 0), its log-probability is -inf and every other token ranks above it."""
+    z = Z.clone()
+    z[0, 5] = z[2, 7] = z[2, 9] = float("-inf")
+    ids = torch.tensor([5, 17, 30])
+    rows = head.score_rows(z.clone(), ids)
+    lp = ref_logprobs(z)
+    torch.testing.assert_close(rows.entropy.double(), -(lp.exp() * lp).nan_to_num(nan=0.0).sum(-1), atol=1e-5, rtol=0)
+    assert rows.logprob[0] == float("-inf") and rows.rank.tolist() == [1 + int((r > r[i]).sum()) for r, i in zip(z, ids.tolist())]
+    torch.testing.assert_close(rows.logprob[1:].double(), lp.gather(-1, ids[:, None])[1:, 0], atol=1e-6, rtol=1e-6)
+
+
 def test_score_rows_top_k_most_probable():
     rows = head.score_rows(Z.clone(), torch.tensor([0, 0, 0]), top=3)
     lp = ref_logprobs(Z)
