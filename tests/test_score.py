@@ -146,6 +146,8 @@ def test_window_plan(T, n_ctx, stride):
     scored = [t for w in plan for t in range(w.first, w.end)]
     assert len(scored) == len(set(scored)) and plan[-1].end == T and plan[0].first == 1
     assert all(w.end - w.begin <= n_ctx and w.begin % stride == 0 and w.first > w.begin for w in plan)
+    # the window positions that predict tokens [first, end): [first - 1, end - 1), counted from begin
+    assert all(range(w.end - w.begin)[w.predictors] == range(w.first - 1 - w.begin, w.end - 1 - w.begin) for w in plan)
     if stride < n_ctx:
         assert scored == list(range(1, T))
         assert all(w.first - w.begin >= n_ctx - stride for w in plan[1:])  # the context a later window keeps
@@ -372,3 +374,114 @@ def test_stride_check_needs_no_model():
 def test_nan_weight_is_one_line_exit_1(tmp_path, tiny):
     got = cli("score", TEXT, "--model", str(nan_checkpoint(tiny[0], tmp_path)))
     assert got.exit_code == 1 and "non-finite logits" in got.stderr and "Traceback" not in got.output
+
+
+# ---- the figures around the scores: defaults, totals, spans, profile --------------------------------
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return load_model(str(tiny[0]), device="cpu", engine="lean")
+
+
+def test_bos_id_takes_the_first_of_a_list():
+    from types import SimpleNamespace
+
+    from lmhead_cli.readings.score import bos_id
+
+    engine = SimpleNamespace(eos_token_id=50256)
+    assert bos_id(SimpleNamespace(config={"bos_token_id": [7, 9]}, engine=engine, source="m")) == 7
+    assert bos_id(SimpleNamespace(config={"bos_token_id": 11}, engine=engine, source="m")) == 11
+    assert bos_id(SimpleNamespace(config={}, engine=engine, source="m")) == 50256
+
+
+def test_alternatives_up_to_the_limit_itself():
+    from lmhead_cli.errors import BadValue
+    from lmhead_cli.readings.score import MAX_ALTERNATIVES, check_alternatives
+
+    check_alternatives(0)
+    check_alternatives(MAX_ALTERNATIVES)
+    with pytest.raises(BadValue) as e:
+        check_alternatives(MAX_ALTERNATIVES + 1)
+    assert e.value.problem == f"must be between 0 and {MAX_ALTERNATIVES} (got {MAX_ALTERNATIVES + 1})"
+
+
+def test_a_text_that_is_not_utf8_is_named_the_text(loaded):
+    with pytest.raises(UsageError) as e:
+        score_text(loaded, "bad \udce9 bytes")
+    assert str(e.value) == "the text is not UTF-8 text (byte 0xe9 at byte 4); pass text in UTF-8"
+
+
+def test_default_chunk_holds_two_float32_buffers_in_32_mib(loaded):
+    V = loaded.engine.vocab_size
+    assert score_text(loaded, TEXT).chunk == (32 * 2**20) // (2 * V * 4)
+
+
+def test_stdin_lines_that_are_not_utf8_name_stdin(tiny):
+    got = cli("score", "--file", "-", "--model", str(tiny[0]), "--json", input=b"The keys on the table\ncaf\xe9\n")
+    assert got.exit_code == 2
+    assert got.stderr == "lmhead: error: stdin is not UTF-8 text (byte 0xe9 on line 2, at byte 25); save it as UTF-8\n"
+
+
+def test_score_lines_items_and_corpus_totals(loaded):
+    """Each line's item (its number, what was skipped, the bytes read so far, the chunk asked for) and the
+    corpus totals, against the texts' own scores."""
+    lines = [Line(1, "The keys on the table.", 23), Line(2, None, 24), Line(3, "Hello", 30),
+             Line(4, "The dog is asleep by the door.", 61)]
+    corpus = Corpus()
+    items = list(score_lines(loaded, iter(lines), corpus, chunk=3))
+    assert [(i.line, i.skipped, i.end) for i in items] == [(1, None, 23), (2, "empty", 24), (3, "one token", 30),
+                                                            (4, None, 61)]
+    scores = [items[0].score, items[3].score]
+    assert items[1].score is None and items[2].score is None and all(s.chunk == 3 for s in scores)
+    assert (corpus.texts, corpus.skipped_empty, corpus.skipped_short) == (2, 1, 1)
+    assert corpus.tokens == sum(s.scored_tokens for s in scores) and corpus.bytes == sum(s.bytes for s in scores)
+    assert corpus.nll == pytest.approx(sum(s.nll for s in scores), rel=1e-12)
+    assert corpus.perplexity == pytest.approx(math.exp(corpus.nll / corpus.tokens), rel=1e-12)
+    assert corpus.bits_per_byte == pytest.approx(corpus.nll / math.log(2) / corpus.bytes, rel=1e-12)
+
+
+def test_bucket_counts_and_most_surprising(loaded):
+    from dataclasses import replace
+
+    s = score_text(loaded, TEXT)
+    ranks_ = [int(r) for r in s.rank[s.scored]]
+    assert s.bucket_counts() == [sum(ranks.bucket(r) == b for r in ranks_) for b in range(len(ranks.BUCKETS))]
+    # every bucket is listed, also the empty ones at the end
+    few = replace(s, rank=torch.tensor([0, 1, 7, 1, 50]), scored=torch.tensor([False, True, True, True, True]))
+    assert few.bucket_counts() == [2, 1, 1, 0, 0]
+    lowest = sorted((t for t in s.tokens() if t.scored), key=lambda t: t.logprob)[:5]
+    assert [t.index for t in s.most_surprising()] == [t.index for t in lowest]  # 5 by default
+
+
+def test_profile_is_the_mean_surprisal_of_each_run_of_tokens(loaded):
+    s = score_text(loaded, TEXT)
+    bits = [-t.logprob / math.log(2) for t in s.tokens() if t.scored]
+    padded = False
+    for width in (1, 5, 7, 10, len(bits), 1000):
+        per = max(1, math.ceil(len(bits) / width))
+        padded |= len(bits) % per != 0
+        values, got_per = s.profile(width)
+        assert got_per == per
+        assert values == pytest.approx([sum(bits[i:i + per]) / len(bits[i:i + per]) for i in range(0, len(bits), per)],
+                                       rel=1e-5)
+    assert padded  # some width leaves a last run shorter than the others
+
+
+def test_spans_join_the_bytes_of_a_character_cut_across_tokens(loaded):
+    """A character whose bytes two tokens share is one piece, with the worse of their ranks."""
+    text = "The café 日本 🎉 ok"
+    s = score_text(loaded, text)
+    pieces = [loaded.tokenizer.token_bytes(int(i)) for i in s.ids]
+    assert b"\xe6\x9c" in pieces and b" \xf0\x9f" in pieces  # cut characters, one after a whole space
+    expected, buf, worst = [], b"", []
+    for i, b in enumerate(pieces):
+        buf += b
+        worst.append(int(s.rank[i]) if bool(s.scored[i]) else None)
+        try:
+            piece = buf.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        expected.append((piece, None if None in worst else max(worst)))
+        buf, worst = b"", []
+    assert list(s.spans()) == expected
+    assert "".join(p for p, _ in expected) == text and len(expected) < len(pieces)
