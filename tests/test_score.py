@@ -146,11 +146,16 @@ def test_window_plan(T, n_ctx, stride):
     scored = [t for w in plan for t in range(w.first, w.end)]
     assert len(scored) == len(set(scored)) and plan[-1].end == T and plan[0].first == 1
     assert all(w.end - w.begin <= n_ctx and w.begin % stride == 0 and w.first > w.begin for w in plan)
-    # the window positions that predict tokens [first, end): [first - 1, end - 1), counted from begin
-    assert all(range(w.end - w.begin)[w.predictors] == range(w.first - 1 - w.begin, w.end - 1 - w.begin) for w in plan)
     if stride < n_ctx:
         assert scored == list(range(1, T))
         assert all(w.first - w.begin >= n_ctx - stride for w in plan[1:])  # the context a later window keeps
+
+
+@pytest.mark.parametrize("T,n_ctx,stride", [(2500, 1024, 512), (1025, 1024, 300), (5, 1024, 512)])
+def test_window_predictors_are_the_positions_before_the_scored_tokens(T, n_ctx, stride):
+    """Position p predicts token p + 1: tokens [first, end) are predicted by [first - 1, end - 1), from begin."""
+    for w in windows(T, n_ctx, stride):
+        assert range(w.end - w.begin)[w.predictors] == range(w.first - 1 - w.begin, w.end - 1 - w.begin)
 
 
 def test_chunked_and_unchunked_heads_agree(tiny):
