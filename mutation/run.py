@@ -325,7 +325,8 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def core_estimate(rows: list[dict]) -> tuple[float, float, float]:
     """The score over every mutant of the modules run, from their samples: each module's score weighted by
-    its mutant count (a stratified estimate), with a normal 95% interval; in percent."""
+    its mutant count (a stratified estimate), with a normal 95% interval (each module's variance from the
+    Agresti-Coull proportion, so that a sample without survivors does not claim certainty); in percent."""
     total = sum(r["mutants"] for r in rows if r["considered"])
     mid = var = 0.0
     for r in rows:
@@ -333,7 +334,8 @@ def core_estimate(rows: list[dict]) -> tuple[float, float, float]:
             continue
         w, p, n = r["mutants"] / total, r["detected"] / r["considered"], r["considered"]
         mid += w * p
-        var += w * w * p * (1 - p) / n * (1 - n / r["mutants"] if r.get("sample") else 0.0)  # finite population
+        q = (r["detected"] + 2) / (n + 4)  # Agresti-Coull: a sample with no survivors still leaves some doubt
+        var += w * w * q * (1 - q) / n * (1 - n / r["mutants"] if r.get("sample") else 0.0)  # finite population
     half = 1.96 * var ** 0.5
     return 100 * max(0.0, mid - half), 100 * mid, 100 * min(1.0, mid + half)
 
@@ -355,7 +357,9 @@ def write_report(results: dict) -> None:
         low, mid, high = core_estimate(rows)
         lines += ["Some modules ran a seeded random sample of their mutants (`--sample`; the rest count as not "
                   "checked). Estimated over every mutant of the modules run, each module's score weighted by its "
-                  f"mutants: **{mid:.1f}%** (95% interval {low:.1f}% to {high:.1f}%).", ""]
+                  f"mutants: **{mid:.1f}%** (95% interval {low:.1f}% to {high:.1f}%). Once tests are written for a "
+                  "sample's survivors (`--rerun`), the sample is no longer a random draw for those tests: its score "
+                  "then overstates the module's, and a fresh sample (or the full run) is the measure.", ""]
     if missing:
         lines += [f"Not run yet: {', '.join(missing)}.", ""]
     lines += ["| module | date | commit | mutants | sampled | detected | survived | no tests | equivalent | not checked "

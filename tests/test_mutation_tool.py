@@ -189,5 +189,9 @@ def test_the_interval_of_a_sampled_score_is_wilsons_and_the_core_estimate_weight
             "sample": {"fraction": 0.5}}
     low, mid, high = run_py.core_estimate([full, half])
     assert mid == pytest.approx(100 * (0.25 * 1.0 + 0.75 * 0.8))  # 85%
-    half_width = 1.96 * (0.75 ** 2 * 0.8 * 0.2 / 150 * (1 - 150 / 300)) ** 0.5
+    q = 122 / 154  # (detected + 2) / (n + 4)
+    half_width = 1.96 * (0.75 ** 2 * q * (1 - q) / 150 * (1 - 150 / 300)) ** 0.5
     assert low == pytest.approx(100 * (0.85 - half_width)) and high == pytest.approx(100 * (0.85 + half_width))
+    perfect = {**half, "detected": 150}  # a sample without survivors still has an interval
+    low, mid, high = run_py.core_estimate([full, perfect])
+    assert mid == pytest.approx(100.0) and low < 100.0
