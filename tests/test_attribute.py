@@ -183,3 +183,65 @@ def test_a_stream_that_is_not_the_sum_of_the_parts_is_refused(tiny, monkeypatch)
     monkeypatch.setattr(loaded.engine, "components", without_mlps)
     with pytest.raises(UnsupportedModel, match="not the sum of its embeddings, attention and MLP outputs"):
         attribute_logit(loaded, PROMPT, " are")
+
+
+def test_the_final_norm_is_named_as_its_kind(tiny):
+    """GPT-2's final norm is a LayerNorm (centred): the table names it and centres each part."""
+    a = attribute_logit(load_model(str(tiny[0]), device="cpu"), PROMPT, " are")
+    assert a.norm == "LayerNorm"
+    r = cli("attribute", PROMPT, "-t", " are", "--model", str(tiny[0]))
+    assert "the final LayerNorm's scale" in r.stdout and "centre(part)" in r.stdout
+
+
+def test_a_vs_with_no_token_is_named_as_vs(tiny):
+    from lmhead_cli.errors import BadValue
+
+    with pytest.raises(BadValue) as e:
+        attribute_logit(load_model(str(tiny[0]), device="cpu"), PROMPT, " are", vs="")
+    assert e.value.key == "vs" and e.value.spelled("--vs") == "--vs '' encodes to no tokens; give a token such as ' are'"
+
+
+def test_a_final_norm_that_is_not_a_layer_norm_is_refused(tiny, monkeypatch):
+    from lmhead_cli.errors import UnsupportedModel
+
+    loaded = load_model(str(tiny[0]), device="cpu")
+    own = loaded.engine.final_norm
+    monkeypatch.setattr(loaded.engine, "final_norm", lambda x: own(x) * 2)
+    with pytest.raises(UnsupportedModel) as e:
+        attribute_logit(loaded, PROMPT, " are")
+    assert str(e.value).startswith("its final norm is not γ ⊙ centre(x) / σ + β (off by ")
+    assert str(e.value).endswith("), so its logit cannot be split into parts")
+
+
+def test_a_residual_stream_of_large_values_still_splits(tmp_path):
+    """Embeddings scaled to thousands: float32 rounds the stream by ~1e-4, which the check allows in
+    proportion to the stream's size; the parts still add up to transformers' logit difference."""
+    model = build_checkpoint(tmp_path, tied=False, seed=3)  # untied: the head keeps its size
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(5e4)
+        model.transformer.wpe.weight.mul_(5e4)
+    model.save_pretrained(tmp_path)
+    a = attribute_logit(load_model(str(tmp_path), device="cpu", engine="lean"), PROMPT, " are", " is")
+    with torch.no_grad():
+        out = model(torch.tensor([PROMPT_IDS]), output_hidden_states=True)
+    assert float(out.hidden_states[-2][0, -1].abs().max()) > 1000  # the case is live
+    z = out.logits[0, -1]
+    assert a.logit == pytest.approx(float(z[ARE] - z[IS]), abs=1e-3) and abs(a.error) < 1e-3
+
+
+@pytest.mark.parametrize("vs", [None, " is"])
+def test_a_head_with_a_bias_adds_its_bias_as_a_part(tiny, vs):
+    """Phi and GPT-J heads carry a bias: z = W_out · ln_f(x) + b. Here transformers' GPT-2 head is given
+    one; the parts (with "head.bias" = b[t] - b[u]) add up to the biased logits of the forward."""
+    folder, _ = tiny
+    loaded = load_model(str(folder), device="cpu", engine="transformers")
+    head = loaded.engine.head_module
+    bias = torch.randn(head.weight.shape[0], generator=torch.Generator().manual_seed(2)) * 3
+    head.bias = torch.nn.Parameter(bias)
+    a = attribute_logit(loaded, PROMPT, " are", vs)
+    with torch.no_grad():
+        z = loaded.engine.model(torch.tensor([PROMPT_IDS])).logits[0, -1].double()
+    want = float(z[ARE] - (z[IS] if vs else 0))
+    b = float(bias[ARE] - (bias[IS] if vs else 0))
+    assert a.parts[-1].name == "head.bias" and a.parts[-1].value == pytest.approx(b, abs=1e-6)
+    assert a.logit == pytest.approx(want, abs=1e-4) and a.sum == pytest.approx(want, abs=1e-4)

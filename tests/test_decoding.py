@@ -405,3 +405,55 @@ def test_an_unknown_attribute_of_stages_is_an_attribute_error():
     with pytest.raises(AttributeError) as e:
         decoding.no_such_thing  # noqa: B018
     assert str(e.value) == "module 'lmhead_cli.decoding.stages' has no attribute 'no_such_thing'"
+
+
+def test_a_rows_rank_is_its_raw_rank_even_where_a_stage_ties_the_rows():
+    """A soft-cap far below the logits saturates them all to the same value (ranks tie at 1 in that
+    column); the row's own rank stays the raw logits' rank."""
+    t = decoding.stage_table(LOGITS, Knobs(softcap=0.01), 4, lambda i: f"t{i}")
+    assert [r.rank for r in t.rows] == [1, 2, 3, 4]
+    assert [r.cells[1].rank for r in t.rows] == [1, 1, 1, 1]  # every top logit capped to the same value
+
+
+def test_the_softcap_processor_pickles_as_the_class_stages_exports():
+    """Its __qualname__ names it where pickle (and multiprocessing) look it up: stages.SoftCapLogitsProcessor."""
+    import pickle
+
+    processor = decoding.softcap_processor(0.5)
+    back = pickle.loads(pickle.dumps(processor))
+    assert type(back) is type(processor) and back.cap == 0.5
+    scores = torch.tensor([[3.0, 0.1, -2.0]])
+    torch.testing.assert_close(back(None, scores), 0.5 * torch.tanh(scores / 0.5))
+    assert repr(processor).startswith("<lmhead_cli.decoding.stages.SoftCapLogitsProcessor object at ")
+
+
+def test_a_preset_file_with_a_utf8_byte_order_mark(tmp_path):
+    """Editors on Windows often save UTF-8 with a BOM (EF BB BF); TOML itself does not allow one."""
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "bom.toml"
+    f.write_bytes(b"\xef\xbb\xbftemperature = 0.5\n")
+    assert presets.load_preset(str(f)).values == {"temperature": 0.5}
+
+
+def test_a_preset_file_that_cannot_be_read_says_why(tmp_path):
+    """/proc/self/mem is a regular file whose read at offset 0 fails (EIO), even for root."""
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "mem.toml"
+    f.symlink_to("/proc/self/mem")
+    with pytest.raises(UsageError) as e:
+        presets.load_preset(str(f))
+    assert str(e.value) == f"{f} cannot be read: Input/output error"
+
+
+def test_a_huge_preset_file_is_refused_after_reading_only_past_the_limit(tmp_path):
+    """A 1 TiB (sparse) file: only MAX_PRESET_BYTES + 1 bytes are read, never the whole file."""
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "huge.toml"
+    with open(f, "wb") as out:
+        out.truncate(1 << 40)
+    with pytest.raises(UsageError) as e:
+        presets.load_preset(str(f))
+    assert str(e.value) == f"{f} is larger than 1,048,576 bytes; a preset is a few lines"

@@ -262,3 +262,99 @@ def test_other_devices_take_the_plain_products():
     assert products_for(torch.float32, torch.device("meta")).forms == ()
     assert not few_cpu_rows(torch.empty(1, 4, device="meta"))
     assert few_cpu_rows(torch.empty(1, 4)) and not few_cpu_rows(torch.empty(5, 4))  # a few CPU rows only
+
+
+def test_layer_norm_epsilon_of_the_config_is_used_in_every_block(tmp_path):
+    """A config's layer_norm_epsilon (here 0.5, far from the default 1e-5) reaches ln_1, ln_2 and ln_f."""
+    reference = build_checkpoint(tmp_path, layer_norm_epsilon=0.5)
+    eng = load_model(str(tmp_path), device="cpu", dtype="float32", engine="lean").engine
+    ids = prompt(7)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(eng.head(eng.body(torch.tensor([ids])))[0], expected, atol=ATOL, rtol=0)
+
+
+def test_residuals_of_a_left_padded_batch_match_transformers_hidden_states(tiny):
+    """The engine contract's residuals(ids, attention_mask): each row as transformers computes it with the
+    same padding mask and positions (hidden_states; the last one after ln_f), at the real positions."""
+    folder, reference = tiny
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean").engine
+    ids = torch.tensor([[50256, 50256, 464, 8251, 319], [464, 8251, 319, 262, 3084]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        hidden = reference(ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=True).hidden_states
+        resid = list(eng.residuals(ids, mask))
+        resid[-1] = eng.final_norm(resid[-1])
+    assert len(resid) == len(hidden)
+    real = mask.bool()
+    for ours, theirs in zip(resid, hidden):
+        torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=0)
+
+
+def test_more_positions_than_a_few_run_the_plain_product_in_every_form(tiny):
+    """Above BLOCKED_MAX_ROWS positions the head is F.linear and a layer addmm, bit for bit, whatever
+    product form the few-position steps use (bfloat16: after the weights are packed)."""
+    from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
+
+    for dtype in ("float32", "bfloat16"):
+        eng = load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine
+        cache = eng.new_cache(1, 8)
+        h = eng.body(torch.tensor([prompt(BLOCKED_MAX_ROWS + 2)]), cache)  # (1, 6, D)
+        for _ in range(2):  # two one-position steps lay the weights out (and pack them, in bfloat16)
+            eng.head(eng.body(torch.tensor([[13]]), cache))
+        layer = eng.gpt.h[0].mlp.c_fc
+        x = torch.randn(1, BLOCKED_MAX_ROWS + 2, layer.weight.shape[0], generator=torch.Generator().manual_seed(1))
+        x = x.to(layer.weight.dtype)
+        for form in eng.forms:
+            eng.use_form(form)
+            with torch.inference_mode():
+                assert torch.equal(eng.head(h), torch.nn.functional.linear(h, eng.head_weight)), (dtype, form)
+                assert torch.equal(layer(x), torch.addmm(layer.bias, x[0], layer.weight)[None]), (dtype, form)
+
+
+def packed_engine(tiny, form: str, settled: bool):
+    eng = load_model(str(tiny[0]), device="cpu", dtype="bfloat16", engine="lean").engine
+    if "packed" not in eng.forms:
+        pytest.skip("this torch has no oneDNN bfloat16 kernels: nothing is packed")
+    eng.use_form(form)
+    if settled:
+        eng.settle_form()
+    cache = eng.new_cache(1, 8)
+    eng.body(torch.tensor([[464, 8251, 319]]), cache)
+    for _ in range(2):  # the second one-position step lays the weights out
+        eng.head(eng.body(torch.tensor([[13]]), cache))
+    return eng
+
+
+@pytest.mark.parametrize("form, settled, packed", [("packed", False, True), ("linear", False, True),
+                                                   ("packed", True, True), ("linear", True, False)])
+def test_bfloat16_weights_are_packed_while_the_packed_form_may_run(tiny, form, settled, packed):
+    """The packed copies (oneDNN's layout) are made on the second step unless another form has been
+    settled on: while the forms are still timed, "packed" may be chosen at any step."""
+    eng = packed_engine(tiny, form, settled)
+    layers = [eng.head_module, eng.gpt.h[0].attn.c_attn, eng.gpt.h[1].mlp.c_proj]
+    assert [m.packed is not None for m in layers] == [packed] * 3
+
+
+def test_random_init_is_gpt2s_seeded():
+    """random:gpt2's weights: layer-norm gains 1, biases 0, N(0, 0.02) weights, the residual projections
+    (c_proj) N(0, 0.02 / sqrt(2 · n_layer)); the same seed gives the same weights, another seed others."""
+    from lmhead_cli.engine.lean import init_random_
+
+    def state(seed):
+        s = {"wte.weight": torch.empty(2000, 64), "h.0.ln_1.weight": torch.empty(64),
+             "h.0.ln_2.weight": torch.empty(64), "ln_f.weight": torch.empty(64), "ln_f.bias": torch.empty(64),
+             "h.0.attn.c_attn.bias": torch.empty(192), "h.1.mlp.c_proj.weight": torch.empty(256, 400)}
+        init_random_(s, n_layer=8, seed=seed)
+        return s
+
+    s = state(7)
+    for name in ("h.0.ln_1.weight", "h.0.ln_2.weight", "ln_f.weight"):
+        assert torch.equal(s[name], torch.ones(64)), name
+    assert torch.equal(s["ln_f.bias"], torch.zeros(64)) and torch.equal(s["h.0.attn.c_attn.bias"], torch.zeros(192))
+    assert float(s["wte.weight"].std()) == pytest.approx(0.02, rel=0.02)
+    assert float(s["h.1.mlp.c_proj.weight"].std()) == pytest.approx(0.02 / 4, rel=0.02)  # sqrt(2 · 8) = 4
+    assert abs(float(s["wte.weight"].mean())) < 1e-3
+    again, other = state(7), state(8)
+    assert all(torch.equal(s[k], again[k]) for k in s) and not torch.equal(s["wte.weight"], other["wte.weight"])

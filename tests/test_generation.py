@@ -8,13 +8,14 @@ position per step and the head sees the last position only.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import PROMPT, PROMPT_IDS, build_checkpoint
 
 from lmhead_cli.decoding import generate as generation
-from lmhead_cli.errors import ModeConflict, NonFiniteLogits, UsageError
+from lmhead_cli.errors import BadValue, ModeConflict, NonFiniteLogits, UsageError
 from lmhead_cli.decoding.generate import generate, make_settings
 from lmhead_cli.readings.inspect import encode_prompt
 from lmhead_cli.loading.sources import load_model
@@ -231,3 +232,87 @@ def test_real_gpt2_greedy_the_dog(real_gpt2):
     g = generate(loaded, ids, make_settings(greedy=True, max_new_tokens=18))
     assert ids + g.generated_ids == [464, 3290, 373, 1043, 287, 257, 2214, 1474, 262, 16246, 286, 2688, 290, 2688,
                                      27262, 13, 198, 198, 464, 3290]
+
+
+def test_resolve_without_flags_is_the_default_settings_and_passes_each_flag_on():
+    assert generation.resolve() == generation.Settings()  # ignore_eos False, show_steps 0, 40 new tokens
+    assert generation.resolve(ignore_eos=True).ignore_eos is True
+    with pytest.raises(ModeConflict) as e:  # greedy is named, even with beams asked too
+        generation.resolve(draws=True, greedy=True, beams=2)
+    assert e.value.asked == {"greedy": True}
+    assert str(e.value) == "this mode draws tokens at random, which greedy=True does not"
+
+
+def test_a_finished_beam_adds_up_within_float32_rounding_per_step():
+    """The allowance is 1e-6 × max(1, |log p|) per token: 1e-6 for one token of log p -1, 4e-6 for four."""
+    def beam(scores, logprob):
+        return generation.FinishedBeam(ids=list(range(len(scores))), text="", transition_scores=scores,
+                                       logprob=logprob, score=logprob / len(scores), stop="max_new_tokens")
+
+    assert not beam([-1.0 - 1.5e-6], -1.0).adds_up  # off by 1.5e-6 in one step: more than float32 rounding
+    assert beam([-1.0 - 0.5e-6], -1.0).adds_up
+    assert beam([-0.25, -0.25, -0.25, -0.25 - 2e-6], -1.0).adds_up  # 2e-6 over four steps: within 4e-6
+    assert not beam([-0.25, -0.25, -0.25, -0.25 - 5e-6], -1.0).adds_up
+
+
+def test_decode_rate_counts_the_tokens_after_the_first():
+    def run(n, elapsed, first):
+        return generation.Generation(mode="greedy", settings=generation.Settings(), seed=None, prompt_ids=[1],
+                                     generated_ids=list(range(n)), text="", steps=[], stop="max_new_tokens",
+                                     elapsed_s=elapsed, first_token_s=first)
+
+    assert run(3, 2.0, 0.5).decode_tokens_per_second == 2 / 1.5 and run(3, 2.0, 0.5).tokens_per_second == 1.5
+    assert run(1, 2.0, 0.5).decode_tokens_per_second == 0.0  # nothing after the first token
+    assert run(3, 0.5, 0.5).decode_tokens_per_second == 0.0  # no time after it
+
+
+@pytest.mark.parametrize("which", ["raw", "processed"])
+def test_greedy_top_logprobs_come_from_the_distribution_asked(tiny, which):
+    """With a stage active (temperature 2) the two distributions differ; greedy keeps the argmax."""
+    folder, model = tiny
+    g = generate(load(folder), PROMPT_IDS, make_settings(greedy=True, temperature=2.0, max_new_tokens=3,
+                                                         top_logprobs=5, logprobs=which))
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT_IDS + g.generated_ids])).logits[0].float()
+    for i, step in enumerate(g.steps):
+        z = logits[len(PROMPT_IDS) - 1 + i]
+        best = torch.topk(torch.log_softmax(z if which == "raw" else z / 2.0, -1), 5)
+        assert step.top.ids.tolist() == best.indices.tolist()
+        torch.testing.assert_close(step.top.logprobs, best.values, atol=1e-4, rtol=0)
+
+
+def stub_engine(config: dict, device: str = "cpu"):
+    return SimpleNamespace(config=config, dtype=torch.float16, vocab_size=50_000, device=torch.device(device))
+
+
+@pytest.mark.parametrize("config", [{"n_layer": 3, "n_embd": 800}, {"num_hidden_layers": 3, "hidden_size": 800},
+                                    {"num_layers": 3, "hidden_size": 800}], ids=["gpt2", "llama", "gpt-neo"])
+def test_beam_memory_is_the_kv_cache_and_the_logits_rows(config):
+    """Per beam: keys and values (2) × 3 layers × width 800 × 1,000 positions × 2 bytes (float16), plus
+    8 float32 rows of the 50,000-token vocabulary, whichever way the config names its sizes."""
+    per_beam = 2 * 3 * 800 * 1000 * 2 + 8 * 50_000 * 4
+    assert generation.beam_memory(stub_engine(config), 5, 1000) == (5 * per_beam, per_beam)
+
+
+def test_beam_memory_of_a_config_naming_no_sizes_counts_one_layer_of_width_one():
+    per_beam = 2 * 1 * 1 * 1000 * 2 + 8 * 50_000 * 4
+    assert generation.beam_memory(stub_engine({}), 2, 1000) == (2 * per_beam, per_beam)
+
+
+def test_beams_on_cuda_are_checked_against_the_gpus_free_memory(monkeypatch):
+    """available_memory("cuda") is torch.cuda.mem_get_info's free figure, not the host's."""
+    eng = stub_engine({"n_layer": 3, "n_embd": 800}, "cuda")
+    per_beam = 2 * 3 * 800 * 1000 * 2 + 8 * 50_000 * 4  # 11.2 MB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * per_beam + 1, 1 << 40))
+    generation.check_beam_memory(eng, 10, 1000)
+    with pytest.raises(BadValue) as e:
+        generation.check_beam_memory(eng, 11, 1000)
+    assert e.value.problem == ("of 11 need about 123 MB (11 MB of cache and logits per beam), but 112 MB is "
+                               "available; at most 10 beams fit")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_settings_refuse_a_seed_torch_cannot_take(seed):
+    with pytest.raises(BadValue) as e:
+        make_settings(seed=seed)
+    assert str(e.value) == f"seed must be between 0 and 2**63 - 1 (got {seed})"

@@ -251,6 +251,76 @@ def test_end_of_text_ranked_below_the_best_n_candidates_does_not_finish():
     assert max(scores) < math.log(0.2)  # so a finished [end-of-text] would have won: the case is live
 
 
+def bigram_table_of(rows: dict[int, dict[int, float]]) -> torch.Tensor:
+    """(V, V) bigram logits: log p for the probabilities given after each token, the rest of the mass
+    (if any) spread evenly over the other tokens."""
+    table = torch.full((STUB_V, STUB_V), -30.0)
+    for r, probs in rows.items():
+        others = [i for i in range(STUB_V) if i not in probs]
+        rest = 1 - sum(probs.values())
+        if rest > 1e-9:
+            table[r, others] = math.log(rest / len(others))
+        for i, p in probs.items():
+            table[r, i] = math.log(p)
+    return table
+
+
+def up_to_end_of_text(ids: list[int]) -> list[int]:
+    """transformers pads a beam that finished early with the pad token (end-of-text here)."""
+    return ids[:ids.index(STUB_EOS) + 1] if STUB_EOS in ids else ids
+
+
+A, A2, B, C = 4, 7, 5, 6
+# After the prompt: end-of-text .5, A .45; after A: A2 .55, end-of-text .44; after A2: end-of-text .9.
+RUNNER_UP_TABLE = {STUB_PROMPT: {STUB_EOS: .5, A: .45, B: .03, C: .02}, A: {A2: .55, STUB_EOS: .44}, A2: {STUB_EOS: .9}}
+
+
+def test_beam_search_runs_on_while_its_best_running_beam_can_still_win():
+    """After 2 steps, [end-of-text] (log .5) and [A, end-of-text] have finished; the best running beam
+    [A, A2] scores above the worse of them per token, the 2nd running beam far below. transformers runs
+    on, and [A, A2, end-of-text] wins. Mutant: judging by the 2nd running beam stops at 2 steps."""
+    table = bigram_table_of(RUNNER_UP_TABLE)
+    expected, scores = transformers_bigram_beams(table, beams=2, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=3))
+    assert [b.ids for b in g.beams] == [up_to_end_of_text(ids) for ids in expected] == [[A, A2, STUB_EOS], [STUB_EOS]]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.generated_ids == [A, A2, STUB_EOS] and g.stop == "eos"
+
+
+def test_beam_search_stops_as_its_best_beam_did():
+    """One step: the best beam is [end-of-text] (stop "eos"), the 2nd [A] ran out of tokens. The
+    generation's stop is the best beam's. Mutant: the 2nd beam's."""
+    table = bigram_table_of(RUNNER_UP_TABLE)
+    expected, scores = transformers_bigram_beams(table, beams=2, new=1)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=1))
+    assert [b.ids for b in g.beams] == expected == [[STUB_EOS], [A]]
+    assert [b.stop for b in g.beams] == ["eos", "max_new_tokens"] and g.stop == "eos"
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+
+
+def test_finished_beams_with_equal_scores_keep_transformers_order():
+    """Two tokens of exactly equal probability finish together. Mutant: sorting the (score, beam)
+    pairs without a key compares the beams themselves at the tie (a TypeError)."""
+    table = bigram_table_of({STUB_PROMPT: {0: .4, 1: .4}})
+    expected, scores = transformers_bigram_beams(table, beams=2, new=1)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=1))
+    assert [b.ids for b in g.beams] == expected and scores[0] == scores[1]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+
+
+def test_as_many_beams_as_tokens_never_continue_a_finished_one():
+    """16 beams over 16 tokens: at the first step every token is a candidate, so the finished
+    [end-of-text] is among the beams that run on, its score sunk by transformers' -1e9. Mutant: raised
+    by 1e9, its continuations take every beam."""
+    table = bigram_table()
+    expected, scores = transformers_bigram_beams(table, beams=16, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=16, max_new_tokens=3))
+    # the table's rows 0 and 1 tie (one is the other rolled), so beams of equal score may come in either order
+    assert sorted(b.ids for b in g.beams) == sorted(up_to_end_of_text(ids) for ids in expected)
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.beams[0].ids == [STUB_EOS] and all(STUB_EOS not in b.ids for b in g.beams[1:])
+
+
 # ---- diff: the two KL directions ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from torch import nn
 # GPT-2's config keys, each with the names other transformers configs give it.
 CONFIG_ALIASES = {
     "n_positions": ("n_positions", "max_position_embeddings"),
-    "n_layer": ("n_layer", "num_hidden_layers"),
+    "n_layer": ("n_layer", "num_hidden_layers", "num_layers"),  # num_layers: GPT-Neo's config.json
     "n_embd": ("n_embd", "hidden_size"),
 }
 
