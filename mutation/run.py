@@ -248,7 +248,8 @@ def run_module(name: str, jobs: int, fraction: float | None = None) -> dict:
 
 def rerun_survivors(name: str, jobs: int) -> dict:
     """After new tests: copy the tests (and the plugin) into the module's scratch folder and rerun only
-    its mutants that were not detected; mutmut records the new tests' calls first. Then collect."""
+    its mutants that were not detected; mutmut records the new tests' calls first. Then collect.
+    Only tests are copied: after a change to the package itself, run the module afresh."""
     work = SCRATCH / name
     before = statuses(work)
     sampled = set(json.loads((work / "sample.json").read_text())["mutants"]) if (work / "sample.json").exists() else None
@@ -259,8 +260,12 @@ def rerun_survivors(name: str, jobs: int) -> dict:
         shutil.copy(ROOT / "mutation" / "narrow.py", where / "narrow.py")
     start = time.time()
     if left:
-        with open(work / "mutmut-rerun.log", "w") as log:
-            mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
+        log_path = work / "mutmut-rerun.log"
+        with open(log_path, "w") as log:
+            done = mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
+        if done.returncode != 0:  # e.g. the stats of the new tests could not be collected: nothing was rerun
+            raise SystemExit(f"mutmut failed rerunning {name} (exit {done.returncode}); results left as they were; "
+                             f"the end of {log_path}:\n{log_path.read_text()[-3000:]}")
     seconds = work / "seconds"
     seconds.write_text(str(int(seconds.read_text() if seconds.exists() else 0) + round(time.time() - start)))
     return collect(name)
