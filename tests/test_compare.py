@@ -336,3 +336,114 @@ def test_cli_nan_is_one_line_exit_1(pair, tmp_path):
     got = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--base", bad])
     assert got.exit_code == 1 and f"the base {bad} (float32) produced non-finite logits" in got.stderr
     assert got.stderr.count("\n") == 1 and "Traceback" not in got.output
+
+
+# ---- the mutants' tests (docs/mutation-testing.md) -------------------------------------------------
+
+def test_statistics_of_columns_match_numpy_and_one_position_has_no_uncertainty():
+    from lmhead_cli.readings.agreement import statistics
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.rand(40, generator=g, dtype=torch.float64) * 5, torch.rand(40, generator=g, dtype=torch.float64) * 5
+    b = 0.7 * a + 0.3 * b  # correlated, as two models of one text are
+    s = statistics(a, b, torch.rand(40, generator=g), torch.rand(40, generator=g) > 0.3)
+    x, y, n = a.numpy(), b.numpy(), 40
+    pq, pb = math.exp(x.mean()), math.exp(y.mean())
+    uq, ub = x.std() / math.sqrt(n - 1), y.std() / math.sqrt(n - 1)
+    cov = np.cov(x, y, bias=True)[0, 1] / (n - 1)
+    assert s.ppl_diff.value == pytest.approx(pq - pb, rel=1e-12)
+    assert s.ppl_diff.uncertainty == pytest.approx(math.sqrt((pq * uq) ** 2 + (pb * ub) ** 2 - 2 * pq * pb * cov),
+                                                   rel=1e-9)
+    one = statistics(a[:1], b[:1], torch.ones(1), torch.ones(1, dtype=torch.bool))
+    assert one.positions == 1 and one.ppl_q.value == pytest.approx(math.exp(float(a[0])))
+    assert (one.ppl_q.uncertainty, one.ppl_base.uncertainty, one.cor_ln_ppl, one.ppl_diff.uncertainty,
+            one.ppl_ratio.uncertainty, one.same_top.uncertainty) == (None,) * 6
+
+
+def test_percentile_of_an_infinite_maximum_is_infinite():
+    x = torch.tensor([0.0, 1.0, math.inf], dtype=torch.float64)
+    assert percentile(x, 1.0) == math.inf and percentile(x, 0.0) == 0.0
+
+
+def test_a_text_of_two_tokens_is_compared(pair):
+    q = load_model(str(pair[0]), device="cpu")
+    c = compare_text(q, q, "Hello world")
+    assert len(c.ids) == 2 and c.positions == 1 and c.stats.positions == 1
+    assert c.stats.ppl_q.uncertainty is None
+
+
+def test_bos_scores_the_first_token_as_transformers_and_stride_is_half_the_context(pair):
+    base_dir, base_model = pair[0], pair[1]
+    q = load_model(str(base_dir), device="cpu")
+    c = compare_text(q, q, TEXT, bos=True)
+    assert c.stride == N_CTX // 2 and c.window == N_CTX
+    ids = c.ids.tolist()
+    assert len(c.kld) == len(c.scored) == len(ids) and bool(c.scored.all())
+    ref = reference_rows(base_model, [50256, *ids], N_CTX, N_CTX // 2)  # GPT-2's <|endoftext|> opens the text
+    want = [float(ref[i + 1][t]) for i, t in enumerate(ids)]
+    assert c.logprob_q.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_a_top_token_of_id_0_is_scored(pair, monkeypatch):
+    q = load_model(str(pair[0]), device="cpu")
+    head = q.engine.head
+    monkeypatch.setattr(q.engine, "head", lambda h: head(h).index_add(-1, torch.tensor([0]),
+                                                                       torch.full((h.shape[0], 1), 50.0)))
+    c = compare_text(q, q, TEXT)
+    assert c.positions == len(c.ids) - 1 and bool((c.top_q[1:] == 0).all())
+
+
+class _OnAnotherDevice:
+    """An engine that says it is on the meta device; its body records where its input is and reads the
+    window the other model last read (the same tokens, on the CPU)."""
+
+    device = torch.device("meta")
+
+    def __init__(self, engine, windows: list):
+        self._engine, self.windows, self.seen = engine, windows, []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def body(self, x, *args, **kwargs):
+        self.seen.append(x.device)
+        return self._engine.body(self.windows[-1], *args, **kwargs)
+
+
+def test_the_window_goes_to_the_bases_device(pair):
+    import dataclasses
+    q, base = load_model(str(pair[2]), device="cpu"), load_model(str(pair[0]), device="cpu")
+    windows, body = [], q.engine.body
+    q.engine.body = lambda x, *a, **k: windows.append(x) or body(x, *a, **k)
+    other = dataclasses.replace(base, engine=_OnAnotherDevice(base.engine, windows))
+    want = compare_text(q, base, TEXT).stats
+    got = compare_text(q, other, TEXT).stats
+    assert other.engine.seen and set(other.engine.seen) == {torch.device("meta")}
+    assert got == want
+
+
+def test_dtype_of_an_engine_without_weight_format_and_random_weights_are_as_given(pair):
+    from types import SimpleNamespace
+
+    from lmhead_cli.readings.compare import dtype_name
+    assert dtype_name(SimpleNamespace(engine=SimpleNamespace(dtype=torch.bfloat16))) == "bfloat16"
+    q = load_model(str(pair[0]), device="cpu")
+    c = compare_text(q, q, "Hello world")
+    assert c.q.random_weights is False and c.base.random_weights is False
+
+
+def test_another_tokenizer_table_names_the_first_token_that_differs(pair, monkeypatch):
+    q, base = load_model(str(pair[0]), device="cpu"), load_model(str(pair[0]), device="cpu")
+    table = base.tokenizer.tok.get_vocab(with_added_tokens=True)
+    del table["Hello"]  # one token fewer, only on the base's side
+    monkeypatch.setattr(base.tokenizer.tok, "get_vocab", lambda with_added_tokens=True: dict(table))
+    with pytest.raises(Mismatch, match=rf"differ first at id {q.tokenizer.tok.get_vocab()['Hello']}, 'Hello'"):
+        compare_text(q, base, TEXT)
+
+
+def test_profile_means_per_consecutive_positions(compared):
+    kld = compared.kld[compared.scored].double().numpy()
+    for width in (1, 7, 40, 10_000):
+        values, per = compared.profile(width)
+        assert per == max(1, math.ceil(len(kld) / width)) and len(values) == math.ceil(len(kld) / per)
+        want = [kld[i:i + per].mean() for i in range(0, len(kld), per)]
+        assert values == pytest.approx(want, rel=1e-5)
