@@ -84,6 +84,15 @@ def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     return (-p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)).clamp_min(0.0) + 0.0
 
 
+def perplexity(mean_nll: float) -> float:
+    """exp(mean negative log-likelihood), inf where that overflows a float (a mean above ~709.8 nats, which a
+    model with huge logits reaches) instead of OverflowError."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
 def nats_to_bits(nats: float) -> float:
     return nats / math.log(2)
 

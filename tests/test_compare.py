@@ -447,3 +447,22 @@ def test_profile_means_per_consecutive_positions(compared):
         assert per == max(1, math.ceil(len(kld) / width)) and len(values) == math.ceil(len(kld) / per)
         want = [kld[i:i + per].mean() for i in range(0, len(kld), per)]
         assert values == pytest.approx(want, rel=1e-5)
+
+
+def test_a_mean_nll_beyond_a_floats_exp_gives_an_infinite_perplexity_not_an_error():
+    """A model with huge logits can average more than ~709.8 nats a token: exp overflows a float there.
+    compare's statistics and score's perplexity then say inf (the JSON writer makes it finite), not crash."""
+    import torch
+
+    from lmhead_cli.readings.agreement import statistics
+    from lmhead_cli.readings.score import Corpus
+
+    nll_q = torch.tensor([800.0, 820.0, 810.0])
+    nll_b = torch.tensor([2.0, 3.0, 2.5])
+    s = statistics(nll_q, nll_b, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([False, True, False]))
+    assert s.ppl_q.value == math.inf and s.ppl_ratio.value == math.inf
+    assert s.ppl_base.value == pytest.approx(math.exp(2.5))
+    assert s.ln_ppl_ratio.value == pytest.approx(810.0 - 2.5)
+    corpus = Corpus()
+    corpus.nll, corpus.tokens = 800.0 * 3, 3
+    assert corpus.perplexity == math.inf

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmhead_cli.head import perplexity
+
 # (label, fraction) of the percentiles llama-perplexity prints, highest first.
 KLD_PERCENTILES = (("max", 1.0), ("99.9%", 0.999), ("99%", 0.99), ("95%", 0.95), ("90%", 0.90),
                    ("median", 0.5), ("10%", 0.10), ("5%", 0.05), ("1%", 0.01), ("0.1%", 0.001), ("min", 0.0))
@@ -113,7 +115,7 @@ def statistics(nll_q: torch.Tensor, nll_base: torch.Tensor, kld: torch.Tensor, s
     n = len(a)
     lq, lb = mean_and_uncertainty(a), mean_and_uncertainty(b)
     cov = covariance_of_means(a, b)
-    ppl_q, ppl_b = math.exp(lq.value), math.exp(lb.value)
+    ppl_q, ppl_b = perplexity(lq.value), perplexity(lb.value)
 
     def times(scale: float, u: float | None) -> float | None:
         return None if u is None else scale * u
@@ -141,7 +143,7 @@ def statistics(nll_q: torch.Tensor, nll_base: torch.Tensor, kld: torch.Tensor, s
         ppl_base=Estimate(ppl_b, times(ppl_b, lb.uncertainty)),
         cor_ln_ppl=cor,
         ln_ppl_ratio=Estimate(ln_ratio, ratio_u),
-        ppl_ratio=Estimate(math.exp(ln_ratio), times(math.exp(ln_ratio), ratio_u)),
+        ppl_ratio=Estimate(perplexity(ln_ratio), times(perplexity(ln_ratio), ratio_u)),
         ppl_diff=Estimate(ppl_q - ppl_b, diff_u),
         kld_mean=mean_and_uncertainty(k),
         kld_percentiles=percentiles(k, KLD_PERCENTILES),

@@ -29,7 +29,7 @@ import torch
 from lmhead_cli.errors import BadValue, OneToken, UnsupportedModel, UsageError
 from lmhead_cli import inputs
 from lmhead_cli.readings.ranks import BUCKETS
-from lmhead_cli.head import check_top_logprobs, nats_to_bits, score_rows
+from lmhead_cli.head import check_top_logprobs, nats_to_bits, perplexity, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.readings.inspect import check_prompt
 from lmhead_cli.loading.sources import Loaded
@@ -158,7 +158,7 @@ class Score:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.mean_nll)
+        return perplexity(self.mean_nll)
 
     @property
     def bits_per_byte(self) -> float | None:
@@ -373,7 +373,7 @@ class Corpus:
     @property
     def perplexity(self) -> float | None:
         """exp(total NLL / total scored tokens): every token weighs the same, whatever its line."""
-        return math.exp(self.mean_nll) if self.tokens else None
+        return perplexity(self.mean_nll) if self.tokens else None
 
     @property
     def bits_per_byte(self) -> float | None:
