@@ -29,7 +29,7 @@ from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.agreement import Statistics, statistics
 from lmhead_cli.readings.chunks import COMPARE_BUFFERS
 from lmhead_cli.readings.chunks import default_chunk as _chunk
-from lmhead_cli.readings.score import (bos_id, check_chunk, check_stride, check_text,
+from lmhead_cli.readings.score import (bos_id, check_chunk, check_stride, check_text, run_means,
                                        text_ids, windows)
 
 
@@ -162,12 +162,7 @@ class Comparison:
     def profile(self, width: int) -> tuple[list[float], int]:
         """KL divergence along the text for a sparkline of at most `width` marks, each the mean of
         `per` consecutive scored positions. Returns (values, per)."""
-        kld = self.kld[self.scored]
-        per = max(1, math.ceil(len(kld) / max(width, 1)))
-        pad = (-len(kld)) % per
-        if pad:
-            kld = torch.cat([kld, kld.new_full((pad,), math.nan)])
-        return kld.view(-1, per).nanmean(-1).tolist(), per
+        return run_means(self.kld[self.scored], width)
 
 
 # ---- the computation ---------------------------------------------------------------------------

@@ -218,15 +218,20 @@ class Score:
     def profile(self, width: int) -> tuple[list[float], int]:
         """Surprisal in bits for a sparkline of at most `width` marks: the scored tokens in order,
         each mark the mean of `per` consecutive ones. Returns (values, per)."""
-        bits = self.surprisal_bits[self.scored]
-        per = max(1, math.ceil(len(bits) / max(width, 1)))
-        pad = (-len(bits)) % per
-        if pad:
-            bits = torch.cat([bits, bits.new_full((pad,), math.nan)])
-        return bits.view(-1, per).nanmean(-1).tolist(), per
+        return run_means(self.surprisal_bits[self.scored], width)
 
 
 # ---- the computation ---------------------------------------------------------------------------
+
+def run_means(values: torch.Tensor, width: int) -> tuple[list[float], int]:
+    """A sparkline's marks: `values` (n,) in order, at most `width` marks, each the mean of `per`
+    consecutive values (the last run may be shorter). Returns (means, per)."""
+    per = max(1, math.ceil(len(values) / max(width, 1)))
+    pad = (-len(values)) % per
+    if pad:
+        values = torch.cat([values, values.new_full((pad,), math.nan)])
+    return values.view(-1, per).nanmean(-1).tolist(), per
+
 
 def check_text(text: str, source: str = "the text") -> str:
     """The text, or a UsageError when it is empty or not valid Unicode (undecodable bytes in argv
