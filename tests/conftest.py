@@ -10,7 +10,11 @@ from helpers import build_checkpoint, real_gpt2_folder
 
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path, monkeypatch):
-    """No test reads the user's settings or reaches the network; caches live in tmp_path."""
+    """No test reads the user's settings or reaches the network; caches live in tmp_path. Every test sees
+    the same terminal, whatever the shell that runs pytest sets: 80 columns, colour not turned off (a test
+    about narrow terminals or NO_COLOR sets them itself)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("LMHEAD_MODEL", raising=False)
