@@ -218,25 +218,27 @@ def all_mutants(work: Path) -> list[str]:
     return json.loads(out.stdout)
 
 
-def sample_of(name: str, mutants: list[str], fraction: float) -> list[str]:
-    """A seeded random sample of a module's mutants (the same for the same module, mutants and fraction),
-    in the mutants' order."""
+def sample_of(name: str, mutants: list[str], fraction: float, seed: int = SAMPLE_SEED) -> list[str]:
+    """A seeded random sample of a module's mutants (the same for the same module, mutants, fraction and
+    seed), in the mutants' order. A new seed draws a fresh sample: after tests were written for one
+    sample's survivors, only a fresh one measures the suite without that bias."""
     import random
 
     k = min(len(mutants), max(1, round(len(mutants) * fraction)))
-    chosen = set(random.Random(f"{name}:{SAMPLE_SEED}").sample(sorted(mutants), k))
+    chosen = set(random.Random(f"{name}:{seed}").sample(sorted(mutants), k))
     return [m for m in mutants if m in chosen]
 
 
-def run_module(name: str, jobs: int, fraction: float | None = None) -> dict:
+def run_module(name: str, jobs: int, fraction: float | None = None, seed: int = SAMPLE_SEED) -> dict:
     work = prepare(name)
     start = time.time()
     log_path = work / "mutmut.log"
     names: list[str] = []
     if fraction is not None:
         every = all_mutants(work)
-        names = sample_of(name, every, fraction)
-        (work / "sample.json").write_text(json.dumps({"fraction": fraction, "of": len(every), "mutants": names}))
+        names = sample_of(name, every, fraction, seed)
+        (work / "sample.json").write_text(json.dumps({"fraction": fraction, "seed": seed, "of": len(every),
+                                                      "mutants": names}))
     with open(log_path, "w") as log:
         done = mutmut(work, "run", "--max-children", str(jobs), *names, log=log)
     (work / "seconds").write_text(str(round(time.time() - start)))
@@ -304,7 +306,8 @@ def collect(name: str) -> dict:
             "date": made["date"], "commit": made["commit"], "seconds": round(elapsed),
             "mutants": len(found), "counts": counts, "equivalent": equivalent, "survivors": survivors,
             "detected": detected, "considered": considered,
-            "sample": {"fraction": sample["fraction"], "mutants": len(sample["mutants"]), "of": sample["of"]}
+            "sample": {"fraction": sample["fraction"], "seed": sample.get("seed", SAMPLE_SEED),
+                       "mutants": len(sample["mutants"]), "of": sample["of"]}
             if sample else None,
             # mean tests per mutant: those that call its function (mutmut), those that execute its statement (narrow.py)
             "tests_per_mutant": [round(sum(int(n[1]) for n in narrowed) / len(narrowed), 1),
@@ -372,7 +375,7 @@ def write_report(results: dict) -> None:
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r["counts"]
-        sampled = f"{r['sample']['mutants']}" if r.get("sample") else "all"
+        sampled = f"{r['sample']['mutants']} (seed {r['sample'].get('seed', SAMPLE_SEED)})" if r.get("sample") else "all"
         low, high = wilson(r["detected"], r["considered"])
         lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {sampled} | {r['detected']} | "
                      f"{c.get('survived', 0) - len(r['equivalent'])} | {c.get('no tests', 0)} | {len(r['equivalent'])} | "
@@ -411,6 +414,8 @@ def main() -> None:
     p.add_argument("--sample", type=float, metavar="FRACTION",
                    help="run a seeded random sample of each module's mutants (0 < FRACTION ≤ 1); the report "
                         "gives the score of the sample with its 95%% interval")
+    p.add_argument("--seed", type=int, default=SAMPLE_SEED,
+                   help=f"--sample's seed (default {SAMPLE_SEED}); a new seed draws a fresh sample")
     p.add_argument("--tests", nargs="+", help="test files to use instead of the module's (a trial; not recorded)")
     a = p.parse_args()
     if a.list:
@@ -426,7 +431,7 @@ def main() -> None:
         if a.tests:
             MODULES[name] = (MODULES[name][0], a.tests)
         print(f"{name}: {'collecting' if a.collect else 'running mutmut on'} {', '.join(MODULES[name][0])} ...", flush=True)
-        r = collect(name) if a.collect else rerun_survivors(name, a.jobs) if a.rerun else run_module(name, a.jobs, a.sample)
+        r = collect(name) if a.collect else rerun_survivors(name, a.jobs) if a.rerun else run_module(name, a.jobs, a.sample, a.seed)
         if a.tests:
             print(json.dumps(r, indent=1, ensure_ascii=False))
             continue
