@@ -4,7 +4,7 @@ one JSON line.
     python benchmarks/probes.py bandwidth
     python benchmarks/probes.py head FOLDER T REPEATS
     python benchmarks/probes.py head-forms FOLDER REPEATS
-    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE linear|blocked|packed
+    python benchmarks/probes.py decode FOLDER PROMPT N DTYPE linear|gemv|blocked|-
     python benchmarks/probes.py step FOLDER STEPS
     python benchmarks/probes.py profile FOLDER DTYPE FORM|-   (torch.profiler over decoding steps)
     python benchmarks/probes.py side-by-side FOLDER THREADS ROUNDS SPEC...   (DTYPE:FORM or hf:DTYPE steps, alternating)

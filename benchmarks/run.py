@@ -141,15 +141,14 @@ def distributed(folder: Path, n: int, procs: int, repeats: int) -> dict:
 
 
 # The greedy-decoding variants: (label, how it runs). lmhead's own rows run `lmhead greedy --json`;
-# "threads" fixes --threads, "spin" is OpenMP's default (spinning) wait instead of lmhead's passive one.
+# "threads" fixes --threads, "spin" is OpenMP's endless spinning wait instead of lmhead's ~1 ms spin.
 VARIANTS = {
     "lmhead": {"via": "`lmhead greedy`"},
     "lmhead, 1 thread": {"via": "`lmhead greedy --threads 1`", "threads": 1},
     "lmhead, spinning threads": {"via": "`OMP_WAIT_POLICY=ACTIVE lmhead greedy --threads N`", "spin": True},
-    "lmhead, linear form": {"via": "engine loop, BLAS over rows", "probe": "linear"},
-    "lmhead, gemv form": {"via": "engine loop, BLAS gemv over rows", "probe": "gemv"},
+    "lmhead, linear form": {"via": "engine loop, gemm", "probe": "linear"},
+    "lmhead, gemv form": {"via": "engine loop, gemv", "probe": "gemv"},
     "lmhead, blocked form": {"via": "engine loop, blocked rows", "probe": "blocked"},
-    "lmhead, packed form": {"via": "engine loop, oneDNN packed", "probe": "packed"},
     "transformers": {"via": "`generate()`"},
 }
 
@@ -401,11 +400,12 @@ def report(R: dict, args) -> str:
         "token to the last (the steady rate, which the bound and every ratio here are about), in a fresh process "
         "each; every row of the table alternates with every other in one loop. lmhead: `lmhead greedy --json`, its "
         "own figures, with its defaults: threads (torch's count or 1) and product form chosen by timing the first "
-        "steps, OpenMP threads waiting passively; `1 thread` fixes `--threads 1`; `spinning threads` is torch's "
-        "count with OpenMP's default spinning wait; `linear`, `gemv`, `blocked` and `packed form` are the engine "
-        "loop (benchmarks/probes.py decode) with one product form fixed on torch's thread count: BLAS's gemm (oneDNN "
-        "for bfloat16) over the weights' rows, which is how transformers runs them too; BLAS's gemv over the same "
-        "rows; batched matmuls over row blocks; oneDNN over a packed copy. int8: `lmhead greedy --dtype int8` (engine/int8.py). transformers: "
+        "steps, OpenMP threads spinning ~1 ms before they sleep; `1 thread` fixes `--threads 1`; `spinning threads` "
+        "is torch's count with threads that spin without end (OMP_WAIT_POLICY=ACTIVE); `linear`, `gemv` and `blocked form` are the engine "
+        "loop (benchmarks/probes.py decode) with one product form fixed on torch's thread count: gemm (BLAS; oneDNN "
+        "for bfloat16), which is how transformers runs them too; gemv (BLAS; torch's own for bfloat16); batched "
+        "matmuls over row blocks (bfloat16 only). float32 reads the checkpoint's (in, out) matrices in place, bfloat16 (out, in) "
+        "rows made at load. int8: `lmhead greedy --dtype int8` (engine/int8.py). transformers: "
         "benchmarks/transformers_generate.py, `generate(do_sample=False)`. The bandwidth bound is the weight "
         "bytes one step reads (every matrix once; the tied head's E once; int8: the int8 tables and their "
         "float32 scales) ÷ the read bandwidth above: the speed if nothing but reading the weights took any time; "
@@ -667,9 +667,9 @@ def main() -> None:
         bandwidths.append(probe("bandwidth"))
     f32 = ["lmhead", "transformers"] if args.quick or not cpu else \
         ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, linear form", "lmhead, gemv form",
-         "lmhead, blocked form", "transformers"]
+         "transformers"]
     b16 = ["lmhead", "transformers"] if args.quick or not cpu else \
-        ["lmhead", "lmhead, linear form", "lmhead, blocked form", "lmhead, packed form", "transformers"]
+        ["lmhead", "lmhead, gemv form", "lmhead, linear form", "lmhead, blocked form", "transformers"]
     R["decode"] = decode(folder, args.decode_repeats, args.new_tokens,
                          {"float32": f32, "bfloat16": b16, **({"int8": ["lmhead"]} if cpu else {})}, args.device)
     if not args.quick and not args.decode_only:
@@ -688,8 +688,8 @@ def main() -> None:
         steps = [probe("step", str(folder), "60") for _ in range(3)]
         R["step"] = {k: median([p[k] for p in steps]) for k in steps[0]}
         R["profiles"] = [probe("profile", str(folder), dtype, form)
-                         for dtype, form in (("float32", "linear"), ("float32", "gemv"), ("int8", "int_mm"),
-                                             ("bfloat16", "packed"))]
+                         for dtype, form in (("float32", "linear"), ("float32", "gemv"), ("int8", "-"),
+                                             ("bfloat16", "gemv"))]
         bandwidths.append(probe("bandwidth"))
     if cpu and not args.quick and not args.decode_only:
         section("head alone")

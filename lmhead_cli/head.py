@@ -122,6 +122,14 @@ def rank_of(logits: torch.Tensor, token_id: int) -> int:
     return int(ranks(logits, torch.tensor([token_id], device=logits.device))[0])
 
 
+def top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the k highest of `logits` (V,), highest first, ties lowest id first: (k,) long."""
+    kth = torch.topk(logits, k).values[-1]
+    candidates = torch.nonzero(logits >= kth).squeeze(1)  # ascending ids, at least k of them
+    order = torch.sort(logits[candidates], descending=True, stable=True).indices[:k]
+    return candidates[order]
+
+
 def check_top_k(k: int) -> int:
     """A top-k table's size as asked: BadValue unless at least 1."""
     if k < 1:
@@ -177,8 +185,11 @@ class Distribution:
         return rank_of(self.logits, token_id)
 
     def top(self, k: int, token_text) -> list[TokenScore]:
-        """The k highest logits as a ranked table; token_text(id) gives each token's text."""
-        values, ids = torch.topk(self.logits, min(k, self.vocab))
+        """The k highest logits as a ranked table; token_text(id) gives each token's text. Tied logits
+        come lowest id first, as greedy decoding's argmax takes them, whatever k is (torch.topk alone
+        orders ties differently for different k)."""
+        ids = top_ids(self.logits, min(k, self.vocab))
+        values = self.logits[ids]
         return [TokenScore(rank=i + 1, id=int(t), token=token_text(int(t)), logit=float(v),
                            prob=float(self.logprobs[t].exp()), logprob=float(self.logprobs[t]))
                 for i, (v, t) in enumerate(zip(values, ids))]

@@ -152,7 +152,7 @@ def test_multi_token_target_uses_its_first_token(tiny):
     ([PROMPT], "attribute needs --target"),
     (["-t", " are"], "give a prompt"),
     (["", "-t", " are"], "the prompt is empty"),
-    ([PROMPT, "-t", ""], "encodes to no tokens"),
+    ([PROMPT, "-t", ""], "--target '' encodes to no tokens; give a token such as ' are'"),
     ([PROMPT, "-t", " are", "--vs", ""], "--vs '' encodes to no tokens"),
 ])
 def test_bad_input_exits_2(args, message):
@@ -181,14 +181,16 @@ def test_a_stream_that_is_not_the_sum_of_the_parts_is_refused(tiny, monkeypatch)
         return c
 
     monkeypatch.setattr(loaded.engine, "components", without_mlps)
-    with pytest.raises(UnsupportedModel, match="not the sum of its embeddings, attention and MLP outputs"):
+    with pytest.raises(UnsupportedModel) as e:
         attribute_logit(loaded, PROMPT, " are")
+    assert str(e.value).startswith("this model's residual stream is not the sum of its embeddings, attention and "
+                                   "MLP outputs (off by ")
 
 
 def test_the_final_norm_is_named_as_its_kind(tiny):
     """GPT-2's final norm is a LayerNorm (centred): the table names it and centres each part."""
     a = attribute_logit(load_model(str(tiny[0]), device="cpu"), PROMPT, " are")
-    assert a.norm == "LayerNorm"
+    assert a.norm == "LayerNorm" and a.engine == "lean"
     r = cli("attribute", PROMPT, "-t", " are", "--model", str(tiny[0]))
     assert "the final LayerNorm's scale" in r.stdout and "centre(part)" in r.stdout
 

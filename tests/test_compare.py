@@ -466,3 +466,36 @@ def test_a_mean_nll_beyond_a_floats_exp_gives_an_infinite_perplexity_not_an_erro
     corpus = Corpus()
     corpus.nll, corpus.tokens = 800.0 * 3, 3
     assert corpus.perplexity == math.inf
+
+
+def test_two_positions_already_have_uncertainties():
+    """n = 2 is the first n with an uncertainty (n − 1 = 1): mean ± √(var/1), the covariance of the
+    means, and same-top's √(p(1−p)/1)."""
+    from lmhead_cli.readings.agreement import Estimate, covariance_of_means, mean_and_uncertainty, statistics
+
+    a, b = torch.tensor([1.0, 3.0], dtype=torch.float64), torch.tensor([2.0, 6.0], dtype=torch.float64)
+    assert mean_and_uncertainty(a) == Estimate(2.0, 1.0)  # var = (1 + 9)/2 − 4 = 1
+    assert mean_and_uncertainty(a[:1]).uncertainty is None and covariance_of_means(a[:1], b[:1]) is None
+    assert covariance_of_means(a, b) == pytest.approx(2.0)  # (mean(a·b) = 10) − 2·4
+    s = statistics(a, b, torch.tensor([0.1, 0.3]), torch.tensor([True, False]))
+    assert s.same_top.value == 0.5 and s.same_top.uncertainty == pytest.approx(0.5)
+    assert s.positions == 2 and s.kld_mean.uncertainty == pytest.approx(0.1)
+
+
+def test_progress_counts_the_scored_positions_up_to_the_total(pair):
+    q = load_model(str(pair[0]), device="cpu")
+    seen = []
+    compare_text(q, q, TEXT, chunk=5, progress=lambda done, total: seen.append((done, total)))
+    assert len(seen) > 1 and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert seen[-1][0] == seen[-1][1] and len({t for _, t in seen}) == 1
+
+
+def test_bos_is_reported_as_asked_and_int8_by_its_storage(pair):
+    from types import SimpleNamespace
+
+    from lmhead_cli.readings.compare import dtype_name
+
+    q = load_model(str(pair[0]), device="cpu")
+    assert compare_text(q, q, TEXT).bos is False and compare_text(q, q, TEXT, bos=True).bos is True
+    int8 = SimpleNamespace(engine=SimpleNamespace(weight_format="int8", dtype=torch.float32))
+    assert dtype_name(int8) == "int8"

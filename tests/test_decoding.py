@@ -457,3 +457,54 @@ def test_a_huge_preset_file_is_refused_after_reading_only_past_the_limit(tmp_pat
     with pytest.raises(UsageError) as e:
         presets.load_preset(str(f))
     assert str(e.value) == f"{f} is larger than 1,048,576 bytes; a preset is a few lines"
+
+
+def test_a_preset_that_is_not_utf8_is_named_in_the_error(tmp_path):
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "mine.toml"
+    f.write_bytes(b'temperature = 0.8\ndescription = "caf\xe9"\n')
+    with pytest.raises(UsageError) as e:
+        presets.load_preset(str(f))
+    assert str(e.value).startswith(f"{f} is not UTF-8 text (byte 0xe9 at byte ")
+
+
+def test_a_settings_first_listed_option_is_its_name_on_the_command_line():
+    """Setting.option: the first of `options` where it lists any, else --key-with-dashes."""
+    from lmhead_cli.decoding.stages import Rule, Setting
+
+    rule = Rule(lambda v: v >= 0, "0 or more")
+    assert Setting("max_width", int, rule, options=("--width", "-w")).option == "--width"
+    assert Setting("max_width", int, rule).option == "--max-width"
+
+
+def test_sampling_draws_one_token_per_row():
+    """choose: (R, V) -> (R,) for any number of rows, greedy or drawn."""
+    logprobs = torch.log_softmax(torch.randn(3, 11, generator=torch.Generator().manual_seed(0)), -1)
+    for greedy in (True, False):
+        got = decoding.choose(logprobs, greedy, torch.Generator().manual_seed(1))
+        assert got.shape == (3,) and got.dtype == torch.int64
+
+
+def test_softcap_stays_inside_under_a_float64_default_dtype(restore_default_dtype):
+    """A notebook may set torch's default dtype to float64: the cap is still never reached in float32."""
+    torch.set_default_dtype(torch.float64)
+    z = torch.tensor([1e6, -1e6, 29.0], dtype=torch.float32)
+    got = decoding.softcap(z, 30.0)
+    assert got.dtype == torch.float32 and bool((got.abs() < 30.0).all())
+
+
+def test_the_softcap_processor_keeps_the_scores_dtype():
+    """transformers hands the processor scores in the model's dtype; it returns them capped, in that dtype."""
+    processor = decoding.softcap_processor(30.0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        scores = torch.tensor([[100.0, -3.0, 0.5]], dtype=dtype)
+        got = processor(torch.tensor([[1]]), scores)
+        assert got.dtype == dtype and float(got[0, 0]) < 30.0
+
+
+@pytest.fixture
+def restore_default_dtype():
+    before = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(before)

@@ -141,6 +141,7 @@ def test_sampling_replays_with_its_seed_and_draws_one_when_none_is_given(tiny):
     run = lambda seed: generate(loaded, PROMPT_IDS, make_settings(seed=seed, max_new_tokens=8))  # noqa: E731
     first = run(None)
     assert first.seed is not None and first.mode == "sample"
+    assert 0 <= first.seed < 2**32  # a drawn seed fits 32 bits: short to type back, and any seed API takes it
     assert run(first.seed).generated_ids == first.generated_ids
     assert run(1).generated_ids == run(1).generated_ids
     assert len({tuple(run(s).generated_ids) for s in range(4)}) > 1
@@ -203,6 +204,12 @@ def test_streamed_text_is_the_whole_text_and_splits_no_character(tiny):
     stream = generation._Text(loaded.tokenizer)
     out = [stream.add(i) for i in ids] + [stream.flush()]
     assert "".join(out) == text and not any("\ufffd" in piece for piece in out)
+    # an answer that stops inside a character (max_new_tokens) ends with U+FFFD for its bytes so far
+    emoji = loaded.tokenizer.encode("🙂")
+    assert len(emoji) > 1
+    stream = generation._Text(loaded.tokenizer)
+    assert [stream.add(i) for i in emoji[:-1]] == [""] * (len(emoji) - 1)
+    assert stream.flush() == "\ufffd" and stream.text == "\ufffd"
 
 
 def test_an_empty_prompt_is_a_usage_error(tiny):

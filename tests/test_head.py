@@ -260,3 +260,18 @@ def test_rank_of_and_target_score_on_the_gpu():
     z = ROW.cuda()
     assert head.rank_of(z, int(ROW.argmax())) == 1
     assert head.Distribution(z).target("x", [int(ROW.argmin())], str).rank == 50
+
+
+def test_top_k_orders_ties_lowest_id_first_for_every_k():
+    """torch.topk alone puts tied logits in an order that depends on k (ids 3 and 2 tied at the top of
+    1,000: topk(1) gives 2, topk(2) gives 3 first); the table gives 2 first for every k, as argmax does."""
+    from lmhead_cli.head import Distribution
+
+    logits = torch.zeros(1000)
+    logits[[3, 2, 999, 5]] = torch.tensor([2.0, 2.0, 1.0, 1.0])
+    d = Distribution(logits)
+    for k in (1, 2, 3, 4, 7):
+        got = [t.id for t in d.top(k, str)]
+        assert got == [2, 3, 5, 999, 0, 1, 4][:k], k
+    assert [t.rank for t in d.top(4, str)] == [1, 2, 3, 4] and int(logits.argmax()) == 2
+    assert [t.id for t in Distribution(torch.zeros(50257)).top(3, str)] == [0, 1, 2]

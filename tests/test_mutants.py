@@ -376,3 +376,37 @@ def test_lean_engine_matches_transformers_where_gelu_new_and_gelu_differ(loud):
     for t in range(ids.shape[1] - 3, ids.shape[1]):  # the last three positions one at a time
         step = eng.head(eng.body(ids[:, t:t + 1], cache))[0, 0]
         torch.testing.assert_close(step, expected[t], atol=atol, rtol=0)
+
+
+class DeviceCheckingEngine(BigramEngine):
+    """A bigram engine that refuses ids and cache rows on any device but its own."""
+
+    def __init__(self, table):
+        super().__init__(table)
+        self.seen = []
+
+    def _check(self, t):
+        self.seen.append(t.device)
+        assert t.device == self.device, f"handed a tensor on {t.device}, the engine is on {self.device}"
+
+    def reorder_cache(self, cache, rows):
+        self._check(rows)
+        return cache
+
+    def last_logits(self, ids, cache=None):
+        self._check(ids)
+        return super().last_logits(ids, cache)
+
+
+@pytest.mark.parametrize("settings", [dict(greedy=True, max_new_tokens=3), dict(beams=2, max_new_tokens=3)],
+                         ids=["one sequence", "beams"])
+def test_generate_hands_the_engine_tensors_on_its_own_device(settings):
+    """The prompt, each step's ids and the beams' cache rows are made on the engine's device, not on
+    torch's default one: here the default is the meta device (as a GPU would differ from the CPU)."""
+    loaded = bigram_loaded(bigram_table())
+    loaded.engine = DeviceCheckingEngine(bigram_table())
+    with torch.device("meta"):
+        g = generate(loaded, [STUB_PROMPT], make_settings(**settings))
+    assert g.generated_ids and set(loaded.engine.seen) == {torch.device("cpu")}
+    if "beams" in settings:
+        assert len(loaded.engine.seen) > 3  # the reorders were checked too

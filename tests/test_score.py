@@ -490,3 +490,36 @@ def test_spans_join_the_bytes_of_a_character_cut_across_tokens(loaded):
         buf, worst = b"", []
     assert list(s.spans()) == expected
     assert "".join(p for p, _ in expected) == text and len(expected) < len(pieces)
+
+
+def test_score_columns_have_their_documented_dtypes(tiny):
+    """Ranks and top ids are integers (JSON writes 3, not 3.0), log p and entropy float32; unscored
+    positions hold rank 0 and top id -1."""
+    score = score_text(load_model(str(tiny[0]), device="cpu"), TEXT, alternatives=2)
+    assert score.rank.dtype == score.top_id.dtype == score.ids.dtype == torch.int64
+    assert score.logprob.dtype == score.entropy.dtype == score.top_logprob.dtype == torch.float32
+    assert int(score.rank[0]) == 0 and int(score.top_id[0]) == -1 and bool(score.rank[1:].ge(1).all())
+
+
+def test_a_text_of_no_tokens_and_an_alternatives_count_out_of_range_are_refused(tiny):
+    from lmhead_cli.errors import BadValue
+    from lmhead_cli.readings.score import MAX_ALTERNATIVES, check_alternatives, text_ids
+
+    with pytest.raises(UsageError) as e:
+        text_ids(load_model(str(tiny[0]), device="cpu"), "", bos=True)
+    assert str(e.value) == "the text encodes to no tokens"
+    for k in (-1, MAX_ALTERNATIVES + 1):
+        with pytest.raises(BadValue) as e:
+            check_alternatives(k)
+        assert str(e.value) == f"alternatives must be between 0 and {MAX_ALTERNATIVES} (got {k})"
+    check_alternatives(MAX_ALTERNATIVES)
+
+
+def test_file_lines_carry_the_bytes_read_so_far():
+    """read_lines: each line's `end` is the file's byte offset after it (what --file's progress shows)."""
+    from lmhead_cli.readings.score import read_lines
+
+    data = "one two\n\ncafé au lait\nlast".encode()
+    lines = list(read_lines(io.BytesIO(data), "f.txt"))
+    assert [(li.number, li.text) for li in lines] == [(1, "one two"), (2, None), (3, "café au lait"), (4, "last")]
+    assert [li.end for li in lines] == [8, 9, 23, len(data)]

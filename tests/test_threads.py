@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import cli
@@ -97,13 +99,33 @@ def test_gpu_work_is_not_timed(restore_threads):
     assert ThreadChooser(device_type="cuda").candidates == []
 
 
-def test_wait_policy_is_passive_unless_the_user_chose(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert threads.prepare(None) is None
-    assert threads.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+@pytest.mark.parametrize("user", [None, ("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "0"),
+                                  ("KMP_BLOCKTIME", "200")])
+def test_threads_spin_a_millisecond_unless_the_user_set_how_they_wait(monkeypatch, user):
+    for name in threads.WAIT_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    if user:
+        monkeypatch.setenv(*user)
     assert threads.prepare(3) == 3
-    assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    wait = {name: threads.os.environ.get(name) for name in threads.WAIT_SETTINGS}
+    if user is None:
+        assert wait == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "100000", "KMP_BLOCKTIME": "1"}
+    else:
+        assert wait == {name: user[1] if name == user[0] else None for name in threads.WAIT_SETTINGS}
+
+
+def test_loading_sets_the_spin_before_torch_is_imported(tiny):
+    """OpenMP reads its wait settings once, when torch's import starts it: lmhead.load in a fresh
+    process sets them first."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_SETTINGS}
+    code = ("import os, sys, lmhead_cli; assert 'torch' not in sys.modules; "
+            f"lmhead_cli.load({str(tiny[0])!r}); print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["100000", "True"]
 
 
 @pytest.mark.parametrize("args", [["inspect", "x"], ["greedy", "x"], ["lens", "x"], ["tie"], ["explore"]])
@@ -126,35 +148,32 @@ def test_lmhead_threads_sets_the_count(tiny, monkeypatch, restore_threads):
 class FormsEngine:
     """An engine's product-form hooks, recording what the chooser asks for."""
 
-    forms = ("packed", "linear")
+    forms = ("gemv", "linear")
 
     def __init__(self):
-        self.form, self.settled = "packed", 0
+        self.form = "gemv"
 
     def use_form(self, form):
         self.form = form
 
-    def settle_form(self):
-        self.settled += 1
-
 
 def test_offered_forms_are_timed_on_one_thread_then_the_count_with_the_fastest(monkeypatch, restore_threads):
-    """Two warm-up calls on one thread (the second lays the weights out), then each form on one thread,
-    then torch's count with the faster form; 1 thread with "linear" is fastest here, so it stays, the
-    engine settles, and the packed form (whose copies settling drops) is not timed again."""
+    """A warm-up call on one thread, then each form on one thread, then torch's count with the faster
+    form; 1 thread with "linear" is fastest here, so it stays; the next trial times every setting again."""
     torch.set_num_threads(2)
     eng = FormsEngine()
     chooser = ThreadChooser(recheck=2)
     chooser.offer(eng)
     seen = []
-    clock(monkeypatch, [3, 1, 2, 1, 1, 1, 2])  # (1, packed), (1, linear), (2, linear), 2 watched, (1, linear), (2, ..)
+    # (1, gemv), (1, linear), (2, linear); 2 watched; (1, gemv), (1, linear), (2, linear)
+    clock(monkeypatch, [3, 1, 2, 1, 1, 2, 1, 2])
     run = lambda n: [chooser.run(lambda: seen.append((torch.get_num_threads(), eng.form))) for _ in range(n)]  # noqa: E731
+    run(1 + 3)
+    assert seen == [(1, "gemv")] * 2 + [(1, "linear"), (2, "linear")]
+    assert chooser.choices == [1] and chooser.form_choices == ["linear"] and eng.form == "linear"
     run(2 + 3)
-    assert seen == [(1, "packed")] * 3 + [(1, "linear"), (2, "linear")]
-    assert chooser.choices == [1] and chooser.form_choices == ["linear"] and eng.settled == 1
-    run(2 + 2)
-    assert seen[5:7] == [(1, "linear")] * 2  # recheck 2: then a trial of what is left
-    assert seen[7:] == [(1, "linear"), (2, "linear")]
+    assert seen[4:6] == [(1, "linear")] * 2  # recheck 2: then a trial of every setting
+    assert seen[6:] == [(1, "gemv"), (1, "linear"), (2, "linear")]
     assert chooser.choices == [1, 1] and chooser.form_choices == ["linear", "linear"]
 
 
@@ -162,9 +181,9 @@ def test_forms_are_timed_even_with_a_fixed_count(monkeypatch, restore_threads):
     eng = FormsEngine()
     chooser = ThreadChooser(fixed=1)
     chooser.offer(eng)
-    clock(monkeypatch, [1, 3, 1])  # (1, packed), (1, linear), then the chosen one watched
+    clock(monkeypatch, [1, 3, 1])  # (1, gemv), (1, linear), then the chosen one watched
     seen = []
-    for _ in range(2 + 2 + 1):
+    for _ in range(1 + 2 + 1):
         chooser.run(lambda: seen.append((torch.get_num_threads(), eng.form)))
-    assert seen == [(1, "packed")] * 3 + [(1, "linear"), (1, "packed")]
-    assert chooser.choices == [] and chooser.form_choices == ["packed"] and torch.get_num_threads() == 1
+    assert seen == [(1, "gemv")] * 2 + [(1, "linear"), (1, "gemv")]
+    assert chooser.choices == [] and chooser.form_choices == ["gemv"] and torch.get_num_threads() == 1

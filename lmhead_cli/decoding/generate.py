@@ -437,5 +437,6 @@ def _finished(score: float, beam: _Beam, stop_at: int | None, tokenizer) -> Fini
 
 
 def _f32(v: float) -> float:
-    """Round as transformers' float32 score tensors do, so ties break the same way."""
-    return float(torch.tensor(v, dtype=torch.float32))
+    """Round as transformers' float32 score tensors do, so ties break the same way (on the CPU, whatever
+    torch's default device is)."""
+    return float(torch.tensor(v, dtype=torch.float32, device="cpu"))

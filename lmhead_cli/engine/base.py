@@ -285,9 +285,6 @@ class Engine(ABC):
     def use_form(self, form: str) -> None:
         """Run the products in `form` (one of `forms`) from now on."""
 
-    def settle_form(self) -> None:
-        """The current form has been chosen: copies that only the other forms use may go."""
-
     @property
     def n_ctx(self) -> int:
         return int(config_value(self.config, "n_positions", 1024))

@@ -6,12 +6,14 @@ A tied model keeps ONE table for the embedding and the head: `wte` looks rows up
 multiplies by it (`GPT2.wte.table is GPT2.lm_head.table`). Activations, norms, attention and the
 softmax stay float32.
 
-The product x · qᵀ runs on int8 kernels without rounding x to 8 bits: each row of x (float32) is split
-exactly into three int8 digits of its own scale, x ≈ σ (a₀ + a₁/128 + a₂/128²) with σ = max|x| / 127 —
-21 bits of the row's largest value, the error of float32 rounding at that size — and one int8 × int8 →
-int32 matrix product (torch._int_mm, oneDNN with AMX or VNNI where the CPU has them) takes all three
-digit rows through the weights in one pass. The int32 sums are exact; they are recombined in float32
-and scaled by σ and s. The weights are read once, as int8: a quarter of float32's bytes.
+The product x · qᵀ runs on int8 kernels without rounding x to 8 bits: each row of x (float32) becomes
+integers v = round(c·x) with c = STEPS / max|x| (23 bits of the row's largest value, about float32's
+rounding at that size), and v is written exactly as three int8 digits of base 256, v = a₀ + 256 a₁ +
+65536 a₂: its own three low bytes, each read as a signed byte after 128 is added to it (`digits`, a
+handful of whole-row ops). One int8 × int8 → int32 matrix product (torch._int_mm, oneDNN with AMX or
+VNNI where the CPU has them) takes the digit columns through the weights in one pass; the int32 sums
+are exact, and are recombined, divided by c and scaled by s in float32. The weights are read once, as
+int8: a quarter of float32's bytes.
 
 Where torch has no int8 kernel for the device (a GPU here), each product dequantises its weight to
 float32 first: the same figures, none of the speed (`kernel_for` says which, and load_model names it).
@@ -19,13 +21,17 @@ float32 first: the same figures, none of the speed (`kernel_for` says which, and
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-DIGIT = 128.0  # the base of the activation digits: |a₁|, |a₂| ≤ 64 fit int8 with room
 QMAX = 127
-_POWERS = torch.tensor([1.0, 1 / DIGIT, 1 / DIGIT**2])  # the digits' weights
+STEPS = 8_000_000  # |v| ≤ STEPS: v + OFFSET stays within [0, 2^24) with room for the rounding of c·x
+OFFSET = 0x808080  # 128 in each of v's three low bytes
+# What each byte of an int32 is worth, in memory order: (1, 256, 65536) and the top byte (always 0 here).
+_BYTES = torch.tensor([1.0, 256.0, 65536.0, 0.0] if sys.byteorder == "little" else [0.0, 65536.0, 256.0, 1.0])
 
 
 def kernel_for(device: torch.device) -> bool:
@@ -39,19 +45,6 @@ def kernel_for(device: torch.device) -> bool:
         return False
 
 
-def forms_for(device: torch.device) -> tuple[str, ...]:
-    """The int8 product forms on `device`: torch._int_mm ("int_mm"), and oneDNN's quantised linear over
-    packed copies of the body's tables ("packed") where torch has it; none without an int8 kernel."""
-    if not kernel_for(device):
-        return ()
-    try:
-        q = torch.ones(8, 16, dtype=torch.int8)
-        y = int8_times(torch.ones(1, 16), q, torch.ones(8), packed=pack_for_qlinear(q))
-        return ("int_mm", "packed") if bool((y == 16).all()) else ("int_mm",)
-    except (RuntimeError, AttributeError, NotImplementedError, TypeError):
-        return ("int_mm",)
-
-
 def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) float -> (q int8 (N, K), s float32 (N,)), symmetric per row; an all-zero row gets s = 1."""
     w = w.detach().float()
@@ -62,49 +55,33 @@ def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) float32 -> (a (K, 3M) int8: columns [a₀ rows, a₁ rows, a₂ rows], σ (M, 1)) with
-    x = σ (a₀ + a₁/128 + a₂/128²) to 2⁻²¹ of max|x| per row."""
-    sigma = x.abs().amax(-1, keepdim=True).div_(QMAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    r = x / sigma  # (M, K) in [-127, 127]
-    a0 = r.round()
-    r = r.sub_(a0).mul_(DIGIT)
-    a1 = r.round()
-    a2 = r.sub_(a1).mul_(DIGIT).round_()
-    if x.shape[0] == 1:  # a decoding step: (K, 3) in one op, no transpose
-        return torch.stack([a0[0], a1[0], a2[0]], 1).to(torch.int8), sigma
-    return torch.cat([a0, a1, a2]).to(torch.int8).t().contiguous(), sigma
+    """x (M, K) float32 -> (a (K, 4M) int8, c (M, 1)): each row as integers v = round(c·x), |v| ≤ STEPS,
+    c = STEPS / max|x|, with v = Σ_i a[:, 4m + i] · _BYTES[i] exactly. The digits are v's bytes: adding
+    OFFSET makes v + OFFSET ∈ [0, 2^24), whose low three bytes b_i, each with its top bit flipped, read
+    as int8 are b_i − 128, so Σ (b_i − 128) 256^i = v; the top byte is 0. A row with a NaN or an
+    infinity gets c NaN or 0, which the recombination carries into its outputs."""
+    M, K = x.shape
+    c = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).reciprocal_().mul_(STEPS)
+    v = x.mul(c).round_().to(torch.int32, memory_format=torch.contiguous_format)
+    v = v.add_(OFFSET).bitwise_xor_(OFFSET)  # (M, K)
+    a = v.view(torch.int8).view(M, K, 4)  # each int32's bytes, in memory order
+    return (a[0] if M == 1 else a.permute(1, 0, 2).reshape(K, 4 * M)), c
 
 
 def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None,
-               kernel: bool = True, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32. `packed`: q packed for oneDNN's
-    quantised linear (`pack_for_qlinear`), which then runs instead of torch._int_mm."""
+               kernel: bool = True) -> torch.Tensor:
+    """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32."""
     if not kernel:  # no int8 kernel here: dequantise, then the plain product
         w = q.to(x.dtype) * s[:, None].to(x.dtype)
         return F.linear(x, w, bias)
-    M = x.shape[0]
-    a, sigma = digits(x.float())
-    if packed is not None:  # (3M, N) float32 = Σ a·q · s, each row's int32 sum exact before the scale
-        zero = torch.zeros(q.shape[0], dtype=torch.int64)
-        part = torch.ops.onednn.qlinear_pointwise(a.t(), 1.0, 0, packed, s, zero, None, 1.0, 0, torch.float32,
-                                                  "none", [], "")
-        y = torch.add(part[:M], part[M:2 * M], alpha=1 / DIGIT).add_(part[2 * M:], alpha=1 / DIGIT ** 2).mul_(sigma)
-        return y if bias is None else y.add_(bias)
-    acc = torch._int_mm(q, a).float()  # (N, 3M): exact int32 sums, then float32
-    if M == 1:  # Σ_d acc[:, d] σ/128^d as one (N, 3) × (3,) product, then · s + bias in one op
-        y = torch.mv(acc, sigma[0] * _POWERS.to(x.device))[None]  # (1, N)
+    M, N = x.shape[0], q.shape[0]
+    a, c = digits(x.float())
+    acc = torch._int_mm(q, a).float()  # (N, 4M): exact int32 sums, then float32
+    if M == 1:  # Σ_i acc[:, i] · byte i's worth / c as one (N, 4) × (4,) product, then · s + bias in one op
+        y = torch.mv(acc, _BYTES / c[0])[None]  # (1, N)
         return y.mul_(s) if bias is None else torch.addcmul(bias, y, s)
-    y = torch.add(acc[:, :M], acc[:, M:2 * M], alpha=1 / DIGIT).add_(acc[:, 2 * M:], alpha=1 / DIGIT ** 2)  # (N, M)
-    y = y.t() * (sigma * s)  # (M, N)
+    y = (acc.view(N, M, 4) @ _BYTES).t().div_(c).mul_(s)  # (M, N)
     return y if bias is None else y.add_(bias)
-
-
-def pack_for_qlinear(q: torch.Tensor) -> torch.Tensor | None:
-    """q (N, K) int8 in oneDNN's layout for its quantised linear (a copy), or None where torch lacks it."""
-    try:
-        return torch.ops.onednn.qlinear_prepack(q, [3, q.shape[1]])
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return None
 
 
 class Int8Table(nn.Module):
@@ -133,13 +110,7 @@ class Int8Table(nn.Module):
 
 
 class Int8Conv1D(nn.Module):
-    """GPT-2's Conv1D (y = x @ W + b, W (in, out)) over an int8 table of W's rows (out, in). In the
-    engine's "packed" form (engine/products.py) a few positions run over a copy of the table packed for
-    oneDNN's quantised linear, made at the second one-position call."""
-
-    products = None  # the engine's Products, set when it is built
-    packed: torch.Tensor | None = None
-    _one_row_calls = 0
+    """GPT-2's Conv1D (y = x @ W + b, W (in, out)) over an int8 table of W's rows (out, in)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, kernel: bool):
         super().__init__()
@@ -147,15 +118,7 @@ class Int8Conv1D(nn.Module):
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        few = x2.shape[0] <= 4 and x2.device.type == "cpu"
-        if few and self._one_row_calls < 2 and self.products is not None and "packed" in self.products.forms:
-            self._one_row_calls += 1
-            if self._one_row_calls == 2 and not (self.products.settled and self.products.form != "packed"):
-                self.packed = pack_for_qlinear(self.table.q)
-        packed = self.packed if few and self.products is not None and self.products.form == "packed" else None
-        t = self.table
-        return int8_times(x2, t.q, t.s, self.bias, t.kernel, packed).view(*x.shape[:-1], -1)
+        return self.table.times(x, self.bias)
 
     @property
     def weight(self) -> torch.Tensor:

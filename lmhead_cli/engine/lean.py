@@ -19,77 +19,57 @@ from torch import nn
 
 from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
                                     position_ids)
-from lmhead_cli.engine.int8 import Int8Conv1D, Int8Head
-from lmhead_cli.engine.int8 import forms_for as int8_forms
+from lmhead_cli.engine.int8 import Int8Head
 
-from lmhead_cli.engine.products import (BLOCKED_MAX_ROWS, Products, few_cpu_rows, few_rows_product,  # noqa: F401
-                                        pack_for_onednn, packed_linear, products_for, release_mapped_pages,
-                                        rows_times)
+from lmhead_cli.engine.products import Products, few_cpu_rows, few_rows_product, products_for
 
-# How the few-position products run (float32 rows, blocked rows, bfloat16 packed for oneDNN) is
-# engine/products.py's; which of them runs is chosen by timing the decoding steps (engine/threads.py).
+# How the few-position products run (BLAS over the weights where they lie, blocked rows, bfloat16 gemv)
+# is engine/products.py's; which of them runs is chosen by timing the decoding steps (engine/threads.py).
+
+ROWS_AT_LOAD = (torch.bfloat16,)  # dtypes whose Conv1D weights are stored as (out, in) rows on the CPU
+HALF = (torch.bfloat16, torch.float16)
 
 
-class _LaysOut:
-    """A module whose weight is laid out for one-position products on the second such call."""
+def conv1d_weight(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A checkpoint's Conv1D weight (in, out) as the engine keeps it in `dtype`: for ROWS_AT_LOAD dtypes
+    on the CPU, the (in, out) view of (out, in) rows, made by the copy that converts it (torch's
+    bfloat16 gemv streams rows about twice as fast as the checkpoint's layout); otherwise as stored
+    (float32 stays the checkpoint's memory-mapped pages: BLAS streams that layout as fast as rows)."""
+    if dtype in ROWS_AT_LOAD and device.type == "cpu":
+        return torch.empty(w.shape[1], w.shape[0], dtype=dtype).copy_(w.t()).t()
+    return w.to(dtype)
 
-    packed: torch.Tensor | None = None
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer, y = x @ W + b, W (in, out) as the checkpoints name and shape it (its memory
+    may be (out, in) rows: `conv1d_weight`)."""
+
     products = Products()  # the engine's, set when it is built
-    _one_row_calls = 0
-
-    def _maybe_lay_out(self, x2: torch.Tensor) -> None:
-        if self._one_row_calls < 2 and few_cpu_rows(x2):
-            self._one_row_calls += 1
-            if self._one_row_calls == 2:
-                with torch.inference_mode(False):
-                    self.lay_out_()
-
-
-class Conv1D(_LaysOut, nn.Module):
-    """GPT-2's linear layer, y = x @ W + b, W (in, out) as the checkpoints name and shape it; stored
-    as rows (out, in) once `lay_out_` has run, `weight` staying the (in, out) view of them."""
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out))
 
-    def lay_out_(self) -> None:
-        """Rows (out, in) on the CPU; and a oneDNN-packed copy while "packed" may still be chosen."""
-        if "packed" in self.products.forms and not (self.products.settled and self.products.form != "packed"):
-            self.packed = pack_for_onednn(self.weight.t())
-        rows = self.weight.detach().t()  # (out, in)
-        if self.weight.device.type == "cpu" and not rows.is_contiguous():
-            old = self.weight
-            self.weight = nn.Parameter(rows.contiguous().t(), requires_grad=old.requires_grad)
-            release_mapped_pages(old)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (M, in)
-        self._maybe_lay_out(x2)
-        rows = self.weight.t()  # (out, in), a view
-        if few_cpu_rows(x2) and rows.is_contiguous() and self.products.forms:
-            y = few_rows_product(self.products.form, x2, rows, self.bias, self.packed)
+        if few_cpu_rows(x2) and self.products.forms:
+            y = few_rows_product(self.products.form, x2, self.weight.t(), self.bias)
         else:
             y = torch.addmm(self.bias, x2, self.weight)
         return y.view(*x.shape[:-1], -1)
 
 
-class LMHead(_LaysOut, nn.Linear):
+class LMHead(nn.Linear):
     """The head z = h · W_outᵀ, W_out (V, D), no bias; a few positions run in the engine's product
-    form over W_out's rows as they are (E's, when tied) or over a packed copy (bfloat16)."""
+    form over W_out's rows as they are (E's, when tied)."""
 
-    def lay_out_(self) -> None:
-        if "packed" in self.products.forms and self.bias is None and not (
-                self.products.settled and self.products.form != "packed"):
-            self.packed = pack_for_onednn(self.weight)
+    products = Products()  # the engine's, set when it is built
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h2 = h.reshape(-1, h.shape[-1])  # (R, D)
-        self._maybe_lay_out(h2)
-        if few_cpu_rows(h2) and self.weight.is_contiguous() and self.products.forms:
-            return few_rows_product(self.products.form, h2, self.weight, self.bias,
-                                    self.packed).view(*h.shape[:-1], -1)
+        if few_cpu_rows(h2) and self.products.forms:
+            return few_rows_product(self.products.form, h2, self.weight, self.bias).view(*h.shape[:-1], -1)
         return super().forward(h)
 
 
@@ -137,6 +117,10 @@ class Attention(nn.Module):
     def forward(self, x, layer, cache, mask):
         B, T, D = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, hd)
+        if x.device.type == "cpu" and x.dtype in HALF:
+            # In float32 (the cache too: engine `attention_dtype`): torch's CPU kernels for a few
+            # bfloat16 queries take 4x as long as float32's, and round the scores besides.
+            qkv = qkv.float()
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, T, hd)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, T_past + T, hd)
@@ -152,7 +136,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and k.shape[2] == T)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, D))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, D).to(x.dtype))
 
 
 class MLP(nn.Module):
@@ -217,15 +201,11 @@ class LeanGPT2(Engine):
         super().__init__(name="lean", config=config, module=module)
         self.gpt = module
         self.int8 = isinstance(module.lm_head, Int8Head)  # quantised at load (engine/int8.py)
-        if self.int8:
-            forms = int8_forms(self.device)
-            self.products = Products(forms=forms, form=forms[0] if forms else "linear")
-        else:
-            self.products = products_for(self.dtype, self.device)
+        # int8 runs one form (engine/int8.py); the float dtypes' forms are chosen by timing.
+        self.products = Products() if self.int8 else products_for(self.dtype, self.device)
         for m in module.modules():
-            if isinstance(m, (_LaysOut, Int8Conv1D)):
+            if isinstance(m, (Conv1D, LMHead)):
                 m.products = self.products
-                self.products.modules.append(m)
 
     @property
     def embedding_weight(self) -> torch.Tensor:
@@ -240,6 +220,11 @@ class LeanGPT2(Engine):
     def dtype(self) -> torch.dtype:
         """The dtype the activations (and the KV cache) are in: float32 for int8 weights."""
         return self.gpt.ln_f.weight.dtype
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """The dtype attention (and the KV cache) run in: float32 for half dtypes on the CPU (Attention)."""
+        return torch.float32 if self.device.type == "cpu" and self.dtype in HALF else self.dtype
 
     @property
     def weight_format(self) -> str:
@@ -257,9 +242,6 @@ class LeanGPT2(Engine):
     def use_form(self, form: str) -> None:
         self.products.use(form)
 
-    def settle_form(self) -> None:
-        self.products.settle()
-
     @property
     def head_module(self) -> nn.Module:
         return self.gpt.lm_head
@@ -271,7 +253,7 @@ class LeanGPT2(Engine):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(c["n_layer"], batch, c["n_head"], min(max_len, self.n_ctx),
-                       c["n_embd"] // c["n_head"], self.device, self.dtype)
+                       c["n_embd"] // c["n_head"], self.device, self.attention_dtype)
 
     def reorder_cache(self, cache: KVCache, rows: torch.Tensor) -> KVCache:
         cache.reorder(rows)
@@ -288,7 +270,7 @@ class LeanGPT2(Engine):
 
     def residuals(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         """Yield the residual stream after the embeddings and after each block, (B, T, D) each."""
-        mask = None if attention_mask is None else _mask(attention_mask, ids.shape[1], self.dtype)
+        mask = None if attention_mask is None else _mask(attention_mask, ids.shape[1], self.attention_dtype)
         x = self.embed(ids, 0, attention_mask)
         yield x
         for i, block in enumerate(self.gpt.h):
@@ -302,7 +284,7 @@ class LeanGPT2(Engine):
         past = cache.length if cache is not None else 0
         if past + ids.shape[1] > self.n_ctx:
             raise ValueError(f"{past + ids.shape[1]} positions exceed the context of {self.n_ctx}")
-        mask = None if attention_mask is None else _mask(attention_mask, ids.shape[1], self.dtype)
+        mask = None if attention_mask is None else _mask(attention_mask, ids.shape[1], self.attention_dtype)
         x = self.embed(ids, past, attention_mask)
         for i, block in enumerate(self.gpt.h):
             x = block(x, i, cache, mask)

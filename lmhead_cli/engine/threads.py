@@ -5,17 +5,20 @@ busy with other work the same threads can make them several times slower: every 
 waits for its slowest thread, and a thread the scheduler has parked for a slice holds up the rest.
 Three things follow (figures in README, Performance):
 
-* OpenMP's threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE) unless the user set a
-  policy: spinning threads take a core another process needs, and the one they wait for may be
-  waiting for that very core (measured on 2 busy cores: 1.5 tok/s spinning, 25 tok/s passive).
+* OpenMP's threads spin for about a millisecond before they sleep between parallel regions (SPIN),
+  unless the user set a wait policy. A decoding step is a few hundred parallel regions a few
+  microseconds apart: threads that sleep at once pay a wake-up in each (idle, 64 tokens on 2 cores:
+  bfloat16 26.5 tok/s sleeping, 35.6 spinning; int8 35.3 and 55.5), while threads that spin without
+  end take the core another process needs (beside one busy process: 1.5 tok/s). Beside a busy
+  process the chooser below runs one thread, which waits for nobody.
 * `ThreadChooser` times the first calls of repeated work (decoding steps, batches of a file, prompts
   in a session) with torch's thread count and with one thread, keeps the faster, and times both
   again when its speed halves, or after `recheck` calls (twice as many after each trial that kept
   the count: on a busy machine the call on the slower count can take many times longer).
   A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
 * `--threads N` / LMHEAD_THREADS fix the count, and it is not timed.
-* The same trials choose the engine's product form (engine/products.py: BLAS's gemv, blocked rows,
-  oneDNN's packed bfloat16), which differs from CPU to CPU and between a quiet and a busy machine.
+* The same trials choose the engine's product form (engine/products.py: BLAS's gemm or gemv, blocked
+  rows), which differs from CPU to CPU and between a quiet and a busy machine.
 
 No torch import at module top: `prepare` must run before torch is first imported.
 """
@@ -33,7 +36,10 @@ from lmhead_cli.errors import BadValue
 
 T = TypeVar("T")
 ENV = "LMHEAD_THREADS"
-WAIT_POLICY = "PASSIVE"
+# OpenMP's wait between parallel regions unless the user set one: spin ~1 ms, then sleep. libgomp (torch's
+# OpenMP on Linux) counts spins (~100,000 a millisecond); Intel's and LLVM's take milliseconds.
+SPIN = {"GOMP_SPINCOUNT": "100000", "KMP_BLOCKTIME": "1"}
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", *SPIN)
 
 
 # More threads than this is no machine's count; OpenMP asked for 99,999 fails to map their stacks
@@ -51,20 +57,20 @@ def check(threads: int | None) -> int | None:
 
 
 def prepare(threads: int | None = None) -> int | None:
-    """Before torch is imported: OpenMP's wait policy (read once, when OpenMP starts with torch's
-    import; a policy the user set is kept), and the checked thread count."""
-    os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    """Before torch is imported: how OpenMP's threads wait (read once, when OpenMP starts with torch's
+    import; any wait setting the user made is kept as it is), and the checked thread count."""
+    if not any(name in os.environ for name in WAIT_SETTINGS):
+        os.environ.update(SPIN)
     return check(threads)
 
 
 class ThreadChooser:
     """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster, and the
-    engine's product form (`offer`: e.g. float32 "linear" or "blocked", bfloat16 "packed") at whichever
+    engine's product form (`offer`: e.g. float32 "linear" or "blocked", bfloat16 "gemv") at whichever
     of its forms does: every (count, form) pair is a setting, and the trials time them all.
 
     `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
-    one thread (first-call set-up is not what is compared; with forms, two calls: the second
-    one-position call lays the weights out); the next settings × trials calls alternate between the
+    one thread (first-call set-up is not what is compared); the next settings × trials calls alternate between the
     settings, and the fastest (best time per unit each) is kept. With forms, the trial times each
     form on one thread, then torch's count with the fastest of them: one call on more threads, not
     one per form. Then the median of the last 5 calls
@@ -104,8 +110,7 @@ class ThreadChooser:
             self._start_trial()
 
     def offer(self, engine) -> None:
-        """Time the engine's product forms too (`engine.forms`, `use_form`, `settle_form`), where it
-        has more than one."""
+        """Time the engine's product forms too (`engine.forms`, `use_form`), where it has more than one."""
         forms = tuple(engine.forms)
         if len(forms) < 2:
             return
@@ -115,7 +120,7 @@ class ThreadChooser:
         counts = self.candidates or [None]
         first = 1 if 1 in counts else counts[0]
         self._settings = [(first, f) for f in forms] + [(n, "best") for n in counts if n != first]
-        self._warm_up = 2
+        self._warm_up = 1  # with a fixed count too: a first call's set-up is not what the forms differ in
         self._start_trial()
 
     @property
@@ -158,11 +163,6 @@ class ThreadChooser:
             self.choices.append(n)
         if form is not None:
             self.form_choices.append(form)
-            self._engine.settle_form()
-            if form != "packed":  # settle_form dropped the packed copies: that form is gone
-                self._settings = [s for s in self._settings if s[1] != "packed"]
-                if len(self._settings) < 2:  # nothing left to choose between
-                    self._settings = []
         # The slowest setting's call is what a trial costs: the more it lost by, the longer until the next.
         lost_by = max(self._timed.values()) / max(self._timed[best], 1e-12)
         self._interval = min(int(self._interval * max(2.0, lost_by)), self.max_recheck) if kept else self.recheck

@@ -20,7 +20,7 @@ import torch
 
 from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
-from lmhead_cli.engine.lean import GPT2, TIE_NAMES, LeanGPT2, init_random_
+from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
 from lmhead_cli.loading import bundled, checks, validate
@@ -286,7 +286,9 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CorruptCheckpoint(f"{_names(files)} lacks {', '.join(missing[:3])}{more}")
     # Popped from `state`: the caller's dict does not keep a tensor alive that the model lets go of.
-    weights = {k: state.pop(k).to(dtype) for k in expected}
+    convs = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Conv1D)}
+    weights = {k: conv1d_weight(state.pop(k), dtype, device) if k in convs else state.pop(k).to(dtype)
+               for k in expected}
     try:
         model.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as e:

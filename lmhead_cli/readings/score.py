@@ -250,9 +250,10 @@ def bos_id(loaded: Loaded) -> int:
 
 def text_ids(loaded: Loaded, text: str, bos: bool) -> torch.Tensor:
     """The text's token ids (T,) int64; a UsageError when there is nothing to score."""
-    ids = torch.frombuffer(loaded.tokenizer.encode_long(text), dtype=torch.int32).long()
-    if len(ids) == 0:
+    encoded = loaded.tokenizer.encode_long(text)
+    if len(encoded) == 0:  # (torch.frombuffer refuses an empty buffer)
         raise UsageError("the text encodes to no tokens")
+    ids = torch.frombuffer(encoded, dtype=torch.int32).long()
     if len(ids) == 1 and not bos:
         raise OneToken(loaded.tokenizer.token_text(int(ids[0])))
     return ids
