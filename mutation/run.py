@@ -315,6 +315,19 @@ def collect(name: str) -> dict:
             "score": round(100 * detected / considered, 1) if considered else None}
 
 
+def first_pass(previous: dict | None, new: dict) -> dict | None:
+    """The figures of the first run of the same sample (module, seed, fraction), which a rerun or a
+    fresh run of the same seed after new tests must not overwrite: only that first pass is a random
+    draw for the tests that were written after it. None when `new` is itself a first pass."""
+    if not previous or not previous.get("sample") or not new.get("sample"):
+        return None
+    same = all(previous["sample"].get(k) == new["sample"].get(k) for k in ("seed", "fraction"))
+    if not same:
+        return None
+    return previous.get("first_pass") or {"detected": previous["detected"], "considered": previous["considered"],
+                                           "commit": previous["commit"], "date": previous["date"]}
+
+
 def git_commit() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, capture_output=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "lmhead_cli", "tests"], cwd=ROOT, text=True,
@@ -368,16 +381,28 @@ def write_report(results: dict) -> None:
                   f"mutants: **{mid:.1f}%** (95% interval {low:.1f}% to {high:.1f}%). Once tests are written for a "
                   "sample's survivors (`--rerun`), the sample is no longer a random draw for those tests: its score "
                   "then overstates the module's, and a fresh sample (or the full run) is the measure.", ""]
+    firsts = [r for r in rows if r.get("first_pass")]
+    if firsts:
+        fd = sum(r["first_pass"]["detected"] for r in firsts) + sum(r["detected"] for r in rows if not r.get("first_pass"))
+        fc = sum(r["first_pass"]["considered"] for r in firsts) + sum(r["considered"] for r in rows
+                                                                      if not r.get("first_pass"))
+        low, mid, high = core_estimate([{**r, **r["first_pass"]} if r.get("first_pass") else r for r in rows])
+        lines += [f"**First pass** (each sample as first drawn, before any test was written for its survivors: the "
+                  f"unbiased measure of the suite): {fd} of {fc} detected, {100 * fd / fc:.1f}%; estimated over every "
+                  f"mutant {mid:.1f}% (95% interval {low:.1f}% to {high:.1f}%). The table's columns are the latest run "
+                  "of each sample, after the tests written for its survivors.", ""]
     if missing:
         lines += [f"Not run yet: {', '.join(missing)}.", ""]
-    lines += ["| module | date | commit | mutants | sampled | detected | survived | no tests | equivalent | not checked "
-              "| score (95% interval) | time |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| module | date | commit | mutants | sampled | first pass | detected | survived | no tests | equivalent "
+              "| not checked | score (95% interval) | time |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r["counts"]
         sampled = f"{r['sample']['mutants']} (seed {r['sample'].get('seed', SAMPLE_SEED)})" if r.get("sample") else "all"
         low, high = wilson(r["detected"], r["considered"])
-        lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {sampled} | {r['detected']} | "
+        fp = r.get("first_pass")
+        first = f"{fp['detected']}/{fp['considered']} ({fp['commit']})" if fp else "this run"
+        lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {sampled} | {first} | {r['detected']} | "
                      f"{c.get('survived', 0) - len(r['equivalent'])} | {c.get('no tests', 0)} | {len(r['equivalent'])} | "
                      f"{c.get('not checked', 0)} | {r['score']}% ({low:.1f}-{high:.1f}) | {r['seconds'] // 60} min |")
     for r in rows:
@@ -436,6 +461,9 @@ def main() -> None:
             print(json.dumps(r, indent=1, ensure_ascii=False))
             continue
         results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # another module's run may have written
+        first = first_pass(results.get(name), r)
+        if first:
+            r["first_pass"] = first
         results[name] = r
         RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
         write_report(results)
