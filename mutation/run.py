@@ -307,7 +307,7 @@ def collect(name: str) -> dict:
             "mutants": len(found), "counts": counts, "equivalent": equivalent, "survivors": survivors,
             "detected": detected, "considered": considered,
             "sample": {"fraction": sample["fraction"], "seed": sample.get("seed", SAMPLE_SEED),
-                       "mutants": len(sample["mutants"]), "of": sample["of"]}
+                       "mutants": len(sample["mutants"]), "of": sample["of"], "drawn": drawn(sample["mutants"])}
             if sample else None,
             # mean tests per mutant: those that call its function (mutmut), those that execute its statement (narrow.py)
             "tests_per_mutant": [round(sum(int(n[1]) for n in narrowed) / len(narrowed), 1),
@@ -315,14 +315,21 @@ def collect(name: str) -> dict:
             "score": round(100 * detected / considered, 1) if considered else None}
 
 
+def drawn(names: list[str]) -> str:
+    """A short digest of the mutants a sample drew: the same seed draws other mutants once the
+    module's code (and so its list of mutants) changes."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:12]
+
+
 def first_pass(previous: dict | None, new: dict) -> dict | None:
-    """The figures of the first run of the same sample (module, seed, fraction), which a rerun or a
-    fresh run of the same seed after new tests must not overwrite: only that first pass is a random
-    draw for the tests that were written after it. None when `new` is itself a first pass."""
+    """The figures of the first run of the same sample (the same mutants drawn), which a rerun or a
+    fresh run of it after new tests must not overwrite: only that first pass is a random draw for the
+    tests that were written after it. None when `new` is itself a first pass (a new draw)."""
     if not previous or not previous.get("sample") or not new.get("sample"):
         return None
-    same = all(previous["sample"].get(k) == new["sample"].get(k) for k in ("seed", "fraction"))
-    if not same:
+    if previous["sample"].get("drawn") is None or previous["sample"].get("drawn") != new["sample"].get("drawn"):
         return None
     return previous.get("first_pass") or {"detected": previous["detected"], "considered": previous["considered"],
                                            "commit": previous["commit"], "date": previous["date"]}

@@ -410,3 +410,13 @@ def test_generate_hands_the_engine_tensors_on_its_own_device(settings):
     assert g.generated_ids and set(loaded.engine.seen) == {torch.device("cpu")}
     if "beams" in settings:
         assert len(loaded.engine.seen) > 3  # the reorders were checked too
+
+
+def test_an_end_of_text_id_given_to_generate_is_the_one_it_stops_at():
+    """generate(eos_token_id=…) overrides the engine's own: greedy's first pick from the stub prompt is
+    token 0, so asking to stop at 0 ends the answer there, while the engine's end-of-text would not."""
+    loaded = bigram_loaded(bigram_table())
+    own = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=4))
+    assert own.generated_ids[0] == 0 and own.stop == "max_new_tokens"
+    g = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=4), eos_token_id=0)
+    assert g.generated_ids == [0] and g.stop == "eos"
