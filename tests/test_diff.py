@@ -181,3 +181,18 @@ def test_bad_input_exits_2(tiny, args, message):
     assert r.exit_code == 2, r.output
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_each_top_token_is_ranked_on_the_other_distributions_device():
+    """_side makes the ids it ranks on the other distribution's device, not on torch's default one
+    (here the meta device, as a GPU would differ from the CPU)."""
+    from types import SimpleNamespace
+
+    from lmhead_cli.head import Distribution
+    from lmhead_cli.readings.diff import _side
+
+    loaded = SimpleNamespace(tokenizer=SimpleNamespace(token_text=lambda i: f"<{i}>"))
+    a, b = Distribution(torch.tensor([3.0, 1.0, 2.0, 0.0])), Distribution(torch.tensor([0.0, 3.0, 1.0, 2.0]))
+    with torch.device("meta"):
+        side = _side(loaded, "p", [1, 2], 0, a, b, 3)
+    assert [(t.id, t.other_rank) for t in side.top] == [(0, 4), (2, 3), (1, 1)]

@@ -523,3 +523,18 @@ def test_file_lines_carry_the_bytes_read_so_far():
     lines = list(read_lines(io.BytesIO(data), "f.txt"))
     assert [(li.number, li.text) for li in lines] == [(1, "one two"), (2, None), (3, "café au lait"), (4, "last")]
     assert [li.end for li in lines] == [8, 9, 23, len(data)]
+
+
+def test_spans_show_bytes_that_are_no_character_escaped(tiny):
+    """Ids that are not a UTF-8 text (here the lone byte 0xff, GPT-2's token 187) come out as the
+    backslash escape of their bytes, not as an error."""
+    import dataclasses
+
+    score = score_text(load_model(str(tiny[0]), device="cpu"), TEXT)
+    odd = dataclasses.replace(score, ids=torch.tensor([464, 187, 8251]), rank=torch.tensor([0, 5, 2]))
+    assert list(odd.spans()) == [("The", None), ("\\xff", 5), (" keys", 2)]
+
+
+def test_an_empty_corpus_has_no_perplexity():
+    corpus = Corpus()
+    assert corpus.tokens == 0 and corpus.mean_nll is None and corpus.perplexity is None
