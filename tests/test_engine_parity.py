@@ -352,3 +352,24 @@ def test_the_mask_and_the_cache_are_made_on_the_engines_device(tiny):
         cache = eng.new_cache(1, 8)
     assert mask.device.type == "cpu" and mask.shape == (1, 1, 2, 3)
     assert cache.k.device.type == cache.v.device.type == "cpu"
+
+
+def test_one_new_position_on_the_cpu_attends_without_sdpa_and_its_head_takes_the_few_rows_path(tiny, monkeypatch):
+    """A decoding step's attention runs as three small products (SDPA's CPU kernel costs more than
+    the attention for one query), and its head as the engine's few-row product form."""
+    from lmhead_cli.engine import lean
+
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    cache = eng.new_cache(1, 8)
+    eng.body(torch.tensor([prompt(4)]), cache)  # the prefill may use SDPA
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("scaled_dot_product_attention for a single new position")
+
+    monkeypatch.setattr(lean.F, "scaled_dot_product_attention", refuse)
+    h = eng.body(torch.tensor([[13]]), cache)  # (1, 1, D)
+    seen = []
+    own = lean.few_rows_product
+    monkeypatch.setattr(lean, "few_rows_product", lambda form, x2, *rest: seen.append(tuple(x2.shape)) or own(form, x2, *rest))
+    eng.head(h)
+    assert seen == [(1, h.shape[-1])]
