@@ -30,6 +30,12 @@ ROWS_AT_LOAD = (torch.bfloat16,)  # dtypes whose Conv1D weights are stored as (o
 HALF = (torch.bfloat16, torch.float16)
 
 
+def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention and its KV cache run in: float32 for half dtypes on the CPU, where torch's
+    kernels for a few bfloat16 queries take 4x as long as float32's and round the scores besides."""
+    return torch.float32 if device.type == "cpu" and dtype in HALF else dtype
+
+
 def conv1d_weight(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A checkpoint's Conv1D weight (in, out) as the engine keeps it in `dtype`: for ROWS_AT_LOAD dtypes
     on the CPU, the (in, out) view of (out, in) rows, made by the copy that converts it (torch's
@@ -117,10 +123,7 @@ class Attention(nn.Module):
     def forward(self, x, layer, cache, mask):
         B, T, D = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, hd)
-        if x.device.type == "cpu" and x.dtype in HALF:
-            # In float32 (the cache too: engine `attention_dtype`): torch's CPU kernels for a few
-            # bfloat16 queries take 4x as long as float32's, and round the scores besides.
-            qkv = qkv.float()
+        qkv = qkv.to(attention_dtype(x.device, x.dtype))  # the cache's dtype too (LeanGPT2.new_cache)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, T, hd)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, T_past + T, hd)
@@ -223,8 +226,8 @@ class LeanGPT2(Engine):
 
     @property
     def attention_dtype(self) -> torch.dtype:
-        """The dtype attention (and the KV cache) run in: float32 for half dtypes on the CPU (Attention)."""
-        return torch.float32 if self.device.type == "cpu" and self.dtype in HALF else self.dtype
+        """The dtype attention (and the KV cache) run in (`attention_dtype`)."""
+        return attention_dtype(self.device, self.dtype)
 
     @property
     def weight_format(self) -> str:

@@ -13,7 +13,7 @@ fastest on the decoding steps themselves, as it does for the thread count:
 Every form reads the weights where they are: no form needs a copy of its own, so choosing one costs
 no lay-out step and no memory. GPT-2's float32 matrices stay in the checkpoint's (in, out) layout,
 which BLAS streams as fast as rows (its memory-mapped pages are the weights); bfloat16 matrices are
-made (out, in) rows when they are converted at load (engine/lean.py `rows_at_load`), the layout
+made (out, in) rows when they are converted at load (engine/lean.py `conv1d_weight`), the layout
 torch's bfloat16 gemv streams fastest. int8 weights (engine/int8.py) run one form, `int8_times`.
 """
 

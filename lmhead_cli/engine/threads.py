@@ -66,12 +66,12 @@ def prepare(threads: int | None = None) -> int | None:
 
 class ThreadChooser:
     """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster, and the
-    engine's product form (`offer`: e.g. float32 "linear" or "blocked", bfloat16 "gemv") at whichever
+    engine's product form (`offer`: e.g. float32 "linear" or "gemv", bfloat16 "gemv") at whichever
     of its forms does: every (count, form) pair is a setting, and the trials time them all.
 
     `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
-    one thread (first-call set-up is not what is compared); the next settings × trials calls alternate between the
-    settings, and the fastest (best time per unit each) is kept. With forms, the trial times each
+    one thread (first-call set-up is not what is compared); the next settings × trials calls
+    alternate between the settings, and the fastest (best time per unit each) is kept. With forms, the trial times each
     form on one thread, then torch's count with the fastest of them: one call on more threads, not
     one per form. Then the median of the last 5 calls
     is watched against the median of the first 5 after the choice: when it is more than `slack` times
