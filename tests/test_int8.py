@@ -44,12 +44,35 @@ def pair(request, tmp_path_factory):
     return load_model(str(folder), device="cpu", dtype="int8"), reference
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def products(request, monkeypatch):
+    """Run a test's few-row products on the compiled kernel (engine/kernels.c), counting its calls, or on
+    torch._int_mm over the digits (the kernels turned off): {"path": ..., "calls": [n]}."""
+    from lmhead_cli.engine import kernels
+
+    seen = {"path": request.param, "calls": [0]}
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "load", lambda: None)
+        return seen
+    k = kernels.load()
+    if k is None:
+        pytest.skip(f"the compiled kernels did not load: {kernels.unavailable()}")
+    plain = k.int8_times
+
+    def counted(*args):
+        seen["calls"][0] += 1
+        return plain(*args)
+
+    monkeypatch.setattr(k, "int8_times", counted)
+    return seen
+
+
 def prompt(n: int) -> list[int]:
     return torch.randint(0, 50256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
 
 @pytest.mark.parametrize("length", [1, 5, 40])
-def test_logits_match_the_dequantised_model(pair, length):
+def test_logits_match_the_dequantised_model(pair, length, products):
     loaded, reference = pair
     ids = prompt(length)
     with torch.inference_mode():
@@ -58,10 +81,12 @@ def test_logits_match_the_dequantised_model(pair, length):
     got = eng.head(eng.body(torch.tensor([ids])))[0]
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert (products["calls"][0] > 0) == (products["path"] == "compiled" and length <= 4)
 
 
-def test_greedy_ids_match_the_dequantised_model_step_by_step(pair):
-    """Prefill, then one position per step (the products' few-row path and the KV cache)."""
+def test_greedy_ids_match_the_dequantised_model_step_by_step(pair, products):
+    """Prefill, then one position per step (the products' few-row path and the KV cache), on the compiled
+    kernel and on torch's products."""
     loaded, reference = pair
     eng, ids = loaded.engine, PROMPT_IDS
     with torch.inference_mode():
@@ -76,6 +101,9 @@ def test_greedy_ids_match_the_dequantised_model_step_by_step(pair):
         got.append(int(z.argmax()))
         x = torch.tensor([[got[-1]]])
     assert got == expected
+    per_step = 4 * len(eng.gpt.h) + 1  # each block's four products and the head
+    # every step after the prefill, and the prefill's head on its last position
+    assert products["calls"][0] == (per_step * (NEW - 1) + 1 if products["path"] == "compiled" else 0)
 
 
 def test_the_tie_is_one_int8_table(pair):
@@ -118,7 +146,7 @@ def test_activation_digits_reconstruct_float32():
         assert bool(((back - rows.double()).abs() <= bound).all())
 
 
-def test_a_row_with_nan_or_infinity_gives_non_finite_outputs():
+def test_a_row_with_nan_or_infinity_gives_non_finite_outputs(products):
     """The digits of a non-finite row are meaningless integers; its scale carries the NaN (or infinity)
     into the outputs, so the model's own non-finite checks still see it."""
     from lmhead_cli.engine.int8 import int8_times, quantise

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmhead_cli.engine import kernels
+
 QMAX = 127
 STEPS = 8_000_000  # |v| ≤ STEPS: v + OFFSET stays within [0, 2^24) with room for the rounding of c·x
 OFFSET = 0x808080  # 128 in each of v's three low bytes
@@ -70,7 +72,14 @@ def digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None,
                kernel: bool = True) -> torch.Tensor:
-    """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32."""
+    """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32. A few rows on the CPU run the compiled
+    kernel where it loads (engine/kernels.py: the weights widened in registers); more rows, or no
+    compiled kernel, run torch._int_mm over the digits; `kernel` False (no int8 kernel on the device)
+    dequantises."""
+    fast = kernels.load() if x.device.type == "cpu" else None
+    if (fast is not None and x.dtype == s.dtype == torch.float32 and (bias is None or bias.dtype == x.dtype)
+            and fast.fits(x, q, bias)):
+        return fast.int8_times(x, q, s, bias)
     if not kernel:  # no int8 kernel here: dequantise, then the plain product
         w = q.to(x.dtype) * s[:, None].to(x.dtype)
         return F.linear(x, w, bias)

@@ -9,12 +9,14 @@ fastest on the decoding steps themselves, as it does for the thread count:
 - "linear": addmm / F.linear (BLAS's gemm, or oneDNN's for bfloat16).
 - "gemv": one position as addmv (BLAS's gemv, or torch's bfloat16 gemv; several positions run "linear").
 - "blocked" (bfloat16): the rows in 2·threads blocks as one batched matmul over views (`rows_times`).
+- "kernel" (bfloat16): the compiled kernel of engine/kernels.c, where it builds: each weight widened to
+  float32 in registers, summed in float32, the output rounded once.
 
 Every form reads the weights where they are: no form needs a copy of its own, so choosing one costs
 no lay-out step and no memory. GPT-2's float32 matrices stay in the checkpoint's (in, out) layout,
 which BLAS streams as fast as rows (its memory-mapped pages are the weights); bfloat16 matrices are
 made (out, in) rows when they are converted at load (engine/lean.py `conv1d_weight`), the layout
-torch's bfloat16 gemv streams fastest. int8 weights (engine/int8.py) run one form, `int8_times`.
+torch's bfloat16 gemv streams fastest. int8 weights (engine/int8.py) run one form, `int8_times` (the compiled kernel where it builds).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from lmhead_cli.engine import kernels
+
 BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
 # float32 has no "blocked" form: over the checkpoint's (in, out) layout the blocks are strided, and
 # one such step took 3-5x as long as gemm on one thread (rows would take a 340 MB copy per process).
 FORMS = {torch.float32: ("linear", "gemv"), torch.bfloat16: ("gemv", "linear", "blocked")}
+KERNEL_DTYPES = (torch.bfloat16,)  # dtypes with a compiled "kernel" form (engine/kernels.c)
 
 
 @dataclass
@@ -43,8 +48,11 @@ class Products:
 
 
 def products_for(dtype: torch.dtype, device: torch.device) -> Products:
-    """The forms a dtype can run in on `device` (a GPU runs one: the plain product)."""
+    """The forms a dtype can run in on `device` (a GPU runs one: the plain product); bfloat16 on the
+    CPU adds "kernel" where the compiled kernels load."""
     forms = FORMS.get(dtype, ()) if device.type == "cpu" else ()
+    if dtype in KERNEL_DTYPES and forms and kernels.load() is not None:
+        forms = ("kernel", *forms)
     return Products(forms=forms, form=forms[0] if forms else "linear")
 
 
@@ -77,6 +85,12 @@ def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) 
 def few_rows_product(form: str, x2: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2 (R, K) times rows (N, K) (rows, or the transposed view of a (K, N) matrix), plus bias, in
     `form`: (R, N)."""
+    if form == "kernel":
+        fast = kernels.load()
+        if (x2.dtype == rows.dtype == torch.bfloat16 and (bias is None or bias.dtype == x2.dtype)
+                and fast is not None and fast.fits(x2, rows, bias)):
+            return fast.bf16_times(x2, rows, bias)
+        form = "gemv"  # a product the kernel does not take (a strided view, say): torch's own
     if form == "blocked":
         return rows_times(rows, x2, bias)
     if form == "gemv" and x2.shape[0] == 1:

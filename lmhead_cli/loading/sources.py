@@ -301,6 +301,12 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
         from lmhead_cli.engine.int8 import quantise_gpt2_
 
         quantise_gpt2_(model, tied, device, announce)
+    if device.type == "cpu" and (int8 or dtype == torch.bfloat16):
+        from lmhead_cli.engine import kernels
+
+        line = kernels.fallback_notice("int8" if int8 else "bfloat16")
+        if line:
+            announce(line)
     return model.to(device).eval()
 
 

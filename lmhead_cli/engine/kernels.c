@@ -1,0 +1,347 @@
+/* Matrix-vector products that stream low-precision weights for the lean engine's decoding steps.
+
+   y[m, n] = scale[n] * sum_k W[n, k] * x[m, k] + bias[n]   for a few rows m (M <= MAX_ROWS)
+
+   W is rows (N, K): int8 (with a float32 scale per row) or bfloat16 (no scale). Each weight is
+   widened to float32 exactly (an int8 is an integer, a bfloat16 is the top half of a float32) and
+   multiplied into float32 sums: no activation is rounded to 8 or 16 bits, the weights are read once
+   at their own width (a quarter or a half of float32's bytes), and the output rows are split among
+   OpenMP threads (the same OpenMP runtime torch runs on: engine/kernels.py links to it).
+
+   Built on the user's machine by engine/kernels.py with -O3 -march=native: the AVX-512 or AVX2 paths
+   below where the CPU has them, plain C elsewhere. No Python or torch headers: called through ctypes
+   with the tensors' data pointers. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MAX_ROWS 4
+#define ROW_BLOCK 4 /* weight rows per inner step: each activation vector load serves four of them */
+/* Each row is a short stream (768 bytes of int8 in GPT-2), too short for the hardware prefetchers to
+   follow: the kernels ask for the weights PREFETCH_BYTES ahead of each load themselves (one thread read
+   at 8 GB/s without, 18 GB/s with, on the machine they were written on). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192
+#endif
+
+int lmhead_kernels_abi(void) { return 2; }
+int lmhead_kernels_max_rows(void) { return MAX_ROWS; }
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest, ties to even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vi8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf vbf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vi8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vbf16(const uint16_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#else
+#define LANES 0
+#endif
+
+/* One weight type's kernel: W_T rows, LOAD_W widens LANES of them, SCALAR_W one. */
+#define DEFINE_MATVEC(NAME, W_T, LOAD_W, SCALAR_W)                                                   \
+    static void NAME##_rows(const W_T *w, const float *x, float *acc, int64_t K, int64_t M,           \
+                            int64_t r, int64_t rows) {                                               \
+        /* acc[m * ROW_BLOCK + j] = sum_k w[(r + j) * K + k] * x[m * K + k], j < rows */             \
+        int64_t k = 0;                                                                             \
+        for (int64_t i = 0; i < M * ROW_BLOCK; i++) acc[i] = 0.0f;                                  \
+        if (LANES && rows == ROW_BLOCK) {                                                            \
+            VECTOR_BODY(W_T, LOAD_W)                                                                \
+        }                                                                                          \
+        for (; k < K; k++)                                                                         \
+            for (int64_t j = 0; j < rows; j++) {                                                   \
+                float wv = SCALAR_W(w[(r + j) * K + k]);                                           \
+                for (int64_t m = 0; m < M; m++) acc[m * ROW_BLOCK + j] += wv * x[m * K + k];        \
+            }                                                                                      \
+    }
+
+#if LANES
+#define VECTOR_BODY(W_T, LOAD_W)                                                                   \
+    vf s[MAX_ROWS][ROW_BLOCK];                                                                     \
+    for (int64_t m = 0; m < M; m++)                                                                \
+        for (int j = 0; j < ROW_BLOCK; j++) s[m][j] = vzero();                                     \
+    const W_T *w0 = w + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                           \
+    for (; k + LANES <= K; k += LANES) {                                                           \
+        vf a0 = LOAD_W(w0 + k), a1 = LOAD_W(w1 + k), a2 = LOAD_W(w2 + k), a3 = LOAD_W(w3 + k);     \
+        for (int64_t m = 0; m < M; m++) {                                                          \
+            vf xv = vload(x + m * K + k);                                                          \
+            s[m][0] = vfma(a0, xv, s[m][0]);                                                       \
+            s[m][1] = vfma(a1, xv, s[m][1]);                                                       \
+            s[m][2] = vfma(a2, xv, s[m][2]);                                                       \
+            s[m][3] = vfma(a3, xv, s[m][3]);                                                       \
+        }                                                                                          \
+    }                                                                                              \
+    for (int64_t m = 0; m < M; m++)                                                                \
+        for (int j = 0; j < ROW_BLOCK; j++) acc[m * ROW_BLOCK + j] = vsum(s[m][j]);
+#else
+#define VECTOR_BODY(W_T, LOAD_W)
+#endif
+
+#define I8(v) ((float)(v))
+DEFINE_MATVEC(i8, int8_t, vi8, I8)
+DEFINE_MATVEC(bf16, uint16_t, vbf16, bf16_to_f32)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* int8 x int8 dot products with VNNI (vpdpbusd: 64 unsigned bytes times 64 signed bytes, four at a time,
+   summed into 16 int32 lanes) over an activation row written exactly as integers: each row x_m becomes
+   v = round(c_m * x), |v| <= STEPS, c_m = STEPS / max|x_m| (23 bits of the row's largest value), and
+   u = v + OFFSET in [0, 2^24) is three unsigned bytes d_0 + 256 d_1 + 65536 d_2. Then
+       sum_k q_k v_k = S_0 + 256 S_1 + 65536 S_2 - OFFSET * sum_k q_k,   S_i = sum_k d_i,k q_k,
+   each S_i an exact int32 (|S_i| <= 255 * 127 * K < 2^31 for K <= VNNI_MAX_K), recombined in int64 and
+   scaled once in double: y = (that / c_m) * s + bias. Three vpdpbusd per 64 weights and row of x, and
+   one for sum_k q_k, where widening each weight to float takes twelve operations per 64. */
+#define VNNI 1
+#define STEPS 8000000.0
+#define OFFSET 0x808080
+#define VNNI_MAX_K 65536
+
+/* x (M, K) -> digits (M, 3, Kp) unsigned bytes (zero beyond K) and c (M); 0 if a row is not finite. */
+static int i8_digits(const float *x, int64_t M, int64_t K, int64_t Kp, uint8_t *d, double *c) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        float top = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float a = xm[k] < 0 ? -xm[k] : xm[k];
+            if (!(a <= 3.4028234663852886e38f)) return 0; /* NaN or infinity */
+            top = a > top ? a : top;
+        }
+        c[m] = top > 0 ? STEPS / (double)top : 1.0;
+        uint8_t *d0 = d + m * 3 * Kp, *d1 = d0 + Kp, *d2 = d1 + Kp;
+        for (int64_t k = 0; k < Kp; k++) {
+            int32_t u = OFFSET;
+            if (k < K) {
+                double t = c[m] * (double)xm[k];
+                u += (int32_t)(t < 0 ? t - 0.5 : t + 0.5);
+            } else {
+                u = 0;
+            }
+            d0[k] = (uint8_t)u, d1[k] = (uint8_t)(u >> 8), d2[k] = (uint8_t)(u >> 16);
+        }
+    }
+    return 1;
+}
+
+/* Rows r .. r + rows - 1 (rows <= RB) of q against M digit rows: M and RB are constants in each
+   instance below, so that the 3 * M * RB sums stay in registers (AVX-512 has 32). */
+static inline __attribute__((always_inline)) void i8_vnni_block(
+        const int8_t *q, const uint8_t *d, const double *c, const float *s, const float *bias, float *y,
+        int64_t N, int64_t K, int64_t Kp, const int64_t M, const int RB, int64_t r, int64_t rows) {
+    __m512i S[MAX_ROWS][3][ROW_BLOCK], R[ROW_BLOCK], ones = _mm512_set1_epi8(1);
+    for (int j = 0; j < RB; j++) {
+        R[j] = _mm512_setzero_si512();
+        for (int64_t m = 0; m < M; m++)
+            for (int i = 0; i < 3; i++) S[m][i][j] = _mm512_setzero_si512();
+    }
+    for (int64_t k = 0; k < Kp; k += 64) {
+        __mmask64 live = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        __m512i w[ROW_BLOCK];
+        for (int j = 0; j < RB; j++) {
+            w[j] = j < rows ? _mm512_maskz_loadu_epi8(live, q + (r + j) * K + k) : _mm512_setzero_si512();
+            _mm_prefetch((const char *)(q + (r + j) * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+            R[j] = _mm512_dpbusd_epi32(R[j], ones, w[j]);
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int i = 0; i < 3; i++) {
+                __m512i a = _mm512_loadu_si512((const void *)(d + (m * 3 + i) * Kp + k));
+                for (int j = 0; j < RB; j++) S[m][i][j] = _mm512_dpbusd_epi32(S[m][i][j], a, w[j]);
+            }
+    }
+    /* Reduced over constant bounds only: an index the compiler cannot resolve would keep every sum in
+       memory inside the loop above. */
+    int64_t sums[MAX_ROWS][3][ROW_BLOCK], rowsum[ROW_BLOCK];
+    for (int j = 0; j < RB; j++) {
+        rowsum[j] = _mm512_reduce_add_epi32(R[j]);
+        for (int64_t m = 0; m < M; m++)
+            for (int i = 0; i < 3; i++) sums[m][i][j] = _mm512_reduce_add_epi32(S[m][i][j]);
+    }
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t m = 0; m < M; m++) {
+            int64_t t = sums[m][0][j] + 256 * sums[m][1][j] + 65536 * sums[m][2][j] - (int64_t)OFFSET * rowsum[j];
+            double v = (double)t / c[m] * (double)s[r + j] + (bias ? (double)bias[r + j] : 0.0);
+            y[m * N + r + j] = (float)v;
+        }
+}
+
+#define VNNI_INSTANCE(MM, RBB)                                                                         \
+    static void i8_vnni_##MM(const int8_t *q, const uint8_t *d, const double *c, const float *s,       \
+                             const float *bias, float *y, int64_t N, int64_t K, int64_t Kp, int threads) { \
+        int64_t blocks = (N + RBB - 1) / RBB;                                                          \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
+        for (int64_t b = 0; b < blocks; b++) {                                                         \
+            int64_t r = b * RBB, rows = N - r < RBB ? N - r : RBB;                                     \
+            i8_vnni_block(q, d, c, s, bias, y, N, K, Kp, MM, RBB, r, rows);                            \
+        }                                                                                              \
+    }
+VNNI_INSTANCE(1, 4)
+VNNI_INSTANCE(2, 2)
+VNNI_INSTANCE(3, 2)
+VNNI_INSTANCE(4, 2)
+#else
+#define VNNI 0
+#endif
+
+/* x (M, K) float32, q (N, K) int8, s (N) float32, bias (N) float32 or NULL -> y (M, N) float32.
+   Returns -1 if it could not allocate its buffer (nothing written then). */
+int lmhead_int8_matvec(const int8_t *q, const float *s, const float *x, const float *bias, float *y,
+                       int64_t N, int64_t K, int64_t M, int threads) {
+    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#if VNNI
+    if (K <= VNNI_MAX_K) {
+        int64_t Kp = (K + 63) / 64 * 64;
+        uint8_t *d = malloc((size_t)(M * 3 * Kp));
+        double c[MAX_ROWS];
+        if (!d) return -1;
+        if (i8_digits(x, M, K, Kp, d, c)) { /* else a row is not finite: the float path, IEEE's NaN and inf */
+            void (*run[])(const int8_t *, const uint8_t *, const double *, const float *, const float *,
+                          float *, int64_t, int64_t, int64_t, int) = {i8_vnni_1, i8_vnni_2, i8_vnni_3, i8_vnni_4};
+            run[M - 1](q, d, c, s, bias, y, N, K, Kp, threads);
+            free(d);
+            return 0;
+        }
+        free(d);
+    }
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float acc[MAX_ROWS * ROW_BLOCK];
+        int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
+        i8_rows(q, x, acc, K, M, r, rows);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < rows; j++)
+                y[m * N + r + j] = acc[m * ROW_BLOCK + j] * s[r + j] + (bias ? bias[r + j] : 0.0f);
+    }
+    return 0;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* bfloat16 pairs with AVX512-BF16 (vdpbf16ps: 32 bfloat16 products, summed in pairs into 16 float32
+   lanes; a bfloat16 product is exact in float32): one instruction per 32 weights, where widening them
+   takes six. Like the rest of this file, M and RB are constants in each instance. */
+#define DPBF16 1
+static inline __attribute__((always_inline)) void bf16_dp_block(
+        const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
+        const int64_t M, const int RB, int64_t r, int64_t rows) {
+    __m512 S[MAX_ROWS][ROW_BLOCK];
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < RB; j++) S[m][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 live = K - k >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (K - k)) - 1);
+        __m512bh a[ROW_BLOCK];
+        for (int j = 0; j < RB; j++)
+            a[j] = (__m512bh)(j < rows ? _mm512_maskz_loadu_epi16(live, w + (r + j) * K + k) : _mm512_setzero_si512());
+        for (int j = 0; j < RB; j++)  /* 32 bfloat16: one cache line */
+            _mm_prefetch((const char *)(w + (r + j) * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int64_t m = 0; m < M; m++) {
+            __m512bh b = (__m512bh)_mm512_maskz_loadu_epi16(live, x + m * K + k);
+            for (int j = 0; j < RB; j++) S[m][j] = _mm512_dpbf16_ps(S[m][j], a[j], b);
+        }
+    }
+    float sums[MAX_ROWS][ROW_BLOCK];
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < RB; j++) sums[m][j] = _mm512_reduce_add_ps(S[m][j]);
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + r + j] = f32_to_bf16(sums[m][j] + (bias ? bf16_to_f32(bias[r + j]) : 0.0f));
+}
+
+#define DPBF16_INSTANCE(MM, RBB)                                                                        \
+    static void bf16_dp_##MM(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,    \
+                             int64_t N, int64_t K, int threads) {                                       \
+        int64_t blocks = (N + RBB - 1) / RBB;                                                           \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                               \
+        for (int64_t b = 0; b < blocks; b++) {                                                          \
+            int64_t r = b * RBB, rows = N - r < RBB ? N - r : RBB;                                      \
+            bf16_dp_block(w, x, bias, y, N, K, MM, RBB, r, rows);                                       \
+        }                                                                                               \
+    }
+DPBF16_INSTANCE(1, 4)
+DPBF16_INSTANCE(2, 4)
+DPBF16_INSTANCE(3, 4)
+DPBF16_INSTANCE(4, 4)
+#else
+#define DPBF16 0
+#endif
+
+/* x (M, K) bfloat16 bits, w (N, K) bfloat16 bits, bias (N) bfloat16 bits or NULL -> y (M, N) bfloat16
+   bits: float32 sums plus the bias, rounded once, as torch's bfloat16 addmv. Without AVX512-BF16 each
+   thread widens x to float32 once and each weight is widened in registers. */
+int lmhead_bf16_matvec(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
+                       int64_t N, int64_t K, int64_t M, int threads) {
+#if DPBF16
+    void (*run[])(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int) =
+        {bf16_dp_1, bf16_dp_2, bf16_dp_3, bf16_dp_4};
+    run[M - 1](w, x, bias, y, N, K, threads);
+    return 0;
+#endif
+    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *xf = malloc(sizeof(float) * (size_t)(M * K));
+        if (!xf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t i = 0; xf && i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            float acc[MAX_ROWS * ROW_BLOCK];
+            int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
+            if (!xf) continue;
+            bf16_rows(w, xf, acc, K, M, r, rows);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < rows; j++) {
+                    float b16 = bias ? bf16_to_f32(bias[r + j]) : 0.0f;
+                    y[m * N + r + j] = f32_to_bf16(acc[m * ROW_BLOCK + j] + b16);
+                }
+        }
+        free(xf);
+    }
+    return failed ? -1 : 0;
+}

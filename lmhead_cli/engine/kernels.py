@@ -1,0 +1,204 @@
+"""The compiled CPU kernels (engine/kernels.c): built once on the user's machine, loaded with ctypes.
+
+torch's own products read int8 weights at about half of float32 BLAS's speed (the activations must
+be split into int8 digits for torch._int_mm) and bfloat16 rows at 11-14 GB/s against float32's 20, so
+a decoding step in a cheaper dtype saved less than its bytes promised. kernels.c streams the weights
+at their own width and widens each to float32 in registers: one pass, no activation rounded.
+
+The first use compiles kernels.c with the C compiler ($CC, else cc) into
+~/.cache/lmhead/kernels/ (under $XDG_CACHE_HOME when set), named by a digest of the source, the
+flags, the compiler and the CPU, so a later run, another process and a torchrun worker load it
+without compiling. -march=native: it is built for the CPU it runs on. It links to the OpenMP runtime
+torch has loaded (libgomp.so.1 by soname), so its threads are torch's threads, counted by
+torch.get_num_threads() (engine/threads.py chooses the count).
+
+Where there is no compiler, the build fails, or the loaded library fails its self-check, `load()`
+returns None and `unavailable()` says why; the engine then runs torch's products, the same figures
+slower. LMHEAD_KERNELS=0 turns the kernels off (to compare, or to rule them out).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+ENV = "LMHEAD_KERNELS"
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+ABI = 2
+OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_why: list[str] = []  # why load() returned None, once it has
+
+
+class Kernels:
+    """The loaded library: products of a few float32 or bfloat16 rows with int8 or bfloat16 weights."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        self.max_rows = lib.lmhead_kernels_max_rows()
+        lib.lmhead_int8_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+        lib.lmhead_int8_matvec.restype = _int
+        lib.lmhead_bf16_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+        lib.lmhead_bf16_matvec.restype = _int
+
+    def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether x (M, K), weight rows w (N, K) and bias (N,) are a product these kernels take: on the
+        CPU, contiguous, a few rows (the dtypes are the caller's to check)."""
+        return (x.device.type == w.device.type == "cpu" and x.dim() == 2 == w.dim()
+                and 0 < x.shape[0] <= self.max_rows and x.shape[1] == w.shape[1]
+                and x.is_contiguous() and w.is_contiguous()
+                and (bias is None or (bias.device.type == "cpu" and bias.is_contiguous()
+                                      and tuple(bias.shape) == (w.shape[0],))))
+
+    def int8_times(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """x (M, K) float32 times (q · s)ᵀ, q (N, K) int8, s (N,) float32, plus bias (N,) float32: (M, N)."""
+        (M, K), N = x.shape, q.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        if self.lib.lmhead_int8_matvec(q.data_ptr(), s.data_ptr(), x.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                       N, K, M, torch.get_num_threads()):
+            raise MemoryError("the int8 kernel could not allocate its activation buffer")
+        return y
+
+    def bf16_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (M, K) bfloat16 times w (N, K) bfloat16 rows, plus bias (N,) bfloat16: (M, N) bfloat16,
+        summed in float32 and rounded once, as torch's bfloat16 addmv."""
+        (M, K), N = x.shape, w.shape[0]
+        y = torch.empty(M, N, dtype=torch.bfloat16)
+        if self.lib.lmhead_bf16_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                       y.data_ptr(), N, K, M, torch.get_num_threads()):
+            raise MemoryError("the bfloat16 kernel could not allocate its activation buffer")
+        return y
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lmhead" / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _digest(cc: str) -> str:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    try:
+        cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    text = "\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, version, platform.machine(), cpu])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile kernels.c to `target`, atomically: a concurrent build elsewhere writes its own temporary
+    file, and the last rename wins with the same bytes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise RuntimeError(f"{Path(cc).name} failed: {lines[0] if lines else f'exit {done.returncode}'}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _self_check(k: Kernels) -> bool:
+    """The loaded kernels against torch on a small product with ragged sizes (the vector loops' tails)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 37, generator=g)
+    w = torch.randn(11, 37, generator=g)
+    q = torch.randint(-127, 128, (11, 37), generator=g, dtype=torch.int8)
+    s, b = torch.rand(11, generator=g), torch.randn(11, generator=g)
+    want8 = x @ (q.float() * s[:, None]).t() + b
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    want16 = (xb.float() @ wb.float().t() + bb.float())
+    return (torch.allclose(k.int8_times(x, q, s, b), want8, rtol=1e-4, atol=1e-4)
+            and torch.allclose(k.bf16_times(xb, wb, bb).float(), want16, rtol=1e-2, atol=1e-2))
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtimes mapped into this process (Linux; elsewhere none are seen)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return set()
+    return {p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))}
+
+
+def _open(path: Path) -> Kernels:
+    try:
+        k = Kernels(ctypes.CDLL(str(path)))
+    except AttributeError as e:  # a library without the kernels' symbols
+        raise RuntimeError(f"{path.name} lacks the kernels ({e})") from None
+    if k.lib.lmhead_kernels_abi() != ABI:
+        raise RuntimeError(f"{path.name} is of another version")
+    if len(_openmp_runtimes()) > 1:
+        raise RuntimeError("they would run a second OpenMP runtime beside torch's: "
+                           + ", ".join(sorted(_openmp_runtimes())))
+    if not _self_check(k):
+        raise RuntimeError("the compiled kernels failed their self-check against torch")
+    return k
+
+
+@functools.cache
+def load() -> Kernels | None:
+    """The kernels, built on first use; None where they cannot be (`unavailable()` says why)."""
+    if os.environ.get(ENV, "1").strip().lower() in OFF:
+        _why.append(f"{ENV}={os.environ[ENV]}")
+        return None
+    cc = _compiler()
+    if cc is None:
+        _why.append(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
+        return None
+    try:
+        target = cache_dir() / f"kernels-{_digest(cc)}.so"
+        built = not target.exists()
+        if built:
+            _build(cc, target)
+        try:
+            k = _open(target)
+        except (OSError, RuntimeError):
+            if built:
+                raise
+            target.unlink(missing_ok=True)  # a damaged or stale file in the cache: build it afresh, once
+            _build(cc, target)
+            k = _open(target)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _why.append(" ".join(str(e).split()) or type(e).__name__)
+        return None
+    return k
+
+
+def fallback_notice(weights: str) -> str | None:
+    """One line for a user whose `weights` ("int8", "bfloat16") run without the kernels, unless they
+    turned them off themselves (None then, and when the kernels load)."""
+    if load() is not None or os.environ.get(ENV, "1").strip().lower() in OFF:
+        return None
+    return (f"{weights} weights on the CPU: lmhead's compiled kernels are unavailable ({unavailable()}); "
+            "torch's products run instead (the same figures, slower)")
+
+
+def unavailable() -> str | None:
+    """Why the kernels are not in use (None when they are, or were not asked for yet)."""
+    return _why[-1] if _why else None

@@ -1,0 +1,236 @@
+"""The compiled CPU kernels (engine/kernels.c, built and loaded by engine/kernels.py): int8 and bfloat16
+weights times a few float rows, against float64 sums done here; the build, its cache and its refusals."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmhead_cli.engine import kernels
+
+K = kernels.load()
+needs_kernels = pytest.mark.skipif(K is None, reason=f"the compiled kernels did not load: {kernels.unavailable()}")
+# Besides the build for this CPU: kernels.c's AVX2 path and its plain C path, built for older x86-64 CPUs
+# (this one would take the AVX-512 VNNI and BF16 paths).
+BUILDS = ["native", "x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def build(request, tmp_path_factory):
+    """The kernels as loaded for this CPU, or kernels.c built here for an older x86-64 level."""
+    if K is None:
+        pytest.skip(f"the compiled kernels did not load: {kernels.unavailable()}")
+    if request.param == "native":
+        return K
+    cc = shutil.which(os.environ.get("CC") or "cc")
+    target = tmp_path_factory.mktemp("kernels") / f"kernels-{request.param}.so"
+    flags = [f"-march={request.param}" if f == "-march=native" else f for f in kernels.FLAGS]
+    subprocess.run([cc, *flags, "-o", str(target), str(kernels.SOURCE)], check=True, capture_output=True)
+    return kernels._open(target)
+
+
+def test_the_kernels_build_wherever_there_is_a_c_compiler():
+    """CI's machine has gcc: a kernel that silently fell back to torch there would leave them untested."""
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler here")
+    assert K is not None, kernels.unavailable()
+    assert kernels.unavailable() is None
+
+
+def sums(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) · w (N, K)ᵀ + bias in float64: the exact sums the float32 ones are checked against."""
+    y = x.double() @ w.double().t()
+    return y if bias is None else y + bias.double()
+
+
+def within_float32_sums(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, n: int) -> None:
+    """Float32 arithmetic of n roundings along the way is within γ_n·magnitude of the exact result,
+    γ_n = n·u/(1 − n·u), u = 2^-24, magnitude = Σ|terms| (Higham, §3.1)."""
+    u = 2.0 ** -24
+    bound = n * u / (1 - n * u) * magnitude + 1e-30
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), f"largest excess {float((err / bound).max()):.2f}x"
+
+
+# (K, N): vector loops' tails, ragged row blocks, and (int8) a K beyond the VNNI path's exact int32 sums
+SHAPES = [(1, 1), (5, 3), (37, 11), (768, 2304), (3072 + 5, 771)]
+
+
+@pytest.mark.parametrize("k, n", SHAPES + [(65536 + 7, 3)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_int8_rows_times_float_rows_are_float32_sums(build, k, n, m):
+    from lmhead_cli.engine.int8 import quantise
+
+    g = torch.Generator().manual_seed(k * n + m)
+    q, s = quantise(torch.randn(n, k, generator=g))
+    x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
+    w = q.double() * s.double()[:, None]  # the dequantised weights, exactly
+    for b in (bias, None):
+        got = build.int8_times(x, q, s, b)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        # the sum of k products, then · s and + bias: k + 2 roundings
+        magnitude = x.double().abs() @ w.abs().t() + (0 if b is None else b.double().abs())
+        within_float32_sums(got, sums(x, w, b), magnitude, k + 2)
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_bfloat16_rows_are_float32_sums_rounded_once(build, k, n, m):
+    """Each output is the float32 sum rounded to bfloat16 once: within half a bfloat16 step of the exact
+    sum, plus the float32 sum's own error."""
+    g = torch.Generator().manual_seed(k + n + m)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x, bias = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    for b in (bias, None):
+        got = build.bf16_times(x, w, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        want = sums(x, w, b)
+        magnitude = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+        u, terms = 2.0 ** -24, k + 1
+        bound = want.abs() * 2.0 ** -8 + terms * u / (1 - terms * u) * magnitude * (1 + 2.0 ** -8) + 1e-30
+        assert bool(((got.double() - want).abs() <= bound).all())
+        # and what torch's bfloat16 product gives, to bfloat16's tolerance
+        ref = torch.nn.functional.linear(x, w, b)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2 * float(ref.abs().max()), rtol=2e-2)
+
+
+def test_bfloat16_rounds_to_nearest_even_and_carries_nan_and_infinity(build):
+    """One weight of 1 picks one activation out: the output is that bfloat16 value itself; a sum exactly
+    between two bfloat16 values rounds to the even one; an infinity or a NaN in a row reaches its
+    outputs as IEEE arithmetic has it (inf · 0 is NaN)."""
+    x = torch.tensor([[1.0, 2.0 ** -8, -3.5, 1e30]]).bfloat16()
+    assert torch.equal(build.bf16_times(x, torch.eye(4).bfloat16(), None), x)
+    # 1 + 2^-8: halfway between 1 and 1 + 2^-7 (bfloat16 has 7 bits after the point): even is 1
+    ones = torch.ones(1, 2).bfloat16()
+    assert float(build.bf16_times(torch.tensor([[1.0, 2.0 ** -8]]).bfloat16(), ones, None)) == 1.0
+    assert float(build.bf16_times(torch.tensor([[1.0, 2.0 ** -8 + 2.0 ** -12]]).bfloat16(), ones, None)) == 1.0 + 2.0 ** -7
+    assert float(build.bf16_times(torch.tensor([[1.0 + 2.0 ** -7, 2.0 ** -8]]).bfloat16(), ones, None)) == 1.0 + 2.0 ** -6
+    w = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 2.0]]).bfloat16()
+    for row in ([float("inf"), 1.0], [float("nan"), 1.0], [float("inf"), float("-inf")]):
+        xb = torch.tensor([row]).bfloat16()
+        got, want = build.bf16_times(xb, w, None).double(), xb.double() @ w.double().t()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+def test_int8_rows_with_nan_or_infinity_get_ieee_results_and_the_other_rows_are_unharmed(build):
+    """A row of x that is not finite cannot be written as integers: the product runs in float for it
+    (inf · 0 is NaN, inf · w an infinity), and finite rows in the same call are as they would be alone."""
+    q = torch.tensor([[1, 0], [1, 1], [0, 2], [-3, 1]], dtype=torch.int8)
+    s = torch.tensor([0.5, 1.0, 2.0, 1.0])
+    finite = torch.tensor([[0.25, -1.5]])
+    alone = build.int8_times(finite, q, s, None)
+    for row in ([float("inf"), 1.0], [float("nan"), 1.0], [float("inf"), float("-inf")]):
+        x = torch.cat([torch.tensor([row]), finite])
+        got = build.int8_times(x, q, s, None).double()
+        want = x.double() @ (q.double() * s.double()[:, None]).t()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+        torch.testing.assert_close(got[1:].float(), alone, atol=1e-6, rtol=1e-6)
+
+
+def test_the_thread_split_does_not_change_any_output(build):
+    """Each output row is summed by one thread in one order: 1, 2 and 3 threads give the same bits."""
+    from lmhead_cli.engine.int8 import quantise
+
+    g = torch.Generator().manual_seed(3)
+    q, s = quantise(torch.randn(1001, 300, generator=g))
+    x = torch.randn(2, 300, generator=g)
+    wb, xb = torch.randn(1001, 300, generator=g).bfloat16(), x.bfloat16()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append((build.int8_times(x, q, s, None), build.bf16_times(xb, wb, None)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in outs[1:]:
+        assert torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1])
+
+
+@needs_kernels
+def test_fits_takes_only_what_the_kernels_read():
+    w = torch.zeros(8, 16, dtype=torch.int8)
+    x = torch.zeros(2, 16)
+    assert K.fits(x, w, None) and K.fits(x, w, torch.zeros(8))
+    assert not K.fits(torch.zeros(K.max_rows + 1, 16), w, None)  # many rows: a GEMM, torch's
+    assert not K.fits(torch.zeros(16, 2).t(), w, None)  # a strided view
+    assert not K.fits(x, torch.zeros(16, 8, dtype=torch.int8).t(), None)
+    assert not K.fits(torch.zeros(2, 15), w, None)
+    assert not K.fits(x, w, torch.zeros(7)) and not K.fits(x, w, torch.zeros(16)[::2])
+    assert not K.fits(torch.zeros(0, 16), w, None)
+
+
+def run_load(env: dict) -> str:
+    """kernels.load() in a fresh process with `env` added: 'loaded', or why not."""
+    code = ("from lmhead_cli.engine import kernels; k = kernels.load(); "
+            "print('loaded' if k else 'none: ' + kernels.unavailable())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_lmhead_kernels_0_turns_them_off():
+    assert run_load({"LMHEAD_KERNELS": "0"}) == "none: LMHEAD_KERNELS=0"
+
+
+def test_no_compiler_or_a_failing_one_falls_back_and_says_why(tmp_path):
+    assert run_load({"CC": "no-such-compiler-here", "XDG_CACHE_HOME": str(tmp_path)}) == \
+        "none: no C compiler (no-such-compiler-here) on PATH"
+    said = run_load({"CC": "false", "XDG_CACHE_HOME": str(tmp_path)})
+    assert said.startswith("none: false failed") and not list((tmp_path / "lmhead" / "kernels").glob("*.so*"))
+
+
+@needs_kernels
+def test_a_build_is_cached_by_digest_and_reused(tmp_path):
+    """The first load builds into the cache folder; the next process loads that file without a compiler."""
+    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
+    built = list((tmp_path / "lmhead" / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("kernels-") and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@needs_kernels
+def test_a_damaged_cached_library_is_built_afresh(tmp_path):
+    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
+    (built,) = (tmp_path / "lmhead" / "kernels").iterdir()
+    built.write_bytes(b"not a shared library")
+    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
+    assert built.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_kernels
+def test_a_cache_folder_that_cannot_be_written_falls_back_in_one_line(tmp_path):
+    (tmp_path / "lmhead").write_text("a file where the folder would be")
+    said = run_load({"XDG_CACHE_HOME": str(tmp_path)})
+    assert said.startswith("none: ") and "\n" not in said
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float32"])
+def test_loading_names_the_fallback_unless_the_user_turned_the_kernels_off(tiny, monkeypatch, dtype):
+    """Without the kernels, int8 and bfloat16 weights say in one line why and what runs instead; float32
+    (which has no kernel of its own) and LMHEAD_KERNELS=0 (the user's own choice) say nothing."""
+    from lmhead_cli.loading.sources import load_model
+
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(kernels, "unavailable", lambda: "no C compiler (cc) on PATH")
+    said = []
+    load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean", announce=said.append)
+    notices = [line for line in said if "compiled kernels" in line]
+    if dtype == "float32":
+        assert notices == []
+    else:
+        assert notices == [f"{dtype} weights on the CPU: lmhead's compiled kernels are unavailable (no C "
+                           "compiler (cc) on PATH); torch's products run instead (the same figures, slower)"]
+    monkeypatch.setenv("LMHEAD_KERNELS", "0")
+    said.clear()
+    load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean", announce=said.append)
+    assert not [line for line in said if "compiled kernels" in line]
