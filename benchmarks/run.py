@@ -149,6 +149,8 @@ VARIANTS = {
     "lmhead, linear form": {"via": "engine loop, gemm", "probe": "linear"},
     "lmhead, gemv form": {"via": "engine loop, gemv", "probe": "gemv"},
     "lmhead, blocked form": {"via": "engine loop, blocked rows", "probe": "blocked"},
+    "lmhead, kernel form": {"via": "engine loop, compiled kernel", "probe": "kernel"},
+    "lmhead, torch's products": {"via": "`LMHEAD_KERNELS=0 lmhead greedy`", "env": {"LMHEAD_KERNELS": "0"}},
     "transformers": {"via": "`generate()`"},
 }
 
@@ -164,7 +166,7 @@ def greedy_once(folder: Path, variant: str, dtype: str, new_tokens: int, device:
         return probe("decode", str(folder), PROMPT, str(new_tokens), dtype, how["probe"])
     args = ["greedy", PROMPT, "--model", str(folder), "--max-new-tokens", str(new_tokens), "--ignore-eos",
             "--dtype", dtype, "--device", device, "--json"]
-    env = {}
+    env = dict(how.get("env", {}))
     if "threads" in how:
         args += ["--threads", str(how["threads"])]
     if how.get("spin"):
@@ -401,10 +403,13 @@ def report(R: dict, args) -> str:
         "each; every row of the table alternates with every other in one loop. lmhead: `lmhead greedy --json`, its "
         "own figures, with its defaults: threads (torch's count or 1) and product form chosen by timing the first "
         "steps, OpenMP threads spinning ~1 ms before they sleep; `1 thread` fixes `--threads 1`; `spinning threads` "
-        "is torch's count with threads that spin without end (OMP_WAIT_POLICY=ACTIVE); `linear`, `gemv` and `blocked form` are the engine "
+        "is torch's count with threads that spin without end (OMP_WAIT_POLICY=ACTIVE); `linear`, `gemv`, `blocked` and "
+        "`kernel form` are the engine "
         "loop (benchmarks/probes.py decode) with one product form fixed on torch's thread count: gemm (BLAS; oneDNN "
         "for bfloat16), which is how transformers runs them too; gemv (BLAS; torch's own for bfloat16); batched "
-        "matmuls over row blocks (bfloat16 only). float32 reads the checkpoint's (in, out) matrices in place, bfloat16 (out, in) "
+        "matmuls over row blocks (bfloat16 only); lmhead's compiled kernel (engine/kernels.c; bfloat16 here, int8 "
+        "always where it builds). `torch's products` turns the compiled kernels off (LMHEAD_KERNELS=0): int8 then runs "
+        "torch._int_mm over activation digits, bfloat16 torch's forms only. float32 reads the checkpoint's (in, out) matrices in place, bfloat16 (out, in) "
         "rows made at load. int8: `lmhead greedy --dtype int8` (engine/int8.py). transformers: "
         "benchmarks/transformers_generate.py, `generate(do_sample=False)`. The bandwidth bound is the weight "
         "bytes one step reads (every matrix once; the tied head's E once; int8: the int8 tables and their "
@@ -669,9 +674,11 @@ def main() -> None:
         ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, linear form", "lmhead, gemv form",
          "transformers"]
     b16 = ["lmhead", "transformers"] if args.quick or not cpu else \
-        ["lmhead", "lmhead, gemv form", "lmhead, linear form", "lmhead, blocked form", "transformers"]
+        ["lmhead", "lmhead, kernel form", "lmhead, gemv form", "lmhead, linear form", "lmhead, blocked form",
+         "lmhead, torch's products", "transformers"]
+    i8 = ["lmhead"] if args.quick else ["lmhead", "lmhead, torch's products"]
     R["decode"] = decode(folder, args.decode_repeats, args.new_tokens,
-                         {"float32": f32, "bfloat16": b16, **({"int8": ["lmhead"]} if cpu else {})}, args.device)
+                         {"float32": f32, "bfloat16": b16, **({"int8": i8} if cpu else {})}, args.device)
     if not args.quick and not args.decode_only:
         section("precision")
         R["precision"] = probe("precision", str(folder), args.device)
@@ -689,7 +696,7 @@ def main() -> None:
         R["step"] = {k: median([p[k] for p in steps]) for k in steps[0]}
         R["profiles"] = [probe("profile", str(folder), dtype, form)
                          for dtype, form in (("float32", "linear"), ("float32", "gemv"), ("int8", "-"),
-                                             ("bfloat16", "gemv"))]
+                                             ("bfloat16", "kernel"))]
         bandwidths.append(probe("bandwidth"))
     if cpu and not args.quick and not args.decode_only:
         section("head alone")

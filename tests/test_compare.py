@@ -131,6 +131,8 @@ def test_statistics_match_transformers(pair, stride, monkeypatch):
     close(s.ln_ppl_ratio.value, want["ln_ratio"][0], rel=1e-3, abs=1e-6)
     close(s.ln_ppl_ratio.uncertainty, want["ln_ratio"][1], rel=1e-3)
     close(s.ppl_ratio.value, math.exp(want["ln_ratio"][0]), rel=1e-5)
+    # llama-perplexity's PPL(Q)/PPL(base) uncertainty: exp(ln ratio) times the ln ratio's, to first order
+    close(s.ppl_ratio.uncertainty, math.exp(want["ln_ratio"][0]) * want["ln_ratio"][1], rel=1e-3)
     close(s.kld_mean.value, want["kld"][0])
     close(s.kld_mean.uncertainty, want["kld"][1])
     for label, fraction in KLD_PERCENTILES:

@@ -195,13 +195,19 @@ def test_decoding_times_the_forms_and_keeps_one(tiny):
     assert loaded.engine.products.form == chooser.form_choices[-1] and not chooser.deciding
 
 
-def test_bfloat16_products_equal_f_linear(tiny):
-    """bfloat16 on the CPU runs its products over (out, in) rows made at load, in each of its forms: the
-    same logits as the plain bfloat16 products, one position or several."""
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_bfloat16_products_equal_f_linear(tiny, path, monkeypatch):
+    """bfloat16 on the CPU runs its products over (out, in) rows made at load, in each of its forms (the
+    compiled kernel where it loads, torch's three where not): the same logits as the plain bfloat16
+    products, one position or several."""
     from lmhead_cli.engine import kernels
 
+    if path == "torch":
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    elif kernels.load() is None:
+        pytest.skip(f"the compiled kernels did not load: {kernels.unavailable()}")
     eng = load_model(str(tiny[0]), device="cpu", dtype="bfloat16", engine="lean").engine
-    assert eng.forms == ("kernel",) * (kernels.load() is not None) + ("gemv", "linear", "blocked")
+    assert eng.forms == (("kernel",) if path == "compiled" else ("gemv", "linear", "blocked"))
     h = eng.body(torch.tensor([[464, 8251, 319]]))  # (1, 3, D)
     block = eng.gpt.h[0].attn.c_attn
     x = torch.randn(1, 2, block.weight.shape[0]).to(torch.bfloat16)
@@ -298,10 +304,15 @@ def test_residuals_of_a_left_padded_batch_match_transformers_hidden_states(tiny)
         torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=0)
 
 
-def test_more_positions_than_a_few_run_the_plain_product_in_every_form(tiny):
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_more_positions_than_a_few_run_the_plain_product_in_every_form(tiny, path, monkeypatch):
     """Above BLOCKED_MAX_ROWS positions the head is F.linear and a layer addmm, bit for bit, whatever
-    product form the few-position steps use."""
+    product form the few-position steps use (the compiled kernel's, or torch's own without it)."""
+    from lmhead_cli.engine import kernels
     from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
+
+    if path == "torch":
+        monkeypatch.setattr(kernels, "load", lambda: None)
 
     for dtype in ("float32", "bfloat16"):
         eng = load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine

@@ -420,3 +420,166 @@ def test_an_end_of_text_id_given_to_generate_is_the_one_it_stops_at():
     assert own.generated_ids[0] == 0 and own.stop == "max_new_tokens"
     g = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=4), eos_token_id=0)
     assert g.generated_ids == [0] and g.stop == "eos"
+
+
+# ---- a fresh sample's first pass (seed 2027): what its survivors showed untested ----------------------
+
+def test_a_left_padded_batch_through_body_gives_transformers_logits_at_the_real_positions(tiny):
+    """body(ids, attention_mask=…) with left padding: each row's logits are transformers' with the same
+    mask and positions, so no real position attends to a pad. Mutant: the body's blocks given no mask."""
+    folder, reference = tiny
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean").engine
+    ids = torch.tensor([[50256, 50256, 464, 8251, 319], [464, 8251, 319, 262, 3084]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        want = reference(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        got = eng.head(eng.body(ids, attention_mask=mask))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+
+
+def test_a_config_s_n_inner_sets_the_mlp_width(tmp_path):
+    """n_inner given (96, not 4 · 64): the lean engine builds MLPs that wide and gives transformers'
+    logits. Mutant: n_inner read under another key (the 4·d default, and the checkpoint then does not fit)."""
+    reference = build_checkpoint(tmp_path, n_inner=96, seed=5)
+    eng = load_model(str(tmp_path), device="cpu", dtype="float32", engine="lean").engine
+    assert eng.gpt.h[0].mlp.c_fc.weight.shape == (64, 96)
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT_IDS])).logits
+    torch.testing.assert_close(eng.head(eng.body(torch.tensor([PROMPT_IDS]))), want, atol=1e-4, rtol=0)
+
+
+def test_a_generation_of_no_steps_reports_zero_rates_and_entropy():
+    """No steps (nothing generated) and no time: mean entropy and tokens/s are 0, not a made-up 1.
+    Mutants: either fallback changed."""
+    from lmhead_cli.decoding.generate import Generation
+
+    g = Generation(mode="greedy", settings=make_settings(greedy=True), seed=None, prompt_ids=[1], generated_ids=[],
+                   text="", steps=[], stop="max_new_tokens", elapsed_s=0.0, first_token_s=0.0)
+    assert g.mean_entropy == 0.0 and g.tokens_per_second == 0.0 and g.decode_tokens_per_second == 0.0
+
+
+def test_beam_search_top_logprobs_come_from_the_distribution_asked_for(tiny):
+    """Beams with top_k = 2 and 4 top logprobs per step: raw ones are all finite (log softmax of the
+    logits), processed ones -inf beyond the two the filter kept. Mutant: the beams' alternatives always
+    taken from the processed distribution."""
+    loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
+    for which in ("raw", "processed"):
+        g = generate(loaded, PROMPT_IDS, make_settings(beams=2, max_new_tokens=3, top_k=2, top_logprobs=4,
+                                                       logprobs=which))
+        tops = [s.top.logprobs for s in g.steps]
+        assert tops and all(t.shape == (4,) for t in tops)
+        finite = [int(torch.isfinite(t).sum()) for t in tops]
+        assert finite == ([4] * len(tops) if which == "raw" else [2] * len(tops)), (which, finite)
+
+
+def test_compare_lists_each_token_at_its_own_index(tmp_path):
+    """compare --json's per-token rows carry their index in the text. Mutant: index None."""
+    from lmhead_cli.readings.compare import compare_text
+
+    build_checkpoint(tmp_path, seed=3)
+    q = load_model(str(tmp_path), device="cpu")
+    c = compare_text(q, q, "The keys on the table are lost.")
+    assert [c.token(i).index for i in range(len(c.ids))] == list(range(len(c.ids)))
+
+
+def test_another_tokenizer_that_only_adds_tokens_is_named_where_the_shorter_split_ends():
+    """The base splits the text into Q's tokens and then more: they first differ at the token after the
+    shorter split. Mutant: no position given (None) when no token within both differs."""
+    import numpy as np
+
+    from lmhead_cli.errors import UsageError
+    from lmhead_cli.readings.compare import check_same_tokens
+
+    longer = bytearray(np.array([5, 6, 7, 8, 9], dtype=np.int32).tobytes())
+    base = SimpleNamespace(source="other", tokenizer=SimpleNamespace(encode_long=lambda text: longer))
+    with pytest.raises(UsageError, match="into 5 tokens against 3, differing first at token 3;"):
+        check_same_tokens(None, base, torch.tensor([5, 6, 7]), "text")
+
+
+def test_the_attribution_check_is_relative_only_above_one():
+    """_check_close allows rounding times max(1, |want|): for values below 1 the absolute tolerance itself.
+    Mutant: max(2, |want|), twice as lenient there."""
+    from lmhead_cli.errors import UnsupportedModel
+    from lmhead_cli.readings.attribute import ROUNDING_ULPS, SUM_TOLERANCE, _check_close
+
+    tolerance = max(SUM_TOLERANCE, ROUNDING_ULPS * torch.finfo(torch.float32).eps)
+    want = torch.full((4,), 0.5)
+    _check_close(want + 0.9 * tolerance, want, torch.float32, "the parts' sum")
+    with pytest.raises(UnsupportedModel, match="off by"):
+        _check_close(want + 1.5 * tolerance, want, torch.float32, "the parts' sum")
+
+
+def test_score_progress_counts_every_scored_token_once_up_to_the_total(tmp_path):
+    """Two windows (a 24-position model, stride 12) and chunks of 5: progress(done, total) rises by each
+    chunk's tokens and ends at total = the tokens scored. Mutants: done moved by hi + lo or down, total
+    summed over window ends plus starts."""
+    from lmhead_cli.readings.score import score_ids
+
+    build_checkpoint(tmp_path, n_positions=24, seed=4)
+    loaded = load_model(str(tmp_path), device="cpu")
+    ids = torch.arange(100, 140)
+    seen = []
+    cols = score_ids(loaded, ids, stride=12, chunk=5, progress=lambda done, total: seen.append((done, total)))
+    scored = int(torch.isfinite(cols["logprob"]).sum())
+    assert cols["windows"] > 1 and scored == len(ids) - 1
+    assert {t for _, t in seen} == {scored} and seen[-1][0] == scored
+    steps = [b - a for (a, _), (b, _) in zip([(0, 0)] + seen, seen)]
+    assert all(0 < s <= 5 for s in steps)
+
+
+def test_f32_rounds_to_float32_whatever_torch_s_default_dtype():
+    """A notebook may set torch's default dtype to float64; generate's scores still round as float32 does.
+    Mutant: torch.tensor(v) in the default dtype."""
+    import numpy as np
+
+    from lmhead_cli.decoding.generate import _f32
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _f32(0.1) == float(np.float32(0.1)) != 0.1
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_a_damaged_bundled_preset_file_is_named_in_its_error(tmp_path, monkeypatch):
+    """An installed package whose presets file is not TOML: the one-line error names that file.
+    Mutant: the error names None."""
+    from lmhead_cli.decoding import presets
+    from lmhead_cli.errors import UsageError
+
+    broken = tmp_path / "presets.toml"
+    broken.write_text("[greedy\n", encoding="utf-8")
+    monkeypatch.setattr(presets, "_bundled_file", lambda: broken)
+    with pytest.raises(UsageError, match=f"^{broken} is not valid TOML"):
+        presets.bundled()
+
+
+def test_more_positions_than_a_few_never_take_the_few_row_products(tiny, monkeypatch):
+    """The head over many positions is one GEMM (F.linear), not the few-row forms. Mutant: the few-row
+    path taken whenever the engine has forms."""
+    from lmhead_cli.engine import lean
+    from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
+
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    assert eng.forms
+    taken = []
+    plain = lean.few_rows_product
+    monkeypatch.setattr(lean, "few_rows_product", lambda *a: taken.append(a[1].shape[0]) or plain(*a))
+    h = eng.body(torch.tensor([PROMPT_IDS[:BLOCKED_MAX_ROWS + 1]]))
+    taken.clear()
+    eng.head(h)
+    assert taken == []
+    eng.head(h[:, -1:])
+    assert taken == [1]
+
+
+def test_int8_head_rows_are_made_on_the_engine_s_device(tiny):
+    """head_rows on an int8 engine indexes its table with ids on the engine's device, whatever torch's
+    default device (here meta, as a GPU would differ from the CPU). Mutant: ids on the default device."""
+    loaded = load_model(str(tiny[0]), device="cpu", dtype="int8")
+    want = loaded.engine.head_rows([5, 7])
+    with torch.device("meta"):
+        got = loaded.engine.head_rows([5, 7])
+    assert got.device.type == "cpu" and torch.equal(got, want)

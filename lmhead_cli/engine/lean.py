@@ -94,10 +94,6 @@ class KVCache:
         # One view per layer, made once: indexing [layer, :, :, a:b] twice per layer per token adds up.
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # L × ((B, H, T_max, hd), same)
 
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, H, t, hd] after the filled positions; return all keys/values so far."""
         start, end = self.length, self.length + k.shape[2]

@@ -9,8 +9,8 @@ fastest on the decoding steps themselves, as it does for the thread count:
 - "linear": addmm / F.linear (BLAS's gemm, or oneDNN's for bfloat16).
 - "gemv": one position as addmv (BLAS's gemv, or torch's bfloat16 gemv; several positions run "linear").
 - "blocked" (bfloat16): the rows in 2·threads blocks as one batched matmul over views (`rows_times`).
-- "kernel" (bfloat16): the compiled kernel of engine/kernels.c, where it builds: each weight widened to
-  float32 in registers, summed in float32, the output rounded once.
+- "kernel" (bfloat16): the compiled kernel of engine/kernels.c, where it builds (then bfloat16's only
+  form): bfloat16 pairs multiplied into float32 sums, the output rounded once.
 
 Every form reads the weights where they are: no form needs a copy of its own, so choosing one costs
 no lay-out step and no memory. GPT-2's float32 matrices stay in the checkpoint's (in, out) layout,
@@ -48,11 +48,12 @@ class Products:
 
 
 def products_for(dtype: torch.dtype, device: torch.device) -> Products:
-    """The forms a dtype can run in on `device` (a GPU runs one: the plain product); bfloat16 on the
-    CPU adds "kernel" where the compiled kernels load."""
+    """The forms a dtype can run in on `device` (a GPU runs one: the plain product). bfloat16 on the CPU
+    runs the compiled kernel alone where it loads: it beat torch's forms idle and beside a busy process
+    alike (docs/performance.md), so timing the others would only cost steps."""
     forms = FORMS.get(dtype, ()) if device.type == "cpu" else ()
     if dtype in KERNEL_DTYPES and forms and kernels.load() is not None:
-        forms = ("kernel", *forms)
+        forms = ("kernel",)
     return Products(forms=forms, form=forms[0] if forms else "linear")
 
 
