@@ -236,8 +236,14 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     boolean one, comes and goes before it). With S = Σ e: log p = d - log S, and the entropy
     H = log S - Σ e·d / S (e·d in e's place, no third buffer), which stays exact near 0 because
     it is computed from d, not from the large log-sum-exp. A caller bounds the memory by how many rows
-    it passes (`lmhead score --chunk`)."""
+    it passes (`lmhead score --chunk`).
+
+    On the CPU the five figures come from lmhead's compiled kernel where it loads (engine/kernels.c:
+    the same sums in two passes over the rows and no temporaries)."""
     z = logits.float()
+    fast = _compiled_rows(z, ids, top)
+    if fast is not None:
+        return fast
     picked = z.gather(-1, ids.unsqueeze(-1))  # (N, 1)
     rank = 1 + (z > picked).sum(-1, dtype=torch.int32).long()
     top_z, top_id = z.max(-1)
@@ -255,6 +261,31 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     return RowScores(logprob=(picked[:, 0] - top_z) - log_s, rank=rank, entropy=h, top_id=top_id,
                      top_logprob=-log_s, top_ids=best.indices if best else None,
                      top_logprobs=(best.values - top_z[:, None]) - log_s[:, None] if best else None)
+
+
+def _compiled_rows(z: torch.Tensor, ids: torch.Tensor, top: int) -> RowScores | None:
+    """score_rows on the compiled kernel; None where it does not take these rows (not on the CPU, not
+    loaded, or an id outside the vocabulary, which the torch path then reports)."""
+    if z.device.type != "cpu" or ids.device.type != "cpu" or z.dim() != 2 or ids.shape != z.shape[:1]:
+        return None
+    from lmhead_cli.engine import kernels
+
+    k = kernels.load()
+    if k is None:
+        return None
+    z = z.contiguous()
+    try:
+        logprob, rank, h, top_id, top_logprob, bad = k.score_rows(z, ids)
+    except ValueError:
+        return None
+    if bad:
+        raise NonFiniteLogits(f"the head produced non-finite logits (NaN or inf) at {bad} positions: "
+                              + NON_FINITE_ADVICE)
+    best = torch.topk(z, top, dim=-1) if top else None
+    top_z = z.gather(-1, top_id[:, None])  # (N, 1): the max
+    return RowScores(logprob=logprob, rank=rank, entropy=h, top_id=top_id, top_logprob=top_logprob,
+                     top_ids=best.indices if best else None,
+                     top_logprobs=(best.values - top_z) + top_logprob[:, None] if best else None)
 
 
 def check_top_logprobs(n: int, vocab: int) -> None:

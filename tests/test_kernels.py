@@ -234,3 +234,89 @@ def test_loading_names_the_fallback_unless_the_user_turned_the_kernels_off(tiny,
     said.clear()
     load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean", announce=said.append)
     assert not [line for line in said if "compiled kernels" in line]
+
+
+# ---- score's rows ---------------------------------------------------------------------------------
+
+def torch_rows(z: torch.Tensor, ids: torch.Tensor, top: int = 0):
+    """head.score_rows on torch alone (the compiled kernel turned off), the reference here."""
+    from lmhead_cli import head
+
+    real = kernels.load
+    kernels.load = lambda: None
+    try:
+        return head.score_rows(z.clone(), ids, top)
+    finally:
+        kernels.load = real
+
+
+FIELDS = ("logprob", "rank", "entropy", "top_id", "top_logprob")
+
+
+@pytest.mark.parametrize("v", [1, 17, 50257])
+def test_score_rows_match_torch_s(build, v):
+    """logprob, rank, entropy and top-1 of each row as torch's path computes them: ties in the rank
+    (1 + strictly higher) and in the top-1 (the lowest id), -inf logits, a row of equal logits."""
+    g = torch.Generator().manual_seed(v)
+    z = (torch.randn(9, v, generator=g) * 4).round_()  # rounded: many ties
+    ids = torch.randint(0, v, (9,), generator=g)
+    z[1, :] = 2.0
+    if v > 1:
+        z[2, 0] = float("-inf")
+        z[3, :] = float("-inf")
+        z[3, v // 2] = 0.0
+    logprob, rank, entropy, top_id, top_logprob, bad = build.score_rows(z, ids)
+    want = torch_rows(z, ids)
+    assert bad == 0
+    assert torch.equal(rank, want.rank) and torch.equal(top_id, want.top_id)
+    for got, ref in ((logprob, want.logprob), (entropy, want.entropy), (top_logprob, want.top_logprob)):
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-6)
+    assert not bool((entropy < 0).any()) and not bool(torch.signbit(entropy).any())
+
+
+def test_score_rows_count_rows_that_are_not_finite(build):
+    z = torch.zeros(5, 40)
+    z[0, 3], z[2, 1], z[4, :] = float("nan"), float("inf"), float("-inf")
+    logprob, _, entropy, top_id, _, bad = build.score_rows(z, torch.zeros(5, dtype=torch.long))
+    assert bad == 3
+    assert torch.equal(torch.isnan(logprob), torch.tensor([True, False, True, False, True]))
+    assert top_id.tolist() == [-1, 0, -1, 0, -1]
+
+
+def test_score_rows_refuse_an_id_outside_the_vocabulary(build):
+    with pytest.raises(ValueError, match="outside the vocabulary of 40"):
+        build.score_rows(torch.zeros(2, 40), torch.tensor([0, 40]))
+    with pytest.raises(ValueError):
+        build.score_rows(torch.zeros(2, 40), torch.tensor([-1, 0]))
+
+
+@needs_kernels
+def test_head_score_rows_uses_the_kernel_and_keeps_torch_s_errors_and_top_lists():
+    """head.score_rows on the CPU: the kernel's figures, torch's top-k lists beside them, the same
+    NonFiniteLogits line, and an id outside the vocabulary left to torch's own error."""
+    from lmhead_cli import head
+    from lmhead_cli.errors import NonFiniteLogits
+
+    g = torch.Generator().manual_seed(1)
+    z, ids = torch.randn(6, 300, generator=g), torch.randint(0, 300, (6,), generator=g)
+    got, want = head.score_rows(z.clone(), ids, top=4), torch_rows(z, ids, top=4)
+    assert torch.equal(got.top_ids, want.top_ids)
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=2e-6, rtol=2e-6)
+    calls = []
+    real = K.score_rows
+    K.score_rows = lambda *a: calls.append(1) or real(*a)
+    try:
+        head.score_rows(z.clone(), ids)
+        head.score_rows(z.t().contiguous().t().clone(), ids)  # a strided view is made contiguous first
+    finally:
+        K.score_rows = real
+    assert calls == [1, 1]
+    bad = z.clone()
+    bad[2, 0] = float("nan")
+    with pytest.raises(NonFiniteLogits) as fast:
+        head.score_rows(bad.clone(), ids)
+    with pytest.raises(NonFiniteLogits) as slow:
+        torch_rows(bad, ids)
+    assert str(fast.value) == str(slow.value)
+    with pytest.raises(RuntimeError):
+        head.score_rows(z.clone(), torch.tensor([0, 1, 2, 3, 4, 300]))

@@ -1,17 +1,20 @@
-/* Matrix-vector products that stream low-precision weights for the lean engine's decoding steps.
+/* lmhead's CPU kernels: products that stream low-precision weights for the lean engine's decoding
+   steps, and score's per-row figures.
 
    y[m, n] = scale[n] * sum_k W[n, k] * x[m, k] + bias[n]   for a few rows m (M <= MAX_ROWS)
 
-   W is rows (N, K): int8 (with a float32 scale per row) or bfloat16 (no scale). Each weight is
-   widened to float32 exactly (an int8 is an integer, a bfloat16 is the top half of a float32) and
-   multiplied into float32 sums: no activation is rounded to 8 or 16 bits, the weights are read once
-   at their own width (a quarter or a half of float32's bytes), and the output rows are split among
-   OpenMP threads (the same OpenMP runtime torch runs on: engine/kernels.py links to it).
+   W is rows (N, K): int8 (with a float32 scale per row) or bfloat16 (no scale). No activation is
+   rounded to 8 or 16 bits: int8 products take the activations as exact 23-bit integers through
+   AVX-512 VNNI, bfloat16 ones multiply bfloat16 pairs exactly into float32 sums with AVX512-BF16, and
+   elsewhere each weight is widened to float32 in registers. The weights are read once at their own
+   width (a quarter or a half of float32's bytes), and the output rows are split among OpenMP threads
+   (the same OpenMP runtime torch runs on: engine/kernels.py links to it).
 
    Built on the user's machine by engine/kernels.py with -O3 -march=native: the AVX-512 or AVX2 paths
    below where the CPU has them, plain C elsewhere. No Python or torch headers: called through ctypes
    with the tensors' data pointers. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +32,7 @@
 #define PREFETCH_BYTES 8192
 #endif
 
-int lmhead_kernels_abi(void) { return 2; }
+int lmhead_kernels_abi(void) { return 3; }
 int lmhead_kernels_max_rows(void) { return MAX_ROWS; }
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -344,4 +347,115 @@ int lmhead_bf16_matvec(const uint16_t *w, const uint16_t *x, const uint16_t *bia
         free(xf);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- score's rows: log-probability, rank, entropy and top-1 of each row of logits, in two passes ----
+
+   For each row z (V float32) and its token id: m = max z (its first index is the top-1), then, with
+   d = z - m and e = exp(d), S = sum e and W = sum e * d (both in double):
+       log p(id) = d[id] - log S,   top-1 log p = -log S,   entropy = log S - W / S,
+       rank = 1 + #{z > z[id]}.
+   What head.score_rows computes in torch in some eight passes over the (N, V) logits and two (N, V)
+   temporaries, here in two passes and none. A row whose max is not finite (a NaN, +inf, or every
+   logit -inf) gets NaN figures and is counted in the return value; an id outside [0, V) returns -1
+   at once, nothing else being trusted. */
+
+#if defined(__AVX512F__)
+/* e^d for d <= 0, float32, within about 1 ulp (Cephes' expf polynomial after d = n ln 2 + r); below
+   -103 it is 0, as float32's exp underflows there. */
+static inline __m512 exp_le0(__m512 d) {
+    d = _mm512_max_ps(d, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), d);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n); /* p * 2^n, gradually to 0 below float32's range */
+}
+#endif
+
+static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob, int64_t *rank,
+                         float *entropy, int64_t *top_id, float *top_logprob) {
+    float m = -INFINITY;
+    int64_t k = 0, unordered = 0;
+#if defined(__AVX512F__)
+    __m512 vm = _mm512_set1_ps(-INFINITY), inf = _mm512_set1_ps(INFINITY);
+    for (; k < V; k += 16) {
+        __mmask16 live = V - k >= 16 ? 0xffff : (__mmask16)((1u << (V - k)) - 1);
+        __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + k);
+        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x, inf, _CMP_EQ_OQ);
+        vm = _mm512_max_ps(vm, x);
+    }
+    m = _mm512_reduce_max_ps(vm);
+#else
+    for (; k < V; k++) {
+        unordered |= isnan(row[k]) || row[k] == INFINITY;
+        m = row[k] > m ? row[k] : m;
+    }
+#endif
+    if (unordered || !(m > -INFINITY)) {
+        *logprob = *entropy = *top_logprob = NAN, *rank = 0, *top_id = -1;
+        return 1;
+    }
+    float picked = row[id];
+    double S = 0.0, W = 0.0;
+    int64_t higher = 0, first = -1;
+    k = 0;
+#if defined(__AVX512F__)
+    __m512d S0 = _mm512_setzero_pd(), S1 = S0, W0 = S0, W1 = S0;
+    __m512 vmax = _mm512_set1_ps(m), vpicked = _mm512_set1_ps(picked);
+    for (; k < V; k += 16) {
+        __mmask16 live = V - k >= 16 ? 0xffff : (__mmask16)((1u << (V - k)) - 1);
+        __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + k);
+        higher += __builtin_popcount(_mm512_cmp_ps_mask(x, vpicked, _CMP_GT_OQ));
+        if (first < 0) {
+            __mmask16 at = _mm512_cmp_ps_mask(x, vmax, _CMP_EQ_OQ);
+            if (at) first = k + __builtin_ctz(at);
+        }
+        __m512 d = _mm512_max_ps(_mm512_sub_ps(x, vmax), _mm512_set1_ps(-104.0f)); /* -inf: e = 0, e * d = 0 */
+        __m512 e = exp_le0(d), ed = _mm512_mul_ps(e, d);
+        S0 = _mm512_add_pd(S0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        S1 = _mm512_add_pd(S1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+        W0 = _mm512_add_pd(W0, _mm512_cvtps_pd(_mm512_castps512_ps256(ed)));
+        W1 = _mm512_add_pd(W1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ed), 1))));
+    }
+    S = _mm512_reduce_add_pd(_mm512_add_pd(S0, S1));
+    W = _mm512_reduce_add_pd(_mm512_add_pd(W0, W1));
+#else
+    for (; k < V; k++) {
+        float x = row[k], d = x - m;
+        higher += x > picked;
+        if (first < 0 && x == m) first = k;
+        if (d > -104.0f) {
+            float e = expf(d);
+            S += e, W += (double)(e * d);
+        }
+    }
+#endif
+    double log_s = log(S), h = log_s - W / S;
+    *logprob = (float)((double)(picked - m) - log_s);
+    *top_logprob = (float)(-log_s);
+    *entropy = (float)(h > 0.0 ? h : 0.0);
+    *rank = 1 + higher;
+    *top_id = first;
+    return 0;
+}
+
+/* z (N, V) float32 rows, ids (N) int64 -> logprob, entropy, top_logprob (N) float32, rank, top_id (N)
+   int64. Returns how many rows are not finite (their figures NaN), or -1 for an id outside [0, V). */
+int64_t lmhead_score_rows(const float *z, const int64_t *ids, int64_t N, int64_t V, float *logprob,
+                          int64_t *rank, float *entropy, int64_t *top_id, float *top_logprob, int threads) {
+    for (int64_t n = 0; n < N; n++)
+        if (ids[n] < 0 || ids[n] >= V) return -1;
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
+    for (int64_t n = 0; n < N; n++)
+        bad += score_row(z + n * V, ids[n], V, logprob + n, rank + n, entropy + n, top_id + n, top_logprob + n);
+    return bad;
 }
