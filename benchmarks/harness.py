@@ -105,10 +105,6 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
 
 
 def probe(*args: str, env: dict | None = None) -> dict:
-    return json.loads(run([PYTHON, str(HERE / "probes.py"), *args], env)[2].strip().splitlines()[-1])
-
-
-def probe(*args: str, env: dict | None = None) -> dict:
     """benchmarks/probes.py ARGS in a fresh process: its one JSON line."""
     return json.loads(run([PYTHON, str(HERE / "probes.py"), *args], env)[2].strip().splitlines()[-1])
 

@@ -146,9 +146,10 @@ VARIANTS = {
     "lmhead": {"via": "`lmhead greedy`"},
     "lmhead, 1 thread": {"via": "`lmhead greedy --threads 1`", "threads": 1},
     "lmhead, spinning threads": {"via": "`OMP_WAIT_POLICY=ACTIVE lmhead greedy --threads N`", "spin": True},
-    "lmhead, linear form": {"via": "engine loop, gemm", "probe": "linear"},
-    "lmhead, gemv form": {"via": "engine loop, gemv", "probe": "gemv"},
-    "lmhead, blocked form": {"via": "engine loop, blocked rows", "probe": "blocked"},
+    # torch's forms run with the compiled kernels off: bfloat16 offers them only then (float32 has none)
+    "lmhead, linear form": {"via": "engine loop, gemm", "probe": "linear", "env": {"LMHEAD_KERNELS": "0"}},
+    "lmhead, gemv form": {"via": "engine loop, gemv", "probe": "gemv", "env": {"LMHEAD_KERNELS": "0"}},
+    "lmhead, blocked form": {"via": "engine loop, blocked rows", "probe": "blocked", "env": {"LMHEAD_KERNELS": "0"}},
     "lmhead, kernel form": {"via": "engine loop, compiled kernel", "probe": "kernel"},
     "lmhead, torch's products": {"via": "`LMHEAD_KERNELS=0 lmhead greedy`", "env": {"LMHEAD_KERNELS": "0"}},
     "transformers": {"via": "`generate()`"},
@@ -163,7 +164,7 @@ def greedy_once(folder: Path, variant: str, dtype: str, new_tokens: int, device:
                    device])[2]
         return json.loads(out.strip().splitlines()[-1])
     if "probe" in how:
-        return probe("decode", str(folder), PROMPT, str(new_tokens), dtype, how["probe"])
+        return probe("decode", str(folder), PROMPT, str(new_tokens), dtype, how["probe"], env=how.get("env"))
     args = ["greedy", PROMPT, "--model", str(folder), "--max-new-tokens", str(new_tokens), "--ignore-eos",
             "--dtype", dtype, "--device", device, "--json"]
     env = dict(how.get("env", {}))
@@ -403,13 +404,14 @@ def report(R: dict, args) -> str:
         "each; every row of the table alternates with every other in one loop. lmhead: `lmhead greedy --json`, its "
         "own figures, with its defaults: threads (torch's count or 1) and product form chosen by timing the first "
         "steps, OpenMP threads spinning ~1 ms before they sleep; `1 thread` fixes `--threads 1`; `spinning threads` "
-        "is torch's count with threads that spin without end (OMP_WAIT_POLICY=ACTIVE); `linear`, `gemv`, `blocked` and "
-        "`kernel form` are the engine "
-        "loop (benchmarks/probes.py decode) with one product form fixed on torch's thread count: gemm (BLAS; oneDNN "
-        "for bfloat16), which is how transformers runs them too; gemv (BLAS; torch's own for bfloat16); batched "
-        "matmuls over row blocks (bfloat16 only); lmhead's compiled kernel (engine/kernels.c; bfloat16 here, int8 "
-        "always where it builds). `torch's products` turns the compiled kernels off (LMHEAD_KERNELS=0): int8 then runs "
-        "torch._int_mm over activation digits, bfloat16 torch's forms only. float32 reads the checkpoint's (in, out) matrices in place, bfloat16 (out, in) "
+        "is torch's count with threads that spin without end (OMP_WAIT_POLICY=ACTIVE); `kernel`, `gemv`, `linear` and "
+        "`blocked form` are the engine loop (benchmarks/probes.py decode) with one product form fixed on torch's thread "
+        "count and no trials: lmhead's compiled kernel (engine/kernels.c; bfloat16's only form where it builds); "
+        "gemv (BLAS for float32, float32's only form; torch's own for bfloat16), gemm (oneDNN, bfloat16) and batched "
+        "matmuls over row blocks (bfloat16), these three with the compiled kernels off (LMHEAD_KERNELS=0), since "
+        "bfloat16 offers them only then. `torch's products` is `lmhead greedy` with the compiled kernels off: int8 "
+        "then runs torch._int_mm over activation digits, bfloat16 chooses among torch's three forms. float32 reads "
+        "the checkpoint's (in, out) matrices in place, bfloat16 (out, in) "
         "rows made at load. int8: `lmhead greedy --dtype int8` (engine/int8.py). transformers: "
         "benchmarks/transformers_generate.py, `generate(do_sample=False)`. The bandwidth bound is the weight "
         "bytes one step reads (every matrix once; the tied head's E once; int8: the int8 tables and their "
@@ -671,8 +673,7 @@ def main() -> None:
     if cpu and not args.quick:
         bandwidths.append(probe("bandwidth"))
     f32 = ["lmhead", "transformers"] if args.quick or not cpu else \
-        ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, linear form", "lmhead, gemv form",
-         "transformers"]
+        ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, gemv form", "transformers"]
     b16 = ["lmhead", "transformers"] if args.quick or not cpu else \
         ["lmhead", "lmhead, kernel form", "lmhead, gemv form", "lmhead, linear form", "lmhead, blocked form",
          "lmhead, torch's products", "transformers"]
@@ -695,7 +696,7 @@ def main() -> None:
         steps = [probe("step", str(folder), "60") for _ in range(3)]
         R["step"] = {k: median([p[k] for p in steps]) for k in steps[0]}
         R["profiles"] = [probe("profile", str(folder), dtype, form)
-                         for dtype, form in (("float32", "linear"), ("float32", "gemv"), ("int8", "-"),
+                         for dtype, form in (("float32", "gemv"), ("int8", "-"),
                                              ("bfloat16", "kernel"))]
         bandwidths.append(probe("bandwidth"))
     if cpu and not args.quick and not args.decode_only:

@@ -6,8 +6,9 @@ dispatched decides the speed. Which form is fastest depends on the CPU, its BLAS
 machine is, so the engine offers each dtype's forms and `engine/threads.py` keeps whichever measures
 fastest on the decoding steps themselves, as it does for the thread count:
 
-- "linear": addmm / F.linear (BLAS's gemm, or oneDNN's for bfloat16).
-- "gemv": one position as addmv (BLAS's gemv, or torch's bfloat16 gemv; several positions run "linear").
+- "linear": addmm / F.linear (oneDNN's gemm for bfloat16).
+- "gemv": one position as addmv (BLAS's gemv for float32, torch's bfloat16 gemv; several positions run
+  addmm).
 - "blocked" (bfloat16): the rows in 2·threads blocks as one batched matmul over views (`rows_times`).
 - "kernel" (bfloat16): the compiled kernel of engine/kernels.c, where it builds (then bfloat16's only
   form): bfloat16 pairs multiplied into float32 sums, the output rounded once.
@@ -30,7 +31,9 @@ from lmhead_cli.engine import kernels
 BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not streams: plain path
 # float32 has no "blocked" form: over the checkpoint's (in, out) layout the blocks are strided, and
 # one such step took 3-5x as long as gemm on one thread (rows would take a 340 MB copy per process).
-FORMS = {torch.float32: ("linear", "gemv"), torch.bfloat16: ("gemv", "linear", "blocked")}
+# float32 runs one form: BLAS's gemm and gemv over the same memory measured alike idle and beside a busy
+# process (docs/performance.md), so timing both only cost steps.
+FORMS = {torch.float32: ("gemv",), torch.bfloat16: ("gemv", "linear", "blocked")}
 KERNEL_DTYPES = (torch.bfloat16,)  # dtypes with a compiled "kernel" form (engine/kernels.c)
 
 

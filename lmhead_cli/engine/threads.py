@@ -17,8 +17,9 @@ Three things follow (figures in README, Performance):
   the count: on a busy machine the call on the slower count can take many times longer).
   A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
 * `--threads N` / LMHEAD_THREADS fix the count, and it is not timed.
-* The same trials choose the engine's product form (engine/products.py: BLAS's gemm or gemv, blocked
-  rows), which differs from CPU to CPU and between a quiet and a busy machine.
+* The same trials choose the engine's product form where it offers several (engine/products.py:
+  bfloat16 without the compiled kernels: gemv, gemm or blocked rows), which differs from CPU to CPU
+  and between a quiet and a busy machine.
 
 No torch import at module top: `prepare` must run before torch is first imported.
 """
@@ -66,8 +67,9 @@ def prepare(threads: int | None = None) -> int | None:
 
 class ThreadChooser:
     """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster, and the
-    engine's product form (`offer`: e.g. float32 "linear" or "gemv", bfloat16 "gemv") at whichever
-    of its forms does: every (count, form) pair is a setting, and the trials time them all.
+    engine's product form (`offer`: e.g. bfloat16 without the compiled kernels "gemv", "linear" or
+    "blocked") at whichever of its forms does: every (count, form) pair is a setting, and the trials
+    time them all.
 
     `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
     one thread (first-call set-up is not what is compared); the next settings × trials calls
