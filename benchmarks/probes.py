@@ -8,7 +8,7 @@ one JSON line.
     python benchmarks/probes.py step FOLDER STEPS
     python benchmarks/probes.py profile FOLDER DTYPE FORM|-   (torch.profiler over decoding steps)
     python benchmarks/probes.py side-by-side FOLDER THREADS ROUNDS SPEC...   (DTYPE:FORM or hf:DTYPE steps, alternating)
-    python benchmarks/probes.py weight-bytes FOLDER DTYPE
+    python benchmarks/probes.py weight-bytes FOLDER DTYPE...
     python benchmarks/probes.py bfloat16-error FOLDER PROMPT
     python benchmarks/probes.py precision FOLDER DEVICE     (bfloat16 against float32 over 32 prompts)
     python benchmarks/probes.py imports ARGS...      (runs `lmhead ARGS`, reports heavy imports)
@@ -299,15 +299,19 @@ def side_by_side(folder: str, threads: int, rounds: int, specs: list[str]) -> di
             "best_s": {k: min(v) for k, v in times.items()}}
 
 
-def weight_bytes_per_token(folder: str, dtype: str) -> dict:
-    """Bytes of weights one decoding step reads: every matrix, bias and norm once, the head's matrix
-    once (tied: E is read by the head; the embedding lookups read one row each, left out)."""
+def weight_bytes_per_token(folder: str, dtypes: list[str]) -> dict:
+    """Bytes of weights one decoding step reads, per dtype: every matrix, bias and norm once, the head's
+    matrix once (tied: E is read by the head; the embedding lookups read one row each, left out). One
+    process for every dtype: the start-up is paid once."""
     from lmhead_cli.loading.sources import load_model
 
-    eng = load_model(folder, device="cpu", dtype=dtype, engine="lean").engine
-    lookups = {id(eng.gpt.wpe.weight)} | ({id(p) for p in eng.gpt.wte.parameters()} if not eng.tied else set())
-    read = [p for p in eng.gpt.parameters() if id(p) not in lookups]  # parameters() counts a tied one once
-    return {"bytes": sum(p.numel() * p.element_size() for p in read)}
+    out = {}
+    for dtype in dtypes:
+        eng = load_model(folder, device="cpu", dtype=dtype, engine="lean").engine
+        lookups = {id(eng.gpt.wpe.weight)} | ({id(p) for p in eng.gpt.wte.parameters()} if not eng.tied else set())
+        read = [p for p in eng.gpt.parameters() if id(p) not in lookups]  # parameters() counts a tied one once
+        out[dtype] = sum(p.numel() * p.element_size() for p in read)
+    return {"bytes": out}
 
 
 def bfloat16_error(folder: str, prompt: str) -> dict:
@@ -405,7 +409,7 @@ def main(argv: list[str]) -> None:
     elif what == "profile":
         result = profile_step(rest[0], rest[1], rest[2])
     elif what == "weight-bytes":
-        result = weight_bytes_per_token(rest[0], rest[1])
+        result = weight_bytes_per_token(rest[0], rest[1:])
     elif what == "bfloat16-error":
         result = bfloat16_error(rest[0], rest[1])
     elif what == "precision":

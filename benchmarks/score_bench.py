@@ -90,16 +90,14 @@ def probe(folder: str, text_file: str, repeats: int) -> dict:
 
 def measure(folder: Path, run, quick: bool = False) -> dict:
     """All four measurements; `run(cmd) -> (wall s, peak RSS MB, stdout)` is run.py's quiet runner."""
-    from lmhead_cli.readings.params import logits_memory
-
     repeats = 1 if quick else 3
     lm = [PYTHON, "-m", "lmhead_cli"]
     with tempfile.TemporaryDirectory() as tmp:
         short, long = Path(tmp, "1024.txt"), Path(tmp, "20000.txt")
-        # --quick is a smoke test (run.py's whole --quick aims at 90 s): shorter texts, the same code paths,
-        # the long one still two windows. Its figures are not the targets' figures.
+        # --quick is a smoke test (run.py's whole --quick aims at 90 s): a shorter text and no long one (the
+        # windows are tests/test_score.py's). Its figures are not the targets' figures.
         short.write_text(make_text(256 if quick else 1024), encoding="utf-8")
-        long.write_text(make_text(1100 if quick else 20_000, seed=1), encoding="utf-8")
+        long.write_text(make_text(20_000, seed=1), encoding="utf-8")
         # stdin through `exec`, so the measured process is lmhead itself.
         score = lambda path: ["bash", "-c", f'exec "$0" -m lmhead_cli score - --json --model "$1" < "$2"',  # noqa: E731
                               PYTHON, str(folder), str(path)]
@@ -111,8 +109,7 @@ def measure(folder: Path, run, quick: bool = False) -> dict:
             for name, cmd in (("score", score(short)), ("inspect", inspect), ("hf", hf)):
                 runs[name].append(run(cmd))
         ours, theirs = json.loads(runs["score"][0][2]), json.loads(runs["hf"][0][2].strip().splitlines()[-1])
-        wall_long, rss_long, out_long = run(score(long))
-        doc_long = json.loads(out_long)
+        long_run = None if quick else run(score(long))
         inproc = json.loads(run([PYTHON, str(HERE / "score_bench.py"), "probe", str(folder), str(short),
                                  str(repeats)])[2].strip().splitlines()[-1])
     med = lambda name, i: statistics.median(r[i] for r in runs[name])  # noqa: E731
@@ -122,12 +119,24 @@ def measure(folder: Path, run, quick: bool = False) -> dict:
         "inspect_s": med("inspect", 0), "inspect_rss_mb": med("inspect", 1),
         "hf_s": med("hf", 0), "hf_rss_mb": med("hf", 1),
         "ppl": ours["perplexity"], "hf_ppl": theirs["perplexity"], "hf_scored": theirs["scored_tokens"],
-        "full_logits_mb": logits_memory(1, len(ours["tokens"]), 50257).all_positions_bytes / 1e6,
-        "long_tokens": len(doc_long["tokens"]), "long_scored": doc_long["scored_tokens"],
-        "long_stride": doc_long["stride"], "long_s": wall_long, "long_rss_mb": rss_long,
-        "long_full_logits_mb": logits_memory(1, len(doc_long["tokens"]), 50257).all_positions_bytes / 1e6,
+        "full_logits_mb": _logits_mb(len(ours["tokens"])),
+        **({} if long_run is None else long_figures(*long_run)),
         "inproc": inproc, "repeats": repeats,
     }
+
+
+def _logits_mb(tokens: int) -> float:
+    """The full [1, T, V] float32 logits, in MB, as `lmhead params --seq T` predicts them."""
+    from lmhead_cli.readings.params import logits_memory
+
+    return logits_memory(1, tokens, 50257).all_positions_bytes / 1e6
+
+
+def long_figures(wall: float, rss: float, out: str) -> dict:
+    doc = json.loads(out)
+    return {"long_tokens": len(doc["tokens"]), "long_scored": doc["scored_tokens"], "long_stride": doc["stride"],
+            "long_s": wall, "long_rss_mb": rss,
+            "long_full_logits_mb": _logits_mb(len(doc["tokens"]))}
 
 
 def _ok(passed: bool) -> str:
@@ -163,11 +172,11 @@ def report(s: dict) -> str:
         f"{s['full_logits_mb']:.0f} MB. score never holds them: {s['score_rss_mb'] - s['inspect_rss_mb']:+.0f} MB "
         "over inspect.",
         "",
-        f"A {s['long_tokens']:,}-token text through windows (stride {s['long_stride']}, {s['long_scored']:,} tokens "
-        f"scored, one run): {s['long_s']:.1f} s, peak {s['long_rss_mb']:.0f} MB "
-        f"({_ok(s['long_rss_mb'] <= bound)} ≤ {bound:.0f} MB; its full logits would be "
-        f"{s['long_full_logits_mb'] / 1e3:.1f} GB).",
-        "",
+        *([f"A {s['long_tokens']:,}-token text through windows (stride {s['long_stride']}, {s['long_scored']:,} "
+           f"tokens scored, one run): {s['long_s']:.1f} s, peak {s['long_rss_mb']:.0f} MB "
+           f"({_ok(s['long_rss_mb'] <= bound)} ≤ {bound:.0f} MB; its full logits would be "
+           f"{s['long_full_logits_mb'] / 1e3:.1f} GB).", ""] if "long_s" in s else
+          ["No long text in --quick (the windows are tested by tests/test_score.py).", ""]),
         f"In one process, warm ({p['threads']} threads, median of {s['repeats']}, alternating): score_text "
         f"{per_ours * 1e3:.2f} ms per scored token ({p['ours_s']:.2f} s for {p['scored']:,}) against transformers' "
         f"forward with the full logits {per_theirs * 1e3:.2f} ms per token ({p['theirs_s']:.2f} s for {p['tokens']:,}): "
