@@ -40,7 +40,8 @@ EQUIVALENT = ROOT / "mutation" / "equivalent.toml"
 # module: (files to mutate, the fast test files that exercise them). mutmut and narrow.py then pick,
 # per mutant, the tests among these that reach it.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_mutants.py", "tests/test_diff.py"]),
+    "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_mutants.py", "tests/test_diff.py",
+             "tests/test_kernels.py"]),
     "stages": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/presets.py"],
                ["tests/test_decoding.py", "tests/test_mutants.py"]),
     # test_generate_cli: the rates and mean entropy (Generation's properties), ids against transformers
