@@ -58,7 +58,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
               ["tests/test_mutants.py", "tests/test_score.py", "tests/test_html.py", "tests/test_logprobs.py",
                "tests/test_compare.py"]),
     # test_architectures: the RMSNorm branch (no beta) on Llama, and Gemma-2's refusal
-    "attribute": (["lmhead_cli/readings/attribute.py"], ["tests/test_attribute.py", "tests/test_architectures.py"]),
+    "attribute": (["lmhead_cli/readings/attribute.py"], ["tests/test_attribute.py", "tests/test_architectures.py",
+                                                            "tests/test_mutants.py"]),
     "diff": (["lmhead_cli/readings/diff.py"], ["tests/test_mutants.py", "tests/test_diff.py"]),
     "lens": (["lmhead_cli/readings/lens.py"], ["tests/test_lens.py"]),
     "compare": (["lmhead_cli/readings/compare.py", "lmhead_cli/readings/agreement.py"],

@@ -320,3 +320,13 @@ def test_head_score_rows_uses_the_kernel_and_keeps_torch_s_errors_and_top_lists(
     assert str(fast.value) == str(slow.value)
     with pytest.raises(RuntimeError):
         head.score_rows(z.clone(), torch.tensor([0, 1, 2, 3, 4, 300]))
+
+
+def test_head_score_rows_refuses_ids_that_do_not_match_the_rows():
+    """One id per row: ids of another length are torch's error on either path (the compiled kernel
+    would read past them). Mutant: the shape check joined by `and`."""
+    from lmhead_cli import head
+
+    for ids in (torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1])):
+        with pytest.raises(RuntimeError):
+            head.score_rows(torch.zeros(3, 10), ids)

@@ -583,3 +583,22 @@ def test_int8_head_rows_are_made_on_the_engine_s_device(tiny):
     with torch.device("meta"):
         got = loaded.engine.head_rows([5, 7])
     assert got.device.type == "cpu" and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_the_lean_engine_names_how_its_weights_are_stored(tiny, dtype):
+    """weight_format is the stored format: float32, bfloat16 or int8. Mutant: always "int8"."""
+    assert load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine.weight_format == dtype
+
+
+def test_the_kv_cache_keeps_the_attention_dtype_whatever_torch_s_default(tiny):
+    """A notebook may set torch's default dtype to float64; the cache is still made in the dtype
+    attention runs in (float32 here). Mutant: the cache in torch's default dtype."""
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cache = eng.new_cache(1, 8)
+    finally:
+        torch.set_default_dtype(before)
+    assert cache.k.dtype == cache.v.dtype == torch.float32 == eng.attention_dtype
