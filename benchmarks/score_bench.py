@@ -97,7 +97,8 @@ def measure(folder: Path, run, quick: bool = False) -> dict:
         # --quick is a smoke test (run.py's whole --quick aims at 90 s): a shorter text and no long one (the
         # windows are tests/test_score.py's). Its figures are not the targets' figures.
         short.write_text(make_text(256 if quick else 1024), encoding="utf-8")
-        long.write_text(make_text(20_000, seed=1), encoding="utf-8")
+        if not quick:
+            long.write_text(make_text(20_000, seed=1), encoding="utf-8")
         # stdin through `exec`, so the measured process is lmhead itself.
         score = lambda path: ["bash", "-c", f'exec "$0" -m lmhead_cli score - --json --model "$1" < "$2"',  # noqa: E731
                               PYTHON, str(folder), str(path)]

@@ -248,9 +248,8 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     rank = 1 + (z > picked).sum(-1, dtype=torch.int32).long()
     top_z, top_id = z.max(-1)
     if not bool(torch.isfinite(top_z).all()):  # a NaN or +inf logit makes its row's max NaN or inf: O(N)
-        raise NonFiniteLogits("the head produced non-finite logits (NaN or inf) at "
-                              f"{int((~torch.isfinite(top_z)).sum())} positions: " + NON_FINITE_ADVICE)
-    best = torch.topk(z, top, dim=-1) if top else None
+        raise _non_finite(int((~torch.isfinite(top_z)).sum()))
+    best = torch.topk(z, top, dim=-1) if top else None  # before z becomes d below
     d = z.sub_(top_z[:, None])  # (N, V), ≤ 0, in the logits' place
     e = d.exp()
     log_s = e.sum(-1).log_()  # (N,)
@@ -258,9 +257,20 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     if not bool(torch.isfinite(spread).all()):
         spread = e.nan_to_num_(nan=0.0).sum(-1)
     h = (log_s - spread / log_s.exp()).clamp_min_(0.0) + 0.0  # never -0.0 or a rounding speck below 0
-    return RowScores(logprob=(picked[:, 0] - top_z) - log_s, rank=rank, entropy=h, top_id=top_id,
-                     top_logprob=-log_s, top_ids=best.indices if best else None,
-                     top_logprobs=(best.values - top_z[:, None]) - log_s[:, None] if best else None)
+    return _row_scores((picked[:, 0] - top_z) - log_s, rank, h, top_id, -log_s, top_z, best)
+
+
+def _non_finite(positions: int) -> NonFiniteLogits:
+    return NonFiniteLogits(f"the head produced non-finite logits (NaN or inf) at {positions} positions: "
+                           + NON_FINITE_ADVICE)
+
+
+def _row_scores(logprob, rank, entropy, top_id, top_logprob, top_z, best) -> RowScores:
+    """RowScores from the five figures, each row's max logit top_z (N,) and torch.topk's `best` (or
+    None): the top-K log-probabilities are best's logits less the max, plus the top-1's log p."""
+    return RowScores(logprob=logprob, rank=rank, entropy=entropy, top_id=top_id, top_logprob=top_logprob,
+                     top_ids=best.indices if best else None,
+                     top_logprobs=(best.values - top_z[:, None]) + top_logprob[:, None] if best else None)
 
 
 def _compiled_rows(z: torch.Tensor, ids: torch.Tensor, top: int) -> RowScores | None:
@@ -279,13 +289,9 @@ def _compiled_rows(z: torch.Tensor, ids: torch.Tensor, top: int) -> RowScores | 
     except ValueError:
         return None
     if bad:
-        raise NonFiniteLogits(f"the head produced non-finite logits (NaN or inf) at {bad} positions: "
-                              + NON_FINITE_ADVICE)
+        raise _non_finite(bad)
     best = torch.topk(z, top, dim=-1) if top else None
-    top_z = z.gather(-1, top_id[:, None])  # (N, 1): the max
-    return RowScores(logprob=logprob, rank=rank, entropy=h, top_id=top_id, top_logprob=top_logprob,
-                     top_ids=best.indices if best else None,
-                     top_logprobs=(best.values - top_z) + top_logprob[:, None] if best else None)
+    return _row_scores(logprob, rank, h, top_id, top_logprob, z.gather(-1, top_id[:, None])[:, 0], best)
 
 
 def check_top_logprobs(n: int, vocab: int) -> None:

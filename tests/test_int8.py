@@ -46,8 +46,8 @@ def pair(request, tmp_path_factory):
 
 @pytest.fixture(params=["compiled", "torch"])
 def products(request, monkeypatch):
-    """Run a test's few-row products on the compiled kernel (engine/kernels.c), counting its calls, or on
-    torch._int_mm over the digits (the kernels turned off): {"path": ..., "calls": [n]}."""
+    """Run a test's few-row products on the compiled kernel (engine/kernels.c), counting the products it
+    computed, or on torch._int_mm over the digits (the kernels turned off): {"path": ..., "calls": [n]}."""
     from lmhead_cli.engine import kernels
 
     seen = {"path": request.param, "calls": [0]}
@@ -59,9 +59,10 @@ def products(request, monkeypatch):
         pytest.skip(f"the compiled kernels did not load: {kernels.unavailable()}")
     plain = k.int8_times
 
-    def counted(*args):
-        seen["calls"][0] += 1
-        return plain(*args)
+    def counted(*args):  # the products the kernel computed (it hands the others back: None)
+        y = plain(*args)
+        seen["calls"][0] += y is not None
+        return y
 
     monkeypatch.setattr(k, "int8_times", counted)
     return seen

@@ -164,6 +164,14 @@ def test_fits_takes_only_what_the_kernels_read():
     assert not K.fits(torch.zeros(2, 15), w, None)
     assert not K.fits(x, w, torch.zeros(7)) and not K.fits(x, w, torch.zeros(16)[::2])
     assert not K.fits(torch.zeros(0, 16), w, None)
+    # a product whose dtypes or scale the kernels do not read is handed back to torch: None
+    s = torch.ones(8)
+    assert K.int8_times(x, w, s, None) is not None
+    assert K.int8_times(x.double(), w, s, None) is None and K.int8_times(x, w, s.double(), None) is None
+    assert K.int8_times(x, w, torch.ones(16)[::2], None) is None and K.int8_times(x, w, s, s.double()) is None
+    assert K.int8_times(torch.zeros(K.max_rows + 1, 16), w, s, None) is None
+    assert K.bf16_times(x, torch.zeros(8, 16, dtype=torch.bfloat16), None) is None
+    assert K.bf16_times(x.bfloat16(), torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(8)) is None
 
 
 def run_load(env: dict) -> str:

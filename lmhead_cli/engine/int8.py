@@ -77,9 +77,9 @@ def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Te
     compiled kernel, run torch._int_mm over the digits; `kernel` False (no int8 kernel on the device)
     dequantises."""
     fast = kernels.load() if x.device.type == "cpu" else None
-    if (fast is not None and x.dtype == s.dtype == torch.float32 and (bias is None or bias.dtype == x.dtype)
-            and fast.fits(x, q, bias)):
-        return fast.int8_times(x, q, s, bias)
+    y = fast.int8_times(x, q, s, bias) if fast is not None else None
+    if y is not None:
+        return y
     if not kernel:  # no int8 kernel here: dequantise, then the plain product
         w = q.to(x.dtype) * s[:, None].to(x.dtype)
         return F.linear(x, w, bias)

@@ -140,7 +140,7 @@ DEFINE_MATVEC(bf16, uint16_t, vbf16, bf16_to_f32)
    scaled once in double: y = (that / c_m) * s + bias. Three vpdpbusd per 64 weights and row of x, and
    one for sum_k q_k, where widening each weight to float takes twelve operations per 64. */
 #define VNNI 1
-#define STEPS 8000000.0
+#define STEPS 8000000.0 /* engine/int8.py's STEPS and OFFSET: the same digits torch._int_mm takes there */
 #define OFFSET 0x808080
 #define VNNI_MAX_K 65536
 

@@ -57,7 +57,7 @@ class Kernels:
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether x (M, K), weight rows w (N, K) and bias (N,) are a product these kernels take: on the
-        CPU, contiguous, a few rows (the dtypes are the caller's to check)."""
+        CPU, contiguous, a few rows (the dtypes are checked by each product)."""
         return (x.device.type == w.device.type == "cpu" and x.dim() == 2 == w.dim()
                 and 0 < x.shape[0] <= self.max_rows and x.shape[1] == w.shape[1]
                 and x.is_contiguous() and w.is_contiguous()
@@ -65,8 +65,13 @@ class Kernels:
                                       and tuple(bias.shape) == (w.shape[0],))))
 
     def int8_times(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        """x (M, K) float32 times (q · s)ᵀ, q (N, K) int8, s (N,) float32, plus bias (N,) float32: (M, N)."""
+                   bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x (M, K) float32 times (q · s)ᵀ, q (N, K) int8, s (N,) float32, plus bias (N,) float32: (M, N);
+        None for a product the kernel does not take (other dtypes, or not `fits`), left to the caller."""
+        if not (x.dtype == s.dtype == torch.float32 and q.dtype == torch.int8 and self.fits(x, q, bias)
+                and (bias is None or bias.dtype == torch.float32)
+                and s.device.type == "cpu" and s.is_contiguous() and tuple(s.shape) == (q.shape[0],)):
+            return None
         (M, K), N = x.shape, q.shape[0]
         y = torch.empty(M, N, dtype=torch.float32)
         if self.lib.lmhead_int8_matvec(q.data_ptr(), s.data_ptr(), x.data_ptr(),
@@ -75,16 +80,19 @@ class Kernels:
             raise MemoryError("the int8 kernel could not allocate its activation buffer")
         return y
 
-    def bf16_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def bf16_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x (M, K) bfloat16 times w (N, K) bfloat16 rows, plus bias (N,) bfloat16: (M, N) bfloat16,
-        summed in float32 and rounded once, as torch's bfloat16 addmv."""
+        summed in float32 and rounded once, as torch's bfloat16 addmv; None for a product the kernel does
+        not take (other dtypes, or not `fits`), left to the caller."""
+        if not (x.dtype == w.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
+                and self.fits(x, w, bias)):
+            return None
         (M, K), N = x.shape, w.shape[0]
         y = torch.empty(M, N, dtype=torch.bfloat16)
         if self.lib.lmhead_bf16_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                                        y.data_ptr(), N, K, M, torch.get_num_threads()):
             raise MemoryError("the bfloat16 kernel could not allocate its activation buffer")
         return y
-
 
     def score_rows(self, z: torch.Tensor, ids: torch.Tensor):
         """Each row of z (N, V) float32 (CPU, contiguous) with its id (N,): (logprob, rank, entropy,
@@ -107,9 +115,12 @@ def cache_dir() -> Path:
     return Path(base) / "lmhead" / "kernels"
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
+def _compiler_name() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _turned_off() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() in OFF
 
 
 def _digest(cc: str) -> str:
@@ -174,9 +185,9 @@ def _open(path: Path) -> Kernels:
         raise RuntimeError(f"{path.name} lacks the kernels ({e})") from None
     if k.lib.lmhead_kernels_abi() != ABI:
         raise RuntimeError(f"{path.name} is of another version")
-    if len(_openmp_runtimes()) > 1:
-        raise RuntimeError("they would run a second OpenMP runtime beside torch's: "
-                           + ", ".join(sorted(_openmp_runtimes())))
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:
+        raise RuntimeError("they would run a second OpenMP runtime beside torch's: " + ", ".join(sorted(runtimes)))
     if not _self_check(k):
         raise RuntimeError("the compiled kernels failed their self-check against torch")
     return k
@@ -185,12 +196,12 @@ def _open(path: Path) -> Kernels:
 @functools.cache
 def load() -> Kernels | None:
     """The kernels, built on first use; None where they cannot be (`unavailable()` says why)."""
-    if os.environ.get(ENV, "1").strip().lower() in OFF:
+    if _turned_off():
         _why.append(f"{ENV}={os.environ[ENV]}")
         return None
-    cc = _compiler()
+    cc = shutil.which(_compiler_name())
     if cc is None:
-        _why.append(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
+        _why.append(f"no C compiler ({_compiler_name()}) on PATH")
         return None
     try:
         target = cache_dir() / f"kernels-{_digest(cc)}.so"
@@ -214,7 +225,7 @@ def load() -> Kernels | None:
 def fallback_notice(weights: str) -> str | None:
     """One line for a user whose `weights` ("int8", "bfloat16") run without the kernels, unless they
     turned them off themselves (None then, and when the kernels load)."""
-    if load() is not None or os.environ.get(ENV, "1").strip().lower() in OFF:
+    if load() is not None or _turned_off():
         return None
     return (f"{weights} weights on the CPU: lmhead's compiled kernels are unavailable ({unavailable()}); "
             "torch's products run instead (the same figures, slower)")

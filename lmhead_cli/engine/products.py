@@ -17,7 +17,8 @@ Every form reads the weights where they are: no form needs a copy of its own, so
 no lay-out step and no memory. GPT-2's float32 matrices stay in the checkpoint's (in, out) layout,
 which BLAS streams as fast as rows (its memory-mapped pages are the weights); bfloat16 matrices are
 made (out, in) rows when they are converted at load (engine/lean.py `conv1d_weight`), the layout
-torch's bfloat16 gemv streams fastest. int8 weights (engine/int8.py) run one form, `int8_times` (the compiled kernel where it builds).
+torch's bfloat16 gemv streams fastest. int8 weights (engine/int8.py) run one form, `int8_times` (the
+compiled kernel where it builds).
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def few_rows_product(form: str, x2: torch.Tensor, rows: torch.Tensor, bias: torc
     `form`: (R, N)."""
     if form == "kernel":
         fast = kernels.load()
-        if (x2.dtype == rows.dtype == torch.bfloat16 and (bias is None or bias.dtype == x2.dtype)
-                and fast is not None and fast.fits(x2, rows, bias)):
-            return fast.bf16_times(x2, rows, bias)
+        y = fast.bf16_times(x2, rows, bias) if fast is not None else None
+        if y is not None:
+            return y
         form = "gemv"  # a product the kernel does not take (a strided view, say): torch's own
     if form == "blocked":
         return rows_times(rows, x2, bias)
