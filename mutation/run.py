@@ -308,6 +308,7 @@ def collect(name: str) -> dict:
             "date": made["date"], "commit": made["commit"], "seconds": round(elapsed),
             "mutants": len(found), "counts": counts, "equivalent": equivalent, "survivors": survivors,
             "detected": detected, "considered": considered,
+            "drawn": drawn(list(found)),  # which mutants the code made: a full run's first pass is kept by it
             "sample": {"fraction": sample["fraction"], "seed": sample.get("seed", SAMPLE_SEED),
                        "mutants": len(sample["mutants"]), "of": sample["of"], "drawn": drawn(sample["mutants"])}
             if sample else None,
@@ -326,15 +327,32 @@ def drawn(names: list[str]) -> str:
 
 
 def first_pass(previous: dict | None, new: dict) -> dict | None:
-    """The figures of the first run of the same sample (the same mutants drawn), which a rerun or a
-    fresh run of it after new tests must not overwrite: only that first pass is a random draw for the
-    tests that were written after it. None when `new` is itself a first pass (a new draw)."""
-    if not previous or not previous.get("sample") or not new.get("sample"):
-        return None
-    if previous["sample"].get("drawn") is None or previous["sample"].get("drawn") != new["sample"].get("drawn"):
+    """The figures of the first run of the same mutants (the same sample drawn, or for a full run the
+    same code's mutants), which a rerun or a fresh run of them after new tests must not overwrite: only
+    that first pass measures the tests as they were before its survivors were seen. It keeps the names
+    of its survivors, so that one marked equivalent later leaves its denominator (`first_counts`).
+    None when `new` is itself a first pass (new mutants)."""
+    if not previous or draw_of(previous) is None or draw_of(previous) != draw_of(new):
         return None
     return previous.get("first_pass") or {"detected": previous["detected"], "considered": previous["considered"],
-                                           "commit": previous["commit"], "date": previous["date"]}
+                                           "commit": previous["commit"], "date": previous["date"],
+                                           "survivors": [s["mutant"] for s in previous["survivors"]]}
+
+
+def draw_of(r: dict) -> str | None:
+    """The digest of the mutants a result ran: its sample's, or all the module's for a full run."""
+    return r["sample"].get("drawn") if r.get("sample") else r.get("drawn")
+
+
+def first_counts(r: dict) -> tuple[int, int]:
+    """(detected, considered) of a module's first pass (its latest run when that is the first), less
+    the first pass's survivors that have since been marked equivalent (they cannot change any output,
+    so they were never in the score's denominator)."""
+    fp = r.get("first_pass")
+    if not fp:
+        return r["detected"], r["considered"]
+    now_equivalent = {e["mutant"] for e in r["equivalent"]}
+    return fp["detected"], fp["considered"] - len(now_equivalent.intersection(fp.get("survivors", [])))
 
 
 def git_commit() -> str:
@@ -390,16 +408,15 @@ def write_report(results: dict) -> None:
                   f"mutants: **{mid:.1f}%** (95% interval {low:.1f}% to {high:.1f}%). Once tests are written for a "
                   "sample's survivors (`--rerun`), the sample is no longer a random draw for those tests: its score "
                   "then overstates the module's, and a fresh sample (or the full run) is the measure.", ""]
-    firsts = [r for r in rows if r.get("first_pass")]
-    if firsts:
-        fd = sum(r["first_pass"]["detected"] for r in firsts) + sum(r["detected"] for r in rows if not r.get("first_pass"))
-        fc = sum(r["first_pass"]["considered"] for r in firsts) + sum(r["considered"] for r in rows
-                                                                      if not r.get("first_pass"))
-        low, mid, high = core_estimate([{**r, **r["first_pass"]} if r.get("first_pass") else r for r in rows])
-        lines += [f"**First pass** (each sample as first drawn, before any test was written for its survivors: the "
-                  f"unbiased measure of the suite): {fd} of {fc} detected, {100 * fd / fc:.1f}%; estimated over every "
-                  f"mutant {mid:.1f}% (95% interval {low:.1f}% to {high:.1f}%). The table's columns are the latest run "
-                  "of each sample, after the tests written for its survivors.", ""]
+    if any(r.get("first_pass") for r in rows):
+        firsts = [dict(zip(("detected", "considered"), first_counts(r))) for r in rows]
+        fd, fc = sum(f["detected"] for f in firsts), sum(f["considered"] for f in firsts)
+        low, mid, high = core_estimate([{**r, **f} for r, f in zip(rows, firsts)])
+        lines += [f"**First pass** (each module's mutants as first run, before any test was written for their "
+                  f"survivors: the unbiased measure of the suite; survivors marked equivalent since then are left "
+                  f"out): {fd} of {fc} detected, {100 * fd / fc:.1f}%; estimated over every mutant {mid:.1f}% (95% "
+                  f"interval {low:.1f}% to {high:.1f}%). The table's columns are the latest run of each module, "
+                  "after the tests written for its survivors.", ""]
     if missing:
         lines += [f"Not run yet: {', '.join(missing)}.", ""]
     lines += ["| module | date | commit | mutants | sampled | first pass | detected | survived | no tests | equivalent "
@@ -410,7 +427,7 @@ def write_report(results: dict) -> None:
         sampled = f"{r['sample']['mutants']} (seed {r['sample'].get('seed', SAMPLE_SEED)})" if r.get("sample") else "all"
         low, high = wilson(r["detected"], r["considered"])
         fp = r.get("first_pass")
-        first = f"{fp['detected']}/{fp['considered']} ({fp['commit']})" if fp else "this run"
+        first = "{}/{} ({})".format(*first_counts(r), fp["commit"]) if fp else "this run"
         lines.append(f"| {r['module']} | {r['date']} | {r['commit']} | {r['mutants']} | {sampled} | {first} | {r['detected']} | "
                      f"{c.get('survived', 0) - len(r['equivalent'])} | {c.get('no tests', 0)} | {len(r['equivalent'])} | "
                      f"{c.get('not checked', 0)} | {r['score']}% ({low:.1f}-{high:.1f}) | {r['seconds'] // 60} min |")

@@ -195,3 +195,21 @@ def test_the_interval_of_a_sampled_score_is_wilsons_and_the_core_estimate_weight
     perfect = {**half, "detected": 150}  # a sample without survivors still has an interval
     low, mid, high = run_py.core_estimate([full, perfect])
     assert mid == pytest.approx(100.0) and low < 100.0
+
+
+def test_a_first_pass_is_kept_by_its_mutants_and_loses_survivors_marked_equivalent_later(run_py):
+    survivor = {"mutant": "m.x_f__mutmut_3"}
+    first = {"mutants": 10, "considered": 10, "detected": 8, "commit": "a", "date": "d", "sample": None,
+             "drawn": "abc", "survivors": [survivor, {"mutant": "m.x_f__mutmut_7"}], "equivalent": []}
+    later = {**first, "detected": 9, "considered": 9, "commit": "b", "survivors": [],
+             "equivalent": [{**survivor, "reason": "r"}]}  # one killed by a test, one marked equivalent
+    kept = run_py.first_pass(first, later)  # a full run again over the same mutants keeps the first figures
+    assert kept == {"detected": 8, "considered": 10, "commit": "a", "date": "d",
+                    "survivors": ["m.x_f__mutmut_3", "m.x_f__mutmut_7"]}
+    assert run_py.first_counts({**later, "first_pass": kept}) == (8, 9)  # 8 of 9: the equivalent one left out
+    assert run_py.first_counts(later) == (9, 9)  # no first pass kept: the run is its own first pass
+    assert run_py.first_pass(first, {**later, "drawn": "other"}) is None  # other mutants (changed code): a new first pass
+    sampled = {**first, "drawn": "abc", "sample": {"drawn": "s1"}}
+    assert run_py.first_pass(sampled, {**later, "sample": {"drawn": "s1"}})["detected"] == 8
+    assert run_py.first_pass(sampled, {**later, "sample": {"drawn": "s2"}}) is None
+    assert run_py.first_pass(sampled, later) is None  # a full run after a sample is a new first pass
