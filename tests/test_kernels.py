@@ -225,7 +225,7 @@ def test_a_cache_folder_that_cannot_be_written_falls_back_in_one_line(tmp_path):
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float32"])
 def test_loading_names_the_fallback_unless_the_user_turned_the_kernels_off(tiny, monkeypatch, dtype):
     """Without the kernels, int8 and bfloat16 weights say in one line why and what runs instead; float32
-    (which has no kernel of its own) and LMHEAD_KERNELS=0 (the user's own choice) say nothing."""
+    (whose products are BLAS's either way) and LMHEAD_KERNELS=0 (the user's own choice) say nothing."""
     from lmhead_cli.loading.sources import load_model
 
     monkeypatch.setattr(kernels, "load", lambda: None)
@@ -338,3 +338,82 @@ def test_head_score_rows_refuses_ids_that_do_not_match_the_rows():
     for ids in (torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1])):
         with pytest.raises(RuntimeError):
             head.score_rows(torch.zeros(3, 10), ids)
+
+
+def cache_views(B: int, H: int, T: int, hd: int, T_max: int, g: torch.Generator):
+    """q as the lean engine's qkv permute leaves it (a strided view), and keys/values as KVCache.append
+    returns them (the first T of T_max positions)."""
+    qkv = torch.randn(B, 1, 3, H, hd, generator=g).permute(2, 0, 3, 1, 4)  # 3 × (B, H, 1, hd)
+    k = torch.randn(B, H, T_max, hd, generator=g)[:, :, :T]
+    v = torch.randn(B, H, T_max, hd, generator=g)[:, :, :T]
+    return qkv[0], k, v
+
+
+def attention64(q, k, v, mask):
+    s = (q.double() @ k.double().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if mask is not None:
+        s = s + mask.double()
+    return (s.softmax(-1) @ v.double()).transpose(1, 2).reshape(q.shape[0], 1, -1)  # (B, 1, H·hd)
+
+
+@pytest.mark.parametrize("B, H, T, hd", [(1, 12, 1, 64), (1, 12, 37, 64), (3, 2, 200, 24), (2, 1, 5, 7)])
+def test_attention_of_one_query_over_the_cache_is_softmax_of_scaled_scores_times_values(build, B, H, T, hd):
+    g = torch.Generator().manual_seed(T)
+    q, k, v = cache_views(B, H, T, hd, T + 9, g)
+    mask = torch.zeros(B, 1, 1, T)
+    mask[0, ..., : T // 2] = float("-inf")  # row 0's first half padded: it sees its later half only
+    for m in (None, mask):
+        got = build.attend(q, k, v, m)
+        assert got.shape == (B, 1, H * hd) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), attention64(q, k, v, m), rtol=1e-5, atol=1e-6)
+    before = torch.get_num_threads()
+    try:  # each head is one thread's: the thread count changes no bit
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(build.attend(q, k, v, mask))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_attention_carries_nan_and_hands_back_what_it_does_not_take(build):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = cache_views(2, 3, 6, 8, 8, g)
+    k[1, 2, 4, 0] = float("nan")  # one cached key of one head
+    got = build.attend(q, k, v, None).view(2, 3, 8)
+    assert got[1, 2].isnan().all() and not got[0].isnan().any() and not got[1, :2].isnan().any()
+    assert build.attend(q.double(), k.double(), v.double(), None) is None  # float32 only
+    assert build.attend(q, k, v.contiguous(), None) is None  # keys and values must lie alike
+    assert build.attend(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None) is None  # positions hd apart
+    assert build.attend(q, k, v, torch.zeros(2, 1, 1, 7)) is None  # a mask of another length
+    assert build.attend(torch.randn(2, 3, 2, 8), k, v, None) is None  # two queries: SDPA's
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_decoding_steps_attend_through_the_kernel_as_torch_does(tiny, monkeypatch, dtype):
+    """Each decoding step's attention takes the kernel on the CPU (once per layer per step), and the
+    hidden states equal those of torch's three products (kernels off) over left-padded rows."""
+    from lmhead_cli.engine import lean
+    from lmhead_cli.loading.sources import load_model
+
+    eng = load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine
+    ids = torch.tensor([[50256, 50256, 464, 8251], [464, 8251, 319, 262]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+
+    def steps():
+        cache = eng.new_cache(2, 8)
+        out = [eng.body(ids, cache, mask)[:, -1]]
+        for t in range(3):
+            mask_t = torch.cat([mask, torch.ones(2, t + 1, dtype=mask.dtype)], 1)
+            out.append(eng.body(torch.tensor([[11 + t], [13 + t]]), cache, mask_t)[:, -1])
+        return torch.stack(out).float()
+
+    calls = []
+    real = kernels.Kernels.attend
+    monkeypatch.setattr(kernels.Kernels, "attend", lambda self, *a: calls.append(1) or real(self, *a))
+    compiled = steps()
+    assert len(calls) == 3 * eng.config["n_layer"]  # the three one-position steps, each layer
+    monkeypatch.setattr(lean.kernels, "load", lambda: None)
+    torch.testing.assert_close(compiled, steps(), rtol=1e-5, atol=1e-5)

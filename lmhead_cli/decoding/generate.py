@@ -301,17 +301,24 @@ class _Text:
 # ---- one step's figures, in one transfer ---------------------------------------------------------
 
 def _record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor,
-            k: int) -> torch.Tensor:
+            k: int, processed: bool = True) -> torch.Tensor:
     """(R, 9 + 2k) float64 on the device: id, log p, raw logit, entropy, rank, finite, raw log p, raw
     entropy, removed mass, then the k most probable ids and their log p (processed).
-    logits, raw (their log-softmax), logprobs (processed) (R, V); chosen (R,)."""
+    logits, raw (their log-softmax), logprobs (processed) (R, V); chosen (R,). `processed` False: no
+    stage ran, logprobs are raw's, and what is raw's is not computed twice (nothing was removed)."""
     idx = chosen[:, None]
-    # what the filters took away, in the model's own probabilities: the raw mass of every -inf token
-    removed = raw.exp().masked_fill(torch.isfinite(logprobs), 0.0).sum(-1, keepdim=True)  # (R, 1)
-    cols = [idx.double(), logprobs.gather(-1, idx).double(), logits.gather(-1, idx).double(),
-            entropy(logprobs)[:, None].double(), ranks(logits, idx).double(),
-            torch.isfinite(logits).all(-1, keepdim=True).double(), raw.gather(-1, idx).double(),
-            entropy(raw)[:, None].double(), removed.double()]
+    lp_entropy = entropy(logprobs)[:, None]
+    if processed:
+        # what the filters took away, in the model's own probabilities: the raw mass of every -inf token
+        removed = raw.exp().masked_fill(torch.isfinite(logprobs), 0.0).sum(-1, keepdim=True)  # (R, 1)
+        raw_lp, raw_entropy = raw.gather(-1, idx), entropy(raw)[:, None]
+    else:
+        removed, raw_lp, raw_entropy = torch.zeros_like(lp_entropy), None, lp_entropy
+    picked = logprobs.gather(-1, idx)
+    cols = [idx.double(), picked.double(), logits.gather(-1, idx).double(),
+            lp_entropy.double(), ranks(logits, idx).double(),
+            torch.isfinite(logits).all(-1, keepdim=True).double(), (picked if raw_lp is None else raw_lp).double(),
+            raw_entropy.double(), removed.double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         cols += [alt_ids.double(), alt_lp.double()]
@@ -360,9 +367,10 @@ def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int |
     for _ in range(max_new):
         logits = eng.last_logits(x, cache)  # (1, V)
         raw = log_softmax(logits)  # (1, V) the model's own distribution
-        logprobs = log_softmax(stages.process(logits, pipeline))  # (1, V) the one drawn from
+        # the one drawn from (raw's own when no stage runs: each step's (1, V) passes are most of its own work)
+        logprobs = log_softmax(stages.process(logits, pipeline)) if pipeline else raw
         chosen = stages.choose(logprobs, greedy, generator)  # (1,)
-        row = _record(logits, raw, logprobs, chosen, s.show_steps)[0].tolist()  # the one sync per step
+        row = _record(logits, raw, logprobs, chosen, s.show_steps, bool(pipeline))[0].tolist()  # one sync per step
         top = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # a second transfer, only when asked
         step = _step(row, token_text, logits, Top(top[0][0], top[1][0]) if top else None)
         yield step
@@ -395,11 +403,11 @@ def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | 
     for t in range(max_new):
         logits = eng.last_logits(x, cache)  # (R, V), R = 1 at the first step, then n
         raw = log_softmax(logits)  # (R, V)
-        logprobs = log_softmax(stages.process(logits, pipeline))  # (R, V) what the beams are ranked by
+        logprobs = log_softmax(stages.process(logits, pipeline)) if pipeline else raw  # (R, V) what ranks beams
         scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]
         top, flat = scores.view(-1).topk(min(2 * n, scores.numel()))  # (2n,) best over all beams
         rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]
-        record = _record(logits[rows], raw[rows], logprobs[rows], tokens, s.show_steps)
+        record = _record(logits[rows], raw[rows], logprobs[rows], tokens, s.show_steps, bool(pipeline))
         table = torch.cat([top[:, None].double(), rows[:, None].double(), record], dim=-1).tolist()
         alts = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # per beam, not per candidate
         cands = []

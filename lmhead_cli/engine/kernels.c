@@ -1,5 +1,5 @@
 /* lmhead's CPU kernels: products that stream low-precision weights for the lean engine's decoding
-   steps, and score's per-row figures.
+   steps, one query's attention over the KV cache, and score's per-row figures.
 
    y[m, n] = scale[n] * sum_k W[n, k] * x[m, k] + bias[n]   for a few rows m (M <= MAX_ROWS)
 
@@ -32,7 +32,7 @@
 #define PREFETCH_BYTES 8192
 #endif
 
-int lmhead_kernels_abi(void) { return 3; }
+int lmhead_kernels_abi(void) { return 4; }
 int lmhead_kernels_max_rows(void) { return MAX_ROWS; }
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -458,4 +458,59 @@ int64_t lmhead_score_rows(const float *z, const int64_t *ids, int64_t N, int64_t
     for (int64_t n = 0; n < N; n++)
         bad += score_row(z + n * V, ids[n], V, logprob + n, rank + n, entropy + n, top_id + n, top_logprob + n);
     return bad;
+}
+
+/* ---- one new position's attention over the KV cache (a decoding step) ----
+
+   For each of the B*H heads (b, h), with q its query (hd), k_t and v_t the cached key and value of
+   position t < T, and mask an additive (B, T) row or NULL:
+       s_t = (q . k_t) * scale + mask[b, t],   p = softmax(s),   out = sum_t p_t v_t.
+   What the lean engine's torch path does in a matmul, a scaling, a mask addition, a softmax and a
+   second matmul per layer (each a dispatch with its own set-up, several times this work for one
+   query), in float32, the sums in another order. The tensors are read where they lie: q[b, h] at
+   q + b*qsb + h*qsh, the cache's rows of (b, h) at k + b*ksb + h*ksh (hd floats apart), mask[b] at
+   mask + b*msb. out (B, H*hd), the (B, 1, D) layout the output projection takes. A NaN stays NaN
+   (a max that skips it, then exp(NaN) in the sum). Returns -1 if the scores' buffer cannot be had. */
+int lmhead_attend(const float *q, int64_t qsb, int64_t qsh, const float *k, const float *v, int64_t ksb,
+                  int64_t ksh, const float *mask, int64_t msb, float *out, int64_t B, int64_t H, int64_t T,
+                  int64_t hd, float scale, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = malloc((size_t)(T > 0 ? T : 1) * sizeof(float));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < B * H; g++) {
+            if (!s) continue;
+            int64_t b = g / H, h = g % H;
+            const float *qg = q + b * qsb + h * qsh, *kg = k + b * ksb + h * ksh, *vg = v + b * ksb + h * ksh;
+            const float *mg = mask ? mask + b * msb : NULL;
+            float m = -INFINITY;
+            for (int64_t t = 0; t < T; t++) {
+                float acc = 0.0f;
+                const float *kt = kg + t * hd;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < hd; d++) acc += qg[d] * kt[d];
+                s[t] = acc * scale + (mg ? mg[t] : 0.0f);
+                m = s[t] > m ? s[t] : m;
+            }
+            float sum = 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                s[t] = expf(s[t] - m);
+                sum += s[t];
+            }
+            float *og = out + g * hd;
+            for (int64_t d = 0; d < hd; d++) og[d] = 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                const float p = s[t] / sum, *vt = vg + t * hd;
+#pragma omp simd
+                for (int64_t d = 0; d < hd; d++) og[d] += p * vt[d];
+            }
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
 }

@@ -4,7 +4,9 @@ torch's own products read int8 weights at about half of float32 BLAS's speed (th
 be split into int8 digits for torch._int_mm) and bfloat16 rows at 11-14 GB/s against float32's 20, so
 a decoding step in a cheaper dtype saved less than its bytes promised. kernels.c streams the weights
 at their own width in one pass, no activation rounded; it also computes score's per-row figures
-(head.score_rows) in two passes where torch takes eight.
+(head.score_rows) in two passes where torch takes eight, and each decoding step's attention of one
+query over the KV cache in one call per layer where torch dispatches five ops (every dtype: the
+cache is float32 on the CPU).
 
 The first use compiles kernels.c with the C compiler ($CC, else cc) into
 ~/.cache/lmhead/kernels/ (under $XDG_CACHE_HOME when set), named by a digest of the source, the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -36,7 +39,7 @@ ENV = "LMHEAD_KERNELS"
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
-ABI = 3
+ABI = 4
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
@@ -54,6 +57,9 @@ class Kernels:
         lib.lmhead_bf16_matvec.restype = _int
         lib.lmhead_score_rows.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
         lib.lmhead_score_rows.restype = _i64
+        lib.lmhead_attend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
+                                      _i64, ctypes.c_float, _int]
+        lib.lmhead_attend.restype = _int
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether x (M, K), weight rows w (N, K) and bias (N,) are a product these kernels take: on the
@@ -93,6 +99,26 @@ class Kernels:
                                        y.data_ptr(), N, K, M, torch.get_num_threads()):
             raise MemoryError("the bfloat16 kernel could not allocate its activation buffer")
         return y
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """One new position's attention (a decoding step): q (B, H, 1, hd), keys and values (B, H, T, hd)
+        (views of the KV cache: each head's positions hd floats apart, k and v alike), mask (B, 1, 1, T)
+        additive or None, all float32 on the CPU: softmax(q·kᵀ/√hd + mask)·v as (B, 1, H·hd), the
+        layout the output projection takes. None for what the kernel does not take (left to torch)."""
+        B, H, T, hd = k.shape
+        tensors = (q, k, v) if mask is None else (q, k, v, mask)
+        if not (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+                and q.shape == (B, H, 1, hd) and v.shape == k.shape and v.stride() == k.stride()
+                and q.stride(-1) == 1 and k.stride(-1) == 1 and k.stride(-2) == hd
+                and (mask is None or (mask.shape == (B, 1, 1, T) and mask.stride(-1) == 1))):
+            return None
+        out = torch.empty(B, 1, H * hd, dtype=torch.float32)
+        if self.lib.lmhead_attend(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+                                  k.stride(1), None if mask is None else mask.data_ptr(),
+                                  0 if mask is None else mask.stride(0), out.data_ptr(), B, H, T, hd,
+                                  1 / math.sqrt(hd), torch.get_num_threads()):
+            raise MemoryError("the attention kernel could not allocate its scores")
+        return out
 
     def score_rows(self, z: torch.Tensor, ids: torch.Tensor):
         """Each row of z (N, V) float32 (CPU, contiguous) with its id (N,): (logprob, rank, entropy,

@@ -19,6 +19,7 @@ from torch import nn
 
 from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
                                     position_ids)
+from lmhead_cli.engine import kernels
 from lmhead_cli.engine.int8 import Int8Head
 
 from lmhead_cli.engine.products import Products, few_cpu_rows, few_rows_product, products_for
@@ -124,18 +125,30 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, T_past + T, hd)
         if T == 1 and x.device.type == "cpu":
-            # One new position (a decoding step): three small products. SDPA's CPU kernels set up
-            # blocks for long queries, which for one query costs more than the attention itself.
-            att = torch.matmul(q, k.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # (B, H, 1, T_all)
-            if mask is not None:
-                att = att.add_(mask)
-            y = torch.matmul(att.softmax(-1), v)  # (B, H, 1, hd)
-        elif mask is None:
-            # No padding: causal within the new positions; a single new position sees everything.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and k.shape[2] == T)
+            y = attend_one(q, k, v, mask)  # a decoding step
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, D).to(x.dtype))
+            # Causal within the new positions when no padding mask says otherwise (one new position sees all).
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None and T > 1 and k.shape[2] == T,
+                                               attn_mask=mask)
+            y = y.transpose(1, 2).reshape(B, T, D)
+        return self.c_proj(y.to(x.dtype))
+
+
+def attend_one(q, k, v, mask) -> torch.Tensor | None:
+    """One new position's attention on the CPU (a decoding step): q (B, H, 1, hd), k, v (B, H, T, hd),
+    mask (B, 1, 1, T) or None -> (B, 1, D). The compiled kernel where it loads and takes them, else
+    three small products: SDPA's CPU kernels set up blocks for long queries, which for one query cost
+    more than the attention itself, and the products' separate dispatches (a matmul, a scaling, the
+    mask, a softmax, a matmul, each layer, each step) cost several times the kernel's one call."""
+    fast = kernels.load()
+    y = fast.attend(q, k, v, mask) if fast is not None else None
+    if y is not None:
+        return y
+    att = torch.matmul(q, k.transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))  # (B, H, 1, T_all)
+    if mask is not None:
+        att = att.add_(mask)
+    y = torch.matmul(att.softmax(-1), v)  # (B, H, 1, hd)
+    return y.transpose(1, 2).reshape(q.shape[0], 1, -1)
 
 
 class MLP(nn.Module):
