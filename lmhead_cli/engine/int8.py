@@ -76,7 +76,7 @@ def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Te
     kernel where it loads (engine/kernels.py: the weights widened in registers); more rows, or no
     compiled kernel, run torch._int_mm over the digits; `kernel` False (no int8 kernel on the device)
     dequantises."""
-    fast = kernels.load() if x.device.type == "cpu" else None
+    fast = kernels.load() if x.is_cpu else None
     y = fast.int8_times(x, q, s, bias) if fast is not None else None
     if y is not None:
         return y

@@ -124,7 +124,7 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, T, hd)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, T_past + T, hd)
-        if T == 1 and x.device.type == "cpu":
+        if T == 1 and x.is_cpu:
             y = attend_one(q, k, v, mask)  # a decoding step
         else:
             # Causal within the new positions when no padding mask says otherwise (one new position sees all).

@@ -62,7 +62,7 @@ def products_for(dtype: torch.dtype, device: torch.device) -> Products:
 
 
 def few_cpu_rows(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.shape[0] <= BLOCKED_MAX_ROWS
+    return x.is_cpu and x.shape[0] <= BLOCKED_MAX_ROWS
 
 
 def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
