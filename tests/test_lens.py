@@ -194,3 +194,19 @@ def test_ids_go_to_the_engines_device_not_the_default_one(ckpt):
     with torch.device("meta"):
         got = lens_prompt(loaded, PROMPT).logits
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_last_tokens_and_says_how_many_went(tmp_path):
+    from helpers import build_checkpoint
+
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    folder = tmp_path / "short_ctx"
+    build_checkpoint(folder, n_positions=16, n_layer=2)
+    prompt = " ".join(f"w{i}" for i in range(20))
+    ids = GPT2Tokenizer.bundled().encode(prompt)
+    lens = lens_prompt(load_model(str(folder), device="cpu"), prompt)
+    assert [t.id for t in lens.prompt_tokens] == ids[-16:] and lens.truncated == len(ids) - 16 > 0
+    assert lens.position == 15
+    full = lens_prompt(load_model(str(folder), device="cpu"), " ".join(f"w{i}" for i in range(3)))
+    assert full.truncated == 0
