@@ -544,12 +544,16 @@ def report(R: dict, args) -> str:
             "## The head's product and layout (float32, one position)",
             "",
             "A checkpoint stores W_out = E as [V, D] rows. `F.linear(h, E)` (transformers' head) hands one "
-            "position to BLAS as a matrix-vector product that streams E at well under the memory bandwidth here. "
-            f"BLAS streams the same product faster over a [D, V] copy of E, but that copy costs "
+            "position to BLAS as a matrix-vector product over those rows. BLAS can stream the same product over a "
+            f"[D, V] copy of E instead (faster on some machines and runs), but that copy costs "
             f"{forms['copy_mb']:.0f} MB and {forms['copy_s'] * 1e3:.0f} ms once, and the tie then holds by value, "
-            "not by object. lmhead instead splits E's rows into blocks (views, no copy) and runs them as one "
-            "batched matmul, which streams E as fast as the copy and spreads it over torch's threads: the tie "
-            "stays one object, so no layout option is offered. The body's matrices are kept as rows the same way.",
+            "not by object. lmhead runs one position as BLAS's gemv over E's rows as they are stored (the product "
+            "F.linear makes for one position): the tie stays one object, so no layout option is offered. The "
+            "blocked rows (one batched matmul over views of E's row blocks) are a form the lean engine offers only "
+            "for bfloat16 without the compiled kernels; they are kept here for comparison."
+            + (" Every product here reads the same E again, so part of it can come from the last-level cache: "
+               "rates above the read bandwidth measured at the top of this report say so."
+               if bw and max(forms[f]["gbs"] for f in ("linear", "copy", "blocked")) > bw["read_gbs"] else ""),
             "",
             "| head product | time | GB/s of E read | vs F.linear | extra memory | lm_head.weight is wte.weight |",
             "|---|---:|---:|---:|---:|---|",
