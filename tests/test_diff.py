@@ -196,3 +196,58 @@ def test_each_top_token_is_ranked_on_the_other_distributions_device():
     with torch.device("meta"):
         side = _side(loaded, "p", [1, 2], 0, a, b, 3)
     assert [(t.id, t.other_rank) for t in side.top] == [(0, 4), (2, 3), (1, 1)]
+
+
+# ---- from the full mutation run of readings/diff.py: each test fails on the mutant it names --------
+
+def _crafted(monkeypatch, za: torch.Tensor, zb: torch.Tensor) -> None:
+    """diff_prompts reads these logits for its two prompts instead of the model's."""
+    from lmhead_cli.readings import diff as diff_module
+
+    given = iter([(za, None), (zb, None)])
+    monkeypatch.setattr(diff_module, "last_logits", lambda loaded, ids: next(given))
+
+
+def test_movers_default_to_top_k_when_more_rise_and_tied_rises_list_lowest_id_first(tiny, monkeypatch):
+    """top_k 2: the pool is both sides' top 2, and three of its four tokens rise; by default the movers
+    are capped at top_k (two), and tokens 2 and 3, which rise by exactly as much, come lowest id first."""
+    za, zb = torch.zeros(50257), torch.zeros(50257)
+    za[0] = za[1] = 5.0
+    zb[0], zb[2], zb[3] = 6.0, 9.0, 9.0  # 0 rises a little, 2 and 3 a lot (equally), 1 falls
+    _crafted(monkeypatch, za, zb)
+    d = diff_prompts(load_model(str(tiny[0]), device="cpu"), A, B, top_k=2)
+    assert d.pool == 4 and d.risers[0].delta == d.risers[1].delta
+    assert [r.id for r in d.risers] == [2, 3] and [f.id for f in d.fallers] == [1]
+
+
+def test_equal_rises_keep_the_pools_id_order(tiny, monkeypatch):
+    """One token of forty tied at the top falls away: the other 39 rise by exactly the same amount and
+    are listed lowest id first (a stable sort; an unstable one shuffles ties this many)."""
+    za = torch.zeros(50257)
+    za[:40] = 5.0
+    zb = za.clone()
+    zb[7] = -10.0
+    _crafted(monkeypatch, za, zb)
+    d = diff_prompts(load_model(str(tiny[0]), device="cpu"), A, B, top_k=40, movers=40)
+    rise = next(r.delta for r in d.risers if r.id == 0)  # tokens 0-39 but 7 share one rise
+    tied = [r.id for r in d.risers if r.delta == rise]
+    assert tied == [i for i in range(40) if i != 7]
+    assert [f.id for f in d.fallers] == [7]
+
+
+def test_each_side_keeps_its_prompt_and_how_many_tokens_it_dropped(tmp_path):
+    """Prompts longer than the context keep their last tokens, and each side says its own prompt and
+    its own count of dropped tokens; top_k defaults to 10 rows a side."""
+    from helpers import build_checkpoint
+
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    folder = tmp_path / "short_ctx"
+    build_checkpoint(folder, n_positions=16, n_layer=2)
+    a, b = " ".join(f"w{i}" for i in range(20)), " ".join(f"v{i}" for i in range(30))
+    tok = GPT2Tokenizer.bundled()
+    d = diff_prompts(load_model(str(folder), device="cpu"), a, b)
+    assert (d.a.prompt, d.b.prompt) == (a, b)
+    assert (d.a.truncated, d.b.truncated) == (len(tok.encode(a)) - 16, len(tok.encode(b)) - 16)
+    assert d.a.truncated != d.b.truncated and d.a.truncated > 0
+    assert len(d.a.top) == len(d.b.top) == 10
