@@ -134,7 +134,7 @@ class Attention(nn.Module):
         return self.c_proj(y.to(x.dtype))
 
 
-def attend_one(q, k, v, mask) -> torch.Tensor | None:
+def attend_one(q, k, v, mask) -> torch.Tensor:
     """One new position's attention on the CPU (a decoding step): q (B, H, 1, hd), k, v (B, H, T, hd),
     mask (B, 1, 1, T) or None -> (B, 1, D). The compiled kernel where it loads and takes them, else
     three small products: SDPA's CPU kernels set up blocks for long queries, which for one query cost
