@@ -408,3 +408,21 @@ def test_score_openai_refuses_file(tiny, tmp_path):
     path.write_text("one line\n")
     got = cli("score", "--file", str(path), "--format", "openai", "--model", str(tiny[0]))
     assert got.exit_code == 2 and "--format openai scores one text" in got.stderr
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_step_with_no_stage_records_what_the_full_computation_records(k):
+    """With no stage, a step's record takes the raw distribution's figures once (processed=False):
+    bit for bit what computing them twice gives, ties, -inf logits and all."""
+    from lmhead_cli.decoding.generate import _record
+    from lmhead_cli.head import log_softmax
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 1000, generator=g) * 4
+    logits[0, :10] = logits[0].max() + 1  # a tie at the top
+    logits[1, 50:900] = float("-inf")  # logits that are -inf themselves (not filtered)
+    raw = log_softmax(logits)
+    chosen = torch.tensor([0, 3, int(raw[2].argmax())])
+    full = _record(logits, raw, log_softmax(logits), chosen, k)
+    once = _record(logits, raw, raw, chosen, k, processed=False)
+    assert torch.equal(once, full)
