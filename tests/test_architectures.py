@@ -311,6 +311,8 @@ def test_attribute_llama_through_its_rmsnorm(llama):
         assert value == pytest.approx(float(e @ (norm.weight.detach().double() * v / rms)), abs=1e-5), name
     assert len(d["heads"]) == 2 * 4
     assert d["sum"] == pytest.approx(float(z[389] - z[318]), abs=1e-4) and abs(d["error"]) < 1e-4
+    table = run(llama, "attribute", PROMPT, "-t", " are").stdout  # the norm named as its kind, parts not centred
+    assert "the final RMSNorm's scale" in table and "centre(part)" not in table
 
 
 def test_attribute_refuses_gemma2_in_one_line(gemma2):

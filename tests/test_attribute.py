@@ -246,4 +246,65 @@ def test_a_head_with_a_bias_adds_its_bias_as_a_part(tiny, vs):
     want = float(z[ARE] - (z[IS] if vs else 0))
     b = float(bias[ARE] - (bias[IS] if vs else 0))
     assert a.parts[-1].name == "head.bias" and a.parts[-1].value == pytest.approx(b, abs=1e-6)
+    assert a.parts[-1].kind == "head_bias" and a.parts[-1].layer is None
     assert a.logit == pytest.approx(want, abs=1e-4) and a.sum == pytest.approx(want, abs=1e-4)
+
+
+# ---- from the full mutation run of readings/attribute.py: each test fails on the mutant it names ----
+
+def test_a_head_module_without_a_bias_attribute_has_no_head_bias_part(tiny, monkeypatch):
+    """A model's output embeddings need not be an nn.Linear: one with no `bias` attribute at all reads
+    as a head without a bias."""
+    loaded = load_model(str(tiny[0]), device="cpu")
+    monkeypatch.setattr(type(loaded.engine), "head_module", property(lambda self: torch.nn.Module()))
+    a = attribute_logit(loaded, PROMPT, " are")
+    assert [p.name for p in a.parts if p.name.startswith("head")] == [] and abs(a.error) < 1e-4
+
+
+def test_a_target_with_no_token_is_named_as_target(tiny):
+    from lmhead_cli.errors import BadValue
+
+    with pytest.raises(BadValue) as e:
+        attribute_logit(load_model(str(tiny[0]), device="cpu"), PROMPT, "")
+    assert e.value.key == "target"
+
+
+@pytest.mark.parametrize("vs", [None, " is"])
+def test_int8_weights_split_with_their_dequantised_rows(tiny, vs):
+    """int8: the head's rows are dequantised for the split (one row without --vs, two with it), and the
+    parts add up to the int8 model's own logit (difference)."""
+    loaded = load_model(str(tiny[0]), device="cpu", dtype="int8")
+    a = attribute_logit(loaded, PROMPT, " are", vs)
+    assert a.sum == pytest.approx(a.logit, abs=1e-3) and abs(a.error) < 1e-3
+    assert a.vs is None if vs is None else a.vs.id == IS
+
+
+def test_a_long_prompt_keeps_its_last_tokens_and_says_how_many_went(tmp_path):
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    build_checkpoint(tmp_path, n_positions=16, n_layer=2)
+    prompt = " ".join(f"w{i}" for i in range(20))
+    ids = GPT2Tokenizer.bundled().encode(prompt)
+    a = attribute_logit(load_model(str(tmp_path), device="cpu"), prompt, " are")
+    assert [t.id for t in a.prompt_tokens] == ids[-16:] and a.truncated == len(ids) - 16 > 0
+
+
+def test_the_prompt_goes_to_the_engines_device_not_the_default_one(tiny):
+    """Under another default device (a GPU session's set_default_device; here the meta device) the split
+    is the same: the prompt's ids are put on the engine's device."""
+    loaded = load_model(str(tiny[0]), device="cpu")
+    want = attribute_logit(loaded, PROMPT, " are", " is")
+    with torch.device("meta"):
+        got = attribute_logit(loaded, PROMPT, " are", " is")
+    assert got.parts == want.parts and got.logit == want.logit
+
+
+def test_the_sum_check_allows_exactly_its_tolerance_and_no_more():
+    from lmhead_cli.errors import UnsupportedModel
+    from lmhead_cli.readings.attribute import ROUNDING_ULPS, SUM_TOLERANCE, _check_close
+
+    tolerance = max(SUM_TOLERANCE, ROUNDING_ULPS * torch.finfo(torch.float32).eps)
+    want = torch.zeros(8, dtype=torch.float64)
+    _check_close(want + torch.eye(8, dtype=torch.float64)[3] * tolerance, want, torch.float32, "x")  # at it: fine
+    with pytest.raises(UnsupportedModel):
+        _check_close(want + torch.eye(8, dtype=torch.float64)[3] * tolerance * 1.001, want, torch.float32, "x")
