@@ -69,6 +69,22 @@ def pytest_configure(config):
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+        clear_caches()
+
+
+def clear_caches() -> None:
+    """Empty every functools cache of lmhead_cli's modules. Each mutant's process is forked from the
+    server that ran the tests once (the stats run), so a cached function's results were computed by its
+    original body there; a mutant of that function (or of what it calls) would never run, and survive
+    for nothing. (stages._softcap_processor_class: four such survivors in the first full run.)"""
+    import functools
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if name == "lmhead_cli" or name.startswith("lmhead_cli."):
+            for value in list(vars(module).values()):
+                if isinstance(value, functools._lru_cache_wrapper):
+                    value.cache_clear()
 
 
 @pytest.hookimpl(hookwrapper=True)

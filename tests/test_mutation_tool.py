@@ -213,3 +213,14 @@ def test_a_first_pass_is_kept_by_its_mutants_and_loses_survivors_marked_equivale
     assert run_py.first_pass(sampled, {**later, "sample": {"drawn": "s1"}})["detected"] == 8
     assert run_py.first_pass(sampled, {**later, "sample": {"drawn": "s2"}}) is None
     assert run_py.first_pass(sampled, later) is None  # a full run after a sample is a new first pass
+
+
+def test_each_mutant_process_starts_with_lmhead_s_caches_empty(narrow):
+    """The stats run filled the fork server's caches with what the original code returned: a mutant's
+    process empties them, so that a mutant of a cached function runs."""
+    from lmhead_cli.engine import heap
+
+    heap.fix_mmap_threshold()
+    assert heap.fix_mmap_threshold.cache_info().currsize == 1
+    narrow.clear_caches()
+    assert heap.fix_mmap_threshold.cache_info().currsize == 0
