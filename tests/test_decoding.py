@@ -508,3 +508,48 @@ def restore_default_dtype():
     before = torch.get_default_dtype()
     yield
     torch.set_default_dtype(before)
+
+
+# ---- from the full mutation run of decoding/stages.py and presets.py: each fails on its mutant -------
+
+def test_a_preset_file_of_exactly_the_limit_is_read(tmp_path):
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "full.toml"
+    head = b"temperature = 0.5\n"
+    f.write_bytes(head + b"#" * (presets.MAX_PRESET_BYTES - len(head) - 1) + b"\n")
+    assert f.stat().st_size == presets.MAX_PRESET_BYTES
+    assert presets.load_preset(str(f)).values == {"temperature": 0.5}
+
+
+def test_a_preset_path_that_is_a_folder_is_named_as_not_a_regular_file(tmp_path):
+    from lmhead_cli.decoding import presets
+
+    folder = tmp_path / "mine.toml"
+    folder.mkdir()
+    with pytest.raises(UsageError) as e:  # it is there, so not "no such file"
+        presets.load_preset(str(folder))
+    assert str(e.value) == f"{folder} is not a regular file; a preset is a .toml file"
+
+
+def test_a_preset_nested_too_deeply_for_the_toml_reader_says_so(tmp_path):
+    from lmhead_cli.decoding import presets
+
+    f = tmp_path / "deep.toml"
+    f.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(UsageError) as e:
+        presets.load_preset(str(f))
+    assert str(e.value) == f"{f} is not a preset lmhead can read: its TOML is nested too deeply"
+
+
+def test_the_largest_soft_cap_is_allowed():
+    decoding.check({"softcap": decoding.MAX_SOFTCAP})  # at the limit: fine
+    with pytest.raises(BadValue):
+        decoding.check({"softcap": decoding.MAX_SOFTCAP * 1.0001})
+
+
+def test_stage_table_rows_carry_each_tokens_raw_logit():
+    """A row's logit is the raw one (column 0), not the soft-capped or tempered value beside it."""
+    t = decoding.stage_table(LOGITS, Knobs(softcap=2.0, temperature=0.5), 4, lambda i: f"t{i}")
+    assert [r.logit for r in t.rows] == pytest.approx(LOGITS[:4].tolist(), rel=1e-6)
+    assert all(r.logit != pytest.approx(r.cells[1].value) for r in t.rows)

@@ -82,7 +82,7 @@ def load_preset(name: str) -> Preset:
     """A bundled preset by name, or your own from a .toml file."""
     if name.endswith(".toml"):
         path = Path(name).expanduser()
-        if not path.is_file():
+        if not path.exists():  # a folder or a FIFO is there: _preset_text says it is not a regular file
             raise BadValue("preset", f"{name}: no such file")
         return validate(path.stem, path, _read(path, _preset_text(path)))
     presets = bundled()
