@@ -501,3 +501,98 @@ def test_bos_is_reported_as_asked_and_int8_by_its_storage(pair):
     assert compare_text(q, q, TEXT).bos is False and compare_text(q, q, TEXT, bos=True).bos is True
     int8 = SimpleNamespace(engine=SimpleNamespace(weight_format="int8", dtype=torch.float32))
     assert dtype_name(int8) == "int8"
+
+
+# ---- from the full mutation run of readings/compare.py and agreement.py: each fails on its mutant ----
+
+def test_the_statistics_edge_cases_keep_their_definitions():
+    from lmhead_cli.readings.agreement import _sqrt, mean_and_uncertainty, statistics
+
+    assert _sqrt(None) is None and _sqrt(0.25) == 0.5 and _sqrt(-1e-18) == 0.0
+    x = torch.tensor([0.1, 0.1, 0.1], dtype=torch.float64)  # mean(x²) − mean(x)² rounds below 0 here
+    assert float((x * x).mean()) - float(x.mean()) ** 2 < 0
+    assert mean_and_uncertainty(x).uncertainty == 0.0
+    assert percentile(torch.tensor([1.0, math.inf]), 0.0) == 1.0  # not 0·inf
+    nll_q = torch.full((4,), 2.0)  # Q as sure of every token: its log-PPL has no spread
+    nll_b = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    s = statistics(nll_q, nll_b, torch.rand(4), torch.ones(4, dtype=torch.bool))
+    assert s.cor_ln_ppl is None and s.ppl_q.uncertainty == 0.0
+    same = statistics(nll_b, nll_b, torch.zeros(4), torch.ones(4, dtype=torch.bool))  # Δp is 0 everywhere
+    assert (same.dp_rms.value, same.dp_rms.uncertainty) == (0.0, 0.0)
+
+
+def test_top_names_the_first_position_whose_prediction_is_not_finite():
+    from lmhead_cli.readings.compare import _top
+
+    lp = torch.log_softmax(torch.randn(5, 7, generator=torch.Generator().manual_seed(0)), -1)
+    assert _top(lp, "the model m", 10).tolist() == lp.argmax(-1).tolist()
+    lp[1, 3] = -math.inf  # a -inf logit: the row's max is finite, its min is not
+    lp[2, 0] = -math.inf
+    lp[4, 6] = math.nan
+    with pytest.raises(NonFiniteLogits) as e:
+        _top(lp, "the model m", 10)
+    assert str(e.value).startswith("the model m produced non-finite logits (NaN or inf) predicting token 11 of "
+                                   "the text (3 positions in that chunk): ")
+
+
+def test_nan_with_bos_names_the_first_text_token(pair, tmp_path):
+    good = load_model(str(pair[0]), device="cpu")
+    bad = load_model(str(nan_checkpoint(pair[0], tmp_path)), device="cpu")
+    for q, base, who in ((bad, good, "model"), (good, bad, "base")):
+        with pytest.raises(NonFiniteLogits, match=f"the {who} {tmp_path} .float32. produced non-finite .* token 0 of"):
+            compare_text(q, base, TEXT, bos=True)
+
+
+@pytest.mark.parametrize("side", ["q", "base"])
+def test_a_tokenizer_with_an_added_token_of_its_own_is_refused(pair, monkeypatch, side):
+    """Tokens added to a tokenizer (beyond its BPE table) are tokens too: one side with an extra one
+    cannot be compared token by token, whichever side it is."""
+    q, base = load_model(str(pair[0]), device="cpu"), load_model(str(pair[0]), device="cpu")
+    own = (q if side == "q" else base).tokenizer.tok
+    table = own.get_vocab(with_added_tokens=True)
+    extra = {**table, "<|extra|>": len(table)}
+    monkeypatch.setattr(own, "get_vocab", lambda with_added_tokens=True: dict(extra if with_added_tokens else table))
+    with pytest.raises(Mismatch, match=rf"differ first at id {len(table)}, '<\|extra\|>'"):
+        compare_text(q, base, TEXT)
+
+
+def test_two_tokenizer_differences_are_named_by_the_lowest_id(pair, monkeypatch):
+    """'z' (id 89) sorts after 'Hello' (id 15496) as text: the first difference is the lowest id's."""
+    q, base = load_model(str(pair[0]), device="cpu"), load_model(str(pair[0]), device="cpu")
+    table = base.tokenizer.tok.get_vocab(with_added_tokens=True)
+    assert table["z"] < table["Hello"] and "Hello" < "z"
+    del table["z"], table["Hello"]
+    monkeypatch.setattr(base.tokenizer.tok, "get_vocab", lambda with_added_tokens=True: dict(table))
+    with pytest.raises(Mismatch, match=rf"differ first at id {q.tokenizer.tok.get_vocab()['z']}, 'z'"):
+        compare_text(q, base, TEXT)
+
+
+def test_compare_ids_takes_no_bos_and_refuses_a_chunk_of_0_unless_asked(pair):
+    from lmhead_cli.errors import BadValue
+    from lmhead_cli.readings.compare import compare_ids, default_chunk
+
+    q = load_model(str(pair[0]), device="cpu")
+    ids = torch.tensor(q.tokenizer.encode(TEXT))
+    got = compare_ids(q, q, ids)
+    assert len(got["kld"]) == len(ids) and not bool(got["scored"][0]) and bool(got["scored"][1:].all())
+    with pytest.raises(BadValue, match="at least 1 position"):
+        compare_ids(q, q, ids, chunk=0)
+    assert default_chunk(50257) == 41  # COMPARE_BUFFERS (chunk, V) float32 buffers within score's budget
+
+
+def test_each_token_record_carries_its_ids(compared):
+    c = compared
+    first = c.token(0)
+    assert (first.index, first.id, first.token, first.scored) == (0, int(c.ids[0]), c.token_text(int(c.ids[0])), False)
+    for i in (1, 5, len(c.ids) - 1):
+        t = c.token(i)
+        assert t.id == int(c.ids[i]) and t.token == c.token_text(t.id)
+        assert (t.top_q_id, t.top_base_id) == (int(c.top_q[i]), int(c.top_base[i]))
+        assert t.top_q_token == c.token_text(t.top_q_id) and t.top_base_token == c.token_text(t.top_base_id)
+
+
+def test_worst_lists_five_scored_tokens_by_default_and_never_an_unscored_one(pair, compared):
+    assert len(compared.worst()) == 5 and all(t.scored for t in compared.worst())
+    q = load_model(str(pair[0]), device="cpu")
+    itself = compare_text(q, q, "the keys on")  # every KL divergence 0: ties with nothing unscored
+    assert [t.index for t in itself.worst()] == [1, 2]
