@@ -538,3 +538,118 @@ def test_spans_show_bytes_that_are_no_character_escaped(tiny):
 def test_an_empty_corpus_has_no_perplexity():
     corpus = Corpus()
     assert corpus.tokens == 0 and corpus.mean_nll is None and corpus.perplexity is None
+
+
+# ---- from the full mutation run of readings/score.py, ranks.py, chunks.py: each fails on its mutant ----
+
+def test_rank_buckets_include_their_upper_edge():
+    assert [ranks.bucket(r) for r in (1, 2, 10, 11, 100, 101, 1000, 1001)] == [0, 1, 1, 2, 2, 3, 3, 4]
+
+
+def test_the_default_chunk_fits_the_budget_and_is_never_below_1():
+    from lmhead_cli.readings import chunks
+
+    assert chunks.default_chunk(50257) == 83  # two (83, V) float32 buffers within 32 MiB
+    assert chunks.default_chunk(10**9) == 1  # a vocabulary too large for two rows still gets one
+
+
+def test_scoring_checks_name_the_option_and_stride_0_is_refused(tiny):
+    from lmhead_cli.errors import BadValue
+    from lmhead_cli.readings.score import check_chunk, check_stride, score_ids
+
+    for call, key, message in ((lambda: check_chunk(0), "chunk", "must be at least 1 position (got 0)"),
+                               (lambda: check_stride(0, 8), "stride", "must be between 1 and the context of 8 (got 0)"),
+                               (lambda: score_ids(load_model(str(tiny[0]), device="cpu"), torch.tensor([464, 8251]),
+                                                  chunk=0), "chunk", "must be at least 1 position (got 0)")):
+        with pytest.raises(BadValue) as e:
+            call()
+        assert (e.value.key, e.value.problem) == (key, message)
+
+
+def test_a_score_says_whether_its_weights_are_random_and_keeps_its_defaults(tiny):
+    from lmhead_cli.readings.score import score_ids
+
+    loaded = load_model(str(tiny[0]), device="cpu")
+    tops = []
+    s = score_text(loaded, PROMPT, on_rows=lambda ids, lp, top_ids, top_lp: tops.append(top_ids))
+    assert s.random_weights is False and s.stride == loaded.engine.n_ctx // 2
+    assert s.alt_ids is None and tops and all(t is None for t in tops)  # none asked for: none computed
+    tops.clear()
+    cols = score_ids(loaded, s.ids, on_rows=lambda ids, lp, top_ids, top_lp: tops.append(top_ids))
+    assert cols.get("alt_ids") is None and tops and all(t is None for t in tops)
+
+
+def test_a_model_without_a_beginning_of_text_token_says_so(tiny, monkeypatch):
+    from lmhead_cli.readings.score import bos_id
+
+    loaded = load_model(str(tiny[0]), device="cpu")
+    monkeypatch.setattr(type(loaded.engine), "eos_token_id", property(lambda self: None))
+    monkeypatch.setitem(loaded.config, "bos_token_id", None)
+    with pytest.raises(UsageError) as e:
+        bos_id(loaded)
+    assert str(e.value) == f"{loaded.source} declares no beginning-of-text token to put before the text"
+
+
+@pytest.mark.parametrize("n_positions", [1, 2])
+def test_a_context_of_one_position_cannot_score_and_two_can(tmp_path, n_positions):
+    from helpers import build_checkpoint
+
+    from lmhead_cli.errors import UnsupportedModel
+
+    build_checkpoint(tmp_path, n_positions=n_positions, n_layer=1)
+    loaded = load_model(str(tmp_path), device="cpu")
+    if n_positions == 2:
+        assert score_text(loaded, PROMPT).scored_tokens == len(loaded.tokenizer.encode(PROMPT)) - 1
+        return
+    with pytest.raises(UnsupportedModel) as e:
+        score_text(loaded, PROMPT)
+    assert str(e.value) == ("the model's context of 1 token is too short to score: a token is predicted from the "
+                            "tokens before it in its window, so the context must hold at least 2")
+
+
+def test_lines_are_scored_with_the_stride_asked_and_short_lines_counted(tiny):
+    loaded = load_model(str(tiny[0]), device="cpu")
+    corpus = Corpus()
+    lines = [Line(1, "Hello"), Line(2, words(40)), Line(3, "Hi")]
+    items = list(score_lines(loaded, iter(lines), corpus, stride=7))
+    assert [i.skipped for i in items] == ["one token", None, "one token"] and corpus.skipped_short == 2
+    assert items[1].score.stride == 7
+
+
+def test_score_text_reports_progress_and_an_empty_corpus_has_no_bits_per_byte(tiny):
+    seen = []
+    score_text(load_model(str(tiny[0]), device="cpu"), words(30), progress=lambda done, total: seen.append(done))
+    assert seen  # the callback reached score_ids
+    assert Corpus().bits_per_byte is None
+
+
+def test_a_file_s_lines_are_named_by_the_file_in_errors(tmp_path):
+    from lmhead_cli.readings.score import read_lines
+
+    f = tmp_path / "lines.txt"
+    f.write_bytes(b"fine\n\xff bad\n")
+    with open(f, "rb") as stream, pytest.raises(UsageError) as e:
+        list(read_lines(stream, str(f)))
+    assert str(f) in str(e.value) and "stdin" not in str(e.value)
+
+
+def _byte_token(tok, b: bytes) -> int:
+    return next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b)
+
+
+def test_a_character_split_across_tokens_is_one_span_and_a_cut_one_is_shown_as_bytes(tiny):
+    """'é' is the bytes C3 A9: as two byte-level tokens it is one span; ending after C3 alone, the last
+    span is the byte escaped, not dropped."""
+    from lmhead_cli.readings.score import _score, score_ids
+
+    loaded = load_model(str(tiny[0]), device="cpu")
+    tok = loaded.tokenizer
+    c3, a9, hello = _byte_token(tok, b"\xc3"), _byte_token(tok, b"\xa9"), tok.encode("Hello")[0]
+
+    def spans(ids):
+        ids = torch.tensor(ids)
+        return [p for p, _ in _score(loaded, "", False, ids, score_ids(loaded, ids)).spans()]
+
+    assert spans([hello, c3, a9]) == ["Hello", "é"]
+    assert spans([hello, c3]) == ["Hello", "\\xc3"]
+    assert spans([hello, c3, a9, hello]) == ["Hello", "é", "Hello"]
