@@ -73,7 +73,8 @@ def pytest_configure(config):
 
 
 def clear_caches() -> None:
-    """Empty every functools cache of lmhead_cli's modules. Each mutant's process is forked from the
+    """Empty every functools cache of lmhead_cli's modules: before each test of the stats run (see
+    pytest_runtest_protocol), and as each mutant's process starts. That process is forked from the
     server that ran the tests once (the stats run), so a cached function's results were computed by its
     original body there; a mutant of that function (or of what it calls) would never run, and survive
     for nothing. (stages._softcap_processor_class: four such survivors in the first full run.)"""
@@ -91,6 +92,10 @@ def clear_caches() -> None:
 def pytest_runtest_protocol(item, nextitem):
     if _cov is not None:
         _cov.switch_context(item.nodeid)  # setup, call and teardown count for the test
+        # Each test calls a cached function's body itself, so that mutmut and the coverage record it as
+        # reaching that function (else only the first test to call it would, and a mutant there would
+        # run against that one test alone).
+        clear_caches()
     yield
 
 
