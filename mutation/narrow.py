@@ -72,20 +72,25 @@ def pytest_configure(config):
         clear_caches()
 
 
-def clear_caches() -> None:
-    """Empty every functools cache of lmhead_cli's modules: before each test of the stats run (see
-    pytest_runtest_protocol), and as each mutant's process starts. That process is forked from the
-    server that ran the tests once (the stats run), so a cached function's results were computed by its
-    original body there; a mutant of that function (or of what it calls) would never run, and survive
-    for nothing. (stages._softcap_processor_class: four such survivors in the first full run.)"""
+def clear_caches(modules: set[str] | None = None) -> None:
+    """Empty the functools caches of the modules under mutation (LMHEAD_MUTATION_FILES; or `modules`):
+    before each test of the stats run (see pytest_runtest_protocol), and as each mutant's process
+    starts. That process is forked from the server that ran the tests once (the stats run), so a cached
+    function's results were computed by its original body there; a mutant of that function would never
+    run, and survive for nothing (stages._softcap_processor_class: four such survivors in the first
+    full run). Only those modules: the others hold no mutant, and a cache such as kernels.load() is a
+    singleton the tests hold on to."""
     import functools
     import sys
 
-    for name, module in list(sys.modules.items()):
-        if name == "lmhead_cli" or name.startswith("lmhead_cli."):
-            for value in list(vars(module).values()):
-                if isinstance(value, functools._lru_cache_wrapper):
-                    value.cache_clear()
+    if modules is None:
+        files = os.environ.get("LMHEAD_MUTATION_FILES", "")
+        modules = {f.removesuffix(".py").replace("/", ".") for f in files.split(",") if f}
+    for name in modules:
+        module = sys.modules.get(name)
+        for value in list(vars(module).values()) if module is not None else ():
+            if isinstance(value, functools._lru_cache_wrapper):
+                value.cache_clear()
 
 
 @pytest.hookimpl(hookwrapper=True)

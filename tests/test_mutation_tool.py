@@ -215,12 +215,18 @@ def test_a_first_pass_is_kept_by_its_mutants_and_loses_survivors_marked_equivale
     assert run_py.first_pass(sampled, later) is None  # a full run after a sample is a new first pass
 
 
-def test_each_mutant_process_starts_with_lmhead_s_caches_empty(narrow):
+def test_each_mutant_process_starts_with_lmhead_s_caches_empty(narrow, monkeypatch):
     """The stats run filled the fork server's caches with what the original code returned: a mutant's
     process empties them, so that a mutant of a cached function runs."""
-    from lmhead_cli.engine import heap
+    from lmhead_cli.engine import heap, kernels
 
     heap.fix_mmap_threshold()
+    kernels.load()
     assert heap.fix_mmap_threshold.cache_info().currsize == 1
+    narrow.clear_caches({"lmhead_cli.engine.heap"})
+    assert heap.fix_mmap_threshold.cache_info().currsize == 0
+    assert kernels.load.cache_info().currsize == 1  # a module not under mutation keeps its cache
+    heap.fix_mmap_threshold()
+    monkeypatch.setenv("LMHEAD_MUTATION_FILES", "lmhead_cli/engine/heap.py,lmhead_cli/head.py")
     narrow.clear_caches()
     assert heap.fix_mmap_threshold.cache_info().currsize == 0
