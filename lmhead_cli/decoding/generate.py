@@ -307,17 +307,16 @@ def _record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, cho
     logits, raw (their log-softmax), logprobs (processed) (R, V); chosen (R,). `processed` False: no
     stage ran, logprobs are raw's, and what is raw's is not computed twice (nothing was removed)."""
     idx = chosen[:, None]
-    lp_entropy = entropy(logprobs)[:, None]
+    picked, lp_entropy = logprobs.gather(-1, idx), entropy(logprobs)[:, None]
     if processed:
         # what the filters took away, in the model's own probabilities: the raw mass of every -inf token
         removed = raw.exp().masked_fill(torch.isfinite(logprobs), 0.0).sum(-1, keepdim=True)  # (R, 1)
         raw_lp, raw_entropy = raw.gather(-1, idx), entropy(raw)[:, None]
     else:
-        removed, raw_lp, raw_entropy = torch.zeros_like(lp_entropy), None, lp_entropy
-    picked = logprobs.gather(-1, idx)
+        removed, raw_lp, raw_entropy = torch.zeros_like(lp_entropy), picked, lp_entropy
     cols = [idx.double(), picked.double(), logits.gather(-1, idx).double(),
             lp_entropy.double(), ranks(logits, idx).double(),
-            torch.isfinite(logits).all(-1, keepdim=True).double(), (picked if raw_lp is None else raw_lp).double(),
+            torch.isfinite(logits).all(-1, keepdim=True).double(), raw_lp.double(),
             raw_entropy.double(), removed.double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
