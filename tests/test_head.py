@@ -45,6 +45,15 @@ def test_log_softmax_is_torchs_in_float32_on_both_paths(inplace):
     assert torch.equal(z, got if inplace else Z)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_log_softmax_takes_each_row_s_own_max(inplace):
+    """Rows far apart in level (a row of -200s next to one near 0): each row is shifted by its own max,
+    so no row's exp underflows to 0 (mutant: one max over the whole tensor, which gives -inf or NaN)."""
+    z = torch.stack([Z[0], Z[1] - 200.0, Z[2] + 150.0])
+    got = head.log_softmax(z.clone(), inplace=inplace)
+    torch.testing.assert_close(got.double(), ref_logprobs(z), atol=2e-5, rtol=0)
+
+
 def test_log_softmax_of_lower_precision_is_float32_and_keeps_minus_infinity():
     z = Z[0].to(torch.bfloat16)
     z[7] = float("-inf")
@@ -175,7 +184,18 @@ def test_target_score_reads_the_first_token_of_the_text():
 
 # ---- rows of a text (score) ---------------------------------------------------------------------
 
-def test_score_rows_against_torch():
+@pytest.fixture(params=["compiled", "torch"])
+def rows_path(request, monkeypatch):
+    """score_rows' two paths: lmhead's compiled kernel where it loads (the CPU), and torch's alone (a
+    GPU's, or a machine with no compiler), each against the same float64 references below."""
+    if request.param == "torch":
+        from lmhead_cli.engine import kernels
+
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    return request.param
+
+
+def test_score_rows_against_torch(rows_path):
     ids = torch.tensor([4, 17, 30])
     z = Z.clone()
     rows = head.score_rows(z, ids)
@@ -189,7 +209,7 @@ def test_score_rows_against_torch():
     assert rows.top_ids is None and rows.top_logprobs is None  # none asked for
 
 
-def test_score_rows_with_dropped_tokens():
+def test_score_rows_with_dropped_tokens(rows_path):
     """A logit of -inf (a token the head rules out) has p = 0: it adds nothing to the entropy (its
     0·(-inf) = NaN is counted as 0), its log-probability is -inf and every other token ranks above it."""
     z = Z.clone()
@@ -202,7 +222,7 @@ def test_score_rows_with_dropped_tokens():
     torch.testing.assert_close(rows.logprob[1:].double(), lp.gather(-1, ids[:, None])[1:, 0], atol=1e-6, rtol=1e-6)
 
 
-def test_score_rows_top_k_most_probable():
+def test_score_rows_top_k_most_probable(rows_path):
     rows = head.score_rows(Z.clone(), torch.tensor([0, 0, 0]), top=3)
     lp = ref_logprobs(Z)
     best = torch.topk(lp, 3, dim=-1)
@@ -210,7 +230,7 @@ def test_score_rows_top_k_most_probable():
     torch.testing.assert_close(rows.top_logprobs.double(), best.values, atol=1e-6, rtol=1e-6)
 
 
-def test_score_rows_refuses_non_finite_rows_naming_how_many():
+def test_score_rows_refuses_non_finite_rows_naming_how_many(rows_path):
     z = Z.clone()
     z[0, 1], z[2, 2] = float("nan"), float("inf")
     with pytest.raises(NonFiniteLogits) as e:

@@ -330,6 +330,30 @@ def test_head_score_rows_uses_the_kernel_and_keeps_torch_s_errors_and_top_lists(
         head.score_rows(z.clone(), torch.tensor([0, 1, 2, 3, 4, 300]))
 
 
+@needs_kernels
+def test_head_never_hands_the_kernel_a_tensor_off_the_cpu():
+    """The kernel reads raw CPU pointers: z or ids on another device (meta here, as a GPU's would be)
+    goes to torch, the kernel never called. Mutants: the device checks joined by `and`."""
+    from lmhead_cli import head
+
+    cpu_z, cpu_ids = torch.zeros(3, 10), torch.zeros(3, dtype=torch.long)
+    calls = []
+    real = K.score_rows
+
+    def spy(z, ids):  # fails here, rather than crashing the process on a pointer that is not the CPU's
+        calls.append(1)
+        assert z.is_cpu and ids.is_cpu, "the kernel was handed a tensor off the CPU"
+        return real(z, ids)
+
+    K.score_rows = spy
+    try:
+        for z, ids in ((cpu_z.to("meta"), cpu_ids), (cpu_z, cpu_ids.to("meta"))):
+            assert head._compiled_rows(z, ids, 0) is None
+        assert head._compiled_rows(cpu_z, cpu_ids, 0) is not None and calls == [1]
+    finally:
+        K.score_rows = real
+
+
 def test_head_score_rows_refuses_ids_that_do_not_match_the_rows():
     """One id per row: ids of another length are torch's error on either path (the compiled kernel
     would read past them). Mutant: the shape check joined by `and`."""
