@@ -253,8 +253,14 @@ def run_module(name: str, jobs: int, fraction: float | None = None, seed: int = 
 def rerun_survivors(name: str, jobs: int) -> dict:
     """After new tests: copy the tests (and the plugin) into the module's scratch folder and rerun only
     its mutants that were not detected; mutmut records the new tests' calls first. Then collect.
-    Only tests are copied: after a change to the package itself, run the module afresh."""
+    Only tests are copied: after a change to the package itself, run the module afresh. Where the scratch
+    folder is not the recorded run's (a fresh clone, or the run was made in another worktree), the rerun
+    starts from the record instead (`rerun_from_record`)."""
     work = SCRATCH / name
+    record = recorded(name)
+    made = work / "provenance.json"
+    if record and (not made.exists() or json.loads(made.read_text()) != {"date": record["date"], "commit": record["commit"]}):
+        return rerun_from_record(name, jobs, record)
     before = statuses(work)
     sampled = set(json.loads((work / "sample.json").read_text())["mutants"]) if (work / "sample.json").exists() else None
     left = [m for m, status in before.items() if status not in DETECTED and (sampled is None or m in sampled)]
@@ -273,6 +279,49 @@ def rerun_survivors(name: str, jobs: int) -> dict:
     seconds = work / "seconds"
     seconds.write_text(str(int(seconds.read_text() if seconds.exists() else 0) + round(time.time() - start)))
     return collect(name)
+
+
+def recorded(name: str) -> dict | None:
+    return json.loads(RESULTS.read_text()).get(name) if RESULTS.exists() else None
+
+
+def rerun_from_record(name: str, jobs: int, record: dict) -> dict:
+    """--rerun without the recorded run's scratch folder: a fresh scratch copy of the package and tests,
+    checked to make the very mutants the recorded run made (else the code changed: run afresh), runs
+    only the mutants the record lists as undetected (survivors and equivalents); every other mutant
+    keeps its recorded status. The date and commit stay the recorded run's, as in a plain rerun."""
+    work = prepare(name)
+    if drawn(all_mutants(work)) != record["drawn"]:
+        raise SystemExit(f"{name}: the code now makes other mutants than its recorded run ({record['commit']}); "
+                         f"run the module afresh")
+    left = [e["mutant"] for e in record["survivors"] + record["equivalent"]]
+    start = time.time()
+    if left:
+        log_path = work / "mutmut-rerun.log"
+        with open(log_path, "w") as log:
+            done = mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
+        if done.returncode != 0:
+            raise SystemExit(f"mutmut failed rerunning {name} (exit {done.returncode}); results left as they were; "
+                             f"the end of {log_path}:\n{log_path.read_text()[-3000:]}")
+    (work / "seconds").write_text(str(record["seconds"] + round(time.time() - start)))
+    (work / "provenance.json").write_text(json.dumps({"date": record["date"], "commit": record["commit"]}))
+    return merged(record, collect(name), statuses(work))
+
+
+def merged(record: dict, rerun: dict, now: dict[str, str]) -> dict:
+    """A record updated by a rerun of its undetected mutants (`rerun`: collect's result, where the mutants
+    not rerun read "not checked"; `now`: the rerun's status of each mutant): those mutants take their new
+    status, every other one keeps its recorded status, and the sample and test counts stay the record's."""
+    counts = dict(record["counts"])
+    for e in record["survivors"] + record["equivalent"]:
+        counts[e["status"]] -= 1
+        counts[now[e["mutant"]]] = counts.get(now[e["mutant"]], 0) + 1
+    counts = {k: v for k, v in counts.items() if v}
+    detected = sum(counts.get(k, 0) for k in DETECTED)
+    considered = rerun["mutants"] - counts.get("not checked", 0) - len(rerun["equivalent"])
+    return {**rerun, "counts": counts, "detected": detected, "considered": considered, "sample": record["sample"],
+            "tests_per_mutant": record["tests_per_mutant"],
+            "score": round(100 * detected / considered, 1) if considered else None}
 
 
 def collect(name: str) -> dict:

@@ -238,6 +238,20 @@ def compared(pair):
     return compare_text(q, base, "\x1b[31m[bold]red[/bold] " + TEXT)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU both models are on one device")
+def test_the_models_on_two_devices_give_the_figures_of_one(pair, compared):
+    """Q on the GPU and the base on the CPU, and the other way round: each window goes to its own model's
+    device, the base's log-probabilities and the targets to Q's (mutants: `.to(None)` for any of them)."""
+    q_dir, base_dir = str(pair[2]), str(pair[0])
+    for q_dev, b_dev in (("cuda", "cpu"), ("cpu", "cuda")):
+        q, base = load_model(q_dir, device=q_dev), load_model(base_dir, device=b_dev)
+        got = compare_text(q, base, compared.text)
+        assert torch.equal(got.top_q, compared.top_q) and torch.equal(got.top_base, compared.top_base)
+        for name in ("kld", "logprob_q", "logprob_base"):
+            torch.testing.assert_close(getattr(got, name), getattr(compared, name), atol=1e-4, rtol=1e-4,
+                                       equal_nan=True)
+
+
 def _stdout(fn, *args) -> str:
     old, sys.stdout = sys.stdout, io.StringIO()
     try:

@@ -215,6 +215,26 @@ def test_a_first_pass_is_kept_by_its_mutants_and_loses_survivors_marked_equivale
     assert run_py.first_pass(sampled, later) is None  # a full run after a sample is a new first pass
 
 
+def test_a_rerun_from_the_record_keeps_the_recorded_status_of_every_mutant_it_did_not_run(run_py):
+    """--rerun without the recorded run's scratch folder runs only the record's survivors and equivalents
+    afresh: one now killed, one still a survivor, the equivalent one still surviving (and equivalent)."""
+    gone, kept, same = ({"mutant": f"m.x_f__mutmut_{i}", "status": "survived"} for i in (1, 2, 3))
+    record = {"mutants": 10, "counts": {"killed": 6, "timeout": 1, "survived": 3}, "survivors": [gone, kept],
+              "equivalent": [{**same, "reason": "r"}], "sample": None, "tests_per_mutant": [3.0, 2.0]}
+    rerun = {"mutants": 10, "counts": {"killed": 1, "survived": 2, "not checked": 7}, "survivors": [kept],
+             "equivalent": [{**same, "reason": "r"}], "sample": None, "tests_per_mutant": [1.0, 1.0],
+             "detected": 1, "considered": 2, "score": 50.0}
+    now = {gone["mutant"]: "killed", kept["mutant"]: "survived", same["mutant"]: "survived"}
+    r = run_py.merged(record, rerun, now)
+    assert r["counts"] == {"killed": 7, "timeout": 1, "survived": 2}
+    assert (r["detected"], r["considered"], r["score"]) == (8, 9, 88.9)
+    assert r["survivors"] == [kept] and r["tests_per_mutant"] == [3.0, 2.0]
+    sampled = {**record, "counts": {"killed": 2, "survived": 3, "not checked": 5}, "sample": {"drawn": "s"}}
+    r = run_py.merged(sampled, rerun, now)
+    assert r["counts"] == {"killed": 3, "survived": 2, "not checked": 5} and r["sample"] == {"drawn": "s"}
+    assert (r["detected"], r["considered"]) == (3, 4)
+
+
 def test_each_mutant_process_starts_with_lmhead_s_caches_empty(narrow, monkeypatch):
     """The stats run filled the fork server's caches with what the original code returned: a mutant's
     process empties them, so that a mutant of a cached function runs."""

@@ -445,6 +445,15 @@ def test_score_lines_items_and_corpus_totals(loaded):
     assert corpus.bits_per_byte == pytest.approx(corpus.nll / math.log(2) / corpus.bytes, rel=1e-12)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU every tensor is on one device")
+def test_score_on_the_gpu_gives_the_cpu_s_figures(tiny, loaded):
+    """Each window and each chunk's ids go to the model's device (mutants: `.to(None)`)."""
+    gpu = load_model(str(tiny[0]), device="cuda", engine="lean")
+    want, got = score_text(loaded, TEXT, chunk=7), score_text(gpu, TEXT, chunk=7)
+    assert torch.equal(got.rank, want.rank) and torch.equal(got.top_id, want.top_id)
+    torch.testing.assert_close(got.logprob, want.logprob, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
 def test_bucket_counts_and_most_surprising(loaded):
     from dataclasses import replace
 
@@ -456,6 +465,10 @@ def test_bucket_counts_and_most_surprising(loaded):
     assert few.bucket_counts() == [2, 1, 1, 0, 0]
     lowest = sorted((t for t in s.tokens() if t.scored), key=lambda t: t.logprob)[:5]
     assert [t.index for t in s.most_surprising()] == [t.index for t in lowest]  # 5 by default
+    # a model sure of every token (log p exactly 0): the unscored first token (NaN) is never among them
+    sure = replace(s, logprob=torch.where(s.scored, 0.0, float("nan")))
+    assert not bool(sure.scored[0]) and s.scored_tokens < len(s.ids)
+    assert sorted(t.index for t in sure.most_surprising(len(s.ids))) == s.scored.nonzero()[:, 0].tolist()
 
 
 def test_profile_is_the_mean_surprisal_of_each_run_of_tokens(loaded):
