@@ -274,3 +274,128 @@ def loud_checkpoint(folder: Path, *, seed: int = 5, fc: float = 5.0, proj: float
         model.lm_head.weight.mul_(head)
     model.save_pretrained(folder)
     return model
+
+
+# ---- a second device, emulated on the CPU ---------------------------------------------------------
+# A reading that moves a tensor to the wrong device is only wrong with two devices: a model on a GPU
+# and its ids or another model on the CPU. No second device is here, so one is emulated: an `Elsewhere`
+# tensor holds a CPU tensor and says it is on ELSEWHERE; torch ops that mix it with a CPU tensor fail
+# as a GPU's do ("Expected all tensors to be on the same device"), except indexing by CPU indices and
+# copying across, which torch allows between devices. Under `elsewhere()`, `.to(ELSEWHERE)` moves a CPU
+# tensor there and `.cpu()` back. A model's engine is put there by `EngineElsewhere`.
+
+ELSEWHERE = torch.device("meta")  # the name the emulated device goes by (no meta tensor is ever made)
+
+
+aten = torch.ops.aten
+
+
+def _inner(t):
+    return t.inner if isinstance(t, Elsewhere) else t
+
+
+class Elsewhere(torch.Tensor):
+    """A CPU tensor (`inner`) on the emulated device."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                   device=ELSEWHERE, storage_offset=inner.storage_offset())
+
+    def __init__(self, inner: torch.Tensor):
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        return f"Elsewhere({self.inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+
+def _target(func, args, kwargs) -> torch.device | None:
+    """Where a copy across devices goes (`.to(device)`, `.cpu()`: aten._to_copy, or aten.to's overloads
+    under inference mode), or None for any other op."""
+    if func.overloadpacket not in (aten._to_copy, aten.to):
+        return None
+    devices = [d for d in (*args[1:], *kwargs.values()) if isinstance(d, (torch.device, str))]
+    return torch.device(devices[0]) if devices else None
+
+
+def _moved(func, args, kwargs, device: torch.device) -> torch.Tensor:
+    """The copy made on the CPU (the devices in the call replaced by it), wrapped if it goes ELSEWHERE."""
+    cpu = lambda a: torch.device("cpu") if isinstance(a, (torch.device, str)) else a
+    out = func(_inner(args[0]), *[cpu(a) for a in args[1:]], **{k: cpu(v) for k, v in kwargs.items()})
+    return Elsewhere(out) if device == ELSEWHERE else out
+
+
+def _dispatch(func, args, kwargs):
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    device = _target(func, args, kwargs)
+    if device is not None:
+        return _moved(func, args, kwargs, device)
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    there = [t for t in tensors if isinstance(t, Elsewhere)]
+    here = [t for t in tensors if not isinstance(t, Elsewhere) and t.dim() > 0]  # a 0-d CPU tensor is a scalar
+    if there and here and func not in (aten.index.Tensor, aten.copy_.default):
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{ELSEWHERE} (emulated) and cpu ({func})")
+    out = func(*tree_map(_inner, args), **tree_map(_inner, kwargs))
+    if not there or (func is aten.copy_.default and not isinstance(args[0], Elsewhere)):
+        return out  # all on the CPU, or a copy into a CPU tensor
+    own = {id(t.inner): t for t in there}  # an in-place op hands back its own Elsewhere tensor
+
+    def wrap(t):
+        if not isinstance(t, torch.Tensor) or isinstance(t, Elsewhere):
+            return t
+        return own[id(t)] if id(t) in own else Elsewhere(t)
+
+    return tree_map(wrap, out)
+
+
+def elsewhere():
+    """The context in which `.to(ELSEWHERE)` moves a CPU tensor to the emulated device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Moves(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if _target(func, args, kwargs) == ELSEWHERE and not isinstance(args[0], Elsewhere):
+                return _moved(func, args, kwargs, ELSEWHERE)
+            return func(*args, **kwargs)
+
+    return Moves()
+
+
+class EngineElsewhere:
+    """A loaded model's engine on the emulated device: its body and head take tensors on that device only
+    (a CPU tensor fails, as on a GPU), run on the CPU and hand back tensors on that device."""
+
+    device = ELSEWHERE
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    @staticmethod
+    def _arrived(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, Elsewhere):
+            raise RuntimeError(f"Expected all tensors to be on the same device: a tensor on {t.device} handed "
+                               f"to a model on {ELSEWHERE} (emulated)")
+        return t.inner
+
+    def body(self, ids, *args, **kwargs):
+        return Elsewhere(self._engine.body(self._arrived(ids), *args, **kwargs))
+
+    def head(self, h):
+        return Elsewhere(self._engine.head(self._arrived(h)))
+
+
+def loaded_elsewhere(loaded):
+    """The same model, its engine on the emulated device."""
+    from dataclasses import replace
+
+    return replace(loaded, engine=EngineElsewhere(loaded.engine))

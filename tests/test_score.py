@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import PROMPT, assert_rank, cli, nan_checkpoint
+from helpers import ELSEWHERE, PROMPT, assert_rank, cli, elsewhere, loaded_elsewhere, nan_checkpoint
 from rich.console import Console
 
 from lmhead_cli.errors import UsageError
@@ -445,13 +445,29 @@ def test_score_lines_items_and_corpus_totals(loaded):
     assert corpus.bits_per_byte == pytest.approx(corpus.nll / math.log(2) / corpus.bytes, rel=1e-12)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU every tensor is on one device")
-def test_score_on_the_gpu_gives_the_cpu_s_figures(tiny, loaded):
-    """Each window and each chunk's ids go to the model's device (mutants: `.to(None)`)."""
-    gpu = load_model(str(tiny[0]), device="cuda", engine="lean")
-    want, got = score_text(loaded, TEXT, chunk=7), score_text(gpu, TEXT, chunk=7)
-    assert torch.equal(got.rank, want.rank) and torch.equal(got.top_id, want.top_id)
-    torch.testing.assert_close(got.logprob, want.logprob, atol=1e-4, rtol=1e-4, equal_nan=True)
+def test_score_of_a_model_on_another_device_gives_the_cpu_s_figures(loaded):
+    """The model on a second device (emulated: tests/helpers.py), the text's ids on the CPU: each window
+    and each chunk's ids go to the model's device (mutants: `.to(None)`, a GPU's device error), and the
+    figures come back to the CPU's columns, the same as the model's on the CPU."""
+    want = score_text(loaded, TEXT, chunk=7)
+    with elsewhere():
+        got = score_text(loaded_elsewhere(loaded), TEXT, chunk=7, alternatives=3)
+    assert torch.equal(got.rank, want.rank) and torch.equal(got.top_id, want.top_id) and not got.logprob.is_meta
+    for name in ("logprob", "entropy", "top_logprob"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=2e-6, rtol=2e-6, equal_nan=True)
+    assert got.alt_ids.device.type == "cpu" and torch.equal(got.alt_ids[:, 0], got.top_id)
+
+
+def test_the_emulated_device_fails_as_a_gpu_does_beside_the_cpu():
+    """What the test above rests on: a tensor on the emulated device does not mix with a CPU tensor."""
+    with elsewhere():
+        z = torch.zeros(2, 5).to(ELSEWHERE)
+        assert z.device == ELSEWHERE and torch.equal(z.gather(-1, torch.ones(2, 1, dtype=torch.long).to(z.device)).cpu(),
+                                                     torch.zeros(2, 1))
+        with pytest.raises(RuntimeError, match="same device"):
+            z.gather(-1, torch.ones(2, 1, dtype=torch.long))
+        with pytest.raises(RuntimeError, match="same device"):
+            z + torch.ones(5)
 
 
 def test_bucket_counts_and_most_surprising(loaded):
