@@ -285,6 +285,7 @@ def test_beam_search_runs_on_while_its_best_running_beam_can_still_win():
     assert [b.ids for b in g.beams] == [up_to_end_of_text(ids) for ids in expected] == [[A, A2, STUB_EOS], [STUB_EOS]]
     assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
     assert g.generated_ids == [A, A2, STUB_EOS] and g.stop == "eos"
+    assert [b.text for b in g.beams] == [f"<{A}><{A2}>", ""]  # a beam's text leaves out its end-of-text
 
 
 def test_beam_search_stops_as_its_best_beam_did():
@@ -295,6 +296,7 @@ def test_beam_search_stops_as_its_best_beam_did():
     g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=1))
     assert [b.ids for b in g.beams] == expected == [[STUB_EOS], [A]]
     assert [b.stop for b in g.beams] == ["eos", "max_new_tokens"] and g.stop == "eos"
+    assert [b.text for b in g.beams] == ["", f"<{A}>"]  # only a beam that ended on end-of-text drops it
     assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
 
 
@@ -319,6 +321,94 @@ def test_as_many_beams_as_tokens_never_continue_a_finished_one():
     assert sorted(b.ids for b in g.beams) == sorted(up_to_end_of_text(ids) for ids in expected)
     assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
     assert g.beams[0].ids == [STUB_EOS] and all(STUB_EOS not in b.ids for b in g.beams[1:])
+
+
+X, Y, Z = 0, 1, 2
+
+
+def exact_table(rows: dict[int, dict[int, float]]) -> torch.Tensor:
+    """(V, V) bigram logits: the given ones, -1000 elsewhere (exp(-1000) is 0 in float32, so a row of
+    k zeros gives each of them log p = -log k exactly, the same bits in every row)."""
+    table = torch.full((STUB_V, STUB_V), -1000.0)
+    for r, logits in rows.items():
+        for i, z in logits.items():
+            table[r, i] = z
+    return table
+
+
+def test_beam_search_stops_when_its_best_running_beam_only_ties_the_worst_finished():
+    """After 2 steps: [end-of-text] and [X, end-of-text] have finished; the best running beam [Y, Z] has
+    exactly [X, end-of-text]'s score (X and Y tie, each continues with p = 1), so it cannot beat it: the
+    search stops, as transformers' does (worst finished >= best attainable). Mutant: `<` for `<=` runs
+    on, and [Y, Z, end-of-text], scored over 3 tokens, wins."""
+    table = exact_table({STUB_PROMPT: {STUB_EOS: 1.0, X: 0.0, Y: 0.0}, X: {STUB_EOS: 0.0}, Y: {Z: 0.0},
+                         Z: {STUB_EOS: 0.0}})
+    expected, scores = transformers_bigram_beams(table, beams=2, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=3))
+    assert [b.ids for b in g.beams] == [up_to_end_of_text(ids) for ids in expected] == [[STUB_EOS], [X, STUB_EOS]]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+
+
+def test_beam_search_judges_the_best_running_beam_against_the_worst_finished_of_three():
+    """3 beams. After 2 steps the finished are [end-of-text], [B, end-of-text] and [C, end-of-text]; the
+    best running beam [A, A2] scores per token between the 2nd and the 3rd of them, so it can still win,
+    and [A, A2, end-of-text] does. Mutant: judging it against the 2nd finished (`finished[1]`) stops."""
+    B_, C_ = 5, 6
+    table = bigram_table_of({STUB_PROMPT: {STUB_EOS: .5, A: .2, B_: .15, C_: .1}, A: {A2: .64, STUB_EOS: .35},
+                             B_: {STUB_EOS: .9}, C_: {STUB_EOS: .9}, A2: {STUB_EOS: .95}})
+    expected, scores = transformers_bigram_beams(table, beams=3, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=3, max_new_tokens=3))
+    assert [b.ids for b in g.beams] == [up_to_end_of_text(ids) for ids in expected]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.beams[1].ids == [A, A2, STUB_EOS]  # the case is live: the beam that ran on is among them
+
+
+def test_each_beam_step_shows_its_own_alternatives_and_the_raw_figures_before_the_temperature():
+    """Beam search with a temperature and --show-steps: each step's log p is its beam's processed one
+    (the table's row / T), its raw log p the table row's own, and its alternatives the best 3 of the
+    processed row. Mutants: no alternatives passed on (`None` for show_steps); the raw figures taken
+    from the processed ones (the stage flag lost)."""
+    table = bigram_table_of(RUNNER_UP_TABLE)
+    temperature = 0.5
+    g = generate(bigram_loaded(table), [STUB_PROMPT],
+                 make_settings(beams=2, max_new_tokens=3, show_steps=3, temperature=temperature))
+    prev, moved = STUB_PROMPT, []
+    for step in g.steps:
+        raw = torch.log_softmax(table[prev].double(), -1)
+        processed = torch.log_softmax(table[prev].double() / temperature, -1)
+        assert step.raw_logprob == pytest.approx(float(raw[step.id]), abs=1e-5)
+        assert step.logprob == pytest.approx(float(processed[step.id]), abs=1e-5)
+        moved.append(abs(step.raw_logprob - step.logprob))
+        best = torch.topk(processed, 3)
+        assert [c.id for c in step.alternatives] == best.indices.tolist()
+        assert [c.prob for c in step.alternatives] == pytest.approx(best.values.exp().tolist(), abs=1e-6)
+        prev = step.id
+    assert max(moved) > 0.1  # the temperature shows
+
+
+def test_beam_search_on_non_finite_logits_says_so():
+    """A NaN logit: beam search raises NonFiniteLogits with the count, as greedy does. Mutant: the
+    logits not passed to the step, which then fails on None."""
+    from lmhead_cli.errors import NonFiniteLogits
+
+    table = bigram_table()
+    table[STUB_PROMPT, 3] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="1 non-finite"):
+        generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=2))
+
+
+def test_a_finished_beam_adds_up_up_to_its_tolerance_inclusive():
+    """FinishedBeam.adds_up allows float32 rounding: |Σ transition scores − log p| up to 1e-6 per token of
+    the total's size, the bound itself included (mutant: `<`)."""
+    from lmhead_cli.decoding.generate import FinishedBeam
+
+    def beam(logprob: float) -> FinishedBeam:  # two tokens of log p 0 each, said to add up to `logprob`
+        return FinishedBeam(ids=[1, 2], text="", transition_scores=[0.0, 0.0], logprob=logprob, score=logprob / 2,
+                            stop="eos")
+
+    bound = 1e-6 * 1.0 * 2  # |log p| below 1 counts as 1; 2 tokens
+    assert beam(-bound).sum_error == bound and beam(-bound).adds_up
+    assert not beam(-math.nextafter(bound, 1.0)).adds_up
 
 
 # ---- diff: the two KL directions ----------------------------------------------------------------
