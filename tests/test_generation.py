@@ -269,6 +269,7 @@ def test_decode_rate_counts_the_tokens_after_the_first():
                                      elapsed_s=elapsed, first_token_s=first)
 
     assert run(3, 2.0, 0.5).decode_tokens_per_second == 2 / 1.5 and run(3, 2.0, 0.5).tokens_per_second == 1.5
+    assert run(2, 2.0, 0.5).decode_tokens_per_second == 1 / 1.5  # one token after the first
     assert run(1, 2.0, 0.5).decode_tokens_per_second == 0.0  # nothing after the first token
     assert run(3, 0.5, 0.5).decode_tokens_per_second == 0.0  # no time after it
 
@@ -316,6 +317,12 @@ def test_beams_on_cuda_are_checked_against_the_gpus_free_memory(monkeypatch):
         generation.check_beam_memory(eng, 11, 1000)
     assert e.value.problem == ("of 11 need about 123 MB (11 MB of cache and logits per beam), but 112 MB is "
                                "available; at most 10 beams fit")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * per_beam, 1 << 40))
+    generation.check_beam_memory(eng, 10, 1000)  # exactly what 10 beams need: they fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (per_beam // 2, 1 << 40))
+    with pytest.raises(BadValue) as e:
+        generation.check_beam_memory(eng, 2, 1000)
+    assert e.value.problem.endswith("at most 1 beams fit")  # below one beam's need: 1, never 0 (greedy runs)
 
 
 @pytest.mark.parametrize("seed", [-1, 2**63])
