@@ -147,6 +147,37 @@ def test_sampling_replays_with_its_seed_and_draws_one_when_none_is_given(tiny):
     assert len({tuple(run(s).generated_ids) for s in range(4)}) > 1
 
 
+def test_a_drawn_seed_spans_32_bits_and_its_generator_is_made_on_the_model_s_device(tiny, monkeypatch):
+    """The seed drawn when none is given is uniform over the 2**32 seeds (the highest drawn here); the
+    sampling generator is made on the model's device, since a CPU generator cannot draw for a GPU's
+    probabilities. Mutants: 2 * 32 seeds; a generator on the default device."""
+    import secrets
+
+    from lmhead_cli.engine import kernels
+
+    loaded = load(tiny[0])
+    kernels.load()  # its first load checks the kernels on random numbers of its own generator
+    bounds, devices = [], []
+    monkeypatch.setattr(secrets, "randbelow", lambda n: bounds.append(n) or n - 1)
+    real = torch.Generator
+    monkeypatch.setattr(torch, "Generator", lambda device=None: devices.append(device) or real(device=device))
+    g = generate(loaded, PROMPT_IDS, make_settings(max_new_tokens=2))
+    assert bounds == [2**32] and g.seed == 2**32 - 1
+    assert devices == [loaded.engine.device]
+
+
+def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
+    """The first step (the prompt's prefill) runs as it is; each later step, one position, goes through
+    loaded.threads.run, which times those steps to choose the thread count. Mutants: every step, or none."""
+    from dataclasses import replace
+
+    loaded = load(tiny[0])
+    calls = []
+    timed = replace(loaded, threads=SimpleNamespace(run=lambda f: calls.append(1) or f()))
+    g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
+    assert len(g.steps) == 5 and len(calls) == 4 + 1  # the 4 later steps, and the call that ends the loop
+
+
 def test_greedy_ignores_the_seed_and_beams_agree_with_greedy_at_one(tiny):
     folder, _ = tiny
     loaded = load(folder)
