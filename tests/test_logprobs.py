@@ -77,6 +77,24 @@ def test_raw_and_processed_logprobs_match_transformers(tiny, engine, knobs):
         assert 0 < removed < 1 and step.removed_mass == pytest.approx(removed, abs=1e-5)
 
 
+def test_processed_top_lists_every_kept_token_before_any_dropped_one_however_low_it_is():
+    """--top-logprobs from the processed distribution: the tokens the filters kept first, in their
+    order, then the dropped ones in raw order. With temperature 1e-6 a kept token one logit below the
+    best has log p -1e6: it still comes before every dropped token (before the fix it came after them,
+    its key below the dropped ones' raw log p - 1e6)."""
+    from lmhead_cli.decoding import stages
+    from lmhead_cli.decoding.generate import _top
+
+    z = torch.tensor([[5.0, 3.0, 1.0, 0.5, 0.0, 4.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    raw = torch.log_softmax(z, -1)
+    for t, want in ((1e-6, [[0, 5, 1, 2, 3, 4], [5, 4, 3, 2, 1, 0]]), (1.0, [[0, 5, 1, 2, 3, 4], [5, 4, 3, 2, 1, 0]])):
+        processed = torch.log_softmax(stages.top_k(stages.temperature(z, t), 3), -1)
+        ids, lps = _top(raw, processed, "processed", 6)
+        assert ids.tolist() == want
+        assert torch.isfinite(lps[:, :3]).all() and torch.isinf(lps[:, 3:]).all()
+        assert torch.equal(lps, processed.gather(-1, ids))
+
+
 def test_without_stages_raw_and_processed_are_one_distribution(tiny):
     folder, model = tiny
     g = generate(load(folder), PROMPT_IDS, make_settings(greedy=True, max_new_tokens=4))

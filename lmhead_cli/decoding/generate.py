@@ -337,8 +337,10 @@ def _top(raw: torch.Tensor, processed: torch.Tensor, which: str, n: int) -> tupl
         lp, ids = torch.topk(raw, n, dim=-1)
         return ids.cpu(), lp.float().cpu()
     kept = torch.isfinite(processed)
-    # float64 keys: a dropped token's key sits 1e6 below every kept one and keeps its raw order
-    key = torch.where(kept, processed.double(), raw.double() - 1e6)  # (R, V)
+    # float64 keys: a dropped token's key sits below the row's lowest kept one, however low (a
+    # temperature of 1e-6 puts kept tokens 1e6 apart per unit of logit), and keeps its raw order
+    floor = torch.where(kept, processed, torch.inf).amin(-1, keepdim=True).double()  # (R, 1)
+    key = torch.where(kept, processed.double(), floor - 1 + (raw - raw.amax(-1, keepdim=True)).double())  # (R, V)
     ids = torch.topk(key, n, dim=-1).indices
     return ids.cpu(), processed.gather(-1, ids).float().cpu()
 
