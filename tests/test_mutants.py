@@ -397,6 +397,31 @@ def test_beam_search_on_non_finite_logits_says_so():
         generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=2))
 
 
+def test_the_streamed_pieces_are_the_text_without_end_of_text_and_end_with_a_cut_character():
+    """on_text sees each piece that became printable, never an empty one and never end-of-text; an
+    answer cut inside a character (max_new_tokens) ends with U+FFFD, streamed last. The timings are
+    within the call's own wall time. Mutants: end-of-text streamed as text, the last piece dropped,
+    sent empty or as None, or sent when nobody listens; the elapsed time counted from 0."""
+    import time
+
+    CUT, A_ = 3, 4  # CUT: the first 2 of the 3 bytes of "€"; A_: "a"
+    pieces = {CUT: b"\xe2\x82", A_: b"a", STUB_EOS: b"<|endoftext|>"}
+    loaded = bigram_loaded(exact_table({STUB_PROMPT: {CUT: 0.0, A_: 1.0}, A_: {STUB_EOS: 0.0}, CUT: {A_: 0.0}}))
+    loaded.tokenizer.token_bytes = lambda i: pieces.get(i, b"?")
+    for new, want_ids, want in ((2, [A_, STUB_EOS], ["a"]), (1, [A_], ["a"])):
+        got = []
+        start = time.perf_counter()
+        g = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=new), on_text=got.append)
+        wall = time.perf_counter() - start
+        assert g.generated_ids == want_ids and got == want and g.text == "a"
+        assert 0 < g.first_token_s <= g.elapsed_s <= wall
+    loaded.engine.table = exact_table({STUB_PROMPT: {CUT: 0.0}, CUT: {A_: 0.0}})
+    got = []
+    g = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=1), on_text=got.append)
+    assert g.generated_ids == [CUT] and got == ["\ufffd"] and g.text == "\ufffd"
+    assert generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=1)).text == "\ufffd"
+
+
 def test_a_finished_beam_adds_up_up_to_its_tolerance_inclusive():
     """FinishedBeam.adds_up allows float32 rounding: |Σ transition scores − log p| up to 1e-6 per token of
     the total's size, the bound itself included (mutant: `<`)."""
