@@ -307,6 +307,43 @@ def test_residuals_of_a_left_padded_batch_match_transformers_hidden_states(tiny)
         torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=0)
 
 
+def test_the_padding_mask_is_causal_hides_padded_keys_and_leaves_no_row_all_minus_infinity():
+    """lean._mask for a left-padded row and a full one: each query sees the real keys up to itself; a
+    query that is itself padding (no real key up to it) sees every position rather than none (a row of
+    -inf would make NaN; its output is never read). The mask is in the dtype asked for (attention's).
+    Mutants: the "no key" test over the whole batch instead of each row; the dtype left out."""
+    from lmhead_cli.engine.lean import _mask
+
+    pad = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    m = _mask(pad, 4, torch.bfloat16)
+    assert m.shape == (2, 1, 4, 4) and m.dtype == torch.bfloat16
+    sees = torch.isfinite(m[:, 0])  # (B, query, key)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert torch.equal(sees[1], causal)
+    assert torch.equal(sees[0, 2:], causal[2:] & pad[0].bool())  # the real queries: real keys up to them
+    assert sees[0, :2].all()  # the padded queries: every position
+    assert set(m[m != 0].tolist()) == {float("-inf")}
+    last = _mask(pad, 1, torch.float64)  # one new position, as a decoding step
+    assert last.dtype == torch.float64 and torch.equal(torch.isfinite(last[:, 0, 0]), pad.bool())
+
+
+def test_residuals_build_their_mask_in_attention_s_dtype(tiny, monkeypatch):
+    """residuals(ids, attention_mask) builds its padding mask as body does, in the dtype attention runs
+    in (a GPU's half dtypes attend in their own; on the CPU every dtype attends in float32, where a mask
+    of torch's default dtype shows no difference, hence the look at what is asked for). Mutant: the
+    dtype left out."""
+    from lmhead_cli.engine import lean
+
+    eng = load_model(str(tiny[0]), device="cpu", dtype="float32", engine="lean").engine
+    asked = []
+    real = lean._mask
+    monkeypatch.setattr(lean, "_mask", lambda mask, t, dtype: asked.append(dtype) or real(mask, t, dtype))
+    ids, pad = torch.tensor([[50256, 464, 8251]]), torch.tensor([[0, 1, 1]])
+    list(eng.residuals(ids, pad))
+    eng.body(ids, attention_mask=pad)
+    assert asked == [eng.attention_dtype] * 2
+
+
 @pytest.mark.parametrize("path", ["compiled", "torch"])
 def test_more_positions_than_a_few_run_the_plain_product_in_every_form(tiny, path, monkeypatch):
     """Above BLOCKED_MAX_ROWS positions the head is F.linear and a layer addmm, bit for bit, whatever

@@ -198,7 +198,8 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
     T_all = attention_mask.shape[1]
     causal = torch.ones(T_new, T_all, dtype=torch.bool, device=attention_mask.device).tril(T_all - T_new)
     allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
-    # A fully padded query row (left padding) would be all -inf -> NaN; let it see itself only.
+    # A query that is itself padding (left padding) has no real key up to it: a row of -inf makes NaN,
+    # so it sees every position instead (its output is never read).
     allowed = allowed | ~allowed.any(-1, keepdim=True)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
