@@ -48,10 +48,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "generate": (["lmhead_cli/decoding/generate.py"],
                  ["tests/test_mutants.py", "tests/test_generation.py", "tests/test_logprobs.py",
                   "tests/test_generate_cli.py"]),
-    # test_batch: padded batches (the attention mask); test_attribute: components; test_int8: the int8 paths
+    # test_batch: padded batches (the attention mask); test_attribute: components; test_int8: the int8 paths;
+    # test_kernels: a decoding step's attention through the compiled kernel against torch's products
     "lean": (["lmhead_cli/engine/lean.py"],
              ["tests/test_mutants.py", "tests/test_engine_parity.py", "tests/test_lens.py", "tests/test_batch.py",
-              "tests/test_attribute.py", "tests/test_int8.py"]),
+              "tests/test_attribute.py", "tests/test_int8.py", "tests/test_kernels.py"]),
     # test_html: the alternatives; test_logprobs: top log-probs handed over chunk by chunk (on_rows);
     # test_compare: compare walks the windows through score's Window
     "score": (["lmhead_cli/readings/score.py", "lmhead_cli/readings/ranks.py", "lmhead_cli/readings/chunks.py"],

@@ -105,8 +105,12 @@ def test_seeded_sampling_matches_generate_step_by_step(pair, length):
 
 def test_prompt_longer_than_the_context_is_refused(pair):
     engine, _ = pair
-    with pytest.raises(ValueError, match=f"exceed the context of {N_POSITIONS}"):
+    with pytest.raises(ValueError, match=f"^{N_POSITIONS + 1} positions exceed the context of {N_POSITIONS}$"):
         engine.body(torch.zeros(1, N_POSITIONS + 1, dtype=torch.long))
+    cache = engine.new_cache(1, N_POSITIONS + 2)
+    engine.body(torch.zeros(1, N_POSITIONS - 1, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=f"^{N_POSITIONS + 1} positions exceed"):  # the cache's and the new ones
+        engine.body(torch.zeros(1, 2, dtype=torch.long), cache)
 
 
 def test_cache_reorder_keeps_the_chosen_rows(pair):
@@ -325,6 +329,27 @@ def test_the_padding_mask_is_causal_hides_padded_keys_and_leaves_no_row_all_minu
     assert set(m[m != 0].tolist()) == {float("-inf")}
     last = _mask(pad, 1, torch.float64)  # one new position, as a decoding step
     assert last.dtype == torch.float64 and torch.equal(torch.isfinite(last[:, 0, 0]), pad.bool())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_few_positions_run_the_head_in_the_engine_s_product_form(tiny, dtype, monkeypatch):
+    """The head of one or a few positions is the engine's product form over W_out's rows, bit for bit;
+    for bfloat16 that is lmhead's kernel where it loads, one call per head (its figures equal torch's
+    mm here, so the call is what shows the form). Mutant: no form passed (torch's mm)."""
+    from lmhead_cli.engine import kernels
+    from lmhead_cli.engine.products import few_rows_product
+
+    eng = load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine
+    head = eng.gpt.lm_head
+    h = torch.randn(3, eng.config["n_embd"], generator=torch.Generator().manual_seed(0)).to(head.weight.dtype)
+    for rows in (h[:1], h):
+        assert torch.equal(head(rows), few_rows_product(eng.products.form, rows, head.weight, None))
+    if eng.products.form == "kernel":
+        calls = []
+        real = kernels.Kernels.bf16_times
+        monkeypatch.setattr(kernels.Kernels, "bf16_times", lambda self, *a: calls.append(1) or real(self, *a))
+        head(h[:1])
+        assert calls == [1]
 
 
 def test_residuals_build_their_mask_in_attention_s_dtype(tiny, monkeypatch):
