@@ -352,6 +352,37 @@ def test_a_few_positions_run_the_head_in_the_engine_s_product_form(tiny, dtype, 
         assert calls == [1]
 
 
+def test_a_float16_engine_on_the_cpu_holds_float16_weights_and_gives_float32_s_logits(tiny):
+    """float16 is not one of the dtypes stored as rows at load: its Conv1D weights are converted as the
+    checkpoint lays them out, and every weight is float16. Mutant: the conversion left out."""
+    ids = torch.tensor([[464, 8251, 319, 262, 3084]])
+    half = load_model(str(tiny[0]), device="cpu", dtype="float16", engine="lean").engine
+    full = load_model(str(tiny[0]), device="cpu", dtype="float32", engine="lean").engine
+    assert {p.dtype for p in half.gpt.parameters()} == {torch.float16}
+    assert half.gpt.h[0].attn.c_attn.weight.shape == full.gpt.h[0].attn.c_attn.weight.shape
+    torch.testing.assert_close(half.head(half.body(ids)).float(), full.head(full.body(ids)), atol=2e-2, rtol=0)
+
+
+def test_the_module_takes_gpt2_s_norm_epsilon_by_default_and_skips_the_embeddings_random_init(tmp_path):
+    """A config that names no layer_norm_epsilon gets GPT-2's 1e-5 in every LayerNorm. The embeddings
+    are built from an empty weight (the checkpoint's comes next), not randomly initialised: on the meta
+    device that init imported torch._dynamo (~1.5 s), checked in a fresh interpreter. Mutants: another
+    default epsilon; nn.Embedding's own init."""
+    import subprocess
+    import sys
+
+    from lmhead_cli.engine.lean import GPT2
+
+    config = {"n_embd": 16, "vocab_size": 50, "n_positions": 8, "n_layer": 2, "n_head": 2}
+    with torch.device("meta"):
+        module = GPT2(config)
+    assert {m.eps for m in module.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-5}
+    code = ("import sys, torch\nfrom lmhead_cli.engine.lean import GPT2\n"
+            f"with torch.device('meta'):\n    GPT2({config!r})\nprint('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
 def test_residuals_build_their_mask_in_attention_s_dtype(tiny, monkeypatch):
     """residuals(ids, attention_mask) builds its padding mask as body does, in the dtype attention runs
     in (a GPU's half dtypes attend in their own; on the CPU every dtype attends in float32, where a mask
