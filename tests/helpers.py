@@ -282,7 +282,8 @@ def loud_checkpoint(folder: Path, *, seed: int = 5, fc: float = 5.0, proj: float
 # tensor holds a CPU tensor and says it is on ELSEWHERE; torch ops that mix it with a CPU tensor fail
 # as a GPU's do ("Expected all tensors to be on the same device"), except indexing by CPU indices and
 # copying across, which torch allows between devices. Under `elsewhere()`, `.to(ELSEWHERE)` moves a CPU
-# tensor there and `.cpu()` back. A model's engine is put there by `EngineElsewhere`.
+# tensor there and `.cpu()` back, and a tensor made with device=ELSEWHERE is made there. A model's engine
+# is put there by `EngineElsewhere`; attention runs there as one op (scaled_dot_product_attention).
 
 ELSEWHERE = torch.device("meta")  # the name the emulated device goes by (no meta tensor is ever made)
 
@@ -312,11 +313,19 @@ class Elsewhere(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, args, kwargs or {})
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # attention as one op on the device, as a GPU runs it (its decomposition into torch ops makes
+        # helper tensors on the CPU, which a GPU's kernels never do)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _dispatch(func, args, kwargs or {})
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
 
 def _target(func, args, kwargs) -> torch.device | None:
     """Where a copy across devices goes (`.to(device)`, `.cpu()`: aten._to_copy, or aten.to's overloads
     under inference mode), or None for any other op."""
-    if func.overloadpacket not in (aten._to_copy, aten.to):
+    if getattr(func, "overloadpacket", None) not in (aten._to_copy, aten.to):
         return None
     devices = [d for d in (*args[1:], *kwargs.values()) if isinstance(d, (torch.device, str))]
     return torch.device(devices[0]) if devices else None
@@ -363,6 +372,8 @@ def elsewhere():
             kwargs = kwargs or {}
             if _target(func, args, kwargs) == ELSEWHERE and not isinstance(args[0], Elsewhere):
                 return _moved(func, args, kwargs, ELSEWHERE)
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]) == ELSEWHERE:  # made there
+                return Elsewhere(func(*args, **{**kwargs, "device": torch.device("cpu")}))
             return func(*args, **kwargs)
 
     return Moves()

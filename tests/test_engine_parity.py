@@ -334,8 +334,9 @@ def test_the_padding_mask_is_causal_hides_padded_keys_and_leaves_no_row_all_minu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_few_positions_run_the_head_in_the_engine_s_product_form(tiny, dtype, monkeypatch):
     """The head of one or a few positions is the engine's product form over W_out's rows, bit for bit;
-    for bfloat16 that is lmhead's kernel where it loads, one call per head (its figures equal torch's
-    mm here, so the call is what shows the form). Mutant: no form passed (torch's mm)."""
+    for bfloat16 that is lmhead's kernel where it loads, one call per product (its figures equal torch's
+    mm here, so the calls are what show the form), and none for more positions than a few. Mutants: no
+    form passed (torch's mm), in the head or a layer; a layer's few-rows test joined by `or`."""
     from lmhead_cli.engine import kernels
     from lmhead_cli.engine.products import few_rows_product
 
@@ -345,11 +346,19 @@ def test_a_few_positions_run_the_head_in_the_engine_s_product_form(tiny, dtype, 
     for rows in (h[:1], h):
         assert torch.equal(head(rows), few_rows_product(eng.products.form, rows, head.weight, None))
     if eng.products.form == "kernel":
+        from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
+
         calls = []
         real = kernels.Kernels.bf16_times
         monkeypatch.setattr(kernels.Kernels, "bf16_times", lambda self, *a: calls.append(1) or real(self, *a))
         head(h[:1])
         assert calls == [1]
+        calls.clear()  # a one-position body: each layer's 4 Conv1D products in the kernel too
+        eng.body(torch.tensor([[464]]))
+        assert len(calls) == 4 * eng.config["n_layer"]
+        calls.clear()  # more positions than a few: torch's plain products, the kernel never called
+        eng.body(torch.zeros(1, BLOCKED_MAX_ROWS + 1, dtype=torch.long))
+        assert calls == []
 
 
 def test_a_float16_engine_on_the_cpu_holds_float16_weights_and_gives_float32_s_logits(tiny):
@@ -381,6 +390,57 @@ def test_the_module_takes_gpt2_s_norm_epsilon_by_default_and_skips_the_embedding
             f"with torch.device('meta'):\n    GPT2({config!r})\nprint('torch._dynamo' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def _attention_steps(att, x, mask, cache):
+    """Prefill all but the last position of x (B, T, D), then one decoding step: the step's output."""
+    from lmhead_cli.engine.lean import _mask
+
+    T = x.shape[1]
+    att(x[:, :T - 1], 0, cache, None if mask is None else _mask(mask[:, :T - 1], T - 1, torch.float32))
+    cache.length += T - 1  # as the engine's body does after its last layer
+    return att(x[:, T - 1:], 0, cache, None if mask is None else _mask(mask, 1, torch.float32))
+
+
+def test_a_decoding_step_attends_to_the_real_positions_on_the_cpu_and_off_it():
+    """One attention layer, a prompt and one decoding step through the KV cache: a left-padded row's step
+    equals the same row decoded alone, on the CPU (attend_one) and on a second device (emulated,
+    tests/helpers.py: torch's scaled_dot_product_attention, a GPU's path), with and without padding.
+    Mutants: the step's padding mask dropped; a step of one query made causal (it would see key 0 only)."""
+    from helpers import Elsewhere, elsewhere
+
+    from lmhead_cli.engine import lean
+
+    g = torch.Generator().manual_seed(0)
+    D, H = 16, 2
+    att = lean.Attention(D, H)
+    for conv in (att.c_attn, att.c_proj):
+        conv.weight.data = torch.randn(conv.weight.shape, generator=g) * 0.5
+        conv.bias.data = torch.randn(conv.bias.shape, generator=g) * 0.5
+    x = torch.randn(2, 6, D, generator=g)
+    x[0, :2] = 0.0  # row 0: two pads, then its 4 positions
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    new_cache = lambda rows, dev=torch.device("cpu"): lean.KVCache(1, rows, H, 8, D // H, dev, torch.float32)  # noqa: E731
+    with torch.inference_mode():
+        alone = [_attention_steps(att, x[0:1, 2:], None, new_cache(1)), _attention_steps(att, x[1:2], None, new_cache(1))]
+        cpu = _attention_steps(att, x, pad, new_cache(2))
+        for conv in (att.c_attn, att.c_proj):  # the layer on the second device
+            w, b = conv.weight.data, conv.bias.data
+            del conv._parameters["weight"], conv._parameters["bias"]
+            conv.weight, conv.bias = Elsewhere(w), Elsewhere(b)
+
+        def there(x, mask, rows):
+            cache = new_cache(rows)
+            cache.k, cache.v = Elsewhere(cache.k), Elsewhere(cache.v)
+            cache._split()
+            return _attention_steps(att, Elsewhere(x), None if mask is None else Elsewhere(mask), cache).cpu()
+
+        with elsewhere():
+            off = [there(x, pad, 2), there(x[1:2], None, 1)]
+    for row in (0, 1):
+        torch.testing.assert_close(cpu[row], alone[row][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(off[0][row], alone[row][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(off[1][0], alone[1][0], atol=1e-5, rtol=0)
 
 
 def test_residuals_build_their_mask_in_attention_s_dtype(tiny, monkeypatch):
