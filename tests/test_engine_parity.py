@@ -392,6 +392,20 @@ def test_the_module_takes_gpt2_s_norm_epsilon_by_default_and_skips_the_embedding
     assert done.stdout.strip() == "False", done.stderr[-2000:]
 
 
+def test_attention_runs_in_float32_for_half_dtypes_on_the_cpu_only():
+    """attention_dtype: float32 for bfloat16 and float16 on the CPU (its half kernels are slow and round
+    the scores); a GPU attends in the model's own dtype, and float32 or float64 stay as they are.
+    Mutants: float32 everywhere; float32 for every CPU dtype or every half one."""
+    from lmhead_cli.engine.lean import attention_dtype
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert attention_dtype(cpu, dtype) == torch.float32
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert attention_dtype(gpu, dtype) == dtype
+    assert attention_dtype(cpu, torch.float64) == torch.float64
+
+
 def _attention_steps(att, x, mask, cache):
     """Prefill all but the last position of x (B, T, D), then one decoding step: the step's output."""
     from lmhead_cli.engine.lean import _mask
