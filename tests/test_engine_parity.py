@@ -373,10 +373,11 @@ def test_a_float16_engine_on_the_cpu_holds_float16_weights_and_gives_float32_s_l
 
 
 def test_the_module_takes_gpt2_s_norm_epsilon_by_default_and_skips_the_embeddings_random_init(tmp_path):
-    """A config that names no layer_norm_epsilon gets GPT-2's 1e-5 in every LayerNorm. The embeddings
+    """A config that names no layer_norm_epsilon gets GPT-2's 1e-5 in every LayerNorm, and the head is
+    tied to the embedding unless `tied` says otherwise. The embeddings
     are built from an empty weight (the checkpoint's comes next), not randomly initialised: on the meta
     device that init imported torch._dynamo (~1.5 s), checked in a fresh interpreter. Mutants: another
-    default epsilon; nn.Embedding's own init."""
+    default epsilon; untied by default; nn.Embedding's own init."""
     import subprocess
     import sys
 
@@ -386,6 +387,10 @@ def test_the_module_takes_gpt2_s_norm_epsilon_by_default_and_skips_the_embedding
     with torch.device("meta"):
         module = GPT2(config)
     assert {m.eps for m in module.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-5}
+    assert module.lm_head.weight is module.wte.weight  # tied unless told otherwise, as GPT-2 is
+    with torch.device("meta"):
+        untied = GPT2(config, tied=False)
+    assert untied.lm_head.weight is not untied.wte.weight
     code = ("import sys, torch\nfrom lmhead_cli.engine.lean import GPT2\n"
             f"with torch.device('meta'):\n    GPT2({config!r})\nprint('torch._dynamo' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
