@@ -338,6 +338,18 @@ def test_beam_memory_of_a_config_naming_no_sizes_counts_one_layer_of_width_one()
     assert generation.beam_memory(stub_engine({}), 2, 1000) == (2 * per_beam, per_beam)
 
 
+def test_beams_are_checked_for_the_prompt_and_the_tokens_that_fit_after_it(monkeypatch):
+    """check_fits asks check_beam_memory for the prompt's positions plus the new tokens, as many as
+    asked or as the context leaves. Mutant: the new tokens subtracted."""
+    asked = []
+    monkeypatch.setattr(generation, "check_beam_memory", lambda eng, beams, positions: asked.append((beams, positions)))
+    eng = SimpleNamespace(vocab_size=50_000, n_ctx=64)
+    generation.check_fits(eng, 10, make_settings(beams=3, max_new_tokens=5))
+    generation.check_fits(eng, 60, make_settings(beams=3, max_new_tokens=20))  # the context leaves room for 5
+    generation.check_fits(eng, 10, make_settings(greedy=True, max_new_tokens=5))  # no beams, no check
+    assert asked == [(3, 15), (3, 60 + generation.room(64, 60))] and generation.room(64, 60) < 20
+
+
 def test_beams_on_cuda_are_checked_against_the_gpus_free_memory(monkeypatch):
     """available_memory("cuda") is torch.cuda.mem_get_info's free figure, not the host's."""
     eng = stub_engine({"n_layer": 3, "n_embd": 800}, "cuda")
