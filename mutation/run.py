@@ -305,7 +305,10 @@ def rerun_from_record(name: str, jobs: int, record: dict) -> dict:
             raise SystemExit(f"mutmut failed rerunning {name} (exit {done.returncode}); results left as they were; "
                              f"the end of {log_path}:\n{log_path.read_text()[-3000:]}")
     (work / "seconds").write_text(str(record["seconds"] + round(time.time() - start)))
-    (work / "provenance.json").write_text(json.dumps({"date": record["date"], "commit": record["commit"]}))
+    # the record's date and commit, marked: this folder ran only some mutants, so a later --rerun starts
+    # from the record again rather than rerunning every mutant this folder left unchecked
+    (work / "provenance.json").write_text(json.dumps({"date": record["date"], "commit": record["commit"],
+                                                      "from_record": True}))
     return merged(record, collect(name), statuses(work))
 
 
