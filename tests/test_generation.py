@@ -338,6 +338,15 @@ def test_beam_memory_of_a_config_naming_no_sizes_counts_one_layer_of_width_one()
     assert generation.beam_memory(stub_engine({}), 2, 1000) == (2 * per_beam, per_beam)
 
 
+def test_settings_show_no_alternatives_unless_asked(tiny):
+    """make_settings' defaults: no step alternatives, no top log-probs (a library caller pays for none).
+    Mutant: one alternative by default."""
+    s = make_settings()
+    assert (s.show_steps, s.top_logprobs) == (0, 0)
+    g = generate(load(tiny[0]), PROMPT_IDS, make_settings(greedy=True, max_new_tokens=2))
+    assert all(step.alternatives == [] and step.top is None for step in g.steps)
+
+
 def test_beams_are_checked_for_the_prompt_and_the_tokens_that_fit_after_it(monkeypatch):
     """check_fits asks check_beam_memory for the prompt's positions plus the new tokens, as many as
     asked or as the context leaves. Mutant: the new tokens subtracted."""
