@@ -270,16 +270,22 @@ def rerun_survivors(name: str, jobs: int) -> dict:
         shutil.copytree(ROOT / "tests", where / "tests", ignore=ignore, dirs_exist_ok=True)
         shutil.copy(ROOT / "mutation" / "narrow.py", where / "narrow.py")
     start = time.time()
-    if left:
-        log_path = work / "mutmut-rerun.log"
-        with open(log_path, "w") as log:
-            done = mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
-        if done.returncode != 0:  # e.g. the stats of the new tests could not be collected: nothing was rerun
-            raise SystemExit(f"mutmut failed rerunning {name} (exit {done.returncode}); results left as they were; "
-                             f"the end of {log_path}:\n{log_path.read_text()[-3000:]}")
+    rerun_mutants(work, name, jobs, left)
     seconds = work / "seconds"
     seconds.write_text(str(int(seconds.read_text() if seconds.exists() else 0) + round(time.time() - start)))
     return collect(name)
+
+
+def rerun_mutants(work: Path, name: str, jobs: int, left: list[str]) -> None:
+    """mutmut on the mutants `left` in the scratch folder `work` (it records the tests' calls first)."""
+    if not left:
+        return
+    log_path = work / "mutmut-rerun.log"
+    with open(log_path, "w") as log:
+        done = mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
+    if done.returncode != 0:  # e.g. the stats of the new tests could not be collected: nothing was rerun
+        raise SystemExit(f"mutmut failed rerunning {name} (exit {done.returncode}); results left as they were; "
+                         f"the end of {log_path}:\n{log_path.read_text()[-3000:]}")
 
 
 def recorded(name: str) -> dict | None:
@@ -295,15 +301,8 @@ def rerun_from_record(name: str, jobs: int, record: dict) -> dict:
     if drawn(all_mutants(work)) != record["drawn"]:
         raise SystemExit(f"{name}: the code now makes other mutants than its recorded run ({record['commit']}); "
                          f"run the module afresh")
-    left = [e["mutant"] for e in record["survivors"] + record["equivalent"]]
     start = time.time()
-    if left:
-        log_path = work / "mutmut-rerun.log"
-        with open(log_path, "w") as log:
-            done = mutmut(work, "run", "--max-children", str(jobs), *left, log=log)
-        if done.returncode != 0:
-            raise SystemExit(f"mutmut failed rerunning {name} (exit {done.returncode}); results left as they were; "
-                             f"the end of {log_path}:\n{log_path.read_text()[-3000:]}")
+    rerun_mutants(work, name, jobs, [e["mutant"] for e in record["survivors"] + record["equivalent"]])
     (work / "seconds").write_text(str(record["seconds"] + round(time.time() - start)))
     # the record's date and commit, marked: this folder ran only some mutants, so a later --rerun starts
     # from the record again rather than rerunning every mutant this folder left unchecked
