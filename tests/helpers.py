@@ -410,3 +410,27 @@ def loaded_elsewhere(loaded):
     from dataclasses import replace
 
     return replace(loaded, engine=EngineElsewhere(loaded.engine))
+
+
+PY = __import__("sys").executable
+
+
+def invoke(args, **kwargs):
+    """`cli(*args)` that must not end in the catch-all: no "unexpected" and no traceback on stderr."""
+    got = cli(*args, **kwargs)
+    assert "unexpected" not in got.stderr and "Traceback" not in got.stderr, got.stderr
+    return got
+
+
+def one_line(got, code: int, *needles: str) -> None:
+    """The run ended with `code` and exactly one `lmhead: error:` line holding every needle."""
+    assert got.exit_code == code, (got.exit_code, got.output)
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmhead: error: "), got.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def lmhead(*args, env=None, timeout=120, **kwargs):
+    """`lmhead ARGS` in a fresh interpreter, offline, text output (launch with text=True)."""
+    return launch(*args, env={"HF_HUB_OFFLINE": "1", **(env or {})}, timeout=timeout, text=True, **kwargs)

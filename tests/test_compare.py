@@ -26,6 +26,7 @@ from lmhead_cli.readings.agreement import DP_PERCENTILES, KLD_PERCENTILES, perce
 from lmhead_cli.readings.compare import Mismatch, compare_text
 from lmhead_cli.render import _plain
 from lmhead_cli.render import compare as show
+from types import SimpleNamespace
 
 N_CTX = 48  # small windows, so that a short text goes through several
 WORDS = ("the keys on table are here and dog is asleep a cat sat mat of house by window door it was "
@@ -610,3 +611,27 @@ def test_worst_lists_five_scored_tokens_by_default_and_never_an_unscored_one(pai
     q = load_model(str(pair[0]), device="cpu")
     itself = compare_text(q, q, "the keys on")  # every KL divergence 0: ties with nothing unscored
     assert [t.index for t in itself.worst()] == [1, 2]
+
+
+def test_compare_lists_each_token_at_its_own_index(tmp_path):
+    """compare --json's per-token rows carry their index in the text. Mutant: index None."""
+    from lmhead_cli.readings.compare import compare_text
+
+    build_checkpoint(tmp_path, seed=3)
+    q = load_model(str(tmp_path), device="cpu")
+    c = compare_text(q, q, "The keys on the table are lost.")
+    assert [c.token(i).index for i in range(len(c.ids))] == list(range(len(c.ids)))
+
+
+def test_another_tokenizer_that_only_adds_tokens_is_named_where_the_shorter_split_ends():
+    """The base splits the text into Q's tokens and then more: they first differ at the token after the
+    shorter split. Mutant: no position given (None) when no token within both differs."""
+    import numpy as np
+
+    from lmhead_cli.errors import UsageError
+    from lmhead_cli.readings.compare import check_same_tokens
+
+    longer = bytearray(np.array([5, 6, 7, 8, 9], dtype=np.int32).tobytes())
+    base = SimpleNamespace(source="other", tokenizer=SimpleNamespace(encode_long=lambda text: longer))
+    with pytest.raises(UsageError, match="into 5 tokens against 3, differing first at token 3;"):
+        check_same_tokens(None, base, torch.tensor([5, 6, 7]), "text")
