@@ -59,7 +59,8 @@ def lmhead_decode(folder: Path, dtype: str, n: int) -> dict:
 
 
 def llama_decode(gguf: Path, n: int, threads: int, timeout: float | None = None) -> dict:
-    """llama-bench tg{n} (-p 0 -r 1: one timed run after its warm-up run) in a fresh process."""
+    """llama-bench tg{n} in a fresh process (-p 0 -r 1: one timed run of n tokens after llama-bench's
+    one-token warm-up, so that, like lmhead's steady rate, the first token's set-up is left out)."""
     cmd = [str(llamacpp.binary("llama-bench")), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n),
            "-r", "1", "-o", "json"]
     if timeout:
@@ -306,8 +307,8 @@ def report(R: dict) -> str:
         lines += ["", "### Greedy decoding", "",
                   f"{args['new_tokens']} new tokens: `lmhead greedy --json`'s steady rate (first new token to last, "
                   f"after the {len(PROMPT.split())}-word prompt, end-of-text ignored) against `llama-bench -p 0 -n "
-                  f"{args['new_tokens']} -r 1 -t {R['threads']}` (tg{args['new_tokens']}: one timed run after "
-                  "its warm-up run), fresh processes, alternating. Idle: the best of "
+                  f"{args['new_tokens']} -r 1 -t {R['threads']}` (tg{args['new_tokens']}: one timed run of "
+                  f"{args['new_tokens']} tokens after its one-token warm-up), fresh processes, alternating. Idle: the best of "
                   f"{args['rounds']}; beside one busy process (`python -c 'while True: pass'`): the median of "
                   f"{args['busy_rounds']} (a llama-bench run that had not ended after {BUSY_TIMEOUT_S} s counts "
                   "as 0). The bound: the weight bytes one step reads ÷ the read bandwidth above; lmhead's bytes as "
