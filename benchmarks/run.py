@@ -366,10 +366,10 @@ def report(R: dict, args) -> str:
         f"{' --write' if args.write else ''}"
         f"{' --device ' + args.device if args.device != 'cpu' else ''}` on "
         f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {R['elapsed_s'] / 60:.1f} min. "
-        "Every comparison is a ratio of two figures measured in this same run. The section "
-        "[Against llama.cpp](#against-llamacpp) at the end comes from its own run, "
-        "`python benchmarks/versus_llamacpp.py --write` (10-15 min on 2 cores once llama.cpp is built; "
-        "`--only decode,busy,score,serve` for a subset), which a run of this script keeps.",
+        "Every comparison is a ratio of two figures measured in this same run. The comparison with llama.cpp "
+        "is a run of its own, `python benchmarks/versus_llamacpp.py --write` (10-15 min on 2 cores once "
+        "llama.cpp is built; `--only decode,busy,score,serve` for a subset), which writes the section "
+        "\"Against llama.cpp\" at the end and which a run of this script keeps.",
         "",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "
         f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}"
@@ -744,9 +744,9 @@ def write(R: dict, args, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = out.read_text(encoding="utf-8") if out.is_file() else ""
     out.write_text(text, encoding="utf-8")
-    if versus_llamacpp.BEGIN in previous and versus_llamacpp.END in previous:  # its own run's section stays
-        kept = previous.split(versus_llamacpp.BEGIN, 1)[1].split(versus_llamacpp.END, 1)[0]
-        versus_llamacpp.splice(out, versus_llamacpp.BEGIN + kept + versus_llamacpp.END + "\n")
+    kept = versus_llamacpp.section_in(previous)  # the llama.cpp section is its own run's: it stays
+    if kept:
+        versus_llamacpp.splice(out, kept)
     print(text)
     log(f"written to {out}" + ("" if args.write else " (only a full run with --write replaces benchmarks/RESULTS.md)"))
 

@@ -400,6 +400,13 @@ def report(R: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section_in(text: str) -> str | None:
+    """The llama.cpp section held in a RESULTS.md text, markers included; None if it holds none."""
+    if BEGIN not in text or END not in text:
+        return None
+    return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+
+
 def splice(results_md: Path, section: str) -> None:
     """Put the section into RESULTS.md in place of the previous one (or at the end)."""
     text = results_md.read_text(encoding="utf-8") if results_md.is_file() else ""

@@ -237,3 +237,5 @@ def test_splice_replaces_the_section_and_keeps_the_rest(tmp_path):
     text = md.read_text()
     assert text.count(versus_llamacpp.BEGIN) == 1 and "2026-12-03 09:00" in text and "2026-12-02 17:00" not in text
     assert text.endswith("\nafter\n")
+    kept = versus_llamacpp.section_in(text)  # what benchmarks/run.py --write carries into its new report
+    assert kept == versus_llamacpp.report(R) and versus_llamacpp.section_in("# no section\n") is None
