@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -110,7 +111,8 @@ def windows_forwarded(T: int, n_ctx: int, stride: int) -> int:
 def score_probe(folder: str, text_file: str) -> dict:
     """In this (fresh) process: load through the API, warm up on a short text, then time one
     `Model.score` over the text (default stride: n_ctx / 2, llama-perplexity's halves). The log-probs
-    of the tokens llama-perplexity scores (the second half of each n_ctx chunk) are summed too."""
+    of the tokens llama-perplexity scores (the second half of each n_ctx chunk, with the context from
+    the chunk's start, as lmhead's window there has it) give their perplexity too."""
     import lmhead_cli
 
     text = Path(text_file).read_text(encoding="utf-8")
@@ -121,11 +123,13 @@ def score_probe(folder: str, text_file: str) -> dict:
     seconds = time.perf_counter() - start
     reading = result.reading
     T, n_ctx = int(reading.ids.numel()), reading.window
-    halves = [p for c in range(T // n_ctx) for p in range(c * n_ctx + n_ctx // 2, (c + 1) * n_ctx)]
+    # llama-perplexity's tokens: in chunk c, the logits at positions n_ctx/2 .. n_ctx-2 predict tokens
+    # n_ctx/2 + 1 .. n_ctx - 1 (tools/perplexity/perplexity.cpp: n_ctx - 1 - first a chunk)
+    halves = [p for c in range(T // n_ctx) for p in range(c * n_ctx + n_ctx // 2 + 1, (c + 1) * n_ctx)]
     nll = -float(reading.logprob[halves].double().sum())
     return {"s": seconds, "tokens": T, "scored": int(reading.scored.sum()), "window": n_ctx, "stride": reading.stride,
             "forwarded": windows_forwarded(T, n_ctx, reading.stride), "halves": len(halves),
-            "halves_ppl": float(__import__("math").exp(nll / len(halves)))}
+            "halves_ppl": math.exp(nll / len(halves))}
 
 
 def llama_score(gguf: Path, text_file: Path, n_ctx: int, threads: int) -> dict:
@@ -140,7 +144,7 @@ def llama_score(gguf: Path, text_file: Path, n_ctx: int, threads: int) -> dict:
     eval_ms, evaluated = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out).groups()
     ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", out).group(1))
     return {"s": float(eval_ms) / 1e3, "wall_s": wall, "forwarded": int(evaluated), "chunks": chunks,
-            "scored": chunks * (n_ctx - n_ctx // 2), "ppl": ppl}
+            "scored": chunks * (n_ctx - n_ctx // 2 - 1), "ppl": ppl}
 
 
 def score(folder: Path, gguf: Path, n_tokens: int, rounds: int, threads: int) -> dict:
