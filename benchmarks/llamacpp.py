@@ -58,8 +58,8 @@ def binary(name: str, root: Path | None = None) -> Path | None:
     return exe if exe.is_file() and os.access(exe, os.X_OK) else None
 
 
-def ready(root: Path | None = None) -> bool:
-    return source_tree(root) is not None and all(binary(t, root) for t in TOOLS)
+def ready(root: Path | None = None, tools: tuple[str, ...] = TOOLS) -> bool:
+    return source_tree(root) is not None and all(binary(t, root) for t in tools)
 
 
 def version(root: Path | None = None) -> str:
@@ -103,11 +103,11 @@ def download(root: Path) -> Path:
     return tree
 
 
-def build(root: Path | None = None) -> Path:
-    """Build (once) llama.cpp's tools into root/build/bin; the bin folder. Raises Unavailable (one line)
-    without cmake or a compiler."""
+def build(root: Path | None = None, tools: tuple[str, ...] = TOOLS) -> Path:
+    """Build (once) llama.cpp's `tools` into root/build/bin; the bin folder. Raises Unavailable (one
+    line) without cmake or a compiler."""
     root = root or cache()
-    if ready(root):
+    if ready(root, tools):
         return root / "build" / "bin"
     missing = [t for t in ("cmake",) if not shutil.which(t)]
     if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
@@ -118,13 +118,14 @@ def build(root: Path | None = None) -> Path:
     build_dir = root / "build"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     jobs = str(max(1, min(os.cpu_count() or 1, 4)))
-    _run(["cmake", "-S", str(tree), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-          "-DBUILD_SHARED_LIBS=OFF"])
-    _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", jobs, "--target", *TOOLS])
-    if not ready(root):
-        raise Unavailable(f"the build finished but {build_dir / 'bin'} lacks one of {', '.join(TOOLS)}")
+    if not (build_dir / "CMakeCache.txt").is_file():
+        _run(["cmake", "-S", str(tree), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Release",
+              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
+              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DBUILD_SHARED_LIBS=OFF"])
+    _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", jobs, "--target", *tools])
+    if not ready(root, tools):
+        raise Unavailable(f"the build finished but {build_dir / 'bin'} lacks one of {', '.join(tools)}")
     return build_dir / "bin"
 
 

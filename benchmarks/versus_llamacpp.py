@@ -464,8 +464,9 @@ def main(argv: list[str]) -> int:
         parser.error("--score-tokens: at least 2,048 (llama-perplexity needs two chunks of 1,024)")
     # a 15-minute run on a shared machine: shorter waits for idle CPUs than run.py's
     QUIET.patience, QUIET.budget, QUIET.retry_budget = 10.0, 60.0, 90.0
-    try:
-        llamacpp.build()
+    needs = {"decode": "llama-bench", "busy": "llama-bench", "score": "llama-perplexity", "serve": "llama-server"}
+    try:  # only the tools this run uses (and llama-quantize, for the BF16 and Q8_0 files)
+        llamacpp.build(tools=tuple(sorted({"llama-quantize"} | {needs[s] for s in only})))
     except llamacpp.Unavailable as e:
         log(f"versus_llamacpp: {e}")
         return 1
