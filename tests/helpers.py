@@ -432,40 +432,63 @@ def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(model) -> dict[str, torch.Tensor]:
-    """A transformers GPT-2 or Llama's weights under GGUF names and layouts, as convert_hf_to_gguf.py
-    writes them: GPT-2's Conv1D weights transposed to [out, in], Llama's q and k permuted."""
-    cfg = model.config
-    sd = {k: v.detach().float() for k, v in model.state_dict().items() if not k.endswith(".attn.bias")}
-    out: dict[str, torch.Tensor] = {}
+def gguf_names(cfg) -> list[tuple[str, str, str | None]]:
+    """(GGUF name, transformers name, how convert_hf_to_gguf.py lays it out: None as is, "T" transposed,
+    "q"/"k" permuted for ggml's rope) for a transformers GPT-2 or Llama config."""
     if cfg.model_type == "gpt2":
-        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-        out["token_embd.weight"], out["position_embd.weight"] = sd["wte.weight"], sd["wpe.weight"]
-        out["output_norm.weight"], out["output_norm.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
+        names = [("token_embd.weight", "transformer.wte.weight", None),
+                 ("position_embd.weight", "transformer.wpe.weight", None),
+                 ("output_norm.weight", "transformer.ln_f.weight", None),
+                 ("output_norm.bias", "transformer.ln_f.bias", None)]
         for i in range(cfg.n_layer):
             for g, hf in (("attn_norm", "ln_1"), ("attn_qkv", "attn.c_attn"), ("attn_output", "attn.c_proj"),
                           ("ffn_norm", "ln_2"), ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")):
-                w = sd[f"h.{i}.{hf}.weight"]
-                out[f"blk.{i}.{g}.weight"] = w if w.dim() == 1 else w.t().contiguous()
-                out[f"blk.{i}.{g}.bias"] = sd[f"h.{i}.{hf}.bias"]
-        if not cfg.tie_word_embeddings:
-            out["output.weight"] = sd["lm_head.weight"]
-        return out
-    out["token_embd.weight"], out["output_norm.weight"] = sd["model.embed_tokens.weight"], sd["model.norm.weight"]
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for g, hf in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-                      ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-                      ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"),
-                      ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
-            w = sd[p + hf + ".weight"]
-            if g == "attn_q":
-                w = llama_permute(w, cfg.num_attention_heads)
-            elif g == "attn_k":
-                w = llama_permute(w, cfg.num_key_value_heads)
-            out[f"blk.{i}.{g}.weight"] = w.contiguous()
+                names.append((f"blk.{i}.{g}.weight", f"transformer.h.{i}.{hf}.weight", None if "norm" in g else "T"))
+                names.append((f"blk.{i}.{g}.bias", f"transformer.h.{i}.{hf}.bias", None))
+    else:
+        names = [("token_embd.weight", "model.embed_tokens.weight", None), ("output_norm.weight", "model.norm.weight", None)]
+        for i in range(cfg.num_hidden_layers):
+            for g, hf in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"),
+                          ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                          ("attn_output", "self_attn.o_proj"), ("ffn_norm", "post_attention_layernorm"),
+                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
+                names.append((f"blk.{i}.{g}.weight", f"model.layers.{i}.{hf}.weight",
+                              {"attn_q": "q", "attn_k": "k"}.get(g)))
     if not cfg.tie_word_embeddings:
-        out["output.weight"] = sd["lm_head.weight"]
+        names.append(("output.weight", "lm_head.weight", None))
+    return names
+
+
+def _heads(cfg, kind: str) -> int:
+    return cfg.num_attention_heads if kind == "q" else cfg.num_key_value_heads
+
+
+def gguf_tensors(model) -> dict[str, torch.Tensor]:
+    """A transformers GPT-2 or Llama's weights under GGUF names and layouts, as convert_hf_to_gguf.py
+    writes them: GPT-2's Conv1D weights transposed to [out, in], Llama's q and k permuted."""
+    sd = model.state_dict()
+    out = {}
+    for g, hf, kind in gguf_names(model.config):
+        w = sd[hf].detach().float()
+        w = w.t() if kind == "T" else llama_permute(w, _heads(model.config, kind)) if kind else w
+        out[g] = w.contiguous()
+    return out
+
+
+def from_gguf_layout(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of gguf_tensors, for the test's oracle: GGUF names and layouts -> transformers' state
+    dict. A permutation is undone by indexing with the permutation of the row numbers (argsort), not
+    by a second formula."""
+    out = {}
+    for g, hf, kind in gguf_names(model.config):
+        w = tensors[g]
+        if kind == "T":
+            w = w.t()
+        elif kind:
+            rows = llama_permute(torch.arange(w.shape[0], dtype=torch.float64)[:, None],
+                                 _heads(model.config, kind))[:, 0].long()  # GGUF row r holds HF row rows[r]
+            w = w[torch.argsort(rows)]
+        out[hf] = w.contiguous()
     return out
 
 
@@ -488,12 +511,13 @@ def k_quant_blocks(qtype: str, rows: int, cols: int, seed: int = 0):
 
 
 def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = None, meta: dict | None = None,
-               drop: tuple[str, ...] = (), k_seed: int = 0) -> dict[str, tuple[str, object]]:
+               drop: tuple[str, ...] = (), k_seed: int = 0, arch: str | None = None) -> dict[str, tuple[str, object]]:
     """A GGUF file of a transformers GPT-2 or Llama (GPT-2's tokenizer), written with gguf.GGUFWriter:
     matrices in `qtype` where their rows fit its block (else F32), vectors in F32, as llama.cpp's
     quantiser does. F16, BF16, Q8_0, Q4_0 through gguf.quants.quantize; Q4_K and Q6_K from raw blocks
     (k_quant_blocks). `tensors` replaces tensors (GGUF names), `meta` adds or replaces metadata keys
-    (value, or (value, GGUFValueType)), `drop` leaves keys or tensors out. Returns what was written:
+    (value, or (value, GGUFValueType)), `drop` leaves keys or tensors out, `arch` replaces
+    general.architecture. Returns what was written:
     name -> (type name, numpy data as stored)."""
     import numpy as np
     from gguf import GGUFWriter
@@ -501,7 +525,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = 
     from gguf.quants import quantize
 
     cfg = model.config
-    arch = cfg.model_type
+    arch_name, arch = arch, cfg.model_type  # `arch`: general.architecture, when it should lie
     weights = {**gguf_tensors(model), **(tensors or {})}
     tokens, merges, types = gpt2_tokens()
     if arch == "gpt2":
@@ -523,7 +547,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = 
     ftypes = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
     kv["general.file_type"] = ftypes[qtype]
     kv |= meta or {}
-    w = GGUFWriter(str(path), arch)
+    w = GGUFWriter(str(path), arch_name or arch)
     for key, value in kv.items():
         if key in drop:
             continue
