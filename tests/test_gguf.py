@@ -173,12 +173,12 @@ HOSTILE = ["The keys on the table", "", " ", "   leading and trailing   ", "\x1b
 
 
 def test_tokenizer_from_gguf_equals_the_hf_tokenizer_on_hostile_text(gpt2, tmp_path):
-    from transformers import GPT2TokenizerFast
+    from transformers import GPT2Tokenizer as ReferenceTokenizer
 
     folder, model = gpt2
     write_gguf(model, tmp_path / "t.gguf", "F32")
     tok = read_gguf(tmp_path / "t.gguf").tokenizer
-    hf = GPT2TokenizerFast(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"))
+    hf = ReferenceTokenizer.from_pretrained(str(folder))  # transformers' own, from the checkpoint's files
     assert tok.vocab_size == len(hf) == 50257
     for text in HOSTILE:
         ids = hf.encode(text, add_special_tokens=False)
