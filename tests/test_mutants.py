@@ -607,9 +607,11 @@ def test_another_tokenizer_that_only_adds_tokens_is_named_where_the_shorter_spli
     from lmhead_cli.readings.compare import check_same_tokens
 
     longer = bytearray(np.array([5, 6, 7, 8, 9], dtype=np.int32).tobytes())
-    base = SimpleNamespace(source="other", tokenizer=SimpleNamespace(encode_long=lambda text: longer))
-    with pytest.raises(UsageError, match="into 5 tokens against 3, differing first at token 3;"):
-        check_same_tokens(None, base, torch.tensor([5, 6, 7]), "text")
+    base = SimpleNamespace(source="other", tokenizer=SimpleNamespace(encode_long=lambda text: longer, token_text=str))
+    q = SimpleNamespace(source="q", tokenizer=SimpleNamespace(token_text=str))
+    with pytest.raises(UsageError, match="into 5 tokens against 3, differing first at token 3; there q reads "
+                                         r"nothing \(its split has ended\) and the base '8' \(id 8\)"):
+        check_same_tokens(q, base, torch.tensor([5, 6, 7]), "text")
 
 
 def test_the_attribution_check_is_relative_only_above_one():
