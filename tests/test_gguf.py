@@ -353,3 +353,24 @@ def test_the_cli_says_what_was_dequantised_and_inspect_is_the_forward(gpt2, tmp_
     assert params.exit_code == 0, params.output
     bf = cli("inspect", PROMPT, "--model", str(path), "--dtype", "bfloat16")
     assert bf.exit_code == 0 and "dequantised to float32 by gguf.quants, then cast to bfloat16" in bf.stderr
+
+
+def test_the_server_serves_a_gguf(gpt2, tmp_path):
+    """`lmhead serve --model FILE.gguf`: echo's logprobs are transformers' log_softmax on the file's
+    dequantised weights, at every position of the prompt."""
+    import httpx
+    from helpers import serving
+
+    _, model = gpt2
+    path = tmp_path / "served.gguf"
+    twin, _ = oracle(model, write_gguf(model, path, "Q4_0"))
+    with serving(path) as s:
+        doc = httpx.post(s.url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+    assert "dequantised to float32 by gguf.quants" in s.output
+    lp = doc["choices"][0]["logprobs"]["token_logprobs"]
+    with torch.no_grad():
+        ref = torch.log_softmax(twin(torch.tensor([PROMPT_IDS])).logits[0].double(), -1)
+    assert lp[0] is None
+    for i, got in enumerate(lp[1:], start=1):
+        assert got == pytest.approx(float(ref[i - 1, PROMPT_IDS[i]]), abs=1e-4)
