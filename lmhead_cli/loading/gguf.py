@@ -55,7 +55,8 @@ class GGUFModel:
     def describe(self, path, dtype: str) -> str:
         """The one line the loader announces: the file's own type and what was dequantised to what."""
         held = ", ".join(f"{n} {t}" for t, n in sorted(self.types.items(), key=lambda kv: -kv[1]))
-        then = "" if dtype == "float32" else f", then cast to {dtype}"
+        then = ("" if dtype == "float32" else ", then quantised to lmhead's int8 (a scale per row)" if dtype == "int8"
+                else f", then cast to {dtype}")
         return (f"{path}: a GGUF {self.config['model_type']} of file type {self.file_type} ({held} tensors), "
                 f"dequantised to float32 by gguf.quants{then}")
 
