@@ -197,15 +197,16 @@ class Model(Serving):
         checks.stride(stride, self.n_ctx)
 
     def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
-                stride: int | None = None, chunk: int | None = None,
+                stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,
                 progress: Callable[[int, int], None] | None = None):
         """This model (Q) against `base` over every token of `text`: llama-perplexity --kl-divergence's
         statistics (api/compare.py). `base`: a Model, a source, or None / "same" for this model's own
-        source, loaded in `base_dtype`."""
+        source, loaded in `base_dtype`. `llama_chunks` = n: llama-perplexity's positions (chunks of n
+        tokens, the second half of each scored)."""
         from lmhead_cli.api.compare import compare
 
         return compare(self, text, base, base_dtype=base_dtype, bos=bos, stride=stride, chunk=chunk,
-                       progress=progress)
+                       llama_chunks=llama_chunks, progress=progress)
 
     def score_lines(self, lines: Iterable, *, bos: bool = False, stride: int | None = None,
                     chunk: int | None = None) -> results.LineResults:
