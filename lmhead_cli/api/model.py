@@ -174,6 +174,26 @@ class Model(Serving):
             tuning.lens.name = str(out)
         return results.TuneResult(tuning, self.provenance, out)
 
+    def neurons(self, prompt: str | None = None, *, layer: int | None = None, token: str | None = None,
+                target: str | None = None, top: int | None = None,
+                neurons: Iterable[int] = ()) -> results.NeuronsResult:
+        """What MLP neurons write into the vocabulary (e_k · (γ ⊙ centre(v)), v a value vector):
+        - `layer` alone: each neuron of that layer (or of `neurons`, indices) with the `top` (5) tokens it
+          promotes and suppresses most;
+        - `token`: the `top` (10) neurons of the model (or of `layer`) that write that token most;
+        - `prompt` and `target`: attribute at neuron grain, the `top` (10) neurons' shares of the target's
+          logit at the last position, with the check that they add up to attribute's MLP parts."""
+        from lmhead_cli.readings import neurons as reading
+
+        checks.neurons(prompt, layer, token, target, top)
+        if prompt is not None:
+            result = reading.neuron_shares(self.loaded, prompt, target, top or 10, layer)
+        elif token is not None:
+            result = reading.token_writers(self.loaded, token, top or 10, layer)
+        else:
+            result = reading.layer_neurons(self.loaded, layer, top or 5, list(neurons))
+        return results.NeuronsResult(result)
+
     # ---- explore's session: one prompt at a time, with the session's settings -------------------------
     def explore_reading(self, prompt: str, settings):
         """The top-k table (and targets) after the stages `settings` (readings.explore.Settings) turn on:

@@ -169,6 +169,12 @@ class LensResult(ReadingResult):
     DOCUMENT = "lens:lens_json"
 
 
+class NeuronsResult(ReadingResult):
+    """neurons: readings.neurons.Neurons."""
+
+    DOCUMENT = "neurons:neurons_json"
+
+
 @dataclass(eq=False)
 class TuneResult(Result):
     """tune-lens: readings.tune_lens.Tuning (`lens` the trained TunedLens), where the model came from,
