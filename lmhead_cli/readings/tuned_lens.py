@@ -216,3 +216,30 @@ def load_lens(loaded: Loaded, where: str | Path) -> TunedLens:
         raise WrongLens(f"the tuned lens {lens.name} is for {theirs.model}, whose embedding table is not "
                         f"{mine.model}'s (same shape, other weights)")
     return lens
+
+
+@torch.inference_mode()
+def mean_kl_to_final(loaded: Loaded, ids: list[int], lens: TunedLens | None = None) -> dict[str, list[float]]:
+    """KL(final ‖ each layer's reading), in nats, averaged over every position of `ids` (at most n_ctx
+    tokens, one forward): {"logit": [L + 1 values]} and, with `lens`, "tuned" too. Readings go through
+    the model's own final norm and head, as `lens` reads them. Memory: one layer's (T, V) at a time."""
+    eng = loaded.engine
+    if len(ids) > eng.n_ctx:
+        raise ValueError(f"{len(ids)} tokens exceed the context of {eng.n_ctx}")
+    x = torch.tensor([ids], device=eng.device)  # (1, T)
+    resid = list(eng.residuals(x))  # L + 1 × (1, T, D)
+
+    def logprobs(h: torch.Tensor) -> torch.Tensor:  # (1, T, D) -> (T, V) float64
+        return torch.log_softmax(eng.head(eng.final_norm(h))[0].double(), -1)
+
+    final = logprobs(resid[-1])
+    p = final.exp()
+    neg_entropy = (p * final).sum(-1)  # (T,)
+    out: dict[str, list[float]] = {"logit": []}
+    if lens is not None:
+        out["tuned"] = []
+    for layer, h in enumerate(resid):
+        out["logit"].append(float((neg_entropy - (p * logprobs(h)).sum(-1)).mean()))
+        if lens is not None:
+            out["tuned"].append(float((neg_entropy - (p * logprobs(lens.translate(layer, h))).sum(-1)).mean()))
+    return out
