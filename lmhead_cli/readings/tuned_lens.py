@@ -229,8 +229,8 @@ def mean_kl_to_final(loaded: Loaded, ids: list[int], lens: TunedLens | None = No
     x = torch.tensor([ids], device=eng.device)  # (1, T)
     resid = list(eng.residuals(x))  # L + 1 × (1, T, D)
 
-    def logprobs(h: torch.Tensor) -> torch.Tensor:  # (1, T, D) -> (T, V) float64
-        return torch.log_softmax(eng.head(eng.final_norm(h))[0].double(), -1)
+    def logprobs(h: torch.Tensor) -> torch.Tensor:  # (1, T, D) -> (T, V) float32
+        return torch.log_softmax(eng.head(eng.final_norm(h))[0].float(), -1)
 
     final = logprobs(resid[-1])
     p = final.exp()
@@ -239,7 +239,7 @@ def mean_kl_to_final(loaded: Loaded, ids: list[int], lens: TunedLens | None = No
     if lens is not None:
         out["tuned"] = []
     for layer, h in enumerate(resid):
-        out["logit"].append(float((neg_entropy - (p * logprobs(h)).sum(-1)).mean()))
+        out["logit"].append(float((neg_entropy - (p * logprobs(h)).sum(-1)).double().mean()))
         if lens is not None:
-            out["tuned"].append(float((neg_entropy - (p * logprobs(lens.translate(layer, h))).sum(-1)).mean()))
+            out["tuned"].append(float((neg_entropy - (p * logprobs(lens.translate(layer, h))).sum(-1)).double().mean()))
     return out

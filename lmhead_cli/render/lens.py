@@ -60,7 +60,7 @@ def tuning_report(result) -> None:
         table.add_row(layer_name(layer), f"{a:.4f}", f"{b:.4f}")
     con.print(table)
     if result.out is not None:
-        con.print(compose("wrote ", text_cell(result.out), f" (read it with lmhead lens PROMPT --tuned PATH)"))
+        con.print(compose("wrote ", text_cell(result.out), " (read it with lmhead lens PROMPT --tuned PATH)"))
 
 
 def _header(lens) -> None:
@@ -87,9 +87,9 @@ def lens_table(lens) -> None:
     for t in targets:
         table.add_column(compose(tok(t.token), " rank"), justify="right")
         table.add_column(compose(tok(t.token), " prob"), justify="right")
-    tuned = lens.tuned_lens is not None
-    table.add_column("KL logit", justify="right")
+    tuned = lens.tuned_lens is not None  # the KL columns come with it (--json always has kl_to_final)
     if tuned:
+        table.add_column("KL logit", justify="right")
         for name in ("tuned top", "prob", "KL tuned"):
             table.add_column(name, justify="left" if name == "tuned top" else "right")
         for t in targets:
@@ -99,16 +99,15 @@ def lens_table(lens) -> None:
                  f"{row.entropy:.4f}"]
         for t in row.targets:
             cells += [f"{t.rank:,}", f"{t.prob:.4%}"]
-        cells.append(f"{row.kl_to_final['logit']:.4f}")
         if tuned:
-            cells += [tok(row.tuned.top_token), f"{row.tuned.top_prob:.4%}", f"{row.kl_to_final['tuned']:.4f}"]
+            cells += [f"{row.kl_to_final['logit']:.4f}", tok(row.tuned.top_token), f"{row.tuned.top_prob:.4%}", f"{row.kl_to_final['tuned']:.4f}"]
             cells += [f"{t.prob:.4%}" for t in row.tuned.targets]
         table.add_row(*cells)
     out().print(table)
     if tuned:
         out().print(compose("tuned lens: ", text_cell(lens.tuned_lens), "; each layer read through its "
                             "translator h + A·h + b before the norm and the head"))
-    out().print("KL: KL(final ‖ the layer's reading) in nats")
+        out().print("KL: KL(final ‖ the layer's reading) in nats")
     if lens.position == len(lens.prompt_tokens) - 1:
         out().print("entropy in nats; the last row is what `lmhead inspect` shows")
     else:

@@ -46,7 +46,7 @@ def neurons_report(n) -> None:
         table = compact_table(f"{len(n.neurons):,} neurons: the {n.top} tokens each promotes and suppresses most",
                               ("neuron", "right"), ("promotes", "left"), ("suppresses", "left"))
         for x in n.neurons:
-            table.add_row(f"{x.layer}.{x.index}", _tokens(x.promotes), _tokens(x.suppresses))
+            table.add_row(str(x.index), _tokens(x.promotes), _tokens(x.suppresses))
         con.print(table)
         return
     if n.mode == "token":
