@@ -203,7 +203,7 @@ def load_lens(loaded: Loaded, where: str | Path) -> TunedLens:
         if loaded.source != BUNDLED_FOR:
             raise WrongLens(f"the bundled tuned lens is {BUNDLED_FOR}'s; {loaded.source} has none: "
                             f"train one with lmhead tune-lens --model {loaded.source}")
-        lens = read_lens(bundled_path(), name=f"bundled ({bundled_path()})")
+        lens = read_lens(bundled_path(), name=BUNDLED)
     else:
         lens = read_lens(where)
     mine = identity_of(loaded)
