@@ -106,6 +106,10 @@ class UnsupportedModel(LmheadError):
     """A model lmhead cannot run, or a reading this model cannot give; the message names what it lacks."""
 
 
+class WrongLens(LmheadError):
+    """A tuned-lens file trained for another model (another shape, or the same shape with other weights)."""
+
+
 def is_library_panic(e: BaseException) -> bool:
     """A Rust library's panic surfacing in Python (tokenizers, safetensors): pyo3's PanicException,
     which derives from BaseException, so `except Exception` lets it through."""

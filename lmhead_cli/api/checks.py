@@ -69,6 +69,29 @@ def attribution(prompt: str | None, target: str | None, vs: str | None) -> None:
     check_attribute(prompt, target, vs)
 
 
+def neurons(prompt: str | None, layer: int | None, token: str | None, target: str | None,
+            top: int | None) -> None:
+    """`neurons`' values: a prompt needs a target (and then no token); without one, a layer or a token."""
+    if top is not None:
+        at_least_one("top", top)
+    if prompt is not None:
+        if target is None:
+            raise UsageError("with a prompt, give ", Param("target"), ": the token whose logit the neurons' "
+                             "shares add up to")
+        if token is not None:
+            raise UsageError("give a prompt with ", Param("target"), ", or ", Param("token"), " alone, not both")
+        attribution(prompt, target, None)
+    elif target is not None:
+        raise UsageError(Param("target"), " needs a prompt: the text whose next-token logit to take apart")
+    elif layer is None and token is None:
+        raise UsageError("give ", Param("layer"), " (a layer's neurons), ", Param("token"),
+                         " (the neurons that write it) or a prompt and ", Param("target"))
+    if token is not None and not token:
+        raise BadValue("token", "must be a non-empty text (it has no token)")
+    if layer is not None and layer < 0:
+        raise BadValue("layer", f"must be at least 0 (got {layer})")
+
+
 def text(value: str) -> str:
     """score's text: not empty, valid Unicode."""
     from lmhead_cli.readings.score import check_text

@@ -125,13 +125,74 @@ class Model(Serving):
         checks.attribution(prompt, target, vs)
         return results.AttributeResult(attribute_logit(self.loaded, prompt, target, vs))
 
-    def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8) -> results.LensResult:
+    def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8, *,
+             tuned=None) -> results.LensResult:
         """Logit lens: what the head predicts from the residual stream after each block, at `position`
-        (-1 or None: the last token)."""
+        (-1 or None: the last token). `tuned`: a tuned-lens file (a path, or "bundled" for bundled:tiny's)
+        or a TunedLens (`tune_lens().lens`), read beside the logit lens; each layer's `kl_to_final` then
+        has both lenses' KL to the final distribution."""
         from lmhead_cli.readings.lens import lens_prompt
 
         checks.one_prompt(prompt, targets, top_k)
-        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position))
+        lens = self.tuned_lens(tuned) if tuned is not None else None
+        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position, lens))
+
+    def tuned_lens(self, where):
+        """A tuned lens for this model: `where` is a path, "bundled", or a TunedLens (checked against
+        this model either way). WrongLens if it was trained for another model; CorruptCheckpoint if the
+        file is damaged."""
+        from lmhead_cli.readings import tuned_lens
+
+        if isinstance(where, tuned_lens.TunedLens):
+            tuned_lens.check_readable(self.loaded)
+            mine = tuned_lens.identity_of(self.loaded)
+            if where.identity != mine:
+                from lmhead_cli.errors import WrongLens
+
+                raise WrongLens(f"the tuned lens {where.name} is for {where.identity.describe()}; "
+                                f"this model is {mine.describe()}")
+            return where
+        return tuned_lens.load_lens(self.loaded, where)
+
+    def tune_lens(self, text: str | None = None, *, file: str | None = None, out: str | None = None,
+                  steps: int = 300, batch: int = 4, seq: int | None = None, lr: float = 1e-3, warmup: int = 20,
+                  seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> results.TuneResult:
+        """Train a tuned lens for this model on `text` or the file `file` (read a window at a time):
+        `steps` steps of `batch` windows of `seq` tokens (default min(n_ctx, 128)), Adam at `lr` with
+        `warmup` steps of warm-up and a linear decay. Writes it to `out` (safetensors) when given.
+        `progress(step, steps, mean_kl)` hears each step."""
+        from lmhead_cli.readings.tune_lens import TextSource, TuneSettings, tune_lens
+        from lmhead_cli.readings.tuned_lens import save_lens
+
+        settings = TuneSettings(steps=steps, batch=batch, seq=seq, lr=lr, warmup=warmup, seed=seed)
+        settings.check()
+        if text is not None:
+            checks.text(text)
+        tuning = tune_lens(self.loaded, TextSource(text, file), settings, progress)
+        if out is not None:
+            save_lens(tuning.lens, out)
+            tuning.lens.name = str(out)
+        return results.TuneResult(tuning, self.provenance, out)
+
+    def neurons(self, prompt: str | None = None, *, layer: int | None = None, token: str | None = None,
+                target: str | None = None, top: int | None = None,
+                neurons: Iterable[int] = ()) -> results.NeuronsResult:
+        """What MLP neurons write into the vocabulary (e_k · (γ ⊙ centre(v)), v a value vector):
+        - `layer` alone: each neuron of that layer (or of `neurons`, indices) with the `top` (5) tokens it
+          promotes and suppresses most;
+        - `token`: the `top` (10) neurons of the model (or of `layer`) that write that token most;
+        - `prompt` and `target`: attribute at neuron grain, the `top` (10) neurons' shares of the target's
+          logit at the last position, with the check that they add up to attribute's MLP parts."""
+        from lmhead_cli.readings import neurons as reading
+
+        checks.neurons(prompt, layer, token, target, top)
+        if prompt is not None:
+            result = reading.neuron_shares(self.loaded, prompt, target, top or 10, layer)
+        elif token is not None:
+            result = reading.token_writers(self.loaded, token, top or 10, layer)
+        else:
+            result = reading.layer_neurons(self.loaded, layer, top or 5, list(neurons))
+        return results.NeuronsResult(result)
 
     # ---- explore's session: one prompt at a time, with the session's settings -------------------------
     def explore_reading(self, prompt: str, settings):
