@@ -231,3 +231,20 @@ class ScoreResult(ReadingResult):
         from lmhead_cli.render.html import score_html
 
         return score_html(self.reading, fragment=True)
+
+
+class CalibrateResult(ReadingResult):
+    """calibrate: readings.calibrate.Calibration; its pictures are the reliability diagram."""
+
+    DOCUMENT = "calibrate:calibration_json"
+
+    def to_html(self) -> str:
+        """The reliability diagram and the figures as one self-contained HTML page (`calibrate --html`)."""
+        from lmhead_cli.render.calibrate import calibration_html
+
+        return calibration_html(self.reading)
+
+    def _repr_html_(self) -> str:
+        from lmhead_cli.render.calibrate import calibration_html
+
+        return calibration_html(self.reading, fragment=True)

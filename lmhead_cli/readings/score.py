@@ -268,19 +268,23 @@ def text_ids(loaded: Loaded, text: str, bos: bool) -> torch.Tensor:
 # on_rows(ids (n,), logprob (n,), top ids (n, K) | None, top log p (n, K) | None), on the CPU: the
 # scored tokens of one head chunk, in text order, as soon as they are scored.
 OnRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+# on_hidden(hidden (n, D), ids (n,)): each window's hidden states after the final norm, on the engine's
+# device, and the tokens they predict, in text order (calibrate keeps them to refit the head's temperature).
+OnHidden = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @torch.inference_mode()
 def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
               chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
-              top_logprobs: int = 0, on_rows: OnRows | None = None, alternatives: int = 0) -> dict:
+              top_logprobs: int = 0, on_rows: OnRows | None = None, alternatives: int = 0,
+              on_hidden: OnHidden | None = None) -> dict:
     """Score token ids (T,) window by window, the head in chunks. Returns the Score's columns.
 
     `progress(done, total)` is called after each chunk with the tokens scored so far. With
     `on_rows`, each chunk's scored tokens are also handed over with their `top_logprobs` most
     probable tokens, which are not kept: the memory stays chunk × top_logprobs, whatever T is.
     With `alternatives` = K (≤ MAX_ALTERNATIVES), the K most probable tokens of every position are
-    kept, as the columns alt_ids and alt_logprob (T, K)."""
+    kept, as the columns alt_ids and alt_logprob (T, K). `on_hidden` hears each window's hidden states."""
     check_alternatives(alternatives)
     fix_mmap_threshold()  # the chunks' buffers go back to the OS, not into a growing heap (engine/heap.py)
     eng = loaded.engine
@@ -304,6 +308,8 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     total, done = sum(w.end - w.first for w in plan), 0
     for w in plan:
         pred = eng.body(seq[None, w.begin:w.end].to(eng.device))[0][w.predictors]  # (n, D), after the final norm
+        if on_hidden is not None:
+            on_hidden(pred, seq[w.first:w.end])
         for lo, hi in w.chunks(chunk):
             # (chunk, V) logits, dropped here
             rows = score_rows(eng.head(pred[lo - w.first:hi - w.first]), seq[lo:hi].to(eng.device), top)
