@@ -103,8 +103,10 @@ class Calibration:
 # ---- the arithmetic ----------------------------------------------------------------------------
 
 def bin_index(confidence: torch.Tensor, bins: int = BINS) -> torch.Tensor:
-    """The bin (lo, hi] of each confidence (n,) in (0, 1]: ceil(c · bins) - 1, (n,) int64."""
-    return (confidence * bins).ceil().long().sub_(1).clamp_(0, bins - 1)
+    """The bin (lo, hi] of each confidence (n,) in (0, 1], (n,) int64: compared with the edges i / bins
+    themselves (c · bins rounds: (1/15) · 15 is above 1 in floating point)."""
+    edges = torch.tensor([i / bins for i in range(1, bins)], dtype=confidence.dtype)
+    return torch.bucketize(confidence, edges, right=False)
 
 
 def reliability(confidence: torch.Tensor, correct: torch.Tensor, bins: int = BINS) -> tuple[list[Bin], float, float]:
