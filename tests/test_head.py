@@ -243,6 +243,62 @@ def test_score_rows_refuses_non_finite_rows_naming_how_many(rows_path):
                             + head.NON_FINITE_ADVICE)
 
 
+def ref_uncertainty(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(entropy, varentropy, margin) by their definitions in float64: H = E[-log p], Var[-log p] =
+    E[(-log p - H)²] under p, and the gap between the two best log-probabilities."""
+    lp = ref_logprobs(z)
+    p = lp.exp()
+    h = -(p * lp).nan_to_num(nan=0.0).sum(-1)
+    var = (p * (-lp - h[..., None]) ** 2).nan_to_num(nan=0.0).sum(-1)
+    two = lp.sort(-1, descending=True).values
+    return h, var, two[..., 0] - two[..., 1]
+
+
+def test_score_rows_varentropy_and_margin_by_their_definitions(rows_path):
+    z = Z.clone()
+    z[1, 7] = z[1].max()  # a tie for the top: margin 0
+    h, var, gap = ref_uncertainty(z)
+    rows = head.score_rows(z.clone(), torch.tensor([4, 17, 30]))
+    assert rows.varentropy.dtype == rows.margin.dtype == torch.float32
+    torch.testing.assert_close(rows.varentropy.double(), var, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows.margin.double(), gap, atol=1e-5, rtol=1e-6)
+    assert float(rows.margin[1]) == 0.0 and float(var.min()) > 0.1  # not a trivial 0 anywhere else
+
+
+def test_score_rows_varentropy_and_margin_with_dropped_tokens_and_one_survivor(rows_path):
+    """A -inf logit adds nothing to the varentropy; a row with one possible token has varentropy 0
+    and no second token: margin inf (JSON documents show null)."""
+    z = Z.clone()
+    z[0, 5] = z[0].max() + 1  # the top-1, and a dropped token beside it
+    z[0, 9] = float("-inf")
+    z[2, :] = float("-inf")
+    z[2, 3] = 1.0
+    h, var, _ = ref_uncertainty(z)
+    rows = head.score_rows(z.clone(), torch.tensor([5, 17, 3]))
+    torch.testing.assert_close(rows.varentropy[:2].double(), var[:2], atol=1e-5, rtol=1e-5)
+    assert float(rows.varentropy[2]) == 0.0 and not torch.signbit(rows.varentropy).any()
+    assert float(rows.margin[2]) == math.inf
+
+
+def test_varentropy_and_margin_of_log_probabilities():
+    """head.varentropy / head.margin over log-probabilities (what the server and Distribution read),
+    against the definitions: a flat distribution of 50,257 tokens keeps its digits (centred on H), a
+    uniform one has varentropy 0, dropped tokens add nothing."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(4, 50257, generator=g) * 0.05  # nearly flat: E[(log p)²] and H² both near 117
+    z[3, 100:] = float("-inf")  # the stages kept 100 tokens
+    lp = head.log_softmax(z)
+    h, var, gap = ref_uncertainty(z)
+    torch.testing.assert_close(head.varentropy(lp).double(), var, atol=1e-6, rtol=1e-3)
+    torch.testing.assert_close(head.margin(lp).double(), gap, atol=1e-5, rtol=1e-4)
+    assert float(head.varentropy(head.log_softmax(torch.zeros(10)))) == pytest.approx(0.0, abs=1e-9)
+    assert float(head.margin(head.log_softmax(torch.tensor([1.0, float("-inf")])))) == math.inf
+    assert float(head.margin(torch.zeros(1))) == math.inf  # V = 1
+    d = head.Distribution(Z[0])
+    assert d.varentropy == pytest.approx(float(var.new_tensor(ref_uncertainty(Z[0])[1])), rel=1e-5)
+    assert d.margin == pytest.approx(float(ref_uncertainty(Z[0])[2]), rel=1e-5)
+
+
 def test_check_top_logprobs_bounds():
     head.check_top_logprobs(0, 50)
     head.check_top_logprobs(50, 50)

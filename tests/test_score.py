@@ -52,6 +52,9 @@ def assert_matches_oracle(score, lp: torch.Tensor, first: int) -> None:
         assert t.prob == pytest.approx(math.exp(float(ref[t.id])), abs=ATOL)
         assert t.surprisal_bits == pytest.approx(-float(ref[t.id]) / math.log(2), abs=ATOL)
         assert t.entropy == pytest.approx(float(-(ref.exp() * ref).sum()), abs=ATOL)
+        h, two = -(ref.double().exp() * ref.double()).sum(), ref.double().topk(2).values
+        assert t.varentropy == pytest.approx(float((ref.double().exp() * (ref.double() + h) ** 2).sum()), abs=ATOL)
+        assert t.margin == pytest.approx(float(two[0] - two[1]), abs=ATOL)
         assert_rank(t.rank, ref, t.id)
         assert t.top_id == int(ref.argmax()) and t.top_prob == pytest.approx(float(ref.max().exp()), abs=ATOL)
 
@@ -248,8 +251,8 @@ def test_json_has_exactly_the_documented_fields(tiny):
     assert list(doc) == ["model", "random_weights", "text", "bos", "window", "stride", "chunk", "tokens",
                          "scored_tokens", "nll", "mean_nll", "perplexity", "bytes", "bits_per_byte"]
     assert (doc["text"], doc["bos"], doc["window"], doc["stride"], doc["chunk"]) == (TEXT, False, 1024, 300, 9)
-    fields = ["index", "id", "token", "scored", "logprob", "prob", "rank", "entropy", "surprisal_bits", "top_id",
-              "top_token", "top_prob"]
+    fields = ["index", "id", "token", "scored", "logprob", "prob", "rank", "entropy", "varentropy", "margin",
+              "surprisal_bits", "top_id", "top_token", "top_prob"]
     assert all(list(t) == fields for t in doc["tokens"])
     first, rest = doc["tokens"][0], doc["tokens"][1:]
     assert first["scored"] is False and all(first[k] is None for k in fields[4:])

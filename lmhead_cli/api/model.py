@@ -40,8 +40,8 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
 
 
 class Model(Serving):
-    """A loaded model and its tokenizer. Methods: inspect, explain, score, compare, generate, diff, attribute,
-    lens, tie, params (each returns a result with to_dict(), _repr_html_ and __rich__)."""
+    """A loaded model and its tokenizer. Methods: inspect, explain, score, calibrate, compare, generate, diff,
+    attribute, lens, tie, params (each returns a result with to_dict(), _repr_html_ and __rich__)."""
 
     def __init__(self, loaded):
         self.loaded = loaded  # loading.sources.Loaded: for the readings; front ends use the methods
@@ -256,6 +256,45 @@ class Model(Serving):
             checks.text(text)
         checks.chunk(chunk)
         checks.stride(stride, self.n_ctx)
+
+    def calibrate(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
+                  progress: Callable[[int, int], None] | None = None, generations: int = 0,
+                  max_new_tokens: int = 64, seed: int | None = None, preset: str | None = None,
+                  greedy: bool = False, **knobs) -> results.CalibrateResult:
+        """Is the model's top-1 probability honest on `text`? Over score's positions (the same windows,
+        `bos` and `stride`): 15 equal-width bins of top-1 probability with each bin's accuracy, ECE, the
+        Brier score of the top-1 event, NLL, and the temperature that minimises the NLL, with the NLL and
+        ECE there. `generations` = N also samples N continuations of `max_new_tokens` tokens after the
+        beginning-of-text token (seeds seed, seed + 1, …; decoding stages as `generate` takes them:
+        temperature, top_k, top_p, min_p, softcap, preset, greedy) and reports their entropy rate, the
+        mean -log p of the sampled tokens, against the NLL on the text (Braverman et al. 2020)."""
+        import secrets
+        from dataclasses import asdict
+
+        from lmhead_cli.readings.calibrate import Generations, calibrate_text, entropy_rate
+
+        self.check_score(text, stride=stride, chunk=chunk)
+        if isinstance(generations, bool) or not isinstance(generations, int) or generations < 0:
+            raise BadValue("generations", f"must be a whole number, at least 0 (got {generations!r})")
+        settings = None
+        if generations:
+            settings = checks.generation(preset=preset, greedy=greedy, ignore_eos=True, seed=seed,
+                                         max_new_tokens=max_new_tokens, **knobs)
+            if self.bos_token_id is None:
+                raise UnsupportedModel(f"{self.source} declares no beginning-of-text token to sample after")
+        reading = calibrate_text(self.loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)
+        if generations:
+            prompt = self.decode([self.bos_token_id])
+            base = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
+            made = [self.generate(prompt, max_new_tokens=max_new_tokens, seed=base + i, preset=preset, greedy=greedy,
+                                  ignore_eos=True, **knobs).reading for i in range(generations)]
+            tokens, rate = entropy_rate(made)
+            on = {k: v for k, v in asdict(settings.knobs).items() if v is not None}
+            reading.generations = Generations(count=generations, prompt=prompt, max_new_tokens=max_new_tokens,
+                                              seed=base, settings=on | ({"greedy": True} if settings.greedy else {}),
+                                              tokens=tokens, entropy_rate=rate, cross_entropy=reading.nll,
+                                              texts=[g.text for g in made])
+        return results.CalibrateResult(reading)
 
     def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
                 stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,

@@ -95,7 +95,8 @@ def html_target(path: str, file: str | None) -> None:
         raise UsageError(f"--html needs a file in a folder that exists (got {quoted(path)})")
 
 
-def write_html(result, path: str) -> None:
+def write_html(result, path: str, what: str | None = None) -> None:
+    """result.to_html() into `path`, and one line saying what it holds (`what`; score's: the coloured text)."""
     from lmhead_cli.errors import LmheadError
     from lmhead_cli.render import notice
 
@@ -104,7 +105,8 @@ def write_html(result, path: str) -> None:
             f.write(result.to_html())
     except OSError as e:
         raise LmheadError(f"cannot write {path}: {e.strerror or e}") from None
-    notice(f"wrote {path}: {len(result.ids):,} tokens, coloured by rank; open it in a browser")
+    what = what or f"{len(result.ids):,} tokens, coloured by rank"
+    notice(f"wrote {path}: {what}; open it in a browser")
 
 
 def score_file(file: str, bos: bool, stride, chunk, source: ModelChoice, as_json: bool) -> None:
