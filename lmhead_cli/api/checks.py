@@ -88,6 +88,7 @@ def kinds(**declared) -> Callable:
 
     def wrap(fn):
         sig = inspect.signature(fn)
+        assert set(declared) <= set(sig.parameters), f"{fn.__name__} has no {set(declared) - set(sig.parameters)}"
 
         @functools.wraps(fn)
         def checked(*args, **kwargs):

@@ -20,8 +20,8 @@ from lmhead_cli.errors import BadType, BadValue, UnsupportedModel
 
 # The kinds (api.checks.typed) of parameters that several methods share.
 ONE_PROMPT = {"prompt": str, "top_k": int, "targets": list}
-SCORING = {"text": str, "stride": int, "bos": bool, "chunk": int, "top_logprobs": int, "alternatives": int,
-           "progress": callable}
+WINDOWS = {"stride": int, "chunk": int}  # score's and compare's
+SCORING = {"text": str, **WINDOWS, "top_logprobs": int, "alternatives": int}
 DECODING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
             "softcap": float, "beams": int, "seed": int, "greedy": bool, "ignore_eos": bool, "show_steps": int,
             "top_logprobs": int, "logprobs": ("raw", "processed"), "preset": str, "mode": tuple(checks.MODES),
@@ -191,7 +191,7 @@ class Model(Serving):
         return params_result(self.source, "tensors", acc, batch, seq, vocab)
 
     # ---- text ------------------------------------------------------------------------------------
-    @kinds(**SCORING, on_rows=callable)
+    @kinds(**SCORING, bos=bool, progress=callable, on_rows=callable)
     def score(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
               top_logprobs: int = 0, progress: Callable[[int, int], None] | None = None,
               on_rows=None, alternatives: int = 0) -> results.ScoreResult:
@@ -220,7 +220,7 @@ class Model(Serving):
         checks.chunk(chunk)
         checks.stride(stride, self.n_ctx)
 
-    @kinds(**SCORING, base_dtype=str)
+    @kinds(text=str, **WINDOWS, base_dtype=str, bos=bool, progress=callable)
     def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
                 stride: int | None = None, chunk: int | None = None,
                 progress: Callable[[int, int], None] | None = None):
@@ -232,7 +232,7 @@ class Model(Serving):
         return compare(self, text, base, base_dtype=base_dtype, bos=bos, stride=stride, chunk=chunk,
                        progress=progress)
 
-    @kinds(**SCORING)
+    @kinds(**WINDOWS, bos=bool)
     def score_lines(self, lines: Iterable, *, bos: bool = False, stride: int | None = None,
                     chunk: int | None = None) -> results.LineResults:
         """score_text over many texts, lazily, one at a time: `lines` are texts (numbered from 1) or
@@ -249,7 +249,7 @@ class Model(Serving):
         return results.LineResults(score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk),
                                    totals)
 
-    @kinds(**ONE_PROMPT, batch_size=int)
+    @kinds(top_k=int, targets=list, batch_size=int)
     def inspect_lines(self, lines: Iterable, top_k: int = 10, targets: Iterable[str] = (),
                       batch_size: int = 32) -> results.LineResults:
         """inspect over many prompts, `batch_size` a forward pass: `lines` are prompts (numbered from 1)
