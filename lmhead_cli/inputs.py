@@ -14,6 +14,18 @@ MAX_STDIN_BYTES = 1 << 24  # a prompt piped to `generate -` (16 MiB); it is cut 
 MAX_LINE_BYTES = 1 << 20  # one prompt line of a file or of explore at most (1 MiB)
 
 
+def special_kind(mode: int) -> str | None:
+    """What a stat() mode is when it is neither a regular file nor a folder ("a FIFO (named pipe)", "a
+    device", "a socket"), or None: a FIFO, a device or a socket is never opened by lmhead, since opening a
+    FIFO waits for the other end (for ever, when there is none)."""
+    import stat
+
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+
+
 def decode_utf8(data: bytes, what: str, line: int | None = None, offset: int = 0,
                 advice: str = "save it as UTF-8") -> str:
     """`data` as UTF-8, or a UsageError naming `what`, the first bad byte and its position (from 0)."""

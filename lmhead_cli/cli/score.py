@@ -83,27 +83,21 @@ def score_cmd(
 
 
 def html_target(path: str, file: str | None) -> None:
-    """--html's file, checked before the model loads: one text, a folder that exists."""
-    import os
-
-    from lmhead_cli.render import quoted
+    """--html's file, checked before the model loads: one text; a new file, a regular file or a link
+    (replaced, never written through) in a folder that exists; never a FIFO (outputs.check_target)."""
+    from lmhead_cli.outputs import check_target
 
     if file is not None:
         raise UsageError("--html shows one text; it cannot be combined with --file")
-    folder = os.path.dirname(path) or "."
-    if os.path.isdir(path) or not os.path.isdir(folder):
-        raise UsageError(f"--html needs a file in a folder that exists (got {quoted(path)})")
+    check_target(path, "--html")
 
 
 def write_html(result, path: str) -> None:
-    from lmhead_cli.errors import LmheadError
+    """The page, written whole or not at all: a file beside `path` renamed over it (outputs.py)."""
+    from lmhead_cli.outputs import write_atomically
     from lmhead_cli.render import notice
 
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(result.to_html())
-    except OSError as e:
-        raise LmheadError(f"cannot write {path}: {e.strerror or e}") from None
+    write_atomically(path, result.to_html(), "--html")
     notice(f"wrote {path}: {len(result.ids):,} tokens, coloured by rank; open it in a browser")
 
 

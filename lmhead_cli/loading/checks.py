@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,13 +91,13 @@ def regular_file(path: Path) -> Path:
     """`path` itself, when it is a regular file (or a link to one): a FIFO, a device or a socket is a
     CorruptCheckpoint naming it, found by stat() without opening it (opening a FIFO blocks until a
     writer comes). A missing path or a folder passes through, for the caller's own message."""
+    from lmhead_cli.inputs import special_kind
+
     try:
-        mode = os.stat(path).st_mode
+        kind = special_kind(os.stat(path).st_mode)
     except OSError:
         return path
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    if kind is not None:
         raise CorruptCheckpoint(f"{path} is {kind}, not a regular file; lmhead reads checkpoint files only from "
                                 "regular files (reading a FIFO would wait for a writer)")
     return path
