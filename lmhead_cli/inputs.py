@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import sys
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import LmheadError, UsageError
 
 MAX_STDIN_BYTES = 1 << 24  # a prompt piped to `generate -` (16 MiB); it is cut to the context anyway
 MAX_LINE_BYTES = 1 << 20  # one prompt line of a file or of explore at most (1 MiB)
+
+
+def check_working_directory() -> None:
+    """LmheadError when this process's working directory has been deleted: relative paths mean nothing
+    there, and torch's import dies in it ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so", with
+    no word of why), so this runs before torch is imported (the CLI's start, load())."""
+    import os
+
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise LmheadError("the working directory no longer exists (it was deleted); cd to a folder that exists "
+                          "and run the command again") from None
 
 
 def special_kind(mode: int) -> str | None:

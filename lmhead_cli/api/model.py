@@ -42,7 +42,9 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
     `announce(line)` hears the loader's notices (a large model; default: one dim line on stderr).
     """
     from lmhead_cli.engine.threads import prepare
+    from lmhead_cli.inputs import check_working_directory
 
+    check_working_directory()  # torch's import dies in a deleted working directory: say so before it
     threads = prepare(threads)  # OpenMP's wait policy is read when torch is imported: before that
     from lmhead_cli.loading.sources import load_model
 
