@@ -81,6 +81,7 @@ CLI_MAY_IMPORT = {
     "lmhead_cli.render": "the output of a result: tables, JSON documents, notices",
     "lmhead_cli.errors": "the one error boundary turns the domain errors into one line and an exit code",
     "lmhead_cli.inputs": "reading a text from stdin with its limits is the front end's own input",
+    "lmhead_cli.outputs": "writing a file (--html) whole or not at all is the front end's own output",
     "lmhead_cli.serve": "`lmhead serve` starts the server, another front end beside the command line",
     "lmhead_cli": "the package itself, for --version's __version__ (its submodules are checked by name)",
 }
