@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import numbers
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable
+from typing import Callable
 
 from lmhead_cli.errors import BadType, BadValue, Param, UsageError
 
@@ -27,7 +26,7 @@ def typed(key: str, value, kind, rule=None, *, optional: bool = False):
     list for `list`). The one check of a parameter's value for the API (and for decoding's settings).
 
     `kind`: bool (True or False only: "no" is not False), int (not a bool, not a float, even 2.0),
-    float (any real number but a bool; NaN never passes), str, list (a list or tuple of strings, or an
+    float (any real number but a bool; NaN is a float, which every range refuses), str, list (a list or tuple of strings, or an
     iterable of them, materialised once; a bare string is refused, not split into characters),
     callable, or a tuple of names the value must be one of. `rule`: the range, an object with
     `check(key, value)` (decoding.stages.Rule) or a function (key, value) that raises BadValue.
@@ -51,9 +50,7 @@ def typed(key: str, value, kind, rule=None, *, optional: bool = False):
             raise BadType(key, f"must be {KIND_NAMES[list]} (got {_shown(wrong)} in it)")
     elif kind is float:
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            if math.isnan(value):
-                raise BadValue(key, "must be a number, not NaN")
-            return _ranged(key, value, rule)
+            return _ranged(key, value, rule)  # NaN is a float: every range refuses it
     elif kind is int:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return _ranged(key, value, rule)
