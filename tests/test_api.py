@@ -339,13 +339,10 @@ WRONG = {int: [1.5, True, float("nan"), "3"], float: ["hot", True, b"1"], bool: 
 
 
 def _wrong_calls():
-    import inspect as py_inspect
-
     for name, fn in _public_functions():
         for param, kind in getattr(fn, "kinds", {}).items():
-            default = py_inspect.signature(fn).parameters[param].default
             values = ["bogus", 1] if isinstance(kind, tuple) else WRONG[kind]
-            if default is not None and kind is not list:
+            if param not in fn.optional and kind is not list:
                 values = [*values, None]
             for value in values:
                 yield pytest.param(name, param, value, id=f"{name}-{param}={value!r}")
@@ -392,6 +389,7 @@ def test_every_parameter_refuses_a_wrong_value_naming_itself(model, name, param,
     (lambda m: m.score_lines("The keys are"), "lines"),
     (lambda m: m.inspect_lines(b"The keys"), "lines"),
     (lambda m: m.compare("The keys are", base=3), "base"),
+    (lambda m: m.lens(PROMPT, position="-1"), "position"),
     (lambda m: lmhead_cli.load("random:gpt2", threads=1.5), "threads"),
     (lambda m: lmhead_cli.load(None), "source"),
     (lambda m: lmhead_cli.load("random:gpt2", device=0), "device"),
@@ -431,3 +429,4 @@ def test_right_values_in_other_shapes_still_work(model):
     assert model.inspect(PROMPT, stages="precise").to_dict() == model.inspect(PROMPT,
                                                                                 stages=checks.stages("precise")).to_dict()
     assert lmhead_cli.api.toy(hidden=(1, 0, 1)) == lmhead_cli.api.toy()
+    assert model.lens(PROMPT, position=None).to_dict() == model.lens(PROMPT).to_dict()  # None: the last token

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Callable
 
@@ -80,23 +82,27 @@ def _shown(value) -> str:
 
 def kinds(**declared) -> Callable:
     """Decorate an API function: each parameter named here is checked by `typed` against its kind before
-    the body runs (None passes where None is the parameter's default; a default is never checked).
-    The kinds are kept as the function's `kinds`, for tests that hold every public parameter to one."""
+    the body runs (None passes where None is the parameter's default, or where the kind says so: `int |
+    None`; a default is never checked). The kinds are kept as the function's `kinds` and the parameters
+    that take None as its `optional`, for tests that hold every public parameter to one."""
 
     def wrap(fn):
         sig = inspect.signature(fn)
         assert set(declared) <= set(sig.parameters), f"{fn.__name__} has no {set(declared) - set(sig.parameters)}"
+        union = {name for name, kind in declared.items() if isinstance(kind, types.UnionType)}
+        plain = {name: next(k for k in typing.get_args(kind) if k is not type(None)) if name in union else kind
+                 for name, kind in declared.items()}
+        optional = union | {name for name in declared if sig.parameters[name].default is None}
 
         @functools.wraps(fn)
         def checked(*args, **kwargs):
             bound = sig.bind(*args, **kwargs)
-            for name, kind in declared.items():
+            for name, kind in plain.items():
                 if name in bound.arguments:
-                    bound.arguments[name] = typed(name, bound.arguments[name], kind,
-                                                  optional=sig.parameters[name].default is None)
+                    bound.arguments[name] = typed(name, bound.arguments[name], kind, optional=name in optional)
             return fn(*bound.args, **bound.kwargs)
 
-        checked.kinds = declared
+        checked.kinds, checked.optional = plain, optional
         return checked
 
     return wrap

@@ -145,7 +145,7 @@ class Model(Serving):
         checks.attribution(prompt, target, vs)
         return results.AttributeResult(attribute_logit(self.loaded, prompt, target, vs))
 
-    @kinds(**ONE_PROMPT, position=int)
+    @kinds(**ONE_PROMPT, position=int | None)
     def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8) -> results.LensResult:
         """Logit lens: what the head predicts from the residual stream after each block, at `position`
         (-1 or None: the last token)."""
