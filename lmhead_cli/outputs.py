@@ -36,31 +36,40 @@ def check_target(path: str, what: str) -> None:
 
 
 def write_atomically(path: str, text: str, what: str) -> None:
-    """Write `text` (UTF-8) to `path`: a temporary file beside it, renamed over it (see above). The new
-    file gets the permissions open() would give it (0666 less the umask). LmheadError naming the path if
-    it cannot be written; nothing is left behind."""
-    import tempfile
-
+    """Write `text` (UTF-8) to `path` (see above), or LmheadError naming the path; nothing is left behind.
+    The new file gets the permissions open() would give it (0666 less the umask)."""
     from lmhead_cli.render import quoted
 
-    check_target(path, what)
-    folder, name = os.path.split(path)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=f".{name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-        tmp = None
+
+    check_target(path, what)
+    try:
+        replace_with(path, write, 0o666 & ~_umask())
     except OSError as e:
         raise LmheadError(f"cannot write {quoted(path)}: {e.strerror or e}") from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+
+
+def replace_with(path, write, mode: int = 0o600) -> None:
+    """A new file beside `path`, filled by `write(temporary path)`, given `mode` and renamed over `path`:
+    a link there is replaced, never written through. An OSError goes to the caller, the temporary file
+    removed (explore's history writes itself this way too)."""
+    import tempfile
+
+    folder, name = os.path.split(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=f".{name}.", suffix=".tmp")
+    try:
+        os.close(fd)
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _umask() -> int:
