@@ -342,6 +342,36 @@ def test_cli_bad_input_is_one_line_exit_2(pair, args, message):
     assert message in got.stderr and got.stderr.count("\n") == 1 and "Traceback" not in got.output
 
 
+def test_cli_file_that_is_a_fifo_is_refused_without_waiting_for_a_writer(pair, tmp_path):
+    import os
+
+    from helpers import launch
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = launch("compare", "--file", str(fifo), "--model", str(pair[0]), timeout=120, text=True)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr == (f"lmhead: error: {fifo} is a FIFO (named pipe), not a regular file; give a regular file, "
+                          "or give - and pipe the text file in (a FIFO with no writer would wait for ever)\n")
+
+
+def test_cli_file_that_is_a_pipe_already_open_is_read(pair):
+    """bash's `--file <(cmd)` names a pipe the process holds (/dev/fd/N), whose writer exists: it is read,
+    as the same text given as an argument is."""
+    import os
+
+    read, write = os.pipe()
+    os.write(write, TEXT.encode())
+    os.close(write)
+    try:
+        got = runner.invoke(app, ["compare", "--file", f"/dev/fd/{read}", "--model", str(pair[0]), "--json"])
+    finally:
+        os.close(read)
+    assert got.exit_code == 0, got.output
+    same = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--json"])
+    assert json.loads(got.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
+
+
 def test_cli_another_vocabulary_is_one_line_exit_2(pair, tmp_path):
     build_checkpoint(tmp_path, n_positions=N_CTX, vocab_size=50304)
     got = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--base", str(tmp_path)])

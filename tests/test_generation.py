@@ -222,6 +222,20 @@ def test_non_finite_logits_stop_with_a_clear_error(tmp_path):
         generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=3))
 
 
+@pytest.mark.parametrize("how", [dict(seed=1), dict(seed=1, temperature=0.7, top_k=50)])
+def test_non_finite_logits_are_caught_before_sampling(tmp_path, how):
+    """Sampling a NaN distribution is NonFiniteLogits, as greedy's and every reading's, not torch's
+    `RuntimeError: probability tensor contains either inf, nan or element < 0`."""
+    folder = tmp_path / "nan"
+    build_checkpoint(folder)
+    loaded = load(folder)
+    with torch.no_grad():
+        loaded.engine.module.ln_f.weight[0] = float("nan")
+    with pytest.raises(NonFiniteLogits, match=r"non-finite logits \(NaN or inf\) in 1 of 1 rows, so there is no "
+                                              "distribution to sample from"):
+        generate(loaded, PROMPT_IDS, make_settings(max_new_tokens=3, **how))
+
+
 def test_streamed_text_is_the_whole_text_and_splits_no_character(tiny):
     folder, _ = tiny
     loaded = load(folder)

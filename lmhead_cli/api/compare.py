@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from lmhead_cli.api.results import ReadingResult, html_table
-from lmhead_cli.errors import Param, UsageError
+from lmhead_cli.errors import BadType, Param, UsageError
 
 SAME = "same"  # --base same: the model's own source
 
@@ -41,7 +41,7 @@ def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool =
     if isinstance(base, Model):
         return base
     if base is not None and not isinstance(base, str):
-        raise UsageError(f"base must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
+        raise BadType("base", f"must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
     check_base(base, base_dtype)
     source = model.source if base in (None, SAME) else base
     from lmhead_cli.readings.compare import dtype_name
