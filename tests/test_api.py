@@ -302,7 +302,8 @@ def _public_functions():
 # drives it; and the server's own (its request models check what reaches them).
 CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines", "lines"),
                        ("inspect_lines", "lines"), ("api.toy", "hidden"), ("explore_reading", "settings"),
-                       ("explore_generate", "settings")}
+                       ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
+                       ("calibrate", "knobs")}
 SERVERS_OWN = {"complete", "chat_prompt", "decode"}
 
 
@@ -331,7 +332,8 @@ VALID = {
     "generate": dict(prompt=PROMPT, max_new_tokens=1), "scored_positions": dict(n_tokens=5),
     "encode": dict(text=PROMPT), "api.load": dict(source="random:gpt2"),
     "api.model_params": dict(source="random:gpt2"), "api.params": dict(config="gpt2"), "api.toy": {},
-    "explore.settings": {},
+    "explore.settings": {}, "calibrate": dict(text="The keys are"), "neurons": dict(layer=0),
+    "tune_lens": dict(text="The keys are on the table", steps=1, batch=1, seq=4),
 }
 # Values of the wrong type for each kind (None only where None is not the parameter's "not given").
 WRONG = {int: [1.5, True, float("nan"), "3"], float: ["hot", True, b"1"], bool: ["no", 1, 0.0],
