@@ -374,3 +374,16 @@ def test_the_server_serves_a_gguf(gpt2, tmp_path):
     assert lp[0] is None
     for i, got in enumerate(lp[1:], start=1):
         assert got == pytest.approx(float(ref[i - 1, PROMPT_IDS[i]]), abs=1e-4)
+
+
+def test_a_gpt2_gguf_on_transformers_engine_is_the_same_model(gpt2, tmp_path):
+    """--engine transformers builds transformers' own GPT2LMHeadModel from the same dequantised state:
+    the same logits as the oracle, and the same tie."""
+    _, model = gpt2
+    path = tmp_path / "q4.gguf"
+    twin, _ = oracle(model, write_gguf(model, path, "Q4_0"))
+    m = lmhead_cli.load(str(path), device="cpu", engine="transformers")
+    assert m.loaded.engine.__class__.__name__ == "TransformersEngine" and m.loaded.tie.tied
+    with torch.no_grad():
+        ref = twin(torch.tensor([IDS])).logits[0]
+    assert torch.allclose(lmhead_logits(m), ref, atol=1e-5, rtol=1e-5)

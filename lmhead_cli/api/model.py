@@ -34,7 +34,7 @@ COUNTS = {"batch": int, "seq": int, "vocab": int}
 def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
          threads: int | None = None, allow_pickle: bool = False, ignore_memory: bool = False,
          announce: Callable[[str], None] | None = None) -> Model:
-    """Load `source` (a hub id, a local folder or random:NAME) and return a Model.
+    """Load `source` (a hub id, a local folder, a GGUF file, random:NAME or bundled:NAME) and return a Model.
 
     device: auto, cpu, cuda or mps; dtype: float32, bfloat16, float16 or int8 (weights only, quantised at
     load; the lean engine's); engine: auto, lean or transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept

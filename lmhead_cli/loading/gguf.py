@@ -172,10 +172,8 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
         state["lm_head.weight"] = head
         config["tie_word_embeddings"] = bool(torch.equal(head, state[embedding]))
     file_type = meta.get("general.file_type")
-    try:
-        ftype = LlamaFileType(file_type).name if file_type is not None else "unset"
-    except ValueError:
-        ftype = f"{file_type} (unknown)"
+    known = isinstance(file_type, int) and file_type in LlamaFileType._value2member_map_
+    ftype = "unset" if file_type is None else LlamaFileType(file_type).name if known else f"{file_type!r:.20} (unknown)"
     del mapped
     types = Counter(GGMLQuantizationType(t.type).name for t in tensors.values())
     return GGUFModel(config, state, tokenizer, ftype, dict(types))
