@@ -87,6 +87,7 @@ class Worker:
         self.batches = 0  # how many batches have run, and tokens generated (/health shows both)
         self.generated = 0
         self.stopping = False
+        self.busy = False  # the model's thread is running a batch or a call
         self.thread = threading.Thread(target=self._loop, name="lmhead-model", daemon=True)
         self.thread.start()
 
@@ -158,7 +159,9 @@ class Worker:
 
     def _loop(self) -> None:
         while not self.stopping:
+            self.busy = False
             batch = self._take()
+            self.busy = True  # /health shows it: work no client waits for must not keep it so
             if callable(batch):
                 batch()
                 continue
