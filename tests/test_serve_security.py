@@ -274,13 +274,13 @@ def test_thousands_of_idle_connections_leave_the_server_answering_without_a_trac
 def test_the_logprob_budget_bounds_the_server_not_only_a_request(server):
     ids = list(range(1000, 1039))
     r = post(server, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 50257})
-    assert r.status_code == 400 and "--max-entries" in r.json()["error"]["message"]  # 1,960,062 > 1,000,000
-    # one answer of 15 × 50,258 = 753,870 entries is being built (a stream holds its entries until it ends) ...
-    first = {"prompt": ids[:5], "echo": True, "max_tokens": 10, "logprobs": 50257, "stream": True, "temperature": 0}
+    assert r.status_code == 400 and "--max-entries" in r.json()["error"]["message"]  # 1,960,062 > 500,000
+    # one answer of 8 × 50,258 = 402,064 entries is being built (a stream holds its entries until it ends) ...
+    first = {"prompt": ids[:5], "echo": True, "max_tokens": 3, "logprobs": 50257, "stream": True, "temperature": 0}
     with httpx.stream("POST", server.url + "/v1/completions", json=first, timeout=120) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")
-        # ... so a second one that fits alone waits its turn: 503 with Retry-After
+        # ... so a second one (5 × 50,258 = 251,290) that fits alone waits its turn: 503 with Retry-After
         second = post(server, "/v1/completions", {"prompt": ids[:5], "echo": True, "max_tokens": 0, "logprobs": 50257})
         assert second.status_code == 503 and second.headers["retry-after"] == "1"
         assert "--max-entries" in second.json()["error"]["message"]

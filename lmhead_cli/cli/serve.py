@@ -24,7 +24,8 @@ def serve_cmd(
         help="The most logprobs / top_logprobs a request may ask for per position.")] = None,
     max_entries: Annotated[int, typer.Option(
         "--max-entries", min=1, help="The most logprob entries, positions × (logprobs + 1), in the answers being "
-        "built at once (one request past it: 400; past it with others: 503), about 0.5 GB at the default.")] = 1_000_000,
+        "built at once (one request past it: 400; past it with others: 503); an entry takes about 0.9 KB at its "
+        "peak.")] = 500_000,
     max_queue: Annotated[int, typer.Option(
         "--max-queue", min=1, help="Choices (prompts × n) waiting at most; past it, 503 with Retry-After.")] = 1024,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Choices run together in one batch.")] = 16,

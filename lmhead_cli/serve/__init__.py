@@ -26,7 +26,7 @@ class Options:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     max_logprobs: int | None = None
-    max_entries: int = 1_000_000
+    max_entries: int = 500_000
     max_body: int = 8 * 2**20
     max_queue: int = 1024
     max_batch: int = 16

@@ -46,7 +46,7 @@ class Limits:
     """What requests may ask for (see docs/serve.md, Limits)."""
 
     max_logprobs: int | None = None  # per position; None: up to the vocabulary
-    max_entries: int = 1_000_000  # logprob entries, positions × (logprobs + 1), in all answers being built
+    max_entries: int = 500_000  # logprob entries, positions × (logprobs + 1), in all answers being built
     max_choices: int = 256  # prompts × n in one request
     max_body: int = 8 * 2**20  # bytes
 
