@@ -237,31 +237,27 @@ def test_thousands_of_idle_connections_leave_the_server_answering_without_a_trac
     lines: list[bytes] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, b"")), daemon=True).start()
     socks = []
-    try:
-        deadline = time.monotonic() + 180
+
+    def wait_for_health(within: float, what: str) -> None:
+        deadline = time.monotonic() + within
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    return
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, b"".join(lines)
-            time.sleep(0.2)
+            assert proc.poll() is None and time.monotonic() < deadline, (what, b"".join(lines)[-3000:])
+            time.sleep(0.3)
+
+    try:
+        wait_for_health(180, "the server never started")
         for _ in range(1200):
             try:
                 socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
             except OSError:
                 break
         time.sleep(2)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "/health never answered again"
-            time.sleep(0.5)
+        wait_for_health(60, "/health never answered again")
     finally:
         for s in socks:
             s.close()
