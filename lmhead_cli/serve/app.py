@@ -165,7 +165,7 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     async def detokenize(body: DetokenizeRequest):
         if body.tokens:
             check_ids(body.tokens, served.info, "tokens", "tokens")
-        return {"prompt": served.model.decode(body.tokens)}
+        return {"prompt": await run_in_threadpool(served.model.decode, body.tokens)}
 
     @api.get("/tokenizer_info")
     async def tokenizer_info():
