@@ -83,9 +83,6 @@ class Serving:
         return [range(w.first - bos, w.end - bos)
                 for w in windows(n_tokens + bos, n_ctx, n_ctx // 2 if stride is None else stride)]
 
-    @kinds(text=str)
-
-
     @property
     def chars_per_token(self) -> int | None:
         """The most characters one token can stand for, or None where no bound is known: GPT-2's
@@ -99,6 +96,7 @@ class Serving:
             return None
         return tok.max_token_bytes
 
+    @kinds(text=str)
     def encode(self, text: str) -> list[int]:
         """A text's token ids (any length; long texts are encoded in pieces, with the same ids)."""
         return list(self.tokenizer.encode_long(text))
