@@ -260,7 +260,7 @@ def test_warm_up_settles_the_thread_count(tiny, monkeypatch):
 
         monkeypatch.setattr("lmhead_cli.engine.threads.time.perf_counter", clock)
         assert explore.warm_up(loaded) == torch.get_num_threads() == 1
-        assert loaded.threads.choices and set(loaded.threads.choices) == {1}
+        assert loaded.execution.chooser.choices and set(loaded.execution.chooser.choices) == {1}
     finally:
         torch.set_num_threads(before)
 

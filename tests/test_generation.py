@@ -168,7 +168,7 @@ def test_a_drawn_seed_spans_32_bits_and_its_generator_is_made_on_the_model_s_dev
 
 def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
     """The first step (the prompt's prefill) runs as it is; each later step, one position, goes through
-    loaded.threads.run, which times those steps to choose the thread count. Mutants: every step, or none."""
+    loaded.execution.run, which times those steps to choose the thread count. Mutants: every step, or none."""
     from dataclasses import replace
 
     loaded = load(tiny[0])

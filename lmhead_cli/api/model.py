@@ -11,7 +11,8 @@ torch is imported by load(), not by importing this module.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+import functools
+from typing import Callable, Iterable
 
 from lmhead_cli.api import checks, results
 from lmhead_cli.api.serving import Serving
@@ -27,16 +28,38 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
     load; the lean engine's); engine: auto, lean or transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept
     pytorch_model.bin checkpoints; ignore_memory: load even when the estimate exceeds what is free.
     `announce(line)` hears the loader's notices (a large model; default: one dim line on stderr).
-    """
-    from lmhead_cli.engine.threads import prepare
 
-    threads = prepare(threads)  # OpenMP's wait policy is read when torch is imported: before that
+    Neither load() nor any Model method changes the calling process: torch's thread count is the
+    model's during a call and the caller's after it; os.environ and the allocator are left alone
+    (engine/execution.py). Only the command line, which owns its process, tunes it (`own_process`).
+    """
     from lmhead_cli.loading.sources import load_model
 
     if announce is None:
         from lmhead_cli.render import notice as announce
     return Model(load_model(source, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle,
                             threads=threads, ignore_memory=ignore_memory, announce=announce))
+
+
+def own_process() -> None:
+    """For a front end that owns its process (the `lmhead` command), before anything imports torch:
+    OpenMP's threads spin briefly between parallel regions and glibc's mmap threshold is pinned for
+    long loops (engine/execution.py). A program that imports lmhead as a library never calls this."""
+    from lmhead_cli.engine.execution import own_process as own
+
+    own()
+
+
+def scoped(method):
+    """A Model method run inside the model's execution scope (engine/execution.py): torch's thread
+    count is the model's during the call and the caller's again after it."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.loaded.execution.scope():
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class Model(Serving):
@@ -84,6 +107,7 @@ class Model(Serving):
         return f"<lmhead Model {self.source!r} engine={self.loaded.engine.name} n_ctx={self.n_ctx}>"
 
     # ---- one prompt -------------------------------------------------------------------------------
+    @scoped
     def inspect(self, prompt: str, top_k: int = 10, targets: Iterable[str] = (), *,
                 stages=None) -> results.InspectResult:
         """The next-token distribution after `prompt`: the top `top_k` tokens, each target's rank and
@@ -100,6 +124,7 @@ class Model(Serving):
             table = stage_table(reading.logits, stages, top_k, self.tokenizer.token_text)
         return results.InspectResult(reading, self.loaded.tie, table, self.own_softcap)
 
+    @scoped
     def explain(self, prompt: str, token: str, top_k: int = 10, targets: Iterable[str] = ()) -> results.ExplainResult:
         """One token's logit taken apart: z = e·h = |e|·|h|·cos θ (`inspect --explain`)."""
         from lmhead_cli.readings.explain import explain_logit
@@ -107,6 +132,7 @@ class Model(Serving):
         checks.one_prompt(prompt, targets, top_k)
         return results.ExplainResult(explain_logit(self.loaded, prompt, token, top_k, list(targets)))
 
+    @scoped
     def diff(self, a: str, b: str, top_k: int = 10, targets: Iterable[str] = (), movers: int = 5) -> results.DiffResult:
         """Two prompts' next-token distributions side by side: KL, JS, total variation, movers."""
         from lmhead_cli.readings.diff import diff_prompts
@@ -117,6 +143,7 @@ class Model(Serving):
             raise BadValue("movers", f"must be at least 0 (got {movers})")
         return results.DiffResult(diff_prompts(self.loaded, a, b, top_k, list(targets), movers))
 
+    @scoped
     def attribute(self, prompt: str, target: str, vs: str | None = None, heads: bool = False) -> results.AttributeResult:
         """Direct logit attribution of `target`'s logit (or z(target) - z(vs)) over the model's parts.
         Every head's share is always computed; `heads` is what a table shows and is kept for the caller."""
@@ -125,6 +152,7 @@ class Model(Serving):
         checks.attribution(prompt, target, vs)
         return results.AttributeResult(attribute_logit(self.loaded, prompt, target, vs))
 
+    @scoped
     def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8) -> results.LensResult:
         """Logit lens: what the head predicts from the residual stream after each block, at `position`
         (-1 or None: the last token)."""
@@ -134,6 +162,7 @@ class Model(Serving):
         return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position))
 
     # ---- explore's session: one prompt at a time, with the session's settings -------------------------
+    @scoped
     def explore_reading(self, prompt: str, settings):
         """The top-k table (and targets) after the stages `settings` (readings.explore.Settings) turn on:
         a readings.explore.Reading."""
@@ -141,12 +170,14 @@ class Model(Serving):
 
         return read(self.loaded, prompt, settings)
 
+    @scoped
     def explore_generate(self, prompt: str, n: int, settings, on_text: Callable[[str], None]):
         """`n` tokens after `prompt`, sampled with the session's stages and seed (decoding.generate.Generation)."""
         from lmhead_cli.readings.explore import generate_after
 
         return generate_after(self.loaded, prompt, n, settings, on_text)
 
+    @scoped
     def warm_up(self) -> int:
         """A few forwards, so the first prompt is answered as fast as the rest; torch's thread count kept."""
         from lmhead_cli.readings.explore import warm_up
@@ -169,6 +200,7 @@ class Model(Serving):
         return params_result(self.source, "tensors", acc, batch, seq, vocab)
 
     # ---- text ------------------------------------------------------------------------------------
+    @scoped
     def score(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
               top_logprobs: int = 0, progress: Callable[[int, int], None] | None = None,
               on_rows=None, alternatives: int = 0) -> results.ScoreResult:
@@ -196,6 +228,7 @@ class Model(Serving):
         checks.chunk(chunk)
         checks.stride(stride, self.n_ctx)
 
+    @scoped
     def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
                 stride: int | None = None, chunk: int | None = None,
                 progress: Callable[[int, int], None] | None = None):
@@ -219,8 +252,8 @@ class Model(Serving):
         numbered = (line if isinstance(line, Line) else Line(n, line if line.strip() else None)
                     for n, line in enumerate(lines, 1))
         totals = Corpus()
-        return results.LineResults(score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk),
-                                   totals)
+        lines = score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk)
+        return results.LineResults(self.loaded.execution.iterate(lines), totals)
 
     def inspect_lines(self, lines: Iterable, top_k: int = 10, targets: Iterable[str] = (),
                       batch_size: int = 32) -> results.LineResults:
@@ -232,10 +265,11 @@ class Model(Serving):
         targets = checks.prompt_file(top_k, batch_size, targets)
         numbered = (line if isinstance(line, PromptLine) else PromptLine(n, line) for n, line in enumerate(lines, 1))
         tie, stats = self.loaded.tie, BatchStats(batch_size, targets)
-        return results.LineResults(([(line, results.InspectResult(r, tie)) for line, r in batch]
-                                    for batch in inspect_stream(self.loaded, numbered, top_k, targets, batch_size,
-                                                                stats)), stats)
+        batches = inspect_stream(self.loaded, numbered, top_k, targets, batch_size, stats)
+        return results.LineResults(self.loaded.execution.iterate(
+            [(line, results.InspectResult(r, tie)) for line, r in batch] for batch in batches), stats)
 
+    @scoped
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  softcap: float | None = None, beams: int = 1, seed: int | None = None, greedy: bool = False,

@@ -21,7 +21,7 @@ import torch
 from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
-from lmhead_cli.engine.threads import ThreadChooser
+from lmhead_cli.engine.execution import Execution
 from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
 from lmhead_cli.loading import bundled, checks, validate
 from lmhead_cli.loading.model_configs import config_names, load_config
@@ -53,7 +53,7 @@ class Loaded:
     engine: Engine
     tokenizer: GPT2Tokenizer
     tie: TieReport
-    threads: ThreadChooser  # torch's CPU thread count for this model's work, fixed or chosen by timing it
+    execution: Execution  # how its work runs: threads, product forms, compiled kernels, memory (engine/execution.py)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -91,7 +91,8 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     Before any tensor is allocated the config is checked (types, ranges), a checkpoint's tensor
     header against it, and the memory the model needs against the memory there is (loading/checks.py):
     a large model is announced with `announce(line)`, one that cannot fit is refused unless
-    `ignore_memory`."""
+    `ignore_memory`. The load runs on the model's thread count, and the caller's is restored after it
+    (engine/execution.py)."""
     if engine not in ENGINES:
         raise UsageError("unknown ", Param("engine"), f" {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -100,7 +101,14 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     if int8 and engine == "transformers":
         raise UsageError(Param("dtype"), " int8 is the lean engine's (GPT-2 checkpoints); with ", Param("engine"),
                          " transformers use float32, bfloat16 or float16")
-    pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
+    execution = Execution(threads, dev.type)
+    with execution.scope():
+        return _load(source, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory, announce)
+
+
+def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype, dtype: str, int8: bool, engine: str,
+          allow_pickle: bool, ignore_memory: bool, announce) -> Loaded:
+    """load_model's work, inside the model's execution scope."""
     if not source or not source.strip():
         raise UsageError(Param("source"), " is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
 
@@ -155,13 +163,16 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         stored = file_tie(state, eng.tie_names) if files else None
     state.clear()  # the model holds what it needs
     tie = tie_report(eng, stored, config_tied)
-    pace.offer(eng)  # the product forms the engine can run in are timed with the thread counts
+    execution.offer(eng)  # the product forms the engine can run in are timed with the thread counts
+    line = execution.kernels_notice(eng.weight_format) if eng.name == "lean" else None
+    if line:
+        announce(line)
     # After the build, whose own checks name an unsupported model first; before any prompt is read.
     checks.check_vocabularies(tokenizer.vocab_size, eng.vocab_size, tokenizer.origin,
                               (folder / "config.json") if folder else source)
     return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
-                  config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
+                  config=config, engine=eng, tokenizer=tokenizer, tie=tie, execution=execution)
 
 
 def model_type(source: str, allow_pickle: bool = False) -> str | None:
@@ -301,12 +312,6 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
         from lmhead_cli.engine.int8 import quantise_gpt2_
 
         quantise_gpt2_(model, tied, device, announce)
-    if device.type == "cpu" and (int8 or dtype == torch.bfloat16):
-        from lmhead_cli.engine import kernels
-
-        line = kernels.fallback_notice("int8" if int8 else "bfloat16")
-        if line:
-            announce(line)
     return model.to(device).eval()
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmhead_cli.engine.heap import fix_mmap_threshold
 from lmhead_cli.errors import NonFiniteLogits, OneToken, UsageError
 from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax
 from lmhead_cli.loading.sources import Loaded
@@ -185,7 +184,7 @@ def _top(lp: torch.Tensor, who: str, first: int) -> torch.Tensor:
 def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
                 chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
     """Both models over token ids (T,), window by window, the heads chunk by chunk. Returns the columns."""
-    fix_mmap_threshold()  # as score: freed chunk buffers go back to the OS (engine/heap.py)
+    q.execution.bound_heap()  # as score: freed chunk buffers go back to the OS (engine/heap.py)
     n_ctx = min(q.engine.n_ctx, base.engine.n_ctx)
     stride = n_ctx // 2 if stride is None else stride
     check_stride(stride, n_ctx)
