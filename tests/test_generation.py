@@ -173,7 +173,7 @@ def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
 
     loaded = load(tiny[0])
     calls = []
-    timed = replace(loaded, threads=SimpleNamespace(run=lambda f: calls.append(1) or f()))
+    timed = replace(loaded, execution=SimpleNamespace(run=lambda f: calls.append(1) or f()))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
     assert len(g.steps) == 5 and len(calls) == 4 + 1  # the 4 later steps, and the call that ends the loop
 

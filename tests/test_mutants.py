@@ -209,7 +209,7 @@ def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
     tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
                                 decode=lambda ids: "".join(map(text, ids)))
-    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, threads=SimpleNamespace(run=lambda f: f()))
+    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=SimpleNamespace(run=lambda f: f()))
 
 
 def transformers_bigram_beams(table: torch.Tensor, beams: int, new: int):

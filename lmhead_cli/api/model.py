@@ -19,11 +19,14 @@ from lmhead_cli.api.serving import Serving
 from lmhead_cli.errors import BadValue, UnsupportedModel
 
 
-def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
+def load(source: str | None = None, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
          threads: int | None = None, allow_pickle: bool = False, ignore_memory: bool = False,
          announce: Callable[[str], None] | None = None) -> Model:
-    """Load `source` (a hub id, a local folder or random:NAME) and return a Model.
+    """Load `source` (a hub id, a local folder, random:NAME or bundled:NAME) and return a Model.
 
+    source None: gpt2, or bundled:tiny (saying why, through `announce`) when gpt2 is not in the Hugging
+    Face cache and the hub is offline or cannot be reached. A source named, "gpt2" included, never
+    falls back: offline it fails with ModelNotFound.
     device: auto, cpu, cuda or mps; dtype: float32, bfloat16, float16 or int8 (weights only, quantised at
     load; the lean engine's); engine: auto, lean or transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept
     pytorch_model.bin checkpoints; ignore_memory: load even when the estimate exceeds what is free.

@@ -22,7 +22,8 @@ from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
 from lmhead_cli.engine.execution import Execution
-from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
+from lmhead_cli.errors import (CorruptCheckpoint, HubUnreachable, LmheadError, ModelNotFound, Notice, Param,
+                               UnsupportedModel, UsageError)
 from lmhead_cli.loading import bundled, checks, validate
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tie import TieReport, file_tie, tie_report  # noqa: F401 - the tie's own module
@@ -30,6 +31,8 @@ from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 from lmhead_cli.loading.weights import NOT_WEIGHTS as _NOT_WEIGHTS
 from lmhead_cli.loading.weights import read_weights, weight_files
 
+DEFAULT_SOURCE = "gpt2"  # what runs when no model is named ...
+OFFLINE_SOURCE = "bundled:tiny"  # ... unless gpt2 is neither cached nor reachable: then this, which ships
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -82,7 +85,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
+def load_model(source: str | None, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
                allow_pickle: bool = False, threads: int | None = None, ignore_memory: bool = False,
                announce=lambda line: None) -> Loaded:
     """Load `source` (hub id, local folder, random:NAME or bundled:NAME) onto `device` in `dtype`, on `threads` CPU
@@ -92,7 +95,11 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     header against it, and the memory the model needs against the memory there is (loading/checks.py):
     a large model is announced with `announce(line)`, one that cannot fit is refused unless
     `ignore_memory`. The load runs on the model's thread count, and the caller's is restored after it
-    (engine/execution.py)."""
+    (engine/execution.py).
+
+    `source` None is the default model, DEFAULT_SOURCE (gpt2); when it is not in the Hugging Face cache
+    and the hub is offline or cannot be reached, OFFLINE_SOURCE (bundled:tiny) runs instead, and
+    `announce` hears why first. A source named, gpt2 included, never falls back."""
     if engine not in ENGINES:
         raise UsageError("unknown ", Param("engine"), f" {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -103,7 +110,16 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
                          " transformers use float32, bfloat16 or float16")
     execution = Execution(threads, dev.type)
     with execution.scope():
-        return _load(source, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory, announce)
+        if source is not None:
+            return _load(source, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory, announce)
+        try:
+            return _load(DEFAULT_SOURCE, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory,
+                         announce)
+        except HubUnreachable as e:
+            announce(Notice(f"{DEFAULT_SOURCE} (the default model) {e.why}: running on {OFFLINE_SOURCE} instead, a "
+                            "small GPT-2 that ships with lmhead; ", Param("source"), f" {DEFAULT_SOURCE} insists"))
+            return _load(OFFLINE_SOURCE, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory,
+                         announce)
 
 
 def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype, dtype: str, int8: bool, engine: str,
@@ -217,14 +233,24 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
         raise ModelNotFound(f"{repo_id!r} is neither a local folder nor a valid hub id") from None
     except Exception:  # noqa: BLE001 - not cached: fall through to the network
         pass
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; ", *advice)
-    if not _reachable(constants.ENDPOINT):
-        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and the hub can't be reached; ", *advice)
+    for why, offline in (("is not in the Hugging Face cache and HF_HUB_OFFLINE is set", _offline),
+                         ("is not in the Hugging Face cache and the hub can't be reached",
+                          lambda: not _reachable(constants.ENDPOINT))):
+        if offline():
+            e = HubUnreachable(f"{repo_id!r} {why}; ", *advice)
+            e.why = why
+            raise e
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
     except Exception as e:  # noqa: BLE001 - RepositoryNotFound, gated, network drop: one line
         raise ModelNotFound(f"could not download {repo_id!r} ({type(e).__name__}); ", *advice) from None
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE, as huggingface_hub read it at import or as the environment says now."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _hub_cache() -> str:
