@@ -104,7 +104,7 @@ class Model(Serving):
         ld, eng = self.loaded, self.loaded.engine
         return results.Provenance(model=ld.source, random_weights=ld.random_weights, engine=eng.name,
                                   device=str(eng.device), dtype=eng.weight_format,
-                                  kind=ld.kind, path=ld.path, seed=ld.seed)
+                                  kind=ld.kind, path=ld.path, seed=ld.seed, products=ld.execution.products)
 
     def __repr__(self) -> str:
         return f"<lmhead Model {self.source!r} engine={self.loaded.engine.name} n_ctx={self.n_ctx}>"
