@@ -21,7 +21,8 @@ app = typer.Typer(
     name="lmhead",
     cls=Group,
     help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.\n\n"
-    "--model defaults to gpt2 (from the Hugging Face hub or its cache); the environment variable LMHEAD_MODEL "
+    "--model defaults to gpt2 (from the Hugging Face hub or its cache; bundled:tiny, said in one line, on a "
+    "machine that has neither); the environment variable LMHEAD_MODEL "
     "sets another default, e.g. LMHEAD_MODEL=random:gpt2 (seeded random weights, offline) or "
     "LMHEAD_MODEL=bundled:tiny (a small trained model that ships with lmhead, offline). The examples in "
     "each command's --help use --model random:gpt2, so they run offline as written.",
