@@ -56,3 +56,16 @@ def real_gpt2():
     if folder is None:
         pytest.skip("real gpt2 weights are not in the local Hugging Face cache")
     return folder
+
+
+# The heavy tiers, by the files that hold them: `-m "not browser and not lmeval and not torchrun"`
+# leaves them out of a quick run (the README's test command runs everything, as CI does). A test that
+# calls a C compiler carries @pytest.mark.compile itself.
+TIERS = {"test_page.py": "browser", "test_lmeval.py": "lmeval", "test_distributed.py": "torchrun"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = TIERS.get(item.path.name)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))

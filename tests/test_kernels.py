@@ -244,6 +244,7 @@ def test_a_foreign_extension_module_is_refused_in_one_line(module_at):
     assert kernels.unavailable().startswith(f"{_json.__file__}: it cannot be imported (")
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build a module without the kernels")
 def test_a_module_without_the_kernels_symbols_is_refused(module_at, tmp_path):
     """The right module name and init, but no lmhead_* functions: one line, torch's products."""
