@@ -398,7 +398,7 @@ def test_a_model_without_a_findable_piece_refuses_the_reading_that_needs_it(llam
     assert inspect_prompt(loaded, PROMPT, 1).top[0].id == top
 
 
-def _with_rope(llama, tmp_path, rope) -> "Path":
+def _with_rope(llama, tmp_path, rope):
     folder, _ = llama
     config = json.loads((folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"rope_scaling": rope}))
