@@ -171,7 +171,8 @@ def tune_lens(loaded: Loaded, source: TextSource, settings: TuneSettings = TuneS
         T = min(len(r) for r in rows)
         ids = torch.tensor([r[:T] for r in rows], device=eng.device)  # (B, T)
         with torch.no_grad():
-            resid = [x.float().reshape(-1, D) for x in eng.residuals(ids)]  # L + 1 × (B·T, D)
+            # cloned: an engine may run under inference mode, whose tensors autograd cannot save
+            resid = [x.float().reshape(-1, D).clone() for x in eng.residuals(ids)]  # L + 1 × (B·T, D)
             final = torch.log_softmax(head(norm(resid[-1])), -1)  # (B·T, V)
             p = final.exp()
             neg_entropy = (p * final).sum(-1).mean()  # Σ p log p
