@@ -144,14 +144,7 @@ class Model(Serving):
         from lmhead_cli.readings import tuned_lens
 
         if isinstance(where, tuned_lens.TunedLens):
-            tuned_lens.check_readable(self.loaded)
-            mine = tuned_lens.identity_of(self.loaded)
-            if where.identity != mine:
-                from lmhead_cli.errors import WrongLens
-
-                raise WrongLens(f"the tuned lens {where.name} is for {where.identity.describe()}; "
-                                f"this model is {mine.describe()}")
-            return where
+            return tuned_lens.check_lens(self.loaded, where)
         return tuned_lens.load_lens(self.loaded, where)
 
     def tune_lens(self, text: str | None = None, *, file: str | None = None, out: str | None = None,

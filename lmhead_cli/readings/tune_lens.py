@@ -115,18 +115,14 @@ def _norm_and_head(loaded: Loaded):
 
     eng = loaded.engine
     lin = linearise_norm(eng.final_norm_module)
-    gamma = lin.gamma.detach().float()
-    beta = lin.beta.detach().float() if lin.beta is not None else None
+    beta = lin.beta.detach().float() if lin.beta is not None else 0.0
     W = eng.head_rows(torch.arange(eng.vocab_size, device=eng.device)).detach().float()  # (V, D)
     bias = getattr(eng.head_module, "bias", None)
     bias = bias.detach().float() if bias is not None else None
     cap = eng.own_stages.get("softcap")
 
-    def norm(x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
-        if lin.centred:
-            x = x - x.mean(-1, keepdim=True)
-        y = gamma * x / (x.pow(2).mean(-1, keepdim=True) + lin.eps).sqrt()  # centred: the mean square is var
-        return y + beta if beta is not None else y
+    def norm(x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D): the norm is its linearisation at σ(x)
+        return lin.apply(x, lin.sigma(x)) + beta
 
     def head(h: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, V)
         z = h @ W.T
