@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli
+from helpers import PROMPT, PROMPT_IDS, cli, perturbed
 
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings.attribute import attribute_logit
@@ -19,23 +19,10 @@ ARE = 389
 N_LAYER = 3
 
 
-def perturbed(folder, *, tied: bool, seed: int):
-    """A tiny GPT-2 whose biases and layer-norm gains are random, so γ, β and the MLP biases all count."""
-    model = build_checkpoint(folder, tied=tied, n_layer=N_LAYER, n_head=4, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif ".ln_" in name or name.startswith("transformer.ln_f"):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-    model.save_pretrained(folder)
-    return folder, model
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def ckpt(request, tmp_path_factory):
-    return perturbed(tmp_path_factory.mktemp("neurons"), tied=request.param, seed=11 if request.param else 12)
+    return perturbed(tmp_path_factory.mktemp("neurons"), tied=request.param, seed=11 if request.param else 12,
+                     n_layer=N_LAYER)
 
 
 def readouts(model, layer: int) -> torch.Tensor:
