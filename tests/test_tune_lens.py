@@ -254,6 +254,8 @@ def test_tune_lens_writes_a_lens_that_lens_reads(tmp_path, ckpt):
     (("some text", "--out", "l.safetensors", "--steps", "0"), "--steps must be at least 1 (got 0)"),
     (("some text", "--out", "l.safetensors", "--lr", "nan"), "--lr must be a positive number"),
     (("--file", "/nonexistent/book.txt", "--out", "l.safetensors"), "cannot read /nonexistent/book.txt"),
+    (("--file", "/tmp", "--out", "l.safetensors"), "/tmp is not a regular file"),
+    (("--file", "/dev/zero", "--out", "l.safetensors"), "/dev/zero is not a regular file"),
 ])
 def test_tune_lens_bad_input_is_one_line(tiny, args, message):
     r = cli("tune-lens", *args, "--model", str(tiny[0]))

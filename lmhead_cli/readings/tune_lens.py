@@ -16,6 +16,7 @@ import io
 import math
 import os
 import random
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,14 +81,16 @@ class TextSource:
         if file is not None:
             self.name = str(file)
             try:
-                self.size = os.stat(file).st_size
-                self._open = lambda: open(file, "rb")
-                with self._open():
-                    pass
+                info = os.stat(file)
+                if stat.S_ISREG(info.st_mode):  # a folder, a FIFO, a device: no size to draw windows from
+                    with open(file, "rb"):
+                        pass
             except OSError as e:
                 raise UsageError(f"cannot read {file}: {e.strerror or type(e).__name__}") from None
-            if Path(file).is_dir():
-                raise UsageError(f"{file} is a folder, not a text file")
+            if not stat.S_ISREG(info.st_mode):
+                raise UsageError(f"{file} is not a regular file; give a text file to train the lens on")
+            self.size = info.st_size
+            self._open = lambda: open(file, "rb")
         else:
             data = text.encode("utf-8", "surrogatepass")
             self.name, self.size = "the text", len(data)
