@@ -84,6 +84,28 @@ def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     return (-p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)).clamp_min(0.0) + 0.0
 
 
+def varentropy(logprobs: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    """The variance of the surprisal -log p under p, in nats², (..., V) log-probabilities -> (...) float32:
+    Σ p (log p + H)², H the entropy (`h` when the caller has it). Centred on H rather than E[(log p)²] - H²,
+    which loses every digit to cancellation on a flat distribution (both terms near (log V)²). 0 for a
+    one-hot or uniform distribution; a dropped token (p = 0) adds nothing."""
+    h = entropy(logprobs) if h is None else h
+    p = logprobs.exp()
+    centred = (logprobs + h[..., None]).square_()
+    return p.mul_(centred).nan_to_num_(nan=0.0).sum(dim=-1).clamp_min(0.0) + 0.0
+
+
+def margin(logprobs: torch.Tensor) -> torch.Tensor:
+    """The log-probability gap between the two most probable tokens, (..., V) -> (...) float32 nats (the
+    same as their logit gap): 0 for a tie, inf where one token alone is possible (V = 1, or the stages
+    dropped every other), which JSON documents show as null."""
+    if logprobs.shape[-1] < 2:
+        return torch.full(logprobs.shape[:-1], math.inf, device=logprobs.device)
+    two = torch.topk(logprobs, 2, dim=-1).values
+    gap = two[..., 0] - two[..., 1]
+    return gap.masked_fill_(gap.isnan(), math.inf)  # -inf - -inf: the top-1 alone is possible
+
+
 def perplexity(mean_nll: float) -> float:
     """exp(mean negative log-likelihood), inf where that overflows a float (a mean above ~709.8 nats, which a
     model with huge logits reaches) instead of OverflowError."""
@@ -174,6 +196,16 @@ class Distribution:
     def entropy_bits(self) -> float:
         return nats_to_bits(self.entropy)
 
+    @property
+    def varentropy(self) -> float:
+        """The variance of -log p under p, nats²."""
+        return float(varentropy(self.logprobs))
+
+    @property
+    def margin(self) -> float:
+        """log p of the top-1 minus log p of the second, nats (inf if no second token is possible)."""
+        return float(margin(self.logprobs))
+
     def prob(self, token_id: int) -> float:
         return float(self.logprobs[token_id].exp())
 
@@ -223,22 +255,26 @@ class RowScores:
     entropy: torch.Tensor  # nats, float32
     top_id: torch.Tensor  # the model's own top-1 token, int64
     top_logprob: torch.Tensor  # its log-probability, float32
+    varentropy: torch.Tensor  # Var_p[-log p], nats², float32
+    margin: torch.Tensor  # log p(top-1) - log p(top-2), nats, float32 (inf with one possible token)
     top_ids: torch.Tensor | None = None  # (N, K) the K most probable when asked (score --top-logprobs), int64
     top_logprobs: torch.Tensor | None = None  # (N, K) their log-probabilities, float32
 
 
 def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScores:
-    """Score token ids (N,) under logits (N, V): log-probability, rank, entropy and the top-1 of each row,
-    and with `top` = K the K most probable of each row too.
+    """Score token ids (N,) under logits (N, V): log-probability, rank, entropy, varentropy, margin and the
+    top-1 of each row, and with `top` = K the K most probable of each row too.
 
     One pass per reduction, over buffers the (N, V) rows already need: the logits are overwritten with
     d = z - max z, and e = exp(d) is the one other (N, V) float32 buffer (the rank's comparison, a
     boolean one, comes and goes before it). With S = Σ e: log p = d - log S, and the entropy
     H = log S - Σ e·d / S (e·d in e's place, no third buffer), which stays exact near 0 because
-    it is computed from d, not from the large log-sum-exp. A caller bounds the memory by how many rows
-    it passes (`lmhead score --chunk`).
+    it is computed from d, not from the large log-sum-exp. The varentropy is the variance of d under p
+    (-log p is d shifted by log S): Σ e·d² / S - (Σ e·d / S)², e·d² in e's place once more; the margin
+    is the gap between the two highest logits (the log-probabilities' gap: log S cancels). A caller bounds
+    the memory by how many rows it passes (`lmhead score --chunk`).
 
-    On the CPU the five figures come from lmhead's compiled kernel where it loads (engine/kernels.c:
+    On the CPU the seven figures come from lmhead's compiled kernel where it loads (engine/kernels.c:
     the same sums in two passes over the rows and no temporaries)."""
     z = logits.float()
     fast = _compiled_rows(z, ids, top)
@@ -250,14 +286,21 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     if not bool(torch.isfinite(top_z).all()):  # a NaN or +inf logit makes its row's max NaN or inf: O(N)
         raise _non_finite(int((~torch.isfinite(top_z)).sum()))
     best = torch.topk(z, top, dim=-1) if top else None  # before z becomes d below
+    gap = margin(z)  # (N,): the logits' gap is the log-probabilities'
     d = z.sub_(top_z[:, None])  # (N, V), ≤ 0, in the logits' place
     e = d.exp()
     log_s = e.sum(-1).log_()  # (N,)
     spread = e.mul_(d).sum(-1)  # Σ e·d, in e's place; a dropped token (-inf) makes 0·(-inf) = NaN
-    if not bool(torch.isfinite(spread).all()):
+    dropped = not bool(torch.isfinite(spread).all())
+    if dropped:
         spread = e.nan_to_num_(nan=0.0).sum(-1)
-    h = (log_s - spread / log_s.exp()).clamp_min_(0.0) + 0.0  # never -0.0 or a rounding speck below 0
-    return _row_scores((picked[:, 0] - top_z) - log_s, rank, h, top_id, -log_s, top_z, best)
+    square = e.mul_(d)  # e·d², in e's place
+    if dropped:
+        square.nan_to_num_(nan=0.0)
+    s = log_s.exp()
+    h = (log_s - spread / s).clamp_min_(0.0) + 0.0  # never -0.0 or a rounding speck below 0
+    var = (square.sum(-1) / s - (spread / s).square()).clamp_min_(0.0) + 0.0
+    return _row_scores((picked[:, 0] - top_z) - log_s, rank, h, top_id, -log_s, top_z, best, var, gap)
 
 
 def _non_finite(positions: int) -> NonFiniteLogits:
@@ -265,11 +308,11 @@ def _non_finite(positions: int) -> NonFiniteLogits:
                            + NON_FINITE_ADVICE)
 
 
-def _row_scores(logprob, rank, entropy, top_id, top_logprob, top_z, best) -> RowScores:
-    """RowScores from the five figures, each row's max logit top_z (N,) and torch.topk's `best` (or
+def _row_scores(logprob, rank, entropy, top_id, top_logprob, top_z, best, varentropy, margin) -> RowScores:
+    """RowScores from the seven figures, each row's max logit top_z (N,) and torch.topk's `best` (or
     None): the top-K log-probabilities are best's logits less the max, plus the top-1's log p."""
     return RowScores(logprob=logprob, rank=rank, entropy=entropy, top_id=top_id, top_logprob=top_logprob,
-                     top_ids=best.indices if best else None,
+                     varentropy=varentropy, margin=margin, top_ids=best.indices if best else None,
                      top_logprobs=(best.values - top_z[:, None]) + top_logprob[:, None] if best else None)
 
 
@@ -285,13 +328,13 @@ def _compiled_rows(z: torch.Tensor, ids: torch.Tensor, top: int) -> RowScores | 
         return None
     z = z.contiguous()
     try:
-        logprob, rank, h, top_id, top_logprob, bad = k.score_rows(z, ids)
+        logprob, rank, h, top_id, top_logprob, var, gap, bad = k.score_rows(z, ids)
     except ValueError:
         return None
     if bad:
         raise _non_finite(bad)
     best = torch.topk(z, top, dim=-1) if top else None
-    return _row_scores(logprob, rank, h, top_id, top_logprob, z.gather(-1, top_id[:, None])[:, 0], best)
+    return _row_scores(logprob, rank, h, top_id, top_logprob, z.gather(-1, top_id[:, None])[:, 0], best, var, gap)
 
 
 def check_top_logprobs(n: int, vocab: int) -> None:

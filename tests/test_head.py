@@ -14,6 +14,10 @@ import torch
 
 from lmhead_cli import head
 from lmhead_cli.errors import BadValue, NonFiniteLogits
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint
+from lmhead_cli.decoding.generate import generate, make_settings
+from lmhead_cli.head import Distribution, RANKS_BY_COMPARISON, rank_of, ranks, score_rows
+from lmhead_cli.loading.sources import load_model
 
 G = torch.Generator().manual_seed(0)
 Z = torch.randn(3, 50, generator=G) * 3  # (3, 50) logits, no ties
@@ -239,6 +243,62 @@ def test_score_rows_refuses_non_finite_rows_naming_how_many(rows_path):
                             + head.NON_FINITE_ADVICE)
 
 
+def ref_uncertainty(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(entropy, varentropy, margin) by their definitions in float64: H = E[-log p], Var[-log p] =
+    E[(-log p - H)²] under p, and the gap between the two best log-probabilities."""
+    lp = ref_logprobs(z)
+    p = lp.exp()
+    h = -(p * lp).nan_to_num(nan=0.0).sum(-1)
+    var = (p * (-lp - h[..., None]) ** 2).nan_to_num(nan=0.0).sum(-1)
+    two = lp.sort(-1, descending=True).values
+    return h, var, two[..., 0] - two[..., 1]
+
+
+def test_score_rows_varentropy_and_margin_by_their_definitions(rows_path):
+    z = Z.clone()
+    z[1, 7] = z[1].max()  # a tie for the top: margin 0
+    h, var, gap = ref_uncertainty(z)
+    rows = head.score_rows(z.clone(), torch.tensor([4, 17, 30]))
+    assert rows.varentropy.dtype == rows.margin.dtype == torch.float32
+    torch.testing.assert_close(rows.varentropy.double(), var, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows.margin.double(), gap, atol=1e-5, rtol=1e-6)
+    assert float(rows.margin[1]) == 0.0 and float(var.min()) > 0.1  # not a trivial 0 anywhere else
+
+
+def test_score_rows_varentropy_and_margin_with_dropped_tokens_and_one_survivor(rows_path):
+    """A -inf logit adds nothing to the varentropy; a row with one possible token has varentropy 0
+    and no second token: margin inf (JSON documents show null)."""
+    z = Z.clone()
+    z[0, 5] = z[0].max() + 1  # the top-1, and a dropped token beside it
+    z[0, 9] = float("-inf")
+    z[2, :] = float("-inf")
+    z[2, 3] = 1.0
+    h, var, _ = ref_uncertainty(z)
+    rows = head.score_rows(z.clone(), torch.tensor([5, 17, 3]))
+    torch.testing.assert_close(rows.varentropy[:2].double(), var[:2], atol=1e-5, rtol=1e-5)
+    assert float(rows.varentropy[2]) == 0.0 and not torch.signbit(rows.varentropy).any()
+    assert float(rows.margin[2]) == math.inf
+
+
+def test_varentropy_and_margin_of_log_probabilities():
+    """head.varentropy / head.margin over log-probabilities (what the server and Distribution read),
+    against the definitions: a flat distribution of 50,257 tokens keeps its digits (centred on H), a
+    uniform one has varentropy 0, dropped tokens add nothing."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(4, 50257, generator=g) * 0.05  # nearly flat: E[(log p)²] and H² both near 117
+    z[3, 100:] = float("-inf")  # the stages kept 100 tokens
+    lp = head.log_softmax(z)
+    h, var, gap = ref_uncertainty(z)
+    torch.testing.assert_close(head.varentropy(lp).double(), var, atol=1e-6, rtol=1e-3)
+    torch.testing.assert_close(head.margin(lp).double(), gap, atol=1e-5, rtol=1e-4)
+    assert float(head.varentropy(head.log_softmax(torch.zeros(10)))) == pytest.approx(0.0, abs=1e-9)
+    assert float(head.margin(head.log_softmax(torch.tensor([1.0, float("-inf")])))) == math.inf
+    assert float(head.margin(torch.zeros(1))) == math.inf  # V = 1
+    d = head.Distribution(Z[0])
+    assert d.varentropy == pytest.approx(float(var.new_tensor(ref_uncertainty(Z[0])[1])), rel=1e-5)
+    assert d.margin == pytest.approx(float(ref_uncertainty(Z[0])[2]), rel=1e-5)
+
+
 def test_check_top_logprobs_bounds():
     head.check_top_logprobs(0, 50)
     head.check_top_logprobs(50, 50)
@@ -295,3 +355,92 @@ def test_top_k_orders_ties_lowest_id_first_for_every_k():
         assert got == [2, 3, 5, 999, 0, 1, 4][:k], k
     assert [t.rank for t in d.top(4, str)] == [1, 2, 3, 4] and int(logits.argmax()) == 2
     assert [t.id for t in Distribution(torch.zeros(50257)).top(3, str)] == [0, 1, 2]
+
+
+ARE = 389  # " are", the twin of the top token in `twin`
+
+
+def strictly_higher_plus_one(z: torch.Tensor, i: int) -> int:
+    return 1 + int((z > z[i]).sum())
+
+
+TIED = torch.tensor([0.5, 2.0, -1.0, 2.0, 0.25, 3.0, 0.5, -1.0])  # 1 and 3 tie below 5; 0 and 6, 2 and 7 tie
+
+
+@pytest.mark.parametrize("k", [1, 2, RANKS_BY_COMPARISON, RANKS_BY_COMPARISON + 1])
+def test_ranks_of_tied_tokens_share_the_better_rank_on_each_path(k):
+    """ranks() has three ways (one id per row, up to 64 by comparison, more by a sort); each counts only
+    the tokens strictly higher. Mutants: `>` as `>=` (without the 1 +) on the first two, searchsorted's
+    right=True as right=False on the third."""
+    z = TIED.repeat(12)  # (96,): every value tied with 11 others at least
+    rows = torch.stack([z, -z])  # (2, 96): two rows, so the paths' (..., K) shapes are exercised
+    ids = torch.tensor([[1, 3, 0, 6, 2, 7, 5, 4] * 9][0][:k]).expand(2, -1)  # (2, k)
+    got = ranks(rows, ids)
+    expected = [[strictly_higher_plus_one(r, int(i)) for i in ids[0]] for r in rows]
+    assert got.tolist() == expected
+    assert got[0, 0] == 1 + 12 and (k < 3 or got[0, 2] == 1 + 12 * 3)  # 3.0 ×12 above 2.0; then 2.0 ×24 too
+
+
+def test_rank_of_a_tied_token_is_the_better_rank():
+    """rank_of (explain, targets): mutant `>` as `>=` on the one-id path gives 3 and 6 below."""
+    assert rank_of(TIED, 1) == rank_of(TIED, 3) == 2
+    assert rank_of(TIED, 0) == rank_of(TIED, 6) == 4
+
+
+def test_target_score_of_a_tied_token_is_the_better_rank():
+    t = Distribution(TIED).target(" x", [3, 9], str)
+    assert (t.id, t.rank) == (3, 2)
+
+
+def test_score_rows_rank_of_a_tied_token_is_the_better_rank():
+    """score's per-token rank (score_rows, one id per row): a tie with the top token is rank 1."""
+    logits = torch.stack([TIED, TIED.flip(0), torch.zeros(8)])  # row 2: all eight tied
+    ids = torch.tensor([1, 4, 4])  # 2.0 tied with 2.0 below 3.0, in each order; 0 among eight zeros
+    rows = score_rows(logits.clone(), ids)
+    assert rows.rank.tolist() == [strictly_higher_plus_one(z, int(i)) for z, i in zip(logits, ids)] == [2, 2, 1]
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """(loaded lean engine, transformers model, top id): a tiny untied GPT-2 whose head row for " are"
+    is a copy of the row of the prompt's top token, so the two tie exactly after PROMPT."""
+    folder = tmp_path_factory.mktemp("twin")
+    model = build_checkpoint(folder, tied=False, seed=7)
+    with torch.no_grad():
+        top = int(model(torch.tensor([PROMPT_IDS])).logits[0, -1].argmax())
+        assert top != ARE
+        model.lm_head.weight[ARE] = model.lm_head.weight[top]
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        z = model(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    third = float(torch.topk(z, 3).values[2])
+    assert z[ARE] == z[top] and float(z[top]) - third > 1e-3  # an exact tie at the top, nothing near it
+    return load_model(str(folder), device="cpu", dtype="float32", engine="lean"), model, top
+
+
+def test_a_twin_tie_in_real_logits_is_rank_one_on_every_reading(twin):
+    """The same tie through score, inspect's targets, diff (its targets and its other-side ranks) and a
+    generated step: every one says rank 1 for both twins, as transformers' logits do."""
+    from lmhead_cli.readings.diff import diff_prompts
+    from lmhead_cli.readings.inspect import inspect_prompt
+    from lmhead_cli.readings.score import score_text
+
+    loaded, model, top = twin
+    with torch.no_grad():
+        z = model(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    assert strictly_higher_plus_one(z, ARE) == strictly_higher_plus_one(z, top) == 1
+    logits = loaded.engine.head(loaded.engine.body(torch.tensor([PROMPT_IDS]))[:, -1:])[0, 0]
+    assert logits[ARE] == logits[top]  # the engine ties them exactly too
+
+    s = score_text(loaded, PROMPT + " are")
+    assert [t.id for t in s.tokens()][-1] == ARE and list(s.tokens())[-1].rank == 1
+
+    i = inspect_prompt(loaded, PROMPT, top_k=3, targets=[" are"])
+    assert i.targets[0].rank == 1
+
+    d = diff_prompts(loaded, PROMPT, PROMPT, top_k=3, targets=[" are"])
+    assert (d.targets[0].rank_a, d.targets[0].rank_b) == (1, 1)
+    assert {t.id: t.other_rank for t in d.a.top if t.id in (ARE, top)} == {ARE: 1, top: 1}
+
+    g = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=1))
+    assert g.generated_ids[0] in (ARE, top) and g.steps[0].rank == 1

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from lmhead_cli.engine import kernels
+from helpers import PROMPT_IDS
+from lmhead_cli.loading.sources import load_model
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"the compiled kernels did not load: {kernels.unavailable()}")
@@ -273,22 +275,26 @@ def test_score_rows_match_torch_s(build, v):
         z[2, 0] = float("-inf")
         z[3, :] = float("-inf")
         z[3, v // 2] = 0.0
-    logprob, rank, entropy, top_id, top_logprob, bad = build.score_rows(z, ids)
+    logprob, rank, entropy, top_id, top_logprob, varentropy, margin, bad = build.score_rows(z, ids)
     want = torch_rows(z, ids)
     assert bad == 0
     assert torch.equal(rank, want.rank) and torch.equal(top_id, want.top_id)
-    for got, ref in ((logprob, want.logprob), (entropy, want.entropy), (top_logprob, want.top_logprob)):
-        torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-6)
+    for got, ref in ((logprob, want.logprob), (entropy, want.entropy), (top_logprob, want.top_logprob),
+                     (varentropy, want.varentropy)):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    assert torch.equal(margin, want.margin)  # the same two logits subtracted (inf for V = 1 and row 3)
     assert not bool((entropy < 0).any()) and not bool(torch.signbit(entropy).any())
+    assert not bool(torch.signbit(varentropy).any())
 
 
 def test_score_rows_count_rows_that_are_not_finite(build):
     z = torch.zeros(5, 40)
     z[0, 3], z[2, 1], z[4, :] = float("nan"), float("inf"), float("-inf")
-    logprob, _, entropy, top_id, _, bad = build.score_rows(z, torch.zeros(5, dtype=torch.long))
+    logprob, _, entropy, top_id, _, varentropy, margin, bad = build.score_rows(z, torch.zeros(5, dtype=torch.long))
     assert bad == 3
     assert torch.equal(torch.isnan(logprob), torch.tensor([True, False, True, False, True]))
     assert top_id.tolist() == [-1, 0, -1, 0, -1]
+    assert torch.equal(torch.isnan(varentropy), torch.isnan(logprob)) and torch.equal(torch.isnan(margin), torch.isnan(logprob))
 
 
 def test_score_rows_refuse_an_id_outside_the_vocabulary(build):
@@ -441,3 +447,22 @@ def test_decoding_steps_attend_through_the_kernel_as_torch_does(tiny, monkeypatc
     assert len(calls) == 3 * eng.config["n_layer"]  # the three one-position steps, each layer
     monkeypatch.setattr(lean.kernels, "load", lambda: None)
     torch.testing.assert_close(compiled, steps(), rtol=1e-5, atol=1e-5)
+
+
+def test_more_positions_than_a_few_never_take_the_few_row_products(tiny, monkeypatch):
+    """The head over many positions is one GEMM (F.linear), not the few-row forms. Mutant: the few-row
+    path taken whenever the engine has forms."""
+    from lmhead_cli.engine import lean
+    from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
+
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    assert eng.forms
+    taken = []
+    plain = lean.few_rows_product
+    monkeypatch.setattr(lean, "few_rows_product", lambda *a: taken.append(a[1].shape[0]) or plain(*a))
+    h = eng.body(torch.tensor([PROMPT_IDS[:BLOCKED_MAX_ROWS + 1]]))
+    taken.clear()
+    eng.head(h)
+    assert taken == []
+    eng.head(h[:, -1:])
+    assert taken == [1]

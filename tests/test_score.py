@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import ELSEWHERE, PROMPT, assert_rank, cli, elsewhere, loaded_elsewhere, nan_checkpoint
+from helpers import ELSEWHERE, PROMPT, assert_rank, build_checkpoint, cli, elsewhere, loaded_elsewhere, nan_checkpoint
 from rich.console import Console
 
 from lmhead_cli.errors import UsageError
@@ -52,6 +52,9 @@ def assert_matches_oracle(score, lp: torch.Tensor, first: int) -> None:
         assert t.prob == pytest.approx(math.exp(float(ref[t.id])), abs=ATOL)
         assert t.surprisal_bits == pytest.approx(-float(ref[t.id]) / math.log(2), abs=ATOL)
         assert t.entropy == pytest.approx(float(-(ref.exp() * ref).sum()), abs=ATOL)
+        h, two = -(ref.double().exp() * ref.double()).sum(), ref.double().topk(2).values
+        assert t.varentropy == pytest.approx(float((ref.double().exp() * (ref.double() + h) ** 2).sum()), abs=ATOL)
+        assert t.margin == pytest.approx(float(two[0] - two[1]), abs=ATOL)
         assert_rank(t.rank, ref, t.id)
         assert t.top_id == int(ref.argmax()) and t.top_prob == pytest.approx(float(ref.max().exp()), abs=ATOL)
 
@@ -248,8 +251,8 @@ def test_json_has_exactly_the_documented_fields(tiny):
     assert list(doc) == ["model", "random_weights", "text", "bos", "window", "stride", "chunk", "tokens",
                          "scored_tokens", "nll", "mean_nll", "perplexity", "bytes", "bits_per_byte"]
     assert (doc["text"], doc["bos"], doc["window"], doc["stride"], doc["chunk"]) == (TEXT, False, 1024, 300, 9)
-    fields = ["index", "id", "token", "scored", "logprob", "prob", "rank", "entropy", "surprisal_bits", "top_id",
-              "top_token", "top_prob"]
+    fields = ["index", "id", "token", "scored", "logprob", "prob", "rank", "entropy", "varentropy", "margin",
+              "surprisal_bits", "top_id", "top_token", "top_prob"]
     assert all(list(t) == fields for t in doc["tokens"])
     first, rest = doc["tokens"][0], doc["tokens"][1:]
     assert first["scored"] is False and all(first[k] is None for k in fields[4:])
@@ -682,3 +685,21 @@ def test_a_character_split_across_tokens_is_one_span_and_a_cut_one_is_shown_as_b
     assert spans([hello, c3, a9]) == ["Hello", "é"]
     assert spans([hello, c3]) == ["Hello", "\\xc3"]
     assert spans([hello, c3, a9, hello]) == ["Hello", "é", "Hello"]
+
+
+def test_score_progress_counts_every_scored_token_once_up_to_the_total(tmp_path):
+    """Two windows (a 24-position model, stride 12) and chunks of 5: progress(done, total) rises by each
+    chunk's tokens and ends at total = the tokens scored. Mutants: done moved by hi + lo or down, total
+    summed over window ends plus starts."""
+    from lmhead_cli.readings.score import score_ids
+
+    build_checkpoint(tmp_path, n_positions=24, seed=4)
+    loaded = load_model(str(tmp_path), device="cpu")
+    ids = torch.arange(100, 140)
+    seen = []
+    cols = score_ids(loaded, ids, stride=12, chunk=5, progress=lambda done, total: seen.append((done, total)))
+    scored = int(torch.isfinite(cols["logprob"]).sum())
+    assert cols["windows"] > 1 and scored == len(ids) - 1
+    assert {t for _, t in seen} == {scored} and seen[-1][0] == scored
+    steps = [b - a for (a, _), (b, _) in zip([(0, 0)] + seen, seen)]
+    assert all(0 < s <= 5 for s in steps)

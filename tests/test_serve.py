@@ -458,3 +458,94 @@ def test_a_batch_computes_each_row_as_it_would_alone(tiny):
                 assert (t[1], t[2], t[4]) == (a[1], a[2], a[4]) and t[3] == pytest.approx(a[3], abs=1e-5)
             else:  # (kind, reason, tail)
                 assert t == a
+
+
+# ---- lmhead's `uncertainty` field -------------------------------------------------------------------
+
+def _spread(lp: torch.Tensor) -> tuple[float, float, float]:
+    """Entropy, varentropy and margin of one distribution's log-probabilities (V,), in float64 here."""
+    lp = lp.double()
+    p = lp.exp()
+    h = float(-(p * lp).nan_to_num(nan=0.0).sum())
+    var = float((p * (lp + h) ** 2).nan_to_num(nan=0.0).sum())
+    two = torch.topk(lp, 2).values
+    return h, var, float(two[0] - two[1])
+
+
+def test_uncertainty_of_echoed_positions_is_score_s_through_the_openai_client(server, tiny):
+    import lmhead_cli
+
+    text = PROMPT + " are on the table, and the keys are mine."
+    r = client(server).completions.create(model="tiny", prompt=text, echo=True, max_tokens=0, logprobs=0,
+                                          extra_body={"uncertainty": True})
+    extra = r.choices[0].logprobs.model_extra
+    tokens = lmhead_cli.load(str(tiny[0]), device="cpu").score(text).to_dict()["tokens"]
+    assert len(extra["entropy"]) == len(tokens) == len(r.choices[0].logprobs.token_logprobs)
+    assert extra["entropy"][0] is extra["varentropy"][0] is extra["margin"][0] is None  # nothing before it
+    for k in ("entropy", "varentropy", "margin"):
+        assert extra[k][1:] == pytest.approx([t[k] for t in tokens[1:]], abs=1e-5)
+    assert min(extra["varentropy"][1:]) > 0 and min(extra["margin"][1:]) > 0
+    plain = client(server).completions.create(model="tiny", prompt=text, echo=True, max_tokens=0, logprobs=0)
+    assert "entropy" not in (plain.choices[0].logprobs.model_extra or {})  # only when asked
+
+
+def test_uncertainty_of_generated_tokens_raw_and_processed(server, tiny):
+    """Each generated step's figures against transformers' logits at that step: raw, and processed after
+    top_k = 2 (two tokens left: entropy of two, margin their gap) and top_k = 1 (one: 0, 0, null)."""
+    body = {"prompt": PROMPT_IDS, "max_tokens": 3, "temperature": 0, "logprobs": 1, "uncertainty": True}
+    r = post(server, "/v1/completions", body).json()
+    lp = r["choices"][0]["logprobs"]
+    ids = PROMPT_IDS + [pairs[0][0] for pairs in lp["top_ids"]]
+    ref = oracle_logprobs(tiny[1], ids)
+    for step in range(3):
+        h, var, gap = _spread(ref[len(PROMPT_IDS) - 1 + step])
+        assert (lp["entropy"][step], lp["varentropy"][step], lp["margin"][step]) == pytest.approx((h, var, gap), abs=1e-5)
+    two = post(server, "/v1/completions", {**body, "top_k": 2, "logprobs_mode": "processed"}).json()
+    z = _logits(tiny[1])[-1]
+    kept = torch.full_like(z, float("-inf"))
+    best = torch.topk(z, 2).indices
+    kept[best] = z[best]
+    h, var, gap = _spread(torch.log_softmax(kept.double(), -1))
+    got = two["choices"][0]["logprobs"]
+    assert (got["entropy"][0], got["varentropy"][0], got["margin"][0]) == pytest.approx((h, var, gap), abs=1e-5)
+    one = post(server, "/v1/completions", {**body, "top_k": 1, "logprobs_mode": "processed"}).json()
+    got = one["choices"][0]["logprobs"]
+    assert got["entropy"] == [0.0] * 3 and got["varentropy"] == [0.0] * 3 and got["margin"] == [None] * 3
+
+
+def test_uncertainty_in_chat_entries_and_its_refusal_without_logprobs(server):
+    r = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=2, temperature=0, logprobs=True,
+                                               extra_body={"uncertainty": True})
+    for entry in r.choices[0].logprobs.content:
+        assert set(entry.model_extra) == {"entropy", "varentropy", "margin"} and entry.model_extra["entropy"] > 0
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions",
+                                                                 {"messages": [{"role": "user", "content": "Hi"}]})):
+        bad = post(server, path, {**body, "max_tokens": 1, "uncertainty": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "uncertainty"
+        assert "needs logprobs" in bad.json()["error"]["message"]
+    wrong = post(server, "/v1/completions", {"prompt": PROMPT, "logprobs": 1, "uncertainty": "yes"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "uncertainty"
+
+
+HOSTILE_NAME = "m\x1b]0;retitled\x07\x1b[31m\x9b32m\u2028x"  # OSC retitle, BEL, SGR, C1 CSI, LINE SEPARATOR
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_the_start_up_line_shows_a_hostile_folder_name_escaped(tiny, tmp_path, monkeypatch, dry_run):
+    """`lmhead serve --model` with a folder whose name holds ESC, BEL or C1: the start-up line (and
+    --dry-run's) shows them escaped, so the name cannot retitle or recolour the terminal."""
+    import shutil
+
+    import uvicorn
+    from helpers import cli
+
+    folder = tmp_path / HOSTILE_NAME
+    shutil.copytree(tiny[0], folder)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)  # the line is printed before the server runs
+    got = cli("serve", "--model", str(folder), "--port", "0", *(["--dry-run"] if dry_run else []))
+    assert got.exit_code == 0, got.output
+    line = (got.stdout if dry_run else got.stderr).splitlines()[0]
+    assert line.startswith("would serve " if dry_run else "lmhead serve: ")
+    assert "m\\x1b]0;retitled\\x07\\x1b[31m\\x9b32m\\u2028x at http://127.0.0.1:0/v1" in line
+    assert not any(ch in got.output for ch in "\x1b\x07\x9b\u2028")

@@ -14,14 +14,27 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator
 
 from lmhead_cli.api import checks, results
+from lmhead_cli.api.checks import kinds
 from lmhead_cli.api.serving import Serving
-from lmhead_cli.errors import BadValue, UnsupportedModel
+from lmhead_cli.errors import BadType, BadValue, UnsupportedModel
+
+# The kinds (api.checks.typed) of parameters that several methods share.
+ONE_PROMPT = {"prompt": str, "top_k": int, "targets": list}
+WINDOWS = {"stride": int, "chunk": int}  # score's and compare's
+SCORING = {"text": str, **WINDOWS, "top_logprobs": int, "alternatives": int}
+DECODING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+            "softcap": float, "beams": int, "seed": int, "greedy": bool, "ignore_eos": bool, "show_steps": int,
+            "top_logprobs": int, "logprobs": ("raw", "processed"), "preset": str, "mode": tuple(checks.MODES),
+            "on_start": callable, "on_text": callable}
+COUNTS = {"batch": int, "seq": int, "vocab": int}
 
 
+@kinds(source=str, device=str, dtype=str, engine=str, threads=int, allow_pickle=bool, ignore_memory=bool,
+       announce=callable)
 def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
          threads: int | None = None, allow_pickle: bool = False, ignore_memory: bool = False,
          announce: Callable[[str], None] | None = None) -> Model:
-    """Load `source` (a hub id, a local folder or random:NAME) and return a Model.
+    """Load `source` (a hub id, a local folder, a GGUF file, random:NAME or bundled:NAME) and return a Model.
 
     device: auto, cpu, cuda or mps; dtype: float32, bfloat16, float16 or int8 (weights only, quantised at
     load; the lean engine's); engine: auto, lean or transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept
@@ -29,7 +42,9 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
     `announce(line)` hears the loader's notices (a large model; default: one dim line on stderr).
     """
     from lmhead_cli.engine.threads import prepare
+    from lmhead_cli.inputs import check_working_directory
 
+    check_working_directory()  # torch's import dies in a deleted working directory: say so before it
     threads = prepare(threads)  # OpenMP's wait policy is read when torch is imported: before that
     from lmhead_cli.loading.sources import load_model
 
@@ -40,8 +55,8 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
 
 
 class Model(Serving):
-    """A loaded model and its tokenizer. Methods: inspect, explain, score, compare, generate, diff, attribute,
-    lens, tie, params (each returns a result with to_dict(), _repr_html_ and __rich__)."""
+    """A loaded model and its tokenizer. Methods: inspect, explain, score, calibrate, compare, generate, diff,
+    attribute, lens, tie, params (each returns a result with to_dict(), _repr_html_ and __rich__)."""
 
     def __init__(self, loaded):
         self.loaded = loaded  # loading.sources.Loaded: for the readings; front ends use the methods
@@ -84,6 +99,7 @@ class Model(Serving):
         return f"<lmhead Model {self.source!r} engine={self.loaded.engine.name} n_ctx={self.n_ctx}>"
 
     # ---- one prompt -------------------------------------------------------------------------------
+    @kinds(**ONE_PROMPT)
     def inspect(self, prompt: str, top_k: int = 10, targets: Iterable[str] = (), *,
                 stages=None) -> results.InspectResult:
         """The next-token distribution after `prompt`: the top `top_k` tokens, each target's rank and
@@ -92,6 +108,7 @@ class Model(Serving):
         from lmhead_cli.readings.inspect import inspect_prompt
 
         checks.one_prompt(prompt, targets, top_k)
+        stages = checks.stage_knobs(stages)
         reading = inspect_prompt(self.loaded, prompt, top_k, list(targets))
         table = None
         if stages is not None:
@@ -100,6 +117,7 @@ class Model(Serving):
             table = stage_table(reading.logits, stages, top_k, self.tokenizer.token_text)
         return results.InspectResult(reading, self.loaded.tie, table, self.own_softcap)
 
+    @kinds(**ONE_PROMPT, token=str)
     def explain(self, prompt: str, token: str, top_k: int = 10, targets: Iterable[str] = ()) -> results.ExplainResult:
         """One token's logit taken apart: z = e·h = |e|·|h|·cos θ (`inspect --explain`)."""
         from lmhead_cli.readings.explain import explain_logit
@@ -107,6 +125,7 @@ class Model(Serving):
         checks.one_prompt(prompt, targets, top_k)
         return results.ExplainResult(explain_logit(self.loaded, prompt, token, top_k, list(targets)))
 
+    @kinds(a=str, b=str, top_k=int, targets=list, movers=int)
     def diff(self, a: str, b: str, top_k: int = 10, targets: Iterable[str] = (), movers: int = 5) -> results.DiffResult:
         """Two prompts' next-token distributions side by side: KL, JS, total variation, movers."""
         from lmhead_cli.readings.diff import diff_prompts
@@ -117,6 +136,7 @@ class Model(Serving):
             raise BadValue("movers", f"must be at least 0 (got {movers})")
         return results.DiffResult(diff_prompts(self.loaded, a, b, top_k, list(targets), movers))
 
+    @kinds(prompt=str, target=str, vs=str, heads=bool)
     def attribute(self, prompt: str, target: str, vs: str | None = None, heads: bool = False) -> results.AttributeResult:
         """Direct logit attribution of `target`'s logit (or z(target) - z(vs)) over the model's parts.
         Every head's share is always computed; `heads` is what a table shows and is kept for the caller."""
@@ -125,6 +145,7 @@ class Model(Serving):
         checks.attribution(prompt, target, vs)
         return results.AttributeResult(attribute_logit(self.loaded, prompt, target, vs))
 
+    @kinds(**ONE_PROMPT, position=int | None)
     def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8, *,
              tuned=None) -> results.LensResult:
         """Logit lens: what the head predicts from the residual stream after each block, at `position`
@@ -147,6 +168,8 @@ class Model(Serving):
             return tuned_lens.check_lens(self.loaded, where)
         return tuned_lens.load_lens(self.loaded, where)
 
+    @kinds(text=str, file=str, out=str, steps=int, batch=int, seq=int, lr=float, warmup=int, seed=int,
+           progress=callable)
     def tune_lens(self, text: str | None = None, *, file: str | None = None, out: str | None = None,
                   steps: int = 300, batch: int = 4, seq: int | None = None, lr: float = 1e-3, warmup: int = 20,
                   seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> results.TuneResult:
@@ -167,6 +190,7 @@ class Model(Serving):
             tuning.lens.name = str(out)
         return results.TuneResult(tuning, self.provenance, out)
 
+    @kinds(prompt=str, layer=int, token=str, target=str, top=int, neurons=list)
     def neurons(self, prompt: str | None = None, *, layer: int | None = None, token: str | None = None,
                 target: str | None = None, top: int | None = None,
                 neurons: Iterable[int] = ()) -> results.NeuronsResult:
@@ -188,6 +212,7 @@ class Model(Serving):
         return results.NeuronsResult(result)
 
     # ---- explore's session: one prompt at a time, with the session's settings -------------------------
+    @kinds(prompt=str)
     def explore_reading(self, prompt: str, settings):
         """The top-k table (and targets) after the stages `settings` (readings.explore.Settings) turn on:
         a readings.explore.Reading."""
@@ -195,6 +220,7 @@ class Model(Serving):
 
         return read(self.loaded, prompt, settings)
 
+    @kinds(prompt=str, n=int, on_text=callable)
     def explore_generate(self, prompt: str, n: int, settings, on_text: Callable[[str], None]):
         """`n` tokens after `prompt`, sampled with the session's stages and seed (decoding.generate.Generation)."""
         from lmhead_cli.readings.explore import generate_after
@@ -212,6 +238,7 @@ class Model(Serving):
         """Is the head the very same tensor as the embedding table?"""
         return results.TieResult(self.loaded.tie, self.provenance)
 
+    @kinds(**COUNTS)
     def params(self, batch: int = 1, seq: int | None = None, vocab: int | None = None) -> results.ParamsResult:
         """The parameter account of this model's tensors (GPT-2 family), the head's cost and the logits'
         memory for batch × seq × vocab (seq: n_positions, vocab: the model's, by default)."""
@@ -223,6 +250,7 @@ class Model(Serving):
         return params_result(self.source, "tensors", acc, batch, seq, vocab)
 
     # ---- text ------------------------------------------------------------------------------------
+    @kinds(**SCORING, bos=bool, progress=callable, on_rows=callable)
     def score(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
               top_logprobs: int = 0, progress: Callable[[int, int], None] | None = None,
               on_rows=None, alternatives: int = 0) -> results.ScoreResult:
@@ -238,6 +266,7 @@ class Model(Serving):
                                               progress=progress, top_logprobs=top_logprobs, on_rows=on_rows,
                                               alternatives=alternatives))
 
+    @kinds(**SCORING)
     def check_score(self, text: str | None = None, *, stride: int | None = None, chunk: int | None = None,
                     top_logprobs: int = 0, alternatives: int = 0) -> None:
         """score's values, without scoring (a front end calls it before it writes anything)."""
@@ -250,17 +279,61 @@ class Model(Serving):
         checks.chunk(chunk)
         checks.stride(stride, self.n_ctx)
 
+    @kinds(text=str, **WINDOWS, bos=bool, progress=callable, generations=int, max_new_tokens=int, seed=int,
+           preset=str, greedy=bool)
+    def calibrate(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
+                  progress: Callable[[int, int], None] | None = None, generations: int = 0,
+                  max_new_tokens: int = 64, seed: int | None = None, preset: str | None = None,
+                  greedy: bool = False, **knobs) -> results.CalibrateResult:
+        """Is the model's top-1 probability honest on `text`? Over score's positions (the same windows,
+        `bos` and `stride`): 15 equal-width bins of top-1 probability with each bin's accuracy, ECE, the
+        Brier score of the top-1 event, NLL, and the temperature that minimises the NLL, with the NLL and
+        ECE there. `generations` = N also samples N continuations of `max_new_tokens` tokens after the
+        beginning-of-text token (seeds seed, seed + 1, …; decoding stages as `generate` takes them:
+        temperature, top_k, top_p, min_p, softcap, preset, greedy) and reports their entropy rate, the
+        mean -log p of the sampled tokens, against the NLL on the text (Braverman et al. 2020)."""
+        import secrets
+        from dataclasses import asdict
+
+        from lmhead_cli.readings.calibrate import Generations, calibrate_text, entropy_rate
+
+        self.check_score(text, stride=stride, chunk=chunk)
+        if isinstance(generations, bool) or not isinstance(generations, int) or generations < 0:
+            raise BadValue("generations", f"must be a whole number, at least 0 (got {generations!r})")
+        settings = None
+        if generations:
+            settings = checks.generation(preset=preset, greedy=greedy, ignore_eos=True, seed=seed,
+                                         max_new_tokens=max_new_tokens, **knobs)
+            if self.bos_token_id is None:
+                raise UnsupportedModel(f"{self.source} declares no beginning-of-text token to sample after")
+        reading = calibrate_text(self.loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)
+        if generations:
+            prompt = self.decode([self.bos_token_id])
+            base = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
+            made = [self.generate(prompt, max_new_tokens=max_new_tokens, seed=base + i, preset=preset, greedy=greedy,
+                                  ignore_eos=True, **knobs).reading for i in range(generations)]
+            tokens, rate = entropy_rate(made)
+            on = {k: v for k, v in asdict(settings.knobs).items() if v is not None}
+            reading.generations = Generations(count=generations, prompt=prompt, max_new_tokens=max_new_tokens,
+                                              seed=base, settings=on | ({"greedy": True} if settings.greedy else {}),
+                                              tokens=tokens, entropy_rate=rate, cross_entropy=reading.nll,
+                                              texts=[g.text for g in made])
+        return results.CalibrateResult(reading)
+
+    @kinds(text=str, **WINDOWS, base_dtype=str, llama_chunks=int, bos=bool, progress=callable)
     def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
-                stride: int | None = None, chunk: int | None = None,
+                stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,
                 progress: Callable[[int, int], None] | None = None):
         """This model (Q) against `base` over every token of `text`: llama-perplexity --kl-divergence's
         statistics (api/compare.py). `base`: a Model, a source, or None / "same" for this model's own
-        source, loaded in `base_dtype`."""
+        source, loaded in `base_dtype`. `llama_chunks` = n: llama-perplexity's positions (chunks of n
+        tokens, the second half of each scored)."""
         from lmhead_cli.api.compare import compare
 
         return compare(self, text, base, base_dtype=base_dtype, bos=bos, stride=stride, chunk=chunk,
-                       progress=progress)
+                       llama_chunks=llama_chunks, progress=progress)
 
+    @kinds(**WINDOWS, bos=bool)
     def score_lines(self, lines: Iterable, *, bos: bool = False, stride: int | None = None,
                     chunk: int | None = None) -> results.LineResults:
         """score_text over many texts, lazily, one at a time: `lines` are texts (numbered from 1) or
@@ -269,6 +342,7 @@ class Model(Serving):
         has been yielded. api.files.score_file runs a whole file with it."""
         from lmhead_cli.readings.score import Corpus, Line, score_lines
 
+        lines = many("lines", lines)
         self.check_score(stride=stride, chunk=chunk)
         numbered = (line if isinstance(line, Line) else Line(n, line if line.strip() else None)
                     for n, line in enumerate(lines, 1))
@@ -276,6 +350,7 @@ class Model(Serving):
         return results.LineResults(score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk),
                                    totals)
 
+    @kinds(top_k=int, targets=list, batch_size=int)
     def inspect_lines(self, lines: Iterable, top_k: int = 10, targets: Iterable[str] = (),
                       batch_size: int = 32) -> results.LineResults:
         """inspect over many prompts, `batch_size` a forward pass: `lines` are prompts (numbered from 1)
@@ -283,6 +358,7 @@ class Model(Serving):
         (readings.batch.BatchStats) counts what has been yielded."""
         from lmhead_cli.readings.batch import BatchStats, PromptLine, inspect_stream
 
+        lines = many("lines", lines)
         targets = checks.prompt_file(top_k, batch_size, targets)
         numbered = (line if isinstance(line, PromptLine) else PromptLine(n, line) for n, line in enumerate(lines, 1))
         tie, stats = self.loaded.tie, BatchStats(batch_size, targets)
@@ -290,6 +366,7 @@ class Model(Serving):
                                     for batch in inspect_stream(self.loaded, numbered, top_k, targets, batch_size,
                                                                 stats)), stats)
 
+    @kinds(prompt=str, **DECODING)
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  softcap: float | None = None, beams: int = 1, seed: int | None = None, greedy: bool = False,
@@ -321,6 +398,14 @@ class Model(Serving):
         return results.GenerateResult(g, self.provenance, text, preset, tok.token_text, tok.token_bytes)
 
 
+def many(key: str, values: Iterable) -> Iterable:
+    """An iterable of texts (a list, a file's lines, a generator) as given; one string or bytes is BadType
+    (iterating it would give its characters)."""
+    if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
+        raise BadType(key, f"must be an iterable of texts (a list, a file's lines), not {type(values).__name__}")
+    return values
+
+
 def params_result(model: str, counted_from: str, acc, batch: int = 1, seq: int | None = None,
                   vocab: int | None = None) -> results.ParamsResult:
     """A ParamsResult from an account (readings.params): the head's cost and the logits' memory."""
@@ -340,6 +425,7 @@ def gpt2_only(source: str, kind: str | None) -> None:
                                f"{kind!r} model")
 
 
+@kinds(source=str, **COUNTS, allow_pickle=bool)
 def model_params(source: str, batch: int = 1, seq: int | None = None, vocab: int | None = None, *,
                  allow_pickle: bool = False) -> results.ParamsResult:
     """`lmhead params --model SOURCE`: a GPT-2-family model's real tensors counted (loaded on the CPU by
@@ -350,6 +436,7 @@ def model_params(source: str, batch: int = 1, seq: int | None = None, vocab: int
     return load(source, device="cpu", engine="lean", allow_pickle=allow_pickle).params(batch, seq, vocab)
 
 
+@kinds(temperature=float, seed=int, draws=int)
 def toy(hidden: str | Iterable[float] | None = None, temperature: float = 1.0, seed: int = 0, draws: int = 20):
     """`lmhead toy`: the whole last step on a four-word table (readings.toy.ToyExample); `hidden` is
     3 numbers, or their text "0.5,1,2" (default 1,0,1). Arithmetic only: no torch."""
@@ -359,13 +446,16 @@ def toy(hidden: str | Iterable[float] | None = None, temperature: float = 1.0, s
         h = reading.HIDDEN
     elif isinstance(hidden, str):
         h = reading.parse_hidden(hidden)
+    elif isinstance(hidden, Iterable) and not isinstance(hidden, (bytes, bytearray)):
+        h = reading.parse_hidden(",".join(str(float(checks.typed("hidden", v, float))) for v in hidden))
     else:
-        h = reading.parse_hidden(",".join(str(float(v)) for v in hidden))
+        raise BadType("hidden", f"must be numbers, or their text \"0.5,1,2\" (got {type(hidden).__name__})")
     reading.check_temperature(temperature)
     reading.check_draws(draws)
     return reading.toy_example(h, temperature, seed, draws)
 
 
+@kinds(config=str, **COUNTS)
 def params(config: str = "gpt2", batch: int = 1, seq: int | None = None, vocab: int | None = None) -> results.ParamsResult:
     """`lmhead params --config NAME`: a bundled config counted by arithmetic; no torch, no weights."""
     from lmhead_cli.loading.model_configs import load_config

@@ -1,8 +1,10 @@
 """What the Model's methods return: a reading's result plus the provenance its document needs.
 
 Each result's `to_dict()` is exactly the document `lmhead COMMAND --json` prints for the same call
-(the CLI prints `to_dict()` itself, or streams the same fields for score); `_repr_html_` shows it as
-a table in a notebook and `__rich__` in a terminal. Any other attribute is the reading's own
+(the CLI prints `to_dict()` itself, or streams the same fields for score); `_repr_html_` shows the
+reading's own picture in a notebook where it has one (render/notebook.py: inspect's bars, generate's
+text, diff's two sides, lens's heat map; score's coloured text; calibrate's diagrams), else the
+document as a table; `__rich__` shows it in a terminal. Any other attribute is the reading's own
 (`result.top`, `result.entropy`...), so a result can be used as the reading it wraps.
 Renderers (lmhead_cli.render) take these results, never the loaded model.
 """
@@ -144,6 +146,12 @@ class InspectResult(ReadingResult):
         doc = inspection_json(self.reading, self.tie)
         return doc | ({"stages": stages_json(self.stages, self.own_softcap)} if self.stages is not None else {})
 
+    def _repr_html_(self) -> str:
+        """The top-k table with its bars, and the targets."""
+        from lmhead_cli.render.notebook import inspect_html
+
+        return inspect_html(self.to_dict())
+
 
 class ExplainResult(ReadingResult):
     """inspect --explain: readings.explain.Explanation."""
@@ -156,6 +164,12 @@ class DiffResult(ReadingResult):
 
     DOCUMENT = "diff:diff_json"
 
+    def _repr_html_(self) -> str:
+        """The two distributions side by side."""
+        from lmhead_cli.render.notebook import diff_html
+
+        return diff_html(self.to_dict())
+
 
 class AttributeResult(ReadingResult):
     """attribute: readings.attribute.Attribution."""
@@ -167,6 +181,12 @@ class LensResult(ReadingResult):
     """lens: readings.lens.Lens."""
 
     DOCUMENT = "lens:lens_json"
+
+    def _repr_html_(self) -> str:
+        """The layers × tokens heat map of the probabilities."""
+        from lmhead_cli.render.notebook import lens_html
+
+        return lens_html(self.to_dict(), self.reading.columns, self.reading.heat, self.reading.peak)
 
 
 class NeuronsResult(ReadingResult):
@@ -224,6 +244,12 @@ class GenerateResult(Result):
     token_text: Callable[[int], str] = field(repr=False)
     token_bytes: Callable[[int], bytes] = field(repr=False)
 
+    def _repr_html_(self) -> str:
+        """The text, each step's figures and alternatives on hover."""
+        from lmhead_cli.render.notebook import generate_html
+
+        return generate_html(self.to_dict())
+
 
 class ScoreResult(ReadingResult):
     """score: readings.score.Score (T values a column; `tokens()` yields one row at a time)."""
@@ -249,3 +275,20 @@ class ScoreResult(ReadingResult):
         from lmhead_cli.render.html import score_html
 
         return score_html(self.reading, fragment=True)
+
+
+class CalibrateResult(ReadingResult):
+    """calibrate: readings.calibrate.Calibration; its pictures are the reliability diagram."""
+
+    DOCUMENT = "calibrate:calibration_json"
+
+    def to_html(self) -> str:
+        """The reliability diagram and the figures as one self-contained HTML page (`calibrate --html`)."""
+        from lmhead_cli.render.calibrate import calibration_html
+
+        return calibration_html(self.reading)
+
+    def _repr_html_(self) -> str:
+        from lmhead_cli.render.calibrate import calibration_html
+
+        return calibration_html(self.reading, fragment=True)

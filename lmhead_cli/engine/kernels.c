@@ -32,7 +32,7 @@
 #define PREFETCH_BYTES 8192
 #endif
 
-int lmhead_kernels_abi(void) { return 4; }
+int lmhead_kernels_abi(void) { return 5; }
 int lmhead_kernels_max_rows(void) { return MAX_ROWS; }
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -351,9 +351,11 @@ int lmhead_bf16_matvec(const uint16_t *w, const uint16_t *x, const uint16_t *bia
 
 /* ---- score's rows: log-probability, rank, entropy and top-1 of each row of logits, in two passes ----
 
-   For each row z (V float32) and its token id: m = max z (its first index is the top-1), then, with
-   d = z - m and e = exp(d), S = sum e and W = sum e * d (both in double):
+   For each row z (V float32) and its token id: m = max z (its first index is the top-1) and m2 the
+   second highest (m again when two tokens tie), then, with d = z - m and e = exp(d), S = sum e,
+   W = sum e * d and Q = sum e * d^2 (all three in double):
        log p(id) = d[id] - log S,   top-1 log p = -log S,   entropy = log S - W / S,
+       varentropy = Var_p[-log p] = Var_p[d] = Q / S - (W / S)^2,   margin = m - m2,
        rank = 1 + #{z > z[id]}.
    What head.score_rows computes in torch in some eight passes over the (N, V) logits and two (N, V)
    temporaries, here in two passes and none. A row whose max is not finite (a NaN, +inf, or every
@@ -380,35 +382,45 @@ static inline __m512 exp_le0(__m512 d) {
 }
 #endif
 
+/* The two highest of m1 >= m2 with x taken in (a tie makes both the same). */
+static inline void top2(float x, float *m1, float *m2) {
+    if (x > *m1) *m2 = *m1, *m1 = x;
+    else if (x > *m2) *m2 = x;
+}
+
 static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob, int64_t *rank,
-                         float *entropy, int64_t *top_id, float *top_logprob) {
-    float m = -INFINITY;
+                         float *entropy, int64_t *top_id, float *top_logprob, float *varentropy, float *margin) {
+    float m = -INFINITY, m2 = -INFINITY;
     int64_t k = 0, unordered = 0;
 #if defined(__AVX512F__)
-    __m512 vm = _mm512_set1_ps(-INFINITY), inf = _mm512_set1_ps(INFINITY);
+    __m512 vm = _mm512_set1_ps(-INFINITY), vm2 = vm, inf = _mm512_set1_ps(INFINITY);
     for (; k < V; k += 16) {
         __mmask16 live = V - k >= 16 ? 0xffff : (__mmask16)((1u << (V - k)) - 1);
         __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + k);
         unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x, inf, _CMP_EQ_OQ);
+        vm2 = _mm512_max_ps(vm2, _mm512_min_ps(vm, x)); /* each lane's two highest */
         vm = _mm512_max_ps(vm, x);
     }
-    m = _mm512_reduce_max_ps(vm);
+    float lanes[16], lanes2[16];
+    _mm512_storeu_ps(lanes, vm);
+    _mm512_storeu_ps(lanes2, vm2);
+    for (int j = 0; j < 16; j++) top2(lanes[j], &m, &m2), top2(lanes2[j], &m, &m2);
 #else
     for (; k < V; k++) {
         unordered |= isnan(row[k]) || row[k] == INFINITY;
-        m = row[k] > m ? row[k] : m;
+        top2(row[k], &m, &m2);
     }
 #endif
     if (unordered || !(m > -INFINITY)) {
-        *logprob = *entropy = *top_logprob = NAN, *rank = 0, *top_id = -1;
+        *logprob = *entropy = *top_logprob = *varentropy = *margin = NAN, *rank = 0, *top_id = -1;
         return 1;
     }
     float picked = row[id];
-    double S = 0.0, W = 0.0;
+    double S = 0.0, W = 0.0, Q = 0.0;
     int64_t higher = 0, first = -1;
     k = 0;
 #if defined(__AVX512F__)
-    __m512d S0 = _mm512_setzero_pd(), S1 = S0, W0 = S0, W1 = S0;
+    __m512d S0 = _mm512_setzero_pd(), S1 = S0, W0 = S0, W1 = S0, Q0 = S0, Q1 = S0;
     __m512 vmax = _mm512_set1_ps(m), vpicked = _mm512_set1_ps(picked);
     for (; k < V; k += 16) {
         __mmask16 live = V - k >= 16 ? 0xffff : (__mmask16)((1u << (V - k)) - 1);
@@ -424,9 +436,13 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
         S1 = _mm512_add_pd(S1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
         W0 = _mm512_add_pd(W0, _mm512_cvtps_pd(_mm512_castps512_ps256(ed)));
         W1 = _mm512_add_pd(W1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ed), 1))));
+        __m512 edd = _mm512_mul_ps(ed, d);
+        Q0 = _mm512_add_pd(Q0, _mm512_cvtps_pd(_mm512_castps512_ps256(edd)));
+        Q1 = _mm512_add_pd(Q1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(edd), 1))));
     }
     S = _mm512_reduce_add_pd(_mm512_add_pd(S0, S1));
     W = _mm512_reduce_add_pd(_mm512_add_pd(W0, W1));
+    Q = _mm512_reduce_add_pd(_mm512_add_pd(Q0, Q1));
 #else
     for (; k < V; k++) {
         float x = row[k], d = x - m;
@@ -434,29 +450,34 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
         if (first < 0 && x == m) first = k;
         if (d > -104.0f) {
             float e = expf(d);
-            S += e, W += (double)(e * d);
+            S += e, W += (double)(e * d), Q += (double)(e * d * d);
         }
     }
 #endif
-    double log_s = log(S), h = log_s - W / S;
+    double log_s = log(S), h = log_s - W / S, mean = W / S, var = Q / S - mean * mean;
     *logprob = (float)((double)(picked - m) - log_s);
     *top_logprob = (float)(-log_s);
     *entropy = (float)(h > 0.0 ? h : 0.0);
+    *varentropy = (float)(var > 0.0 ? var : 0.0);
+    *margin = m - m2; /* inf when no second token is possible */
     *rank = 1 + higher;
     *top_id = first;
     return 0;
 }
 
-/* z (N, V) float32 rows, ids (N) int64 -> logprob, entropy, top_logprob (N) float32, rank, top_id (N)
-   int64. Returns how many rows are not finite (their figures NaN), or -1 for an id outside [0, V). */
+/* z (N, V) float32 rows, ids (N) int64 -> logprob, entropy, top_logprob, varentropy, margin (N) float32,
+   rank, top_id (N) int64. Returns how many rows are not finite (their figures NaN), or -1 for an id
+   outside [0, V). */
 int64_t lmhead_score_rows(const float *z, const int64_t *ids, int64_t N, int64_t V, float *logprob,
-                          int64_t *rank, float *entropy, int64_t *top_id, float *top_logprob, int threads) {
+                          int64_t *rank, float *entropy, int64_t *top_id, float *top_logprob, float *varentropy,
+                          float *margin, int threads) {
     for (int64_t n = 0; n < N; n++)
         if (ids[n] < 0 || ids[n] >= V) return -1;
     int64_t bad = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
     for (int64_t n = 0; n < N; n++)
-        bad += score_row(z + n * V, ids[n], V, logprob + n, rank + n, entropy + n, top_id + n, top_logprob + n);
+        bad += score_row(z + n * V, ids[n], V, logprob + n, rank + n, entropy + n, top_id + n, top_logprob + n,
+                         varentropy + n, margin + n);
     return bad;
 }
 

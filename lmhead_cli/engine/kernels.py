@@ -39,7 +39,7 @@ ENV = "LMHEAD_KERNELS"
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
-ABI = 4
+ABI = 5
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
@@ -55,7 +55,7 @@ class Kernels:
         lib.lmhead_int8_matvec.restype = _int
         lib.lmhead_bf16_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
         lib.lmhead_bf16_matvec.restype = _int
-        lib.lmhead_score_rows.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.lmhead_score_rows.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
         lib.lmhead_score_rows.restype = _i64
         lib.lmhead_attend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
                                       _i64, ctypes.c_float, _int]
@@ -123,18 +123,18 @@ class Kernels:
 
     def score_rows(self, z: torch.Tensor, ids: torch.Tensor):
         """Each row of z (N, V) float32 (CPU, contiguous) with its id (N,): (logprob, rank, entropy,
-        top_id, top_logprob, bad), the figures head.score_rows computes, in two passes; `bad` counts the
-        rows whose max is not finite (their figures NaN). ValueError for an id outside [0, V)."""
+        top_id, top_logprob, varentropy, margin, bad), the figures head.score_rows computes, in two passes;
+        `bad` counts the rows whose max is not finite (their figures NaN). ValueError for an id outside [0, V)."""
         N, V = z.shape
         ids = ids.to(torch.int64).contiguous()
-        logprob, entropy, top_logprob = (torch.empty(N, dtype=torch.float32) for _ in range(3))
+        logprob, entropy, top_logprob, varentropy, margin = (torch.empty(N, dtype=torch.float32) for _ in range(5))
         rank, top_id = (torch.empty(N, dtype=torch.int64) for _ in range(2))
         bad = self.lib.lmhead_score_rows(z.data_ptr(), ids.data_ptr(), N, V, logprob.data_ptr(), rank.data_ptr(),
                                          entropy.data_ptr(), top_id.data_ptr(), top_logprob.data_ptr(),
-                                         torch.get_num_threads())
+                                         varentropy.data_ptr(), margin.data_ptr(), torch.get_num_threads())
         if bad < 0:
             raise ValueError(f"a token id outside the vocabulary of {V}")
-        return logprob, rank, entropy, top_id, top_logprob, bad
+        return logprob, rank, entropy, top_id, top_logprob, varentropy, margin, bad
 
 
 def cache_dir() -> Path:

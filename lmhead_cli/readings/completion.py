@@ -18,7 +18,8 @@ This is what the server (`lmhead serve`) runs; a caller builds one `Row` per cho
 
 Each generated token's log-probability is under the `raw` distribution (softmax of the logits) or
 the `processed` one (after the row's stages: what it was drawn from), as the row asks
-(`logprobs_mode`); the echo positions use the same choice. Shapes: B rows, T positions, D width,
+(`logprobs_mode`); the echo positions use the same choice, and so do the entropy, varentropy and margin
+of each position's distribution, reported when a row asks for its `uncertainty`. Shapes: B rows, T positions, D width,
 V vocabulary, K top tokens.
 """
 
@@ -34,7 +35,7 @@ import torch
 from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.generate import _top
 from lmhead_cli.decoding.stages import Knobs
-from lmhead_cli.head import check_finite, log_softmax
+from lmhead_cli.head import check_finite, entropy, log_softmax, margin, varentropy
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.score import default_chunk
 
@@ -55,6 +56,7 @@ class Row:
     seed: int = 0
     stop: tuple[str, ...] = ()  # text that ends the row (not included in its text)
     eos: int | None = None  # the token that ends the row (not text), None to run to max_tokens
+    uncertainty: bool = False  # also each position's entropy, varentropy and margin (raw or processed, as `mode`)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Echo:
     logprob: torch.Tensor  # (T,) float32, NaN at 0
     top_ids: torch.Tensor | None  # (T, K) int64 (row 0 unused), or None when K = 0
     top_logprobs: torch.Tensor | None  # (T, K) float32
+    spread: torch.Tensor | None = None  # (T, 3) float32 entropy, varentropy, margin (NaN at 0), when asked
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Token:
     top_ids: list[int]
     top_logprobs: list[float]
     text: str  # new text shown with this token: held back while it may still start a stop string
+    spread: tuple[float, float, float] | None = None  # entropy, varentropy, margin of its step, when asked
 
 
 class Sink(Protocol):
@@ -116,6 +120,13 @@ def _distributions(logits: torch.Tensor, row: Row, pipeline) -> tuple[torch.Tens
     return raw, (log_softmax(stages.process(logits, pipeline)) if pipeline else raw)
 
 
+def spread(logprobs: torch.Tensor) -> torch.Tensor:
+    """(N, V) log-probabilities -> (N, 3) float32: entropy (nats), varentropy (nats²) and margin (nats,
+    inf with one possible token) of each row: head.py's, once."""
+    h = entropy(logprobs)
+    return torch.stack([h, varentropy(logprobs, h), margin(logprobs)], dim=-1)
+
+
 def check_finite_rows(logits: torch.Tensor) -> None:
     """NonFiniteLogits for a NaN or infinite logit, checked through each row's max (O(N), not O(N·V))."""
     if not bool(torch.isfinite(logits.amax(-1)).all() & torch.isfinite(logits.amin(-1)).all()):
@@ -131,6 +142,7 @@ def echo_scores(eng, hidden: torch.Tensor, row: Row, chunk: int) -> Echo:
     K = min(row.top, eng.vocab_size)
     top_ids = torch.zeros((T, K), dtype=torch.long) if K else None
     top_lps = torch.zeros((T, K)) if K else None
+    spreads = torch.full((T, 3), math.nan) if row.uncertainty else None
     for c in range(0, T - 1, chunk):
         z = eng.head(hidden[c:min(c + chunk, T - 1)]).float()  # (n, V), dropped at the end of the step
         raw, used = _distributions(z, row, pipeline)
@@ -140,8 +152,10 @@ def echo_scores(eng, hidden: torch.Tensor, row: Row, chunk: int) -> Echo:
         if K:
             ids, lps = _top(raw, used, row.mode, K)
             top_ids[c + 1:c + 1 + n], top_lps[c + 1:c + 1 + n] = ids, lps
+        if spreads is not None:
+            spreads[c + 1:c + 1 + n] = spread(sel).cpu()
         del z, raw, used, sel
-    return Echo(logprob, top_ids, top_lps)
+    return Echo(logprob, top_ids, top_lps, spreads)
 
 
 class _Running:
@@ -184,7 +198,8 @@ class _Running:
         piece = self.text[self.shown:max(safe, self.shown)]
         self.shown += len(piece)
         ids, lps = (top[0][0].tolist(), top[1][0].tolist()) if top else ([], [])
-        return Token(tid, lp, ids, lps, piece), reason
+        sp = tuple(spread(used if row.mode == "processed" else raw)[0].tolist()) if row.uncertainty else None
+        return Token(tid, lp, ids, lps, piece, sp), reason
 
     def _stop_at(self, before: int) -> int | None:
         """Where the first stop string now in the text begins, looking only where a new one can be."""

@@ -1,7 +1,8 @@
 """`lmhead score`: how the model rates every token of a text the user already has.
 
 For each token: the log-probability the model gave it from the tokens before it, its rank among
-all V, the entropy of that prediction and the model's own top-1 there; for the text: the total and
+all V, how uncertain that prediction was (its entropy, its varentropy: the variance of the surprisal,
+and its margin: the log-probability gap between its two best tokens) and the model's own top-1 there; for the text: the total and
 mean negative log-likelihood, the perplexity and the bits per byte.
 
 Two things keep the memory bounded by the options, whatever the length of the text:
@@ -12,7 +13,7 @@ Two things keep the memory bounded by the options, whatever the length of the te
   at least n_ctx − S tokens of context once the first window is past (transformers' guide
   "Perplexity of fixed-length models", summed per token rather than weighted per window).
 * **The head in chunks.** The body runs once per window; its hidden states (L, D) then go through
-  the head `chunk` positions at a time, and each chunk's (chunk, V) logits are reduced to five
+  the head `chunk` positions at a time, and each chunk's (chunk, V) logits are reduced to seven
   figures per position and dropped. The full (T, V) logits never exist.
 
 Shapes: T tokens, L positions in a window, D width, V vocabulary.
@@ -114,6 +115,8 @@ class ScoredToken:
     prob: float | None
     rank: int | None  # 1 = the model's own top-1
     entropy: float | None  # nats, of the whole predicted distribution
+    varentropy: float | None  # nats², the variance of -log p under that distribution
+    margin: float | None  # nats, log p of its top-1 minus log p of its second (None: no second possible)
     surprisal_bits: float | None  # -log2 p
     top_id: int | None  # the model's own top-1 there
     top_token: str | None
@@ -137,6 +140,8 @@ class Score:
     logprob: torch.Tensor  # (T,) float32, NaN where unscored
     rank: torch.Tensor  # (T,) int64, 0 where unscored
     entropy: torch.Tensor  # (T,) float32 nats, NaN where unscored
+    varentropy: torch.Tensor  # (T,) float32 nats², NaN where unscored
+    margin: torch.Tensor  # (T,) float32 nats, NaN where unscored
     top_id: torch.Tensor  # (T,) int64, -1 where unscored
     top_logprob: torch.Tensor  # (T,) float32, NaN where unscored
     nll: float  # total negative log-likelihood of the scored tokens, nats (summed in float64)
@@ -174,10 +179,11 @@ class Score:
         """Token i of the text with its figures."""
         tid = int(self.ids[i])
         if not bool(self.scored[i]):
-            return ScoredToken(i, tid, self.token_text(tid), False, *([None] * 8))
-        lp, top = float(self.logprob[i]), int(self.top_id[i])
+            return ScoredToken(i, tid, self.token_text(tid), False, *([None] * 10))
+        lp, top, gap = float(self.logprob[i]), int(self.top_id[i]), float(self.margin[i])
         return ScoredToken(index=i, id=tid, token=self.token_text(tid), scored=True, logprob=lp,
                            prob=math.exp(lp), rank=int(self.rank[i]), entropy=float(self.entropy[i]),
+                           varentropy=float(self.varentropy[i]), margin=gap if math.isfinite(gap) else None,
                            surprisal_bits=-lp / math.log(2), top_id=top, top_token=self.token_text(top),
                            top_prob=math.exp(float(self.top_logprob[i])))
 
@@ -262,19 +268,23 @@ def text_ids(loaded: Loaded, text: str, bos: bool) -> torch.Tensor:
 # on_rows(ids (n,), logprob (n,), top ids (n, K) | None, top log p (n, K) | None), on the CPU: the
 # scored tokens of one head chunk, in text order, as soon as they are scored.
 OnRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+# on_hidden(hidden (n, D), ids (n,)): each window's hidden states after the final norm, on the engine's
+# device, and the tokens they predict, in text order (calibrate keeps them to refit the head's temperature).
+OnHidden = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @torch.inference_mode()
 def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
               chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
-              top_logprobs: int = 0, on_rows: OnRows | None = None, alternatives: int = 0) -> dict:
+              top_logprobs: int = 0, on_rows: OnRows | None = None, alternatives: int = 0,
+              on_hidden: OnHidden | None = None) -> dict:
     """Score token ids (T,) window by window, the head in chunks. Returns the Score's columns.
 
     `progress(done, total)` is called after each chunk with the tokens scored so far. With
     `on_rows`, each chunk's scored tokens are also handed over with their `top_logprobs` most
     probable tokens, which are not kept: the memory stays chunk × top_logprobs, whatever T is.
     With `alternatives` = K (≤ MAX_ALTERNATIVES), the K most probable tokens of every position are
-    kept, as the columns alt_ids and alt_logprob (T, K)."""
+    kept, as the columns alt_ids and alt_logprob (T, K). `on_hidden` hears each window's hidden states."""
     check_alternatives(alternatives)
     fix_mmap_threshold()  # the chunks' buffers go back to the OS, not into a growing heap (engine/heap.py)
     eng = loaded.engine
@@ -289,7 +299,7 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     T = len(seq)
     plan = list(windows(T, n_ctx, stride))
     logprob = torch.full((T,), math.nan)
-    entropy, top_logprob = logprob.clone(), logprob.clone()
+    entropy, top_logprob, varentropy, margin = logprob.clone(), logprob.clone(), logprob.clone(), logprob.clone()
     rank = torch.zeros(T, dtype=torch.long)
     top_id = torch.full((T,), -1, dtype=torch.long)
     alt_ids = torch.full((T, alternatives), -1, dtype=torch.long)
@@ -298,11 +308,14 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     total, done = sum(w.end - w.first for w in plan), 0
     for w in plan:
         pred = eng.body(seq[None, w.begin:w.end].to(eng.device))[0][w.predictors]  # (n, D), after the final norm
+        if on_hidden is not None:
+            on_hidden(pred, seq[w.first:w.end])
         for lo, hi in w.chunks(chunk):
             # (chunk, V) logits, dropped here
             rows = score_rows(eng.head(pred[lo - w.first:hi - w.first]), seq[lo:hi].to(eng.device), top)
             logprob[lo:hi], rank[lo:hi], entropy[lo:hi] = rows.logprob.cpu(), rows.rank.cpu(), rows.entropy.cpu()
             top_id[lo:hi], top_logprob[lo:hi] = rows.top_id.cpu(), rows.top_logprob.cpu()
+            varentropy[lo:hi], margin[lo:hi] = rows.varentropy.cpu(), rows.margin.cpu()
             if alternatives:
                 alt_ids[lo:hi] = rows.top_ids[:, :alternatives].cpu()
                 alt_logprob[lo:hi] = rows.top_logprobs[:, :alternatives].cpu()
@@ -317,7 +330,7 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     keep = slice(1, None) if bos else slice(None)  # back to the text's own tokens
     return {"windows": len(plan), "stride": stride, "chunk": chunk, "logprob": logprob[keep], "rank": rank[keep],
             "entropy": entropy[keep], "top_id": top_id[keep], "top_logprob": top_logprob[keep],
-            "scored": rank[keep] > 0,
+            "varentropy": varentropy[keep], "margin": margin[keep], "scored": rank[keep] > 0,
             **({"alt_ids": alt_ids[keep], "alt_logprob": alt_logprob[keep]} if alternatives else {})}
 
 

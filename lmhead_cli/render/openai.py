@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -99,6 +100,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+SPREAD = ("entropy", "varentropy", "margin")  # lmhead's `uncertainty` fields, in nats, nats² and nats
+
+
+def spread_values(spread) -> list[float | None]:
+    """A position's (entropy, varentropy, margin) as JSON holds them: a value that is not finite (the
+    margin where one token alone was possible) is null."""
+    return [v if v is not None and math.isfinite(v) else None for v in spread]
+
+
 def logprob_value(lp: float) -> float:
     """A log-probability as JSON can hold it: log 0 (a token the filters dropped) is OpenAI's -9999.0."""
     return lp if lp != float("-inf") else DROPPED
@@ -108,10 +118,13 @@ class LegacyLogprobs:
     """The completions endpoint's logprobs, built a position at a time: tokens, token_logprobs,
     top_logprobs (a dict keyed by token text, as OpenAI's legacy API has it) and text_offset, plus
     lmhead's `top_ids`: the same entries as [id, logprob] pairs, best first, so that two ids that
-    decode to the same text are never merged. The chosen token is always among them."""
+    decode to the same text are never merged. The chosen token is always among them. With `uncertainty`,
+    lmhead's lists `entropy`, `varentropy` and `margin` too: each position's distribution's (null where
+    unscored)."""
 
-    def __init__(self, tokenizer, start: int = 0):
+    def __init__(self, tokenizer, start: int = 0, uncertainty: bool = False):
         self.tokenizer = tokenizer
+        self.spread: dict[str, list] | None = {k: [] for k in SPREAD} if uncertainty else None
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict | None] = []
@@ -121,9 +134,14 @@ class LegacyLogprobs:
         self._length = start  # characters of text before the next token
 
     def add(self, token_id: int, logprob: float | None, top_ids: Sequence[int] = (),
-            top_logprobs: Sequence[float] = ()) -> None:
-        """One position: its token, its log p (None: unscored, echo's first) and its top tokens."""
+            top_logprobs: Sequence[float] = (), spread: Sequence[float] | None = None) -> None:
+        """One position: its token, its log p (None: unscored, echo's first), its top tokens and, with
+        `uncertainty`, its (entropy, varentropy, margin)."""
         text = self.tokenizer.token_text
+        if self.spread is not None:
+            values = spread_values(spread) if logprob is not None and spread is not None else [None] * 3
+            for k, v in zip(SPREAD, values):
+                self.spread[k].append(v)
         self.tokens.append(text(token_id))
         self.text_offset.append(self._length)
         self._length += len(self._decoder.decode(self.tokenizer.token_bytes(token_id)))
@@ -146,7 +164,8 @@ class LegacyLogprobs:
         """The positions from `since` on (a stream sends each piece's own)."""
         return {"tokens": self.tokens[since:], "token_logprobs": self.token_logprobs[since:],
                 "top_logprobs": self.top_logprobs[since:], "text_offset": self.text_offset[since:],
-                "top_ids": self.top_ids[since:]}
+                "top_ids": self.top_ids[since:],
+                **({k: v[since:] for k, v in self.spread.items()} if self.spread is not None else {})}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -155,6 +174,8 @@ class LegacyLogprobs:
         """The positions added since the last drain, as doc() gives them; the next offsets go on from them."""
         out = self.doc()
         self.tokens, self.token_logprobs, self.top_logprobs, self.top_ids, self.text_offset = [], [], [], [], []
+        if self.spread is not None:
+            self.spread = {k: [] for k in SPREAD}
         return out
 
 
@@ -245,13 +266,15 @@ def token_fields(tokenizer, token_id: int) -> dict:
 
 
 def chat_token(tokenizer, token_id: int, logprob: float, top_ids: Sequence[int] = (),
-               top_logprobs: Sequence[float] = ()) -> dict:
-    """One entry of a chat completion's logprobs.content: token, logprob, bytes, top_logprobs."""
+               top_logprobs: Sequence[float] = (), spread: Sequence[float] | None = None) -> dict:
+    """One entry of a chat completion's logprobs.content: token, logprob, bytes, top_logprobs, and with
+    `spread` lmhead's entropy, varentropy and margin of the step."""
     def one(i: int, lp: float) -> dict:
         fields = token_fields(tokenizer, i)
         return {"token": fields["token"], "logprob": logprob_value(lp), "bytes": fields["bytes"]}
 
-    return {**one(token_id, logprob), "top_logprobs": [one(i, lp) for i, lp in zip(top_ids, top_logprobs)]}
+    entry = {**one(token_id, logprob), "top_logprobs": [one(i, lp) for i, lp in zip(top_ids, top_logprobs)]}
+    return entry | (dict(zip(SPREAD, spread_values(spread))) if spread is not None else {})
 
 
 def chat_choice(index: int, content: str, finish_reason: str, logprobs: list[dict] | None) -> dict:

@@ -30,7 +30,8 @@ class Choice:
         self.text = ""
         self.finish: str | None = None
         self.generated = 0
-        self.legacy = doc.LegacyLogprobs(tokenizer) if plan.logprobs is not None and not plan.chat else None
+        self.legacy = (doc.LegacyLogprobs(tokenizer, uncertainty=plan.uncertainty)
+                       if plan.logprobs is not None and not plan.chat else None)
         self.chat: list[dict] | None = [] if plan.logprobs is not None and plan.chat else None
 
     def echo_text(self) -> str:
@@ -41,19 +42,22 @@ class Choice:
         """The prompt's tokens with their scores; position 0 has none."""
         ids = echo.top_ids.tolist() if echo.top_ids is not None else None
         lps = echo.top_logprobs.tolist() if echo.top_logprobs is not None else None
+        spreads = echo.spread.tolist() if echo.spread is not None else None
         for i, (tid, lp) in enumerate(zip(self.prompt, echo.logprob.tolist())):
             if i == 0:
                 self.legacy.add(tid, None)
             else:
-                self.legacy.add(tid, lp, ids[i] if ids else (), lps[i] if lps else ())
+                self.legacy.add(tid, lp, ids[i] if ids else (), lps[i] if lps else (),
+                                spreads[i] if spreads else None)
 
     def add_token(self, token: Token) -> None:
         self.generated += 1
         self.text += token.text
         if self.legacy is not None:
-            self.legacy.add(token.id, token.logprob, token.top_ids, token.top_logprobs)
+            self.legacy.add(token.id, token.logprob, token.top_ids, token.top_logprobs, token.spread)
         if self.chat is not None:
-            self.chat.append(doc.chat_token(self.tokenizer, token.id, token.logprob, token.top_ids, token.top_logprobs))
+            self.chat.append(doc.chat_token(self.tokenizer, token.id, token.logprob, token.top_ids, token.top_logprobs,
+                                            token.spread))
 
 
 def _error(event: tuple) -> RequestError:

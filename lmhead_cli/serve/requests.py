@@ -69,6 +69,7 @@ class Plan:
     include_usage: bool
     chat: bool = False
     extra: dict = field(default_factory=dict)
+    uncertainty: bool = False  # entropy, varentropy and margin beside each position's logprob
 
 
 # ---- one field at a time ------------------------------------------------------------------------
@@ -227,14 +228,15 @@ def sampling(body: dict, limits: Limits) -> Sampling:
 
 
 def rows_for(prompts: list[list[int]], s: Sampling, *, echo: bool, max_tokens: int, top: int,
-             eos: int | None) -> list[Row]:
+             eos: int | None, uncertainty: bool = False) -> list[Row]:
     """One row per choice: prompt i's choices are rows i·n … i·n + n - 1; choice j draws with seed + j."""
     rows = []
     for ids in prompts:
         base = s.seed if s.seed is not None else secrets.randbelow(2**32)
         for j in range(s.n):
             rows.append(Row(ids=tuple(ids), echo=echo, max_tokens=max_tokens, top=top, mode=s.mode, knobs=s.knobs,
-                            greedy=s.greedy, seed=(base + j) % 2**63, stop=s.stop, eos=eos))
+                            greedy=s.greedy, seed=(base + j) % 2**63, stop=s.stop, eos=eos,
+                            uncertainty=uncertainty))
     return rows
 
 
@@ -262,6 +264,15 @@ def check_top(value: int | None, key: str, info: ModelInfo, limits: Limits) -> i
 
 # ---- the two endpoints --------------------------------------------------------------------------
 
+def uncertainty(body: dict, wanted: bool, needs: str) -> bool:
+    """lmhead's extension field `uncertainty`: entropy, varentropy and margin per position of the
+    logprobs, which it needs (`needs` says how to ask for them)."""
+    value = boolean(body, "uncertainty")
+    if value and not wanted:
+        raise bad("uncertainty", f"uncertainty adds to the logprobs: it needs {needs}")
+    return value
+
+
 def completion_plan(body: dict, tokenizer, info: ModelInfo, limits: Limits) -> Plan:
     unsupported(body)
     string(body, "model", None)
@@ -273,11 +284,13 @@ def completion_plan(body: dict, tokenizer, info: ModelInfo, limits: Limits) -> P
     s = sampling(body, limits)
     for i, ids in enumerate(prompts):
         check_context(ids, max_tokens, info, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
-    rows = rows_for(prompts, s, echo=echo and top is not None, max_tokens=max_tokens, top=top or 0, eos=info.eos)
+    spread = uncertainty(body, top is not None, "logprobs (0 or more)")
+    rows = rows_for(prompts, s, echo=echo and top is not None, max_tokens=max_tokens, top=top or 0, eos=info.eos,
+                    uncertainty=spread)
     check_cost(rows, top, limits)
     stream = boolean(body, "stream")
     return Plan(rows=rows, prompts=prompts, n=s.n, echo=echo, logprobs=top, stream=stream,
-                include_usage=stream and _include_usage(body))
+                include_usage=stream and _include_usage(body), uncertainty=spread)
 
 
 def _include_usage(body: dict) -> bool:
@@ -335,8 +348,9 @@ def chat_plan(body: dict, prompt: list[int], info: ModelInfo, limits: Limits) ->
     check_top(top, "top_logprobs", info, limits)
     top = (top or 0) if want else None
     s = sampling(body, limits)
-    rows = rows_for([prompt], s, echo=False, max_tokens=max_tokens, top=top or 0, eos=info.eos)
+    spread = uncertainty(body, want, "logprobs: true")
+    rows = rows_for([prompt], s, echo=False, max_tokens=max_tokens, top=top or 0, eos=info.eos, uncertainty=spread)
     check_cost(rows, top, limits)
     stream = boolean(body, "stream")
     return Plan(rows=rows, prompts=[prompt], n=s.n, echo=False, logprobs=top, stream=stream,
-                include_usage=stream and _include_usage(body), chat=True)
+                include_usage=stream and _include_usage(body), chat=True, uncertainty=spread)

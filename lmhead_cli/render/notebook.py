@@ -1,0 +1,138 @@
+"""Notebook views: each result's `_repr_html_` as the reading's own picture, not its JSON as a table.
+
+inspect: the top-k table with its probability bars, and the targets; generate: the text, each generated
+token with its step's figures and alternatives on hover; diff: the two distributions side by side;
+lens: the layers × tokens heat map of the probabilities; (calibrate: render/calibrate.py's diagrams).
+
+Every figure comes from the result's own document (`to_dict()`), shown rounded in the cell and exact in
+its tooltip (`title`); every text is made visible (control characters escaped) and HTML-escaped, so a
+token such as `<script>` is shown, never run. Inline styles only: a notebook strips nothing else.
+"""
+
+from __future__ import annotations
+
+import html
+
+from lmhead_cli.render import safe_text, show_token
+
+BLUE, RED = "72,120,208", "214,95,95"
+BAR_EM = 10  # a bar's full width
+CELL = "padding:1px 6px;text-align:right"
+LEFT = "padding:1px 6px;text-align:left"
+MONO = "font-family:monospace;white-space:pre"
+
+
+def esc(text: str) -> str:
+    return html.escape(safe_text(str(text)), quote=True)
+
+
+def tok(text: str) -> str:
+    """A token as a visible, escaped cell: show_token's form (spaces and controls made visible)."""
+    return f"<span style='{MONO}'>{html.escape(show_token(text), quote=True)}</span>"
+
+
+def num(value, fmt: str) -> str:
+    """A figure rounded, with its exact value on hover; null for a missing one."""
+    if value is None:
+        return "<span title='null'>–</span>"
+    return f"<span title='{value!r}'>{value:{fmt}}</span>"
+
+
+def bar(fraction: float, rgb: str = BLUE) -> str:
+    width = max(0.0, min(1.0, fraction)) * BAR_EM
+    return (f"<div style='width:{BAR_EM}em;background:rgba({rgb},0.12)'>"
+            f"<div style='width:{width:.3f}em;height:0.9em;background:rgb({rgb})'></div></div>")
+
+
+def _head(doc: dict, title: str) -> str:
+    random = (" · <b style='color:#b8860b'>random weights</b>: the arithmetic is real, the predictions are not"
+              if doc.get("random_weights") else "")
+    return f"<p><b>lmhead {esc(title)}</b> · {esc(doc['model'])}{random}</p>"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    th = "".join(f"<th style='{LEFT}'>{esc(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{c}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table style='border-collapse:collapse'><tr>{th}</tr>{body}</table>"
+
+
+def _prompt(tokens: list[dict]) -> str:
+    return "".join(f"<span title='id {t['id']}' style='{MONO};border:1px solid #ddd;margin:1px'>"
+                   f"{html.escape(show_token(t['text']), quote=True)}</span>" for t in tokens)
+
+
+def top_rows(top: list[dict], other: bool = False) -> list[list[str]]:
+    rows = []
+    for t in top:
+        rows.append([str(t["rank"]), tok(t["token"]), str(t["id"]), bar(t["prob"]), num(t["prob"], ".4f"),
+                     num(t["logprob"], ".3f"), num(t["logit"], ".3f")]
+                    + ([num(t.get("other_rank"), ",")] if other else []))
+    return rows
+
+
+TOP_HEAD = ["rank", "token", "id", "", "prob", "logprob", "logit"]
+
+
+def targets_table(targets: list[dict]) -> str:
+    if not targets:
+        return ""
+    rows = [[tok(t["token"]), str(t["id"]), " ".join(tok(p) for p in t["pieces"]), num(t["rank"], ","),
+             bar(t["prob"], RED), num(t["prob"], ".3g"), num(t["logit"], ".3f")] for t in targets]
+    return "<p>targets</p>" + _table(["target", "id", "pieces", "rank", "", "prob", "logit"], rows)
+
+
+def inspect_html(doc: dict) -> str:
+    """`inspect`: the prompt's tokens, the top-k table with bars, the targets, the entropy."""
+    return (f"<div class='lmhead-inspect'>{_head(doc, 'inspect')}<p>{_prompt(doc['prompt_tokens'])}</p>"
+            + _table(TOP_HEAD, top_rows(doc["top"])) + targets_table(doc.get("targets", []))
+            + f"<p>entropy {num(doc['entropy'], '.4f')} nats ({num(doc['entropy_bits'], '.4f')} bits)</p></div>")
+
+
+def generate_html(doc: dict) -> str:
+    """`generate`: the prompt, then each generated token, shaded by its probability, with its step's
+    figures (and, with show_steps, its alternatives) on hover."""
+    parts = [f"<span style='color:#777;{MONO}'>{esc(doc['prompt'])}</span>"]
+    for s in doc["steps"]:
+        alts = "; ".join(f"{show_token(a['token'])} {a['prob']!r}" for a in s.get("alternatives", []))
+        tip = (f"{show_token(s['token'])} (id {s['id']}): prob {s['prob']!r} · logprob {s['logprob']!r} · rank "
+               f"{s['rank']} · entropy {s['entropy']!r} nats" + (f" | alternatives: {alts}" if alts else ""))
+        parts.append(f"<span class='step' title='{html.escape(safe_text(tip), quote=True)}' style='{MONO};"
+                     f"background:rgba({BLUE},{0.1 + 0.5 * s['prob']:.3f})'>{esc(s['token'])}</span>")
+    return (f"<div class='lmhead-generate'>{_head(doc, 'generate')}<p>{''.join(parts)}</p>"
+            f"<p>{doc['tokens_generated']} tokens · stop: {esc(doc['stop'])} · mean entropy "
+            f"{num(doc['mean_entropy'], '.4f')} nats · seed {esc(doc['seed'])}</p></div>")
+
+
+def diff_html(doc: dict) -> str:
+    """`diff`: the two prompts' top tokens side by side (each with its rank on the other side), the
+    divergences, the tokens that rose and fell most."""
+    def side(key: str) -> str:
+        s = doc[key]
+        return (f"<div><p><b>{key}</b>: <span style='{MONO}'>{esc(s['prompt'])}</span> · entropy "
+                f"{num(s['entropy'], '.4f')} nats</p>"
+                + _table(TOP_HEAD + [f"rank in {'b' if key == 'a' else 'a'}"], top_rows(s["top"], other=True))
+                + "</div>")
+
+    movers = [[tok(m["token"]), str(m["id"]), num(m["logprob_a"], ".3f"), num(m["logprob_b"], ".3f"),
+               num(m["delta"], "+.3f")] for m in doc["risers"] + doc["fallers"]]
+    return (f"<div class='lmhead-diff'>{_head(doc, 'diff')}<div style='display:flex;flex-wrap:wrap;gap:2em'>"
+            f"{side('a')}{side('b')}</div><p>KL(a‖b) {num(doc['kl_ab'], '.4f')} · KL(b‖a) {num(doc['kl_ba'], '.4f')}"
+            f" · JS {num(doc['js'], '.4f')} nats · TV {num(doc['tv'], '.4f')}</p>"
+            + _table(["risers and fallers", "id", "logprob a", "logprob b", "Δ"], movers) + "</div>")
+
+
+def lens_html(doc: dict, columns: list, heat: list[list[float]], peak: float) -> str:
+    """`lens`: a heat map, a row per layer (embeddings first) and a column per token (the last layer's
+    top tokens, then the targets), each cell its probability at that layer, shaded against `peak`;
+    the layer's own top token beside it."""
+    head = ["layer", "top token", "prob", "entropy"] + [show_token(c.text) for c in columns]
+    rows = []
+    for layer, probs in zip(doc["layers"], heat):
+        cells = [f"<span title='{p!r}' style='display:block;background:rgba({BLUE},{p / peak if peak else 0:.3f})'>"
+                 f"{p:.3f}</span>" for p in probs]
+        rows.append([str(layer["layer"]), tok(layer["top_token"]), num(layer["top_prob"], ".3f"),
+                     num(layer["entropy"], ".3f"), *cells])
+    where = doc["prompt_tokens"][doc["position"]]["text"]
+    return (f"<div class='lmhead-lens'>{_head(doc, 'lens')}<p>{_prompt(doc['prompt_tokens'])}</p>"
+            f"<p>after {tok(where)} (position {doc['position']}), each layer through {esc(doc['norm'])} and the head"
+            f"</p>{_table(head, rows)}</div>")
