@@ -189,3 +189,16 @@ def test_bad_input_is_one_line(tiny, args, message):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+@pytest.mark.parametrize("value", [[1.5], [True], "12", None, [0, "3"]])
+def test_the_api_refuses_neuron_indices_that_are_not_integers(tiny, value):
+    import lmhead_cli
+    from lmhead_cli.errors import BadValue
+
+    m = lmhead_cli.load(str(tiny[0]), device="cpu")
+    with pytest.raises(BadValue) as e:
+        m.neurons(layer=0, neurons=value)
+    assert e.value.key == "neurons" and str(e.value).startswith("neurons must be a list of integers")
+    assert [n.index for n in m.neurons(layer=0, neurons=(3, 1), top=2).neurons] == [3, 1]
+

@@ -190,7 +190,7 @@ class Model(Serving):
             tuning.lens.name = str(out)
         return results.TuneResult(tuning, self.provenance, out)
 
-    @kinds(prompt=str, layer=int, token=str, target=str, top=int, neurons=list)
+    @kinds(prompt=str, layer=int, token=str, target=str, top=int)
     def neurons(self, prompt: str | None = None, *, layer: int | None = None, token: str | None = None,
                 target: str | None = None, top: int | None = None,
                 neurons: Iterable[int] = ()) -> results.NeuronsResult:
@@ -202,6 +202,7 @@ class Model(Serving):
           logit at the last position, with the check that they add up to attribute's MLP parts."""
         from lmhead_cli.readings import neurons as reading
 
+        neurons = checks.indices("neurons", neurons)
         checks.neurons(prompt, layer, token, target, top)
         if prompt is not None:
             result = reading.neuron_shares(self.loaded, prompt, target, top or 10, layer)
