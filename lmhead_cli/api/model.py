@@ -197,14 +197,7 @@ class Model(Serving):
         from lmhead_cli.readings import tuned_lens
 
         if isinstance(where, tuned_lens.TunedLens):
-            tuned_lens.check_readable(self.loaded)
-            mine = tuned_lens.identity_of(self.loaded)
-            if where.identity != mine:
-                from lmhead_cli.errors import WrongLens
-
-                raise WrongLens(f"the tuned lens {where.name} is for {where.identity.describe()}; "
-                                f"this model is {mine.describe()}")
-            return where
+            return tuned_lens.check_lens(self.loaded, where)
         return tuned_lens.load_lens(self.loaded, where)
 
     @scoped
@@ -231,7 +224,7 @@ class Model(Serving):
         return results.TuneResult(tuning, self.provenance, out)
 
     @scoped
-    @kinds(prompt=str, layer=int, token=str, target=str, top=int, neurons=list)
+    @kinds(prompt=str, layer=int, token=str, target=str, top=int)
     def neurons(self, prompt: str | None = None, *, layer: int | None = None, token: str | None = None,
                 target: str | None = None, top: int | None = None,
                 neurons: Iterable[int] = ()) -> results.NeuronsResult:
@@ -243,6 +236,7 @@ class Model(Serving):
           logit at the last position, with the check that they add up to attribute's MLP parts."""
         from lmhead_cli.readings import neurons as reading
 
+        neurons = checks.indices("neurons", neurons)
         checks.neurons(prompt, layer, token, target, top)
         if prompt is not None:
             result = reading.neuron_shares(self.loaded, prompt, target, top or 10, layer)
