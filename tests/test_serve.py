@@ -420,7 +420,7 @@ def test_a_batch_computes_each_row_as_it_would_alone(tiny):
     alone: the same tokens and text, the same logprobs up to float rounding."""
     import lmhead_cli
     from lmhead_cli.decoding.stages import Knobs
-    from lmhead_cli.readings.completion import Row
+    from lmhead_cli.decoding.loop import Row
 
     model = lmhead_cli.load(str(tiny[0]), device="cpu")
 

@@ -13,10 +13,10 @@ class Serving:
     """Mixed into api.Model (which provides `self.loaded`)."""
 
     def complete(self, rows: Sequence, sink, chunk: int | None = None) -> None:
-        """Run readings.completion.Row's as one batch, results to `sink` (readings.completion.Sink) as
-        they are made: one forward for the prompts (echo scored in head chunks of `chunk` positions),
-        then one per step for the rows that generate. torch's thread count is chosen by timing batches."""
-        from lmhead_cli.readings.completion import run
+        """Run decoding.loop.Row's together, results to `sink` (decoding.loop.Sink, rows keyed 0 … len - 1)
+        as they are made: each prompt prefilled once (echo scored in head chunks of `chunk` positions),
+        then one forward per step for every row that generates. torch's thread count is chosen by timing."""
+        from lmhead_cli.decoding.loop import run
 
         rows = list(rows)
         self.loaded.threads.run(lambda: run(self.loaded, rows, sink, chunk),
@@ -64,3 +64,12 @@ class Serving:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
+
+
+def __getattr__(name: str):
+    # The server's row and result types (decoding.loop), imported with torch only when asked for.
+    if name in ("Row", "Echo", "Token", "Sink"):
+        from lmhead_cli.decoding import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from lmhead_cli.readings.completion import Echo, Token
+from lmhead_cli.api.serving import Echo, Token
 from lmhead_cli.render import dumps
 from lmhead_cli.render import openai as doc
 from lmhead_cli.serve.requests import Plan, RequestError

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from lmhead_cli.decoding import stages
 from lmhead_cli.errors import BadValue
-from lmhead_cli.readings.completion import Row
+from lmhead_cli.api.serving import Row
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_STOPS = 16

@@ -19,7 +19,7 @@ import asyncio
 import threading
 from collections import deque
 
-from lmhead_cli.readings.completion import Echo, Row, Token
+from lmhead_cli.api.serving import Echo, Row, Token
 
 
 # A batch's padded prompt tokens stay within this many times its real ones: on a CPU a padded position
@@ -68,7 +68,7 @@ class _BatchSink:
 
     def finish(self, b: int, reason: str, tail: str) -> None:
         job, i = self.batch[b]
-        job.put(("finish", i, reason, tail))
+        job.put(("finish", i, "stop" if reason == "eos" else reason, tail))
 
     def cancelled(self, b: int) -> bool:
         return self.batch[b][0].cancelled
