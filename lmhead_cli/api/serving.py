@@ -22,6 +22,17 @@ class Serving:
         self.loaded.threads.run(lambda: run(self.loaded, rows, sink, chunk),
                                 units=sum(len(r.ids) + r.max_tokens for r in rows))
 
+    def decoding_batch(self, chunk: int | None = None):
+        """An empty running batch (decoding.loop.Batch): `add(key, row)` queues a Row; `advance` runs it."""
+        from lmhead_cli.decoding.loop import Batch
+
+        return Batch(self.loaded, chunk)
+
+    def advance(self, batch, sink, budget: int | None = None) -> int:
+        """One round of a running batch: queued prompts prefilled (at most `budget` positions) and joined,
+        then one decoding step for every running row. Returns the rows that stepped."""
+        return self.loaded.threads.run(lambda: batch.round(sink, budget), units=max(len(batch), 1))
+
     @property
     def eos_token_id(self) -> int | None:
         return self.loaded.engine.eos_token_id

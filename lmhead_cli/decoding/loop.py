@@ -42,7 +42,7 @@ from lmhead_cli.head import check_finite, log_softmax
 MODES = ("raw", "processed")
 # Prompt positions read per forward while prefilling: bounds attention's (T, T) scores and lets a long
 # prompt be read over several rounds, between the running rows' steps.
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,9 @@ class Batch:
                     p.cache = self.eng.new_cache(1, len(p.ids) + max(max(r.max_tokens for _, r in p.rows), 1))
                 n = int(min(self.prefill_chunk, len(p.ids) - p.done, left))
                 x = torch.tensor([p.ids[p.done:p.done + n]], device=self.eng.device)  # (1, n)
-                hidden = self.eng.body(x, p.cache)[0]  # (n, D): positions done … done + n - 1
+                # after the first chunk, a mask of ones makes the new positions causal among themselves
+                mask = None if p.done == 0 else torch.ones((1, p.done + n), dtype=torch.long, device=self.eng.device)
+                hidden = self.eng.body(x, p.cache, mask)[0]  # (n, D): positions done … done + n - 1
                 for key, r in p.rows:
                     if r.echo:
                         _score_echo(self.eng, hidden, p.done, p.ids, r, p.echo[key], self.chunk)
@@ -420,13 +422,21 @@ class Batch:
             mask = self.mask
         self.logits = self.eng.last_logits(chosen[:, None], self.cache, mask)  # (R, V)
 
+    def keys(self) -> list:
+        """The keys of every row running or being prefilled."""
+        return [r.key for r in self.live] + [k for p in self.queued for k in [r.key for r in p.live] + [k for k, _ in p.rows]]
+
     @torch.inference_mode()
+    def round(self, sink: Sink, budget: int | None = None) -> int:
+        """Queued prompts prefilled (up to `budget` positions) and joined, then one step; the rows that stepped."""
+        if self.queued:
+            self.prefill(sink, budget)
+        return self.step(sink)
+
     def run(self, sink: Sink, budget: int | None = None) -> None:
-        """Every row added, to its end: prefill (up to `budget` positions between steps) and step."""
+        """Every row added, to its end."""
         while self.queued or self.live:
-            if self.queued:
-                self.prefill(sink, budget)
-            self.step(sink)
+            self.round(sink, budget)
 
 
 def _trim(rec: list[float], k: int, want: int) -> list[float]:
