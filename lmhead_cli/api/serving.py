@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lmhead_cli.decoding.settings import Settings, from_openai  # noqa: F401 - torch-free: the server's one conversion
+
 
 class Serving:
     """Mixed into api.Model (which provides `self.loaded`)."""

@@ -28,14 +28,12 @@ from typing import Callable, Iterator
 import torch
 
 from lmhead_cli.decoding import stages
-from lmhead_cli.decoding.presets import merge
-from lmhead_cli.decoding.stages import Knobs
+from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, DISTRIBUTIONS, Settings, make, resolve  # noqa: F401
 from lmhead_cli.engine.base import config_value
-from lmhead_cli.errors import BadValue, ModeConflict
+from lmhead_cli.errors import BadValue
 from lmhead_cli.head import check_finite, check_top_logprobs, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
 
-DEFAULT_MAX_NEW_TOKENS = 40
 LENGTH_PENALTY = 1.0  # transformers' default: a finished beam scores sum(log p) / length
 LENGTH_PENALTY_RULE = ("score = sum(log p) / length ** 1.0, with log p the processed log-probability of each "
                        "token and length the number of generated tokens (end-of-text included): "
@@ -44,26 +42,6 @@ FINISHED = -1.0e9  # transformers' penalty that keeps a finished candidate from 
 # columns of a step record, then K alternative ids and K alternative log-probabilities
 ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE, RAW_LOGPROB, RAW_ENTROPY, REMOVED = range(9)
 FIXED = 9
-DISTRIBUTIONS = ("raw", "processed")  # which one --top-logprobs (and the OpenAI document) reports
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything that decides the tokens (with the model, the prompt and the device)."""
-
-    knobs: Knobs = field(default_factory=Knobs)
-    greedy: bool = False
-    beams: int = 1
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    ignore_eos: bool = False
-    seed: int | None = None  # drawn when sampling without one
-    show_steps: int = 0  # how many alternatives to record per step
-    top_logprobs: int = 0  # how many of the most probable tokens to keep per step, 0..V
-    logprobs: str = "raw"  # the distribution those come from: raw or processed
-
-    @property
-    def mode(self) -> str:
-        return "beam" if self.beams > 1 else "greedy" if self.greedy else "sample"
 
 
 @dataclass(frozen=True)
@@ -161,31 +139,9 @@ class Generation:
         return sum(s.entropy for s in self.steps) / len(self.steps) if self.steps else 0.0
 
 
-def make_settings(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                  ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, top_logprobs: int = 0,
-                  logprobs: str = "raw", **knobs) -> Settings:
-    """Checked settings: BadValue names the first value out of range (top_logprobs' upper bound, the
-    vocabulary size, is checked by `generate`, which knows the model)."""
-    stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
-                  "top_logprobs": top_logprobs, **knobs})
-    if logprobs not in DISTRIBUTIONS:
-        raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
-    return Settings(knobs=Knobs(**knobs), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
-                    ignore_eos=ignore_eos, seed=seed, show_steps=show_steps, top_logprobs=top_logprobs,
-                    logprobs=logprobs)
-
-
-def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | None = None,
-            greedy: bool = False, beams: int = 1, ignore_eos: bool = False, seed: int | None = None,
-            show_steps: int = 0, top_logprobs: int = 0, logprobs: str = "raw", **flags) -> Settings:
-    """Settings from three layers: the caller's `defaults` (e.g. softcap 30) < the preset < the flags
-    given (None = not given). With `draws` the tokens must be drawn at random: asking for greedy or
-    beams is a ModeConflict."""
-    if draws and (greedy or beams > 1):
-        raise ModeConflict({"greedy": True} if greedy else {"beams": beams})
-    values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, flags)
-    return make_settings(greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed, show_steps=show_steps,
-                         top_logprobs=top_logprobs, logprobs=logprobs, **values)
+def make_settings(**values) -> Settings:
+    """Checked settings (decoding.settings.make, the one check)."""
+    return make(**values)
 
 
 def room(n_ctx: int, n_prompt: int) -> int:
@@ -218,10 +174,9 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     seed = s.seed if s.seed is not None or s.mode != "sample" else secrets.randbelow(2**32)
     if s.mode == "beam":
         return _beams(loaded, ids, s, max_new, stop_at, on_text)
-    from lmhead_cli.decoding.loop import Batch, Row
+    from lmhead_cli.decoding.loop import Batch
 
-    row = Row(tuple(ids), max_tokens=max_new, top=s.top_logprobs, mode=s.logprobs, knobs=s.knobs,
-              greedy=s.mode == "greedy", seed=seed or 0, eos=stop_at, alternatives=s.show_steps)
+    row = s.row(ids, max_tokens=max_new, eos=eos, seed=seed)
     sink = _Collect(on_text)
     start = time.perf_counter()
     batch = Batch(loaded)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from lmhead_cli.decoding import stages
+from lmhead_cli.api.choices import STAGES
+from lmhead_cli.api.serving import Row, Settings, from_openai
 from lmhead_cli.errors import BadValue
-from lmhead_cli.api.serving import Row
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-MAX_STOPS = 16
 
 
 class RequestError(Exception):
@@ -128,11 +127,7 @@ def stops(body: dict) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise bad("stop", "stop must be a string or an array of strings")
-    if len(items) > MAX_STOPS:
-        raise bad("stop", f"stop holds at most {MAX_STOPS} strings (got {len(items)})")
-    if any(s == "" for s in items):
-        raise bad("stop", "stop strings must not be empty")
-    return tuple(items)
+    return tuple(items)  # how many, and not empty: decoding.settings.check_stop
 
 
 def unsupported(body: dict) -> None:
@@ -195,35 +190,22 @@ def check_context(ids: list[int], max_tokens: int, info: ModelInfo, where: str) 
 
 @dataclass(frozen=True)
 class Sampling:
-    knobs: stages.Knobs
-    greedy: bool
-    seed: int | None
-    stop: tuple[str, ...]
+    settings: Settings  # decoding.settings.Settings: the stages, greedy, seed, stop, logprobs mode
     n: int
-    mode: str
 
 
 def sampling(body: dict, limits: Limits) -> Sampling:
-    temperature = number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad("temperature", f"temperature must be at least 0 (got {temperature:g}); 0 is greedy")
-    top_p = number(body, "top_p", None)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise bad("top_p", f"top_p must be in (0, 1] (got {top_p:g})")
-    top_k = integer(body, "top_k", None, lo=-1)  # vLLM's -1 (and 0) mean off
-    min_p = number(body, "min_p", None)
-    softcap = number(body, "softcap", None)
-    values = {"softcap": softcap, "temperature": None if temperature in (0.0, 1.0) else temperature,
-              "top_k": top_k if top_k and top_k > 0 else None, "top_p": None if top_p in (None, 1.0) else top_p,
-              "min_p": min_p or None}
+    """The body's decoding fields, each of its JSON type, as the one settings object (decoding.settings's
+    from_openai: every stage of the registry by its key, temperature 0 greedy) and the number of choices."""
+    values = {st.key: (number(body, st.key, None) if st.type is float else integer(body, st.key, None))
+              for st in STAGES}
+    values.update(seed=integer(body, "seed", None), stop=stops(body),
+                  logprobs_mode=string(body, "logprobs_mode", "raw", ("raw", "processed")))
     try:
-        stages.check(values)
+        settings = from_openai(values)
     except BadValue as e:
-        raise bad(e.key, str(e)) from None
-    seed = integer(body, "seed", None, lo=0, hi=2**63 - 1)
-    return Sampling(knobs=stages.Knobs(**values), greedy=temperature == 0.0, seed=seed, stop=stops(body),
-                    n=integer(body, "n", 1, lo=1, hi=limits.max_choices),
-                    mode=string(body, "logprobs_mode", "raw", ("raw", "processed")))
+        raise bad(e.key if e.key != "logprobs" else "logprobs_mode", str(e)) from None
+    return Sampling(settings=settings, n=integer(body, "n", 1, lo=1, hi=limits.max_choices))
 
 
 def rows_for(prompts: list[list[int]], s: Sampling, *, echo: bool, max_tokens: int, top: int,
@@ -231,10 +213,10 @@ def rows_for(prompts: list[list[int]], s: Sampling, *, echo: bool, max_tokens: i
     """One row per choice: prompt i's choices are rows i·n … i·n + n - 1; choice j draws with seed + j."""
     rows = []
     for ids in prompts:
-        base = s.seed if s.seed is not None else secrets.randbelow(2**32)
+        base = s.settings.seed if s.settings.seed is not None else secrets.randbelow(2**32)
         for j in range(s.n):
-            rows.append(Row(ids=tuple(ids), echo=echo, max_tokens=max_tokens, top=top, mode=s.mode, knobs=s.knobs,
-                            greedy=s.greedy, seed=(base + j) % 2**63, stop=s.stop, eos=eos))
+            rows.append(replace(s.settings.row(ids, max_tokens=max_tokens, eos=eos, seed=(base + j) % 2**63, echo=echo),
+                                top=top, alternatives=0))
     return rows
 
 
