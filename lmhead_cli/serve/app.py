@@ -134,7 +134,8 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served.name, "queued": served.worker.queued,
-                "batches": served.worker.batches, "generated": served.worker.generated}
+                "running": served.worker.running, "batches": served.worker.batches,
+                "generated": served.worker.generated}
 
     api = APIRouter(dependencies=[Depends(check_key)])
 
