@@ -80,6 +80,12 @@ def test_stop_strings_are_one_check_and_end_the_text_at_every_door(model, tiny):
     stop = full[4:7]
     api = model.generate(PROMPT, max_new_tokens=12, greedy=True, ignore_eos=True, stop=[stop]).to_dict()
     assert api["text"] == full[:full.index(stop)] and api["stop"] == "stop"
+    got = cli("greedy", PROMPT, "-n", "12", "--ignore-eos", "--stop", stop, "--stop", "\x00never", "--model",
+              str(tiny[0]), "--json")
+    assert got.exit_code == 0 and json.loads(got.stdout)["text"] == api["text"]
+    assert json.loads(got.stdout)["settings"]["stop"] == [stop, "\x00never"]
+    with pytest.raises(BadValue, match="beam search"):
+        model.generate(PROMPT, beams=2, stop=[stop])
     for bad, words in (([""], "must not be empty"), (["x"] * 17, "at most 16")):
         with pytest.raises(BadValue, match=words):
             model.generate(PROMPT, stop=bad)

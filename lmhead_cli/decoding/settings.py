@@ -90,8 +90,11 @@ def make(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_
                   "top_logprobs": top_logprobs, **values})
     if logprobs not in DISTRIBUTIONS:
         raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
+    stop = check_stop(stop)
+    if stop and beams > 1:
+        raise BadValue("stop", "strings end greedy and sampled text; beam search runs to end-of-text or max_new_tokens")
     return Settings(knobs=Knobs(**values), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
-                    ignore_eos=ignore_eos, seed=seed, stop=check_stop(stop), show_steps=show_steps,
+                    ignore_eos=ignore_eos, seed=seed, stop=stop, show_steps=show_steps,
                     top_logprobs=top_logprobs, logprobs=logprobs, zero_temperature=zero)
 
 
