@@ -416,7 +416,7 @@ def test_other_work_runs_on_the_model_thread_between_batches():
 
 
 def test_a_batch_computes_each_row_as_it_would_alone(tiny):
-    """readings.completion in one batch (left-padded prompts, rows leaving as they finish) against each row
+    """decoding.loop through Model.complete (prompts prefilled alone, joined right-aligned, rows leaving as they finish) against each row
     alone: the same tokens and text, the same logprobs up to float rounding."""
     import lmhead_cli
     from lmhead_cli.decoding.stages import Knobs

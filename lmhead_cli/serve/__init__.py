@@ -1,7 +1,7 @@
 """`lmhead serve`: an OpenAI-compatible local server with the logprobs other servers don't give.
 
 serve/requests.py checks a request, serve/worker.py batches the work on the model's one thread
-(readings/completion.py computes it), serve/answer.py builds the answer with render/openai.py, and
+(continuous batching on decoding/loop.py, through the API), serve/answer.py builds the answer with render/openai.py, and
 serve/app.py holds the routes. Nothing heavy is imported here: `lmhead --help` stays fast.
 """
 
