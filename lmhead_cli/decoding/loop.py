@@ -254,8 +254,8 @@ class Batch:
                 n = int(min(self.prefill_chunk, len(p.ids) - p.done, left))
                 x = torch.tensor([p.ids[p.done:p.done + n]], device=self.eng.device)  # (1, n)
                 # after the first chunk, a mask of ones makes the new positions causal among themselves
-                mask = None if p.done == 0 else torch.ones((1, p.done + n), dtype=torch.long, device=self.eng.device)
-                hidden = self.eng.body(x, p.cache, mask)[0]  # (n, D): positions done … done + n - 1
+                mask = () if p.done == 0 else (torch.ones((1, p.done + n), dtype=torch.long, device=self.eng.device),)
+                hidden = self.eng.body(x, p.cache, *mask)[0]  # (n, D): positions done … done + n - 1
                 for key, r in p.rows:
                     if r.echo:
                         _score_echo(self.eng, hidden, p.done, p.ids, r, p.echo[key], self.chunk)
@@ -417,11 +417,11 @@ class Batch:
                 S -= first
         for r in self.live:
             r.length += 1
-        mask = None
+        mask = ()  # none while no row is padded: the engine's plain one-position step
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.live), 1))], dim=1)  # (R, S + 1)
-            mask = self.mask
-        self.logits = self.eng.last_logits(chosen[:, None], self.cache, mask)  # (R, V)
+            mask = (self.mask,)
+        self.logits = self.eng.last_logits(chosen[:, None], self.cache, *mask)  # (R, V)
 
     def keys(self) -> list:
         """The keys of every row running or being prefilled."""
