@@ -102,9 +102,11 @@ def test_score_file_runs_through_the_api(model, tiny, tmp_path):
 
 def test_generate_greedy_matches_cli(tiny):
     got = fresh(tiny).generate(PROMPT, max_new_tokens=6, temperature=0, show_steps=2).to_dict()
-    want = cli_json(tiny, "generate", PROMPT, "-n", "6", "--greedy", "--show-steps", "2")
+    want = cli_json(tiny, "generate", PROMPT, "-n", "6", "--temperature", "0", "--show-steps", "2")
     assert untimed(got) == untimed(want)
     assert got["mode"] == "greedy" and got["settings"]["greedy"] is True
+    flag = cli_json(tiny, "generate", PROMPT, "-n", "6", "--greedy", "--show-steps", "2")
+    assert untimed(flag)["generated_ids"] == got["generated_ids"] and flag["settings"]["greedy_because"] is None
 
 
 def test_generate_seeded_sample_matches_cli(tiny):

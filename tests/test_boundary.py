@@ -25,11 +25,11 @@ def test_out_of_memory_on_the_cpu_gives_no_advice_to_use_the_cpu(tiny):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["sample", "x", "--temperature", "1e-39"], "--temperature must be a finite number of at least 1e-06 (got 1e-39)"),
-    (["inspect", "x", "--stages", "--temperature", "1e-39"], "--temperature must be a finite number of at least 1e-06"),
+    (["sample", "x", "--temperature", "1e-39"], "--temperature must be 0 (greedy) or a finite number of at least 1e-06 (got 1e-39)"),
+    (["inspect", "x", "--stages", "--temperature", "1e-39"], "--temperature must be 0 (greedy) or a finite number of at least 1e-06"),
     (["inspect", "x", "--stages", "--softcap", "1e-39"], "--softcap must be a finite number between 1e-06 and 1e+06"),
     (["toy", "--hidden", "1e308,1e308,1e308"], "--hidden numbers must lie within ±1e+06"),
-    (["toy", "-t", "1e-308"], "--temperature must be a finite number of at least 1e-06; got 1e-308"),
+    (["toy", "-t", "1e-308"], "--temperature must be 0 (greedy) or a finite number of at least 1e-06 (got 1e-308)"),
 ])
 def test_numbers_at_the_edges_are_refused_with_the_limit(tiny, args, message):
     got = invoke([*args, "--model", str(tiny[0])] if args[0] != "toy" else args)
@@ -46,7 +46,7 @@ def test_numbers_at_the_limits_stay_finite(tiny):
     assert toy["probs"] == [1.0, 0.0, 0.0, 0.0] and toy["entropy_bits"] == 0
     assert "temperature 1e-06" in invoke(["toy", "-t", "1e-6"]).stdout
     got = invoke(["explore", "--model", str(tiny[0])], input=":temp 1e-39\n:temp 1e-6\nThe keys\n")
-    assert got.exit_code == 0 and ":temp must be a finite number of at least 1e-06" in got.stderr
+    assert got.exit_code == 0 and ":temp must be 0 (greedy) or a finite number of at least 1e-06" in got.stderr
     assert "» The keys" in got.stdout
 
 

@@ -139,7 +139,7 @@ def test_every_stage_reaches_knobs_presets_the_options_and_the_table():
             expected = ["--filter-top-k"] if (name, s.key) == ("inspect", "top_k") else list(s.options or (s.option,))
             assert opts == [expected], (name, s.key)
         with pytest.raises(UsageError, match=s.key):  # a preset is checked by the stage's own rule
-            presets.validate("bad", "test.toml", {s.key: s.type(-1)})
+            presets.validate("bad", "test.toml", {s.key: s.type(-2)})  # -1 is top-k's off
 
 
 def test_process_composes_the_active_stages_in_order():
@@ -196,9 +196,9 @@ def test_entropy():
 # ---- checks ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value,words", [
-    ("temperature", 0.0, "lmhead greedy"), ("temperature", -1.0, "at least 1e-06"),
+    ("temperature", 1e-9, "0 is greedy"), ("temperature", -1.0, "at least 1e-06"),
     ("temperature", float("nan"), "finite"), ("temperature", float("inf"), "finite"),
-    ("top_k", 0, "at least 1"), ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"), ("top_p", float("nan"), "(0, 1]"),
+    ("top_k", -2, "at least 1"), ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"), ("top_p", float("nan"), "(0, 1]"),
     ("min_p", 1.0, "[0, 1)"), ("min_p", -0.1, "[0, 1)"), ("softcap", 0.0, "between 1e-06 and 1e+06"),
     ("softcap", 2e6, "between 1e-06 and 1e+06"), ("softcap", float("inf"), "finite"), ("beams", 0, "at least 1"), ("max_new_tokens", 0, "at least 1"),
 ])
@@ -216,7 +216,7 @@ def test_check_accepts_the_edges():
     assert decoding.check({**edges, "seed": 0, "top_k_unset": None}) is None  # no BadValue
     for key, value in edges.items():
         assert decoding.SETTINGS[key].rule.ok(value), key  # each edge is inside its own rule
-    beyond = {"temperature": 1e-7, "top_k": 0, "top_p": 1.0 + 1e-6, "min_p": -1e-9, "softcap": 1e-7, "beams": 0,
+    beyond = {"temperature": 1e-7, "top_k": -2, "top_p": 1.0 + 1e-6, "min_p": -1e-9, "softcap": 1e-7, "beams": 0,
               "max_new_tokens": 0}
     for key, value in beyond.items():
         with pytest.raises(BadValue):
@@ -395,12 +395,12 @@ def test_top_p_of_one_keeps_even_a_tail_that_float32_rounds_away():
 
 def test_a_rule_without_advice_adds_nothing_to_its_message():
     with pytest.raises(BadValue) as e:
-        decoding.check({"top_k": 0})
-    assert str(e.value) == "top_k must be at least 1 (got 0)"
+        decoding.check({"min_p": 1.0})
+    assert str(e.value) == "min_p must be in [0, 1) (got 1.0)"
     with pytest.raises(BadValue) as e:
-        decoding.check({"temperature": 0.0})
-    assert str(e.value) == ("temperature must be a finite number of at least 1e-06 (got 0.0); "
-                            "for the most likely token every time, use lmhead greedy")
+        decoding.check({"temperature": 1e-9})
+    assert str(e.value) == ("temperature must be 0 (greedy) or a finite number of at least 1e-06 (got 1e-09); "
+                            "0 is greedy: the most likely token every time")
 
 
 def test_an_unknown_attribute_of_stages_is_an_attribute_error():

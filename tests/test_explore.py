@@ -93,12 +93,12 @@ def test_read_matches_arithmetic(tiny):
 
 
 def test_bad_input_never_ends_the_session(tiny):
-    script = f"\n   \n:temp abc\n:temp 0\n:top-k -1\n:target\n:nonsense\n:gen 3\n:lens\n{PROMPT}\n"
+    script = f"\n   \n:temp abc\n:temp -1\n:top-k -1\n:target\n:nonsense\n:gen 3\n:lens\n{PROMPT}\n"
     got = session(tiny, script)
     assert got.exit_code == 0, got.output
     err = got.stderr
     assert ":temp takes a number, e.g. :temp 0.8 (got 'abc')" in err
-    assert ":temp must be a finite number of at least 1e-06" in err
+    assert ":temp must be 0 (greedy) or a finite number of at least 1e-06" in err
     assert ":top-k must be at least 1" in err
     assert ":target takes one value" in err
     assert "unknown command :nonsense; :help lists the commands" in err and ":softcap C|off" not in got.stdout
@@ -120,7 +120,7 @@ def test_gen_and_lens_on_the_last_prompt(tiny):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--temperature", "0"], "--temperature must be a finite number of at least 1e-06"),
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or a finite number of at least 1e-06"),
     (["--threads", "0"], "--threads must be at least 1 (got 0)"),
 ])
 def test_start_options_are_checked_before_the_load(args, message):

@@ -123,7 +123,7 @@ def test_every_bundled_preset_is_valid():
 
 @pytest.mark.parametrize("body,words", [
     ("temperature = 0.7\ncolour = 3\n", "unknown key 'colour'"),
-    ("temperature = -1.0\n", "temperature must be a finite number of at least 1e-06"),
+    ("temperature = -1.0\n", "temperature must be 0 (greedy) or a finite number of at least 1e-06"),
     ("top_k = 2.5\n", "top_k must be int"),
     ("top_p = 'high'\n", "top_p must be a number"),
     ("temperature = \n", "not valid TOML"),
@@ -146,9 +146,9 @@ def test_an_unknown_preset_lists_them():
 @pytest.mark.parametrize("args,words", [
     (["sample", "--temperature", "0"], "use lmhead greedy"),
     (["generate", "--temperature", "-1"], "--temperature must be"),
-    (["generate", "--temperature", "nan"], "--temperature must be a finite number"),
-    (["generate", "--temperature", "inf"], "--temperature must be a finite number"),
-    (["generate", "--top-k", "0"], "--top-k must be at least 1"),
+    (["generate", "--temperature", "nan"], "--temperature must be 0 (greedy) or a finite number"),
+    (["generate", "--temperature", "inf"], "--temperature must be 0 (greedy) or a finite number"),
+    (["generate", "--top-k", "-2"], "--top-k must be at least 1 (0 or -1: off)"),
     (["generate", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["generate", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["generate", "--min-p", "1"], "--min-p must be in [0, 1)"),

@@ -106,7 +106,7 @@ def test_one_position_per_step_and_the_head_on_the_last_position_only(tiny):
     g = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=6))
     assert [shape for shape, _ in bodies] == [(1, len(PROMPT_IDS))] + [(1, 1)] * 5
     assert all(cache is bodies[0][1] and cache is not None for _, cache in bodies)
-    assert heads == [(1, 1, 64)] * 6
+    assert heads == [(1, 64)] + [(1, 1, 64)] * 5  # the prompt's last position, then each step's one
     assert bodies[0][1].length == len(PROMPT_IDS) + 5
     assert len(g.generated_ids) == 6
 
@@ -175,7 +175,7 @@ def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
     calls = []
     timed = replace(loaded, execution=SimpleNamespace(run=lambda f: calls.append(1) or f()))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
-    assert len(g.steps) == 5 and len(calls) == 4 + 1  # the 4 later steps, and the call that ends the loop
+    assert len(g.steps) == 5 and len(calls) == 4  # the 4 later steps
 
 
 def test_greedy_ignores_the_seed_and_beams_agree_with_greedy_at_one(tiny):
@@ -246,15 +246,17 @@ def test_streamed_text_is_the_whole_text_and_splits_no_character(tiny):
     text = "你好，世界 🙂 naïve"
     ids = loaded.tokenizer.encode(text)
     assert len(ids) > len(text.split())
-    stream = generation._Text(loaded.tokenizer)
-    out = [stream.add(i) for i in ids] + [stream.flush()]
+    from lmhead_cli.decoding.loop import Text
+
+    stream = Text(loaded.tokenizer)
+    out = [stream.add(i) or stream.piece() for i in ids] + [stream.piece(final=True, flush=True)]
     assert "".join(out) == text and not any("\ufffd" in piece for piece in out)
     # an answer that stops inside a character (max_new_tokens) ends with U+FFFD for its bytes so far
     emoji = loaded.tokenizer.encode("🙂")
     assert len(emoji) > 1
-    stream = generation._Text(loaded.tokenizer)
-    assert [stream.add(i) for i in emoji[:-1]] == [""] * (len(emoji) - 1)
-    assert stream.flush() == "\ufffd" and stream.text == "\ufffd"
+    stream = Text(loaded.tokenizer)
+    assert [stream.add(i) or stream.piece() for i in emoji[:-1]] == [""] * (len(emoji) - 1)
+    assert stream.piece(final=True, flush=True) == "\ufffd" and stream.text == "\ufffd"
 
 
 def test_an_empty_prompt_is_a_usage_error(tiny):

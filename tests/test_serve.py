@@ -416,11 +416,11 @@ def test_other_work_runs_on_the_model_thread_between_batches():
 
 
 def test_a_batch_computes_each_row_as_it_would_alone(tiny):
-    """readings.completion in one batch (left-padded prompts, rows leaving as they finish) against each row
+    """decoding.loop through Model.complete (prompts prefilled alone, joined right-aligned, rows leaving as they finish) against each row
     alone: the same tokens and text, the same logprobs up to float rounding."""
     import lmhead_cli
     from lmhead_cli.decoding.stages import Knobs
-    from lmhead_cli.readings.completion import Row
+    from lmhead_cli.decoding.loop import Row
 
     model = lmhead_cli.load(str(tiny[0]), device="cpu")
 
@@ -549,3 +549,107 @@ def test_the_start_up_line_shows_a_hostile_folder_name_escaped(tiny, tmp_path, m
     assert line.startswith("would serve " if dry_run else "lmhead serve: ")
     assert "m\\x1b]0;retitled\\x07\\x1b[31m\\x9b32m\\u2028x at http://127.0.0.1:0/v1" in line
     assert not any(ch in got.output for ch in "\x1b\x07\x9b\u2028")
+
+
+# ---- one decoding core: the same request gives the same answer at every door ------------------------
+
+DOORS = [  # (settings as keywords, the CLI's flags, the server's fields)
+    ({"temperature": 0}, ["--temperature", "0"], {"temperature": 0}),
+    ({"temperature": 0.9, "top_k": 40, "seed": 7}, ["--temperature", "0.9", "--top-k", "40", "--seed", "7"],
+     {"temperature": 0.9, "top_k": 40, "seed": 7}),
+    ({"softcap": 2.0, "top_p": 0.9, "min_p": 0.01, "seed": 3},
+     ["--softcap", "2", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3"],
+     {"softcap": 2.0, "top_p": 0.9, "min_p": 0.01, "seed": 3}),
+]
+
+
+@pytest.mark.parametrize("keywords, flags, fields", DOORS, ids=["temperature 0", "top-k", "softcap top-p min-p"])
+def test_the_same_request_gives_the_same_tokens_and_logprobs_at_every_door(server, tiny, keywords, flags, fields):
+    """CLI --json, Model.generate().to_dict() and the server, for one request: the same token ids (the
+    server's text and top ids), the same raw and processed log-probabilities; and the server's answer is
+    the same alone and beside 15 other requests with other settings."""
+    import lmhead_cli
+    from helpers import cli
+
+    api = lmhead_cli.load(str(tiny[0]), device="cpu").generate(PROMPT, max_new_tokens=8, ignore_eos=True,
+                                                               **keywords).to_dict()
+    got = cli("generate", PROMPT, "-n", "8", "--ignore-eos", *flags, "--model", str(tiny[0]), "--json")
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    assert doc["generated_ids"] == api["generated_ids"] and doc["text"] == api["text"]
+    for a, b in zip(doc["steps"], api["steps"], strict=True):
+        assert (a["logprob"], a["raw_logprob"]) == pytest.approx((b["logprob"], b["raw_logprob"]), abs=1e-6)
+    body = {"prompt": PROMPT, "max_tokens": 8, "logprobs": 1, **fields}
+    answers = {}
+    for mode in ("raw", "processed"):
+        r = post(server, "/v1/completions", {**body, "logprobs_mode": mode}).json()
+        lp = r["choices"][0]["logprobs"]
+        ids = api["generated_ids"]
+        n = ids.index(50256) + 1 if 50256 in ids else len(ids)  # the server ends at end-of-text
+        assert len(lp["token_logprobs"]) == n and r["choices"][0]["text"] == api["text"][:len(r["choices"][0]["text"])]
+        if n == len(ids):
+            assert r["choices"][0]["text"] == api["text"]
+        key = "raw_logprob" if mode == "raw" else "logprob"
+        assert lp["token_logprobs"] == pytest.approx([st[key] for st in api["steps"][:n]], abs=1e-4)
+        answers[mode] = _answer(r)
+    # the same request among 15 others with other settings, all at once
+    others = _requests()[:15]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda b: _answer(post(server, "/v1/completions", b).json()),
+                                 [{**body, "logprobs_mode": "raw"}] + others))
+    (text_a, fin_a, tok_a, lp_a), = answers["raw"]
+    (text_t, fin_t, tok_t, lp_t), = together[0]
+    assert (text_t, fin_t, tok_t) == (text_a, fin_a, tok_a) and lp_t == pytest.approx(lp_a, abs=1e-4)
+
+
+# ---- continuous batching: rows join and leave the running batch between two steps ----------------------
+
+def test_a_short_request_finishes_while_a_long_one_runs(server):
+    long = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=120) as r:
+        lines = r.iter_lines()
+        next(lines)  # the long row runs
+        short = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0}).json()
+        assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 4
+        assert httpx.get(server.url + "/health").json()["running"] >= 1  # the long one is still going
+        assert next(line for line in lines if line).startswith("data: {")  # and still streaming
+
+
+def test_a_request_with_many_choices_never_holds_a_one_row_request_behind_all_of_its_rows(tiny):
+    """Two rows at a time: a request of 8 choices fills both; a 1-row request sent after it takes the next
+    free row (round-robin across requests), so it ends while most of the 8 still wait."""
+    with serving(tiny[0], "--max-batch", "2") as s:
+        done = {}
+
+        def many():
+            post(s, "/v1/completions", {"prompt": PROMPT, "max_tokens": 60, "n": 8, "temperature": 0.8, "seed": 1})
+            done["many"] = time.monotonic()
+
+        t = threading.Thread(target=many)
+        t.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(s.url + "/health").json()["running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        one = post(s, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        done["one"] = time.monotonic()
+        queued = httpx.get(s.url + "/health").json()["queued"]
+        t.join(timeout=300)
+        assert one.status_code == 200 and done["one"] < done["many"]
+        assert queued >= 4  # most of the 8 had not been admitted yet when the 1-row request ended
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_step(server):
+    health = lambda: httpx.get(server.url + "/health").json()  # noqa: E731
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert health()["running"] == 1
+    deadline = time.monotonic() + 10
+    while health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert health()["running"] == 0
+    first = health()["generated"]
+    time.sleep(0.5)
+    assert health()["generated"] == first

@@ -118,8 +118,8 @@ def test_cli_json_and_own_numbers():
         (["--hidden", "1,,2"], "--hidden must be 3 comma-separated numbers, like 1,0,1; got '1,,2'"),
         (["--hidden", "nan,1,2"], "--hidden must be finite numbers (no nan or inf); got 'nan,1,2'"),
         (["--hidden", "1,inf,2"], "--hidden must be finite numbers (no nan or inf); got '1,inf,2'"),
-        (["--temperature", "0"], "--temperature must be a finite number of at least 1e-06; got 0.0"),
-        (["--temperature", "nan"], "--temperature must be a finite number of at least 1e-06; got nan"),
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or a finite number of at least 1e-06 (got -1.0); 0 is greedy: the most likely token every time"),
+        (["--temperature", "nan"], "--temperature must be 0 (greedy) or a finite number of at least 1e-06 (got nan); 0 is greedy: the most likely token every time"),
         (["--draws", "0"], "--draws must be between 1 and 100,000; got 0"),
     ],
 )
@@ -128,3 +128,13 @@ def test_cli_bad_input(args, line):
     assert r.exit_code == 2
     assert r.stderr == f"lmhead: error: {line}\n"
     assert r.stdout == ""
+
+
+def test_temperature_0_is_greedy_as_at_every_other_door():
+    """T -> 0: all the probability on the largest logit (ties share it); every draw is the greedy word."""
+    ex = toy_example((0.5, 1.0, 2.0), temperature=0, seed=3, draws=10)
+    best = max(range(len(ex.logits)), key=lambda i: ex.logits[i])
+    assert ex.probs == tuple(1.0 if i == best else 0.0 for i in range(len(ex.logits)))
+    assert ex.sample.draws == (ex.greedy,) * 10 and ex.entropy_bits == 0
+    assert softmax([1.0, 3.0, 3.0], 0) == (0.0, 0.5, 0.5)
+    assert softmax([1.0, 3.0], 1e-6) == pytest.approx(softmax([1.0, 3.0], 0))

@@ -268,18 +268,16 @@ def stage_knobs(value):
     raise BadType("stages", f"{may} (got {_shown(value)})")
 
 
-def generation(*, mode: str = "generate", preset: str | None = None, greedy: bool = False, beams: int = 1,
-               ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0,
-               max_new_tokens: int | None = None, top_logprobs: int = 0, logprobs: str = "raw", **knobs):
-    """The decoding Settings of one generate call (decoding.generate.Settings): `mode` is generate,
-    greedy, sample or softcap (what each fixes: MODES)."""
-    from lmhead_cli.decoding.generate import resolve
+def generation(*, mode: str = "generate", preset: str | None = None, **values):
+    """The decoding Settings of one generate call (decoding.settings.Settings, checked once there): `mode`
+    is generate, greedy, sample or softcap (what each fixes: MODES); `values` are the settings by key
+    (greedy, beams, seed, stop, max_new_tokens, ..., and each stage's key), None = not given."""
+    from lmhead_cli.decoding.settings import resolve
 
     fixed = MODES[mode]
-    return resolve(defaults=fixed.get("defaults"), draws=fixed.get("draws", False), preset=preset,
-                   greedy=greedy or fixed.get("greedy", False), beams=beams, ignore_eos=ignore_eos, seed=seed,
-                   show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
-                   logprobs=logprobs, **knobs)
+    if fixed.get("greedy"):
+        values["greedy"] = True
+    return resolve(defaults=fixed.get("defaults"), draws=fixed.get("draws", False), preset=preset, **values)
 
 
 def generation_fits(loaded, n_prompt: int, settings) -> None:

@@ -409,27 +409,24 @@ class Model(Serving):
 
     @scoped
     @kinds(prompt=str, **DECODING)
-    def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                 softcap: float | None = None, beams: int = 1, seed: int | None = None, greedy: bool = False,
-                 ignore_eos: bool = False, show_steps: int = 0, top_logprobs: int = 0, logprobs: str = "raw",
-                 preset: str | None = None, mode: str = "generate",
+    def generate(self, prompt: str, *, max_new_tokens: int | None = None, beams: int = 1, seed: int | None = None,
+                 greedy: bool = False, ignore_eos: bool = False, stop=(), show_steps: int = 0, top_logprobs: int = 0,
+                 logprobs: str = "raw", preset: str | None = None, mode: str = "generate",
                  on_start: Callable[[list[int], int, object], None] | None = None,
-                 on_text: Callable[[str], None] | None = None) -> results.GenerateResult:
+                 on_text: Callable[[str], None] | None = None, **stages) -> results.GenerateResult:
         """Continue `prompt` token by token through the stages (softcap -> temperature -> top-k -> top-p
-        -> min-p -> softmax -> choose). Samples (seeded by `seed`, or a drawn seed that is reported)
-        unless greedy, temperature=0 or beams > 1. None = not given (a preset's value, or the stage off).
-        `mode`: generate, greedy, sample or softcap, as the CLI's commands. `on_start(prompt_ids,
-        tokens_dropped, settings)` runs before the first token (the prompt's ids as read: its last n_ctx); `on_text(piece)` sees the text as made."""
+        -> min-p -> softmax -> choose; `stages` takes each stage of the registry by its key, e.g.
+        temperature=0.8, top_p=0.95). Samples (seeded by `seed`, or a drawn seed that is reported) unless
+        greedy, temperature=0 or beams > 1. None = not given (a preset's value, or the stage off). `stop`:
+        strings that end the text (not included). `mode`: generate, greedy, sample or softcap, as the CLI's
+        commands. `on_start(prompt_ids, tokens_dropped, settings)` runs before the first token (the
+        prompt's ids as read: its last n_ctx); `on_text(piece)` sees the text as made."""
         from lmhead_cli.decoding.generate import generate
         from lmhead_cli.readings.inspect import check_prompt, encode_prompt
 
-        if temperature == 0 and not checks.MODES[mode].get("draws"):
-            temperature, greedy = None, True
         settings = checks.generation(mode=mode, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos,
-                                     seed=seed, show_steps=show_steps, max_new_tokens=max_new_tokens,
-                                     top_logprobs=top_logprobs, logprobs=logprobs, temperature=temperature,
-                                     top_k=top_k, top_p=top_p, min_p=min_p, softcap=softcap)
+                                     seed=seed, stop=stop, show_steps=show_steps, max_new_tokens=max_new_tokens,
+                                     top_logprobs=top_logprobs, logprobs=logprobs, **stages)
         text = check_prompt(prompt)
         ids, dropped = encode_prompt(self.loaded, text)
         checks.generation_fits(self.loaded, len(ids), settings)  # before on_start prints anything

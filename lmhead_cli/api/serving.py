@@ -9,42 +9,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmhead_cli.api.checks import kinds
-
-
-# The reading's types the server builds and reads (Row) or reads (Echo, Token), reached through the API:
-# serve/ imports nothing from readings/ (tests/test_startup.py). Imported on first use (they import torch).
-_COMPLETION_TYPES = ("Row", "Echo", "Token")
-
-
-def __getattr__(name: str):
-    if name in _COMPLETION_TYPES:
-        from lmhead_cli.readings import completion
-
-        return getattr(completion, name)
-    raise AttributeError(f"module 'lmhead_cli.api.serving' has no attribute {name!r}")
-
-
-def knobs(values: dict):
-    """The decoding stages' settings (decoding.stages.Knobs) from {key: value or None}, each checked
-    against its stage's rule (BadValue naming the key)."""
-    from lmhead_cli.decoding import stages
-
-    stages.check(values)
-    return stages.Knobs(**values)
+from lmhead_cli.decoding.settings import Settings, from_openai  # noqa: F401 - torch-free: the server's one conversion
 
 
 class Serving:
     """Mixed into api.Model (which provides `self.loaded`)."""
 
     def complete(self, rows: Sequence, sink, chunk: int | None = None) -> None:
-        """Run readings.completion.Row's as one batch, results to `sink` (readings.completion.Sink) as
-        they are made: one forward for the prompts (echo scored in head chunks of `chunk` positions),
-        then one per step for the rows that generate. torch's thread count is chosen by timing batches."""
-        from lmhead_cli.readings.completion import run
+        """Run decoding.loop.Row's together, results to `sink` (decoding.loop.Sink, rows keyed 0 … len - 1)
+        as they are made: each prompt prefilled once (echo scored in head chunks of `chunk` positions),
+        then one forward per step for every row that generates. torch's thread count is chosen by timing."""
+        from lmhead_cli.decoding.loop import run
 
         rows = list(rows)
         self.loaded.execution.run(lambda: run(self.loaded, rows, sink, chunk),
                                 units=sum(len(r.ids) + r.max_tokens for r in rows))
+
+    def decoding_batch(self, chunk: int | None = None):
+        """An empty running batch (decoding.loop.Batch): `add(key, row)` queues a Row; `advance` runs it."""
+        from lmhead_cli.decoding.loop import Batch
+
+        return Batch(self.loaded, chunk)
+
+    def advance(self, batch, sink, budget: int | None = None) -> int:
+        """One round of a running batch: queued prompts prefilled (at most `budget` positions) and joined,
+        then one decoding step for every running row. Returns the rows that stepped."""
+        return self.loaded.execution.run(lambda: batch.round(sink, budget), units=max(len(batch), 1))
 
     @property
     def eos_token_id(self) -> int | None:
@@ -103,3 +93,13 @@ class Serving:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
+
+
+def __getattr__(name: str):
+    # The server's row and result types (decoding.loop), reached through the API (serve/ imports nothing
+    # from decoding/: tests/test_startup.py), imported with torch only when asked for.
+    if name in ("Row", "Echo", "Token", "Sink"):
+        from lmhead_cli.decoding import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

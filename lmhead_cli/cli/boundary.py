@@ -186,9 +186,10 @@ def message(e: LmheadError, command: str) -> str:
     if isinstance(e, NoPrompt):
         return f'{e}, e.g. lmhead {command} "{DEFAULT_PROMPT}"'
     if isinstance(e, ModeConflict):
-        what = "--greedy" if "greedy" in e.asked else f"--beams {e.asked['beams']}"
+        what = ("--greedy" if "greedy" in e.asked else "--temperature 0 (greedy)" if "temperature" in e.asked
+                else f"--beams {e.asked['beams']}")
         return (f"lmhead {command} draws tokens at random, which {what} does not; "
-                f"use lmhead greedy{'' if 'greedy' in e.asked else ' ' + what}")
+                f"use lmhead greedy{' ' + what if 'beams' in e.asked else ''}")
     return e.spelled_with(flag)
 
 

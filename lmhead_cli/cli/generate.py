@@ -30,6 +30,9 @@ def decoding_options(
         int, typer.Option("--beams", help="Beam search over N beams, as transformers' num_beams (deterministic).")
     ] = 1,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Go on past <|endoftext|>.")] = False,
+    stop: Annotated[
+        Optional[list[str]], typer.Option("--stop", help="End the text before this string (repeatable, up to 16).")
+    ] = None,
     show_steps: Annotated[
         int, typer.Option("--show-steps", help="After the text, a table per step with the K most probable tokens.")
     ] = 0,
@@ -76,7 +79,7 @@ _decoding_command("softcap", """Sample after Gemma-style soft-capping z -> c·ta
     """)
 
 
-def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, show_steps, max_new_tokens,
+def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, stop, seed, show_steps, max_new_tokens,
            knobs: dict, source: ModelChoice, json_out, output_format, top_logprobs, logprobs) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
@@ -88,7 +91,7 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, s
     kind = output_kind(json_out, output_format, top_logprobs, logprobs)
     json_out = kind != "text"
     asked = dict(mode=command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
-                 show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
+                 stop=tuple(stop or ()), show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
                  logprobs=logprobs or "raw", **knobs)
     checks.generation(**asked)  # before the load: a bad value fails in an instant
     text = checks.prompt(read_text("the prompt on stdin") if prompt == "-"

@@ -19,24 +19,21 @@ With no stage active the two are the same distribution.
 
 from __future__ import annotations
 
-import codecs
 import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from lmhead_cli.decoding import stages
-from lmhead_cli.decoding.presets import merge
-from lmhead_cli.decoding.stages import Knobs
+from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, DISTRIBUTIONS, Settings, make, resolve  # noqa: F401
 from lmhead_cli.engine.base import config_value
-from lmhead_cli.errors import BadValue, ModeConflict
+from lmhead_cli.errors import BadValue
 from lmhead_cli.head import check_finite, check_top_logprobs, entropy, log_softmax, ranks
 from lmhead_cli.loading.sources import Loaded
 
-DEFAULT_MAX_NEW_TOKENS = 40
 LENGTH_PENALTY = 1.0  # transformers' default: a finished beam scores sum(log p) / length
 LENGTH_PENALTY_RULE = ("score = sum(log p) / length ** 1.0, with log p the processed log-probability of each "
                        "token and length the number of generated tokens (end-of-text included): "
@@ -45,26 +42,6 @@ FINISHED = -1.0e9  # transformers' penalty that keeps a finished candidate from 
 # columns of a step record, then K alternative ids and K alternative log-probabilities
 ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE, RAW_LOGPROB, RAW_ENTROPY, REMOVED = range(9)
 FIXED = 9
-DISTRIBUTIONS = ("raw", "processed")  # which one --top-logprobs (and the OpenAI document) reports
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything that decides the tokens (with the model, the prompt and the device)."""
-
-    knobs: Knobs = field(default_factory=Knobs)
-    greedy: bool = False
-    beams: int = 1
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    ignore_eos: bool = False
-    seed: int | None = None  # drawn when sampling without one
-    show_steps: int = 0  # how many alternatives to record per step
-    top_logprobs: int = 0  # how many of the most probable tokens to keep per step, 0..V
-    logprobs: str = "raw"  # the distribution those come from: raw or processed
-
-    @property
-    def mode(self) -> str:
-        return "beam" if self.beams > 1 else "greedy" if self.greedy else "sample"
 
 
 @dataclass(frozen=True)
@@ -162,31 +139,9 @@ class Generation:
         return sum(s.entropy for s in self.steps) / len(self.steps) if self.steps else 0.0
 
 
-def make_settings(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                  ignore_eos: bool = False, seed: int | None = None, show_steps: int = 0, top_logprobs: int = 0,
-                  logprobs: str = "raw", **knobs) -> Settings:
-    """Checked settings: BadValue names the first value out of range (top_logprobs' upper bound, the
-    vocabulary size, is checked by `generate`, which knows the model)."""
-    stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
-                  "top_logprobs": top_logprobs, **knobs})
-    if logprobs not in DISTRIBUTIONS:
-        raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
-    return Settings(knobs=Knobs(**knobs), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
-                    ignore_eos=ignore_eos, seed=seed, show_steps=show_steps, top_logprobs=top_logprobs,
-                    logprobs=logprobs)
-
-
-def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | None = None,
-            greedy: bool = False, beams: int = 1, ignore_eos: bool = False, seed: int | None = None,
-            show_steps: int = 0, top_logprobs: int = 0, logprobs: str = "raw", **flags) -> Settings:
-    """Settings from three layers: the caller's `defaults` (e.g. softcap 30) < the preset < the flags
-    given (None = not given). With `draws` the tokens must be drawn at random: asking for greedy or
-    beams is a ModeConflict."""
-    if draws and (greedy or beams > 1):
-        raise ModeConflict({"greedy": True} if greedy else {"beams": beams})
-    values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, flags)
-    return make_settings(greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed, show_steps=show_steps,
-                         top_logprobs=top_logprobs, logprobs=logprobs, **values)
+def make_settings(**values) -> Settings:
+    """Checked settings (decoding.settings.make, the one check)."""
+    return make(**values)
 
 
 def room(n_ctx: int, n_prompt: int) -> int:
@@ -217,19 +172,66 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     stop_at = None if s.ignore_eos else eos
     max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))
     seed = s.seed if s.seed is not None or s.mode != "sample" else secrets.randbelow(2**32)
-    text = _Text(loaded.tokenizer)
-    steps: list[Step] = []
+    if s.mode == "beam":
+        return _beams(loaded, ids, s, max_new, stop_at, on_text)
+    from lmhead_cli.decoding.loop import Batch
 
+    row = s.row(ids, max_tokens=max_new, eos=eos, seed=seed)
+    sink = _Collect(on_text)
+    start = time.perf_counter()
+    batch = Batch(loaded)
+    batch.add(0, row)
+    batch.round(sink)  # the prefill and the first token
+    first = time.perf_counter() - start
+    while batch.live:  # one position per step: these steps choose the thread count
+        loaded.execution.run(lambda: batch.step(sink))
+    elapsed = time.perf_counter() - start
+    stop = {"eos": "eos", "stop": "stop"}.get(sink.reason, "max_new_tokens")
+    if stop == "max_new_tokens" and max_new < s.max_new_tokens:
+        stop = "context"
+    return Generation(mode=s.mode, settings=s, seed=seed, prompt_ids=list(ids),
+                      generated_ids=[st.id for st in sink.steps], text=sink.text, steps=sink.steps, stop=stop,
+                      elapsed_s=elapsed, first_token_s=first)
+
+
+class _Collect:
+    """decoding.loop's Sink for one row: its Steps, its text, why it ended; `on_text` hears each piece."""
+
+    def __init__(self, on_text: Callable[[str], None] | None):
+        self.on_text, self.steps, self.text, self.reason = on_text, [], "", None
+
+    def echo(self, key, echo) -> None:
+        pass
+
+    def token(self, key, token) -> None:
+        self.steps.append(token.step)
+        self._piece(token.text)
+
+    def finish(self, key, reason: str, tail: str) -> None:
+        self.reason = reason
+        self._piece(tail)
+
+    def cancelled(self, key) -> bool:
+        return False
+
+    def _piece(self, piece: str) -> None:
+        if piece:
+            self.text += piece
+            if self.on_text is not None:
+                self.on_text(piece)
+
+
+def _beams(loaded: Loaded, ids: list[int], s: Settings, max_new: int, stop_at: int | None,
+           on_text: Callable[[str], None] | None) -> Generation:
+    """Beam search (beams > 1): the best beam's text streamed once the search ends."""
+    from lmhead_cli.decoding.loop import Text
+
+    eng = loaded.engine
     start = time.perf_counter()
     first = None
-    if s.mode == "beam":
-        loop = _beam_search(eng, ids, s, max_new, stop_at, loaded.tokenizer)
-    else:
-        generator = None
-        if s.mode == "sample":
-            generator = torch.Generator(device=eng.device).manual_seed(seed)
-        loop = _one_sequence(eng, ids, s, max_new, stop_at, generator, loaded.tokenizer.token_text)
-    stop, beams = "max_new_tokens", []
+    loop = _beam_search(eng, ids, s, max_new, stop_at, loaded.tokenizer)
+    steps: list[Step] = []
+    text = Text(loaded.tokenizer)
     while True:
         try:
             # One position per step after the first (the prefill): those steps choose the thread count.
@@ -240,16 +242,16 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
         if first is None:
             first = time.perf_counter() - start
         steps.append(step)
-        piece = "" if step.id == stop_at else text.add(step.id)
+        piece = "" if step.id == stop_at else (text.add(step.id), text.piece())[1]
         if piece and on_text is not None:
             on_text(piece)
-    tail = text.flush()
-    if tail and on_text is not None:
-        on_text(tail)
+    piece = text.piece(final=True, flush=True)
+    if piece and on_text is not None:
+        on_text(piece)
     elapsed = time.perf_counter() - start
     if stop == "max_new_tokens" and max_new < s.max_new_tokens:
         stop = "context"
-    return Generation(mode=s.mode, settings=s, seed=seed, prompt_ids=list(ids),
+    return Generation(mode=s.mode, settings=s, seed=None, prompt_ids=list(ids),
                       generated_ids=[st.id for st in steps], text=text.text, steps=steps, stop=stop,
                       elapsed_s=elapsed, first_token_s=first or elapsed,
                       beam_score=beams[0].score if beams else None, beams=beams)
@@ -277,25 +279,6 @@ def check_beam_memory(eng, beams: int, positions: int) -> None:
     if free is not None and need > free:
         raise BadValue("beams", f"of {beams:,} need about {gb(need)} ({gb(per_beam)} of cache and logits per beam), "
                                 f"but {gb(free)} is available; at most {max(1, free // per_beam):,} beams fit")
-
-
-class _Text:
-    """The generated text, decoded incrementally from the tokens' bytes (UTF-8 split across tokens)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-
-    def add(self, token_id: int) -> str:
-        piece = self.decoder.decode(self.tokenizer.token_bytes(token_id))
-        self.text += piece
-        return piece
-
-    def flush(self) -> str:
-        piece = self.decoder.decode(b"", final=True)
-        self.text += piece
-        return piece
 
 
 # ---- one step's figures, in one transfer ---------------------------------------------------------
@@ -355,30 +338,6 @@ def _step(row: list[float], token_text, logits: torch.Tensor, top: Top | None = 
     return Step(id=i, token=token_text(i), prob=math.exp(row[LOGPROB]), logit=row[LOGIT],
                 entropy=row[ENTROPY], rank=int(row[RANK]), logprob=row[LOGPROB], raw_logprob=row[RAW_LOGPROB],
                 raw_entropy=row[RAW_ENTROPY], removed_mass=row[REMOVED], alternatives=alts, top=top)
-
-
-# ---- greedy and sampled -------------------------------------------------------------------------
-
-def _one_sequence(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | None,
-                  generator: torch.Generator | None, token_text) -> Iterator[Step]:
-    pipeline = s.knobs.pipeline()
-    greedy = s.mode == "greedy"
-    cache = eng.new_cache(1, len(ids) + max_new)
-    x = torch.tensor([ids], device=eng.device)  # (1, T) the prompt, then (1, 1) each step
-    for _ in range(max_new):
-        logits = eng.last_logits(x, cache)  # (1, V)
-        raw = log_softmax(logits)  # (1, V) the model's own distribution
-        # the one drawn from (raw's own when no stage runs: each step's (1, V) passes are most of its own work)
-        logprobs = log_softmax(stages.process(logits, pipeline)) if pipeline else raw
-        chosen = stages.choose(logprobs, greedy, generator)  # (1,)
-        row = _record(logits, raw, logprobs, chosen, s.show_steps, bool(pipeline))[0].tolist()  # one sync per step
-        top = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # a second transfer, only when asked
-        step = _step(row, token_text, logits, Top(top[0][0], top[1][0]) if top else None)
-        yield step
-        if step.id == stop_at:
-            return "eos", []
-        x = chosen[:, None]
-    return "max_new_tokens", []
 
 
 # ---- beam search --------------------------------------------------------------------------------

@@ -103,10 +103,11 @@ def merge(preset: str | None, defaults: dict, flags: dict) -> dict:
 
 def knobs(preset: str | None, **flags) -> Knobs:
     """Checked stage settings from a preset and flags (a preset's max_new_tokens is not a stage)."""
+    from lmhead_cli.decoding.settings import stage_values
+
     values = merge(preset, {}, flags)
-    values = {k: v for k, v in values.items() if k in Knobs.__dataclass_fields__}  # not max_new_tokens
     check(values)
-    return Knobs(**values)
+    return Knobs(**stage_values(values))  # not max_new_tokens
 
 
 MAX_PRESET_BYTES = 1 << 20  # a preset is a few lines

@@ -56,8 +56,13 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def temperature(logits: torch.Tensor, t: float) -> torch.Tensor:
-    """z / T: T < 1 sharpens the distribution, T > 1 flattens it, T = 1 leaves it as it is."""
-    return logits.float() / t
+    """z / T: T < 1 sharpens the distribution, T > 1 flattens it, T = 1 leaves it as it is. T = 0 is
+    the limit T -> 0, greedy: the best logit (and any tied with it) kept at 0, every other -inf.
+    (Generation takes temperature 0 as greedy with this stage off: decoding.settings.make.)"""
+    z = logits.float()
+    if t == 0:
+        return (z - z.amax(dim=-1, keepdim=True)).masked_fill(z < z.amax(dim=-1, keepdim=True), float("-inf"))
+    return z / t
 
 
 def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -126,6 +131,7 @@ class Setting:
     help: str = ""  # the command-line help
     options: tuple[str, ...] = ()  # command-line names, the canonical first (default: --key-with-dashes)
     preset: bool = True  # may be set in a preset file
+    off: tuple = ()  # values that turn the setting off at every door (top-k 0 or -1, as vLLM's)
 
     @property
     def option(self) -> str:
@@ -162,12 +168,13 @@ STAGES: tuple[Stage, ...] = (
           help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).", options=("--softcap", "--cap"),
           apply=softcap, column="soft-capped", name="softcap"),
     Stage("temperature", float,
-          Rule(_scale, f"a finite number of at least {MIN_SCALE:g}",
-               "for the most likely token every time, use lmhead greedy"),
+          Rule(lambda v: v == 0 or _scale(v), f"0 (greedy) or a finite number of at least {MIN_SCALE:g}",
+               "0 is greedy: the most likely token every time"),
           help="Divide the logits by T > 0 before softmax (1 = as is).",
           apply=temperature, column="tempered", name="temperature"),
-    Stage("top_k", int, Rule(lambda v: v >= 1, "at least 1"), help="Keep only the k most likely tokens.",
-          apply=top_k, column="filtered", name="top-k"),
+    Stage("top_k", int, Rule(lambda v: v >= 1, "at least 1 (0 or -1: off)"),
+          help="Keep only the k most likely tokens (0 or -1: off).",
+          apply=top_k, column="filtered", name="top-k", off=(0, -1)),
     Stage("top_p", float, Rule(lambda v: 0 < v <= 1, "in (0, 1]"),
           help="Keep the most likely tokens until their probability sums to p, in (0, 1].",
           apply=top_p, column="filtered", name="top-p"),
@@ -194,9 +201,11 @@ def option(key: str) -> str:
 
 
 def check(values: dict) -> None:
-    """Raise BadValue for the first value outside its setting's range (None = unset; unknown keys pass)."""
+    """Raise BadValue for the first value outside its setting's range (None = unset, and a setting's `off`
+    values pass; unknown keys pass)."""
     for key, value in values.items():
-        if value is not None and key in SETTINGS:
+        if value is not None and key in SETTINGS and not any(value == o and type(value) is not bool
+                                                             for o in SETTINGS[key].off):
             SETTINGS[key].rule.check(key, value)
 
 

@@ -259,6 +259,15 @@ class Engine(ABC):
     def reorder_cache(self, cache: Any, rows: torch.Tensor) -> Any:
         """Keep batch rows `rows` of `cache` (beam search); returns the cache to use from now on."""
 
+    def join_caches(self, parts: list[tuple[Any, int]], max_len: int) -> Any:
+        """One cache for the rows of several: each part is (cache, first column kept); every part's
+        columns from there to its end are right-aligned in a new cache of `max_len` positions, its
+        length the longest part's, left-padded with zeros (an attention mask hides them). Rows keep
+        their order, part after part. Continuous batching (decoding/loop.py) joins new rows to a
+        running batch with it; None where the engine's cache cannot be joined (the loop then admits
+        rows only into an empty batch)."""
+        return None
+
     # -- derived: the same for every engine -------------------------------------------------
     def last_logits(self, ids: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
                     lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -169,6 +169,28 @@ class TransformersEngine(Engine):
         cache.reorder_cache(rows)
         return cache
 
+    def join_caches(self, parts: list, max_len: int):
+        """transformers' DynamicCache whose layers are all full (DynamicLayer): each layer's keys and
+        values (rows, H, T, hd) padded on the left and concatenated; None for any other cache (a
+        sliding window's layer holds only its window)."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        caches = [c for c, _ in parts]
+        if not all(type(layer) is DynamicLayer and layer.keys is not None for c in caches for layer in c.layers):
+            return None
+        length = max(c.get_seq_length() - first for c, first in parts)
+        joined = DynamicCache(config=self.model.config)
+        for i in range(len(caches[0].layers)):
+            keys, values = [], []
+            for c, first in parts:
+                k, v = c.layers[i].keys[:, :, first:], c.layers[i].values[:, :, first:]
+                pad = length - k.shape[2]
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            joined.update(torch.cat(keys), torch.cat(values), i)
+        return joined
+
     def _need(self, part, what: str):
         if part is None:
             raise UnsupportedModel(f"lmhead cannot find the {what} of transformers' {type(self.model).__name__}, "

@@ -280,6 +280,20 @@ class LeanGPT2(Engine):
         cache.reorder(rows)
         return cache
 
+    def join_caches(self, parts: list[tuple[KVCache, int]], max_len: int) -> KVCache:
+        length = max(c.length - first for c, first in parts)
+        joined = self.new_cache(sum(c.k.shape[1] for c, _ in parts), max(length, max_len))
+        joined.k.zero_()  # padding: an attention mask hides it, and zeros keep q·k finite under it
+        joined.v.zero_()
+        b = 0
+        for c, first in parts:
+            n, rows = c.length - first, c.k.shape[1]  # (L, rows, H, n, hd) copied to the right end
+            joined.k[:, b:b + rows, :, length - n:length] = c.k[:, :, :, first:c.length]
+            joined.v[:, b:b + rows, :, length - n:length] = c.v[:, :, :, first:c.length]
+            b += rows
+        joined.length = length
+        return joined
+
     def embed(self, ids: torch.Tensor, past: int = 0, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token plus position embeddings, (B, T, D). Positions skip left padding when a mask is given."""
         T = ids.shape[1]

@@ -128,7 +128,10 @@ def apply(settings: Settings, cmd: Command) -> Settings:
     if cmd.name == "softcap":
         return replace(settings, softcap=None if off else checked("softcap", _number(cmd, "30")))
     if cmd.name == "top-k":
-        return replace(settings, top_k=checked("top_k", _number(cmd, "20", int)))
+        rows = _number(cmd, "20", int)  # the table's rows, not the top-k stage (whose 0 and -1 mean off)
+        if rows < 1:
+            raise BadValue("top_k", f"must be at least 1 (got {rows})")
+        return replace(settings, top_k=rows)
     if cmd.name == "seed":
         return replace(settings, seed=checked("seed", _number(cmd, "42", int)))
     if cmd.name == "target":

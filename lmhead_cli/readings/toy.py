@@ -25,7 +25,6 @@ SAME = 1e-12  # probabilities closer than this count as unchanged
 # Bounds that keep every figure finite: |z| <= 3e6 (x 2 in the scale demo), / T >= 1e-6, all far
 # inside a double's range, so exp, fsum and the ratios never overflow.
 MAX_HIDDEN = 1e6
-MIN_TEMPERATURE = 1e-6
 MAX_DRAWS = 100_000  # the draws are kept, one word each
 
 
@@ -77,7 +76,12 @@ def logits(hidden: Sequence[float], rows: Sequence[Sequence[float]]) -> tuple[fl
 
 
 def softmax(values: Sequence[float], temperature: float = 1.0) -> tuple[float, ...]:
-    """exp(z_i / T) / sum_j exp(z_j / T), with the max subtracted first so exp cannot overflow."""
+    """exp(z_i / T) / sum_j exp(z_j / T), with the max subtracted first so exp cannot overflow. T = 0 is
+    the limit T -> 0, greedy: all the probability on the largest logit (shared evenly by any tied with it)."""
+    if temperature == 0:
+        best = max(values)
+        ties = sum(v == best for v in values)
+        return tuple(1.0 / ties if v == best else 0.0 for v in values)
     scaled = [v / temperature for v in values]
     top = max(scaled)
     exps = [math.exp(v - top) for v in scaled]
@@ -173,8 +177,10 @@ def parse_hidden(text: str, dims: int = len(HIDDEN)) -> tuple[float, ...]:
 
 
 def check_temperature(temperature: float) -> float:
-    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
-        raise BadValue("temperature", f"must be a finite number of at least {MIN_TEMPERATURE:g}; got {temperature}")
+    """The decoding registry's rule for temperature (0 is greedy), as at every other door."""
+    from lmhead_cli.decoding.stages import SETTINGS
+
+    SETTINGS["temperature"].rule.check("temperature", temperature)
     return temperature
 
 

@@ -16,7 +16,7 @@ from rich.text import Text
 from lmhead_cli.render import knobs_text, notice, out, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as _tok
 
-STOP = {"eos": "end of text", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
+STOP = {"eos": "end of text", "stop": "a stop string", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
 
 
 def _pct(p: float) -> str:
@@ -44,7 +44,8 @@ def stop_notice(g, n_ctx: int) -> None:
 
 
 def _settings_line(g) -> str:
-    parts = [{"beam": f"beam search, {g.settings.beams} beams (deterministic)", "greedy": "greedy (deterministic)",
+    parts = [{"beam": f"beam search, {g.settings.beams} beams (deterministic)",
+              "greedy": "greedy (temperature 0, deterministic)" if g.settings.zero_temperature else "greedy (deterministic)",
               "sample": "sampled"}[g.mode]]
     parts += [knobs_text(g.settings.knobs, " · ")] if g.settings.knobs.active() else []
     if g.mode == "sample":
@@ -123,7 +124,8 @@ def generation_json(result) -> dict:
         "mode": g.mode,
         "preset": result.preset,
         "settings": {**asdict(s.knobs), "greedy": s.greedy, "beams": s.beams, "max_new_tokens": s.max_new_tokens,
-                     "ignore_eos": s.ignore_eos},
+                     "ignore_eos": s.ignore_eos, "stop": list(s.stop),
+                     "greedy_because": "temperature 0" if s.zero_temperature else None},
         "seed": g.seed,
         "prompt": result.prompt,
         "prompt_ids": g.prompt_ids,
@@ -167,7 +169,7 @@ def _step_json(step, show_steps: int) -> dict:
 
 # ---- --format openai -----------------------------------------------------------------------------
 
-FINISH = {"eos": "stop", "max_new_tokens": "length", "context": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
 
 
 def openai_json(result) -> None:

@@ -1,10 +1,10 @@
 """`lmhead serve`: an OpenAI-compatible local server with the logprobs other servers don't give.
 
 serve/requests.py checks a request, serve/worker.py batches the work on the model's one thread
-(readings/completion.py computes it), serve/answer.py builds the answer with render/openai.py, and
-serve/app.py holds the routes, serve/door.py is the one door every request comes through (Host, body,
-JSON), serve/connections.py bounds the connections. Nothing heavy is imported here: `lmhead --help`
-stays fast.
+(continuous batching on decoding/loop.py, through the API), serve/answer.py builds the answer with
+render/openai.py, serve/app.py holds the routes, serve/door.py is the one door every request comes
+through (Host, body, JSON), serve/connections.py bounds the connections. Nothing heavy is imported
+here: `lmhead --help` stays fast.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     @open_routes.get("/health")
     async def health():
         return {"status": "ok", "model": served.name, "queued": served.worker.queued, "busy": served.worker.busy,
-                "batches": served.worker.batches, "generated": served.worker.generated}
+                "running": served.worker.running, "batches": served.worker.batches,
+                "generated": served.worker.generated}
 
     api = APIRouter(dependencies=[Depends(check_key)], route_class=route, default_response_class=door.Answer)
 

@@ -24,7 +24,6 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-MAX_STOPS = 16
 
 
 class RequestError(Exception):
@@ -153,8 +152,21 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-class Sampled(Body):
-    """The sampling fields both endpoints share, OpenAI's and lmhead's extension fields."""
+def _stage_fields() -> type[Body]:
+    """A body with one optional field per decoding stage of the registry (decoding/stages.py STAGES), of
+    the stage's type: a stage added to the registry is a server field with no other edit."""
+    from pydantic import create_model
+
+    from lmhead_cli.api.choices import STAGES
+
+    return create_model("StageFields", __base__=Body, **{
+        st.key: (Optional[float] if st.type is float else Optional[st.type], Field(None, description=st.help))
+        for st in STAGES})
+
+
+class Sampled(_stage_fields()):
+    """The sampling fields both endpoints share, OpenAI's and lmhead's extension fields (the stages'
+    fields come from the registry; those OpenAI names are declared again here for their defaults)."""
 
     model: Optional[str] = Field(None, description="A label only: the server serves its one model.")
     temperature: float = Field(1.0, description="0 is greedy.")
@@ -175,37 +187,6 @@ class Sampled(Body):
     uncertainty: bool = Field(False, description="lmhead: entropy, varentropy and margin per position of the "
                                                  "logprobs, raw or processed as logprobs_mode says (needs logprobs).")
 
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if v < 0:
-            raise ValueError(f"temperature must be at least 0 (got {v:g}); 0 is greedy")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if v is not None and not 0 < v <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {v:g})")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v is not None and v < -1:
-            raise ValueError(f"top_k must be at least -1 (got {v}); -1 and 0 are off")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > MAX_STOPS:
-            raise ValueError(f"stop holds at most {MAX_STOPS} strings (got {len(items)})")
-        if any(s == "" for s in items):
-            raise ValueError("stop strings must not be empty")
-        return v
-
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalty(cls, v, info):
@@ -225,38 +206,44 @@ class Sampled(Body):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    def settings(self):
+        """THE conversion: the checked body's decoding fields as the one settings object
+        (decoding.settings.from_openai: every stage of the registry by its key, temperature 0 greedy, a
+        stage's off values off, seed, stop strings, logprobs_mode), checked once there."""
+        from lmhead_cli.api.choices import STAGES
+        from lmhead_cli.api.serving import from_openai
+        from lmhead_cli.errors import BadValue
+
+        values = {st.key: getattr(self, st.key, None) for st in STAGES}
+        values.update(seed=self.seed, logprobs_mode=self.logprobs_mode,
+                      stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
+        try:
+            return from_openai(values)
+        except BadValue as e:
+            raise bad(e.key if e.key != "logprobs" else "logprobs_mode", str(e)) from None
+
     def rows(self, prompts: list[list[int]], info: ModelInfo, limits: Limits, *, echo: bool, max_tokens: int,
              top: int | None) -> tuple[list, int]:
-        """THE conversion: the checked request to one api.serving.Row per choice, the values the worker
-        consumes (prompt i's choices are rows i·n … i·n + n - 1; choice j draws with seed + j), and the
-        logprob entries the answer will hold. Whatever depends on the model or the server's limits is
-        checked here: token ids, the context, the stages' ranges, choices and entries."""
-        from lmhead_cli.api.serving import Row, knobs
-        from lmhead_cli.errors import BadValue
+        """The settings' rows (decoding.loop.Row, one per choice: prompt i's choices are rows i·n … i·n + n - 1;
+        choice j draws with seed + j), and the logprob entries the answer will hold. Whatever depends on
+        the model or the server's limits is checked here: token ids, the context, choices and entries."""
+        from dataclasses import replace
 
         for i, ids in enumerate(prompts):
             check_ids(ids, info, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             check_context(ids, max_tokens, info, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
         check_top(top, "logprobs", info, limits)
-        t, top_k = self.temperature, self.top_k
-        values = {"softcap": self.softcap, "temperature": None if t in (0.0, 1.0) else t,
-                  "top_k": top_k if top_k and top_k > 0 else None,
-                  "top_p": None if self.top_p in (None, 1.0) else self.top_p, "min_p": self.min_p or None}
-        try:
-            stage_knobs = knobs(values)
-        except BadValue as e:
-            raise bad(e.key, str(e)) from None
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        settings = self.settings()
         if len(prompts) * self.n > limits.max_choices:
             raise bad("n", f"prompts × n is {len(prompts) * self.n:,} choices; the server answers at most "
                            f"{limits.max_choices:,} in one request")
         rows = []
         for ids in prompts:
-            base = self.seed if self.seed is not None else secrets.randbelow(2**32)
+            base = settings.seed if settings.seed is not None else secrets.randbelow(2**32)
             for j in range(self.n):
-                rows.append(Row(ids=tuple(ids), echo=echo and top is not None, max_tokens=max_tokens, top=top or 0,
-                                mode=self.logprobs_mode, knobs=stage_knobs, greedy=t == 0.0, seed=(base + j) % 2**63,
-                                stop=stop, eos=info.eos, uncertainty=self.uncertainty))
+                row = settings.row(ids, max_tokens=max_tokens, eos=info.eos, seed=(base + j) % 2**63,
+                                   echo=echo and top is not None)
+                rows.append(replace(row, top=top or 0, alternatives=0, uncertainty=self.uncertainty))
         return rows, check_cost(rows, top, limits)
 
 

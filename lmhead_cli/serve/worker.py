@@ -1,16 +1,17 @@
-"""One model, many requests: a queue of rows and the one thread that runs them in batches.
+"""One model, many requests: a queue of rows and the one thread that runs them, a step at a time.
 
-Every request becomes a `Job` of rows (one per choice) queued in arrival order. The model's
-thread takes the first queued row and then, in queue order, every other that fits one batch (at
-most `max_rows` rows, at most `max_tokens` padded prompt tokens, padding at most a quarter more than
-the real tokens, and the longest prompt plus the largest max_tokens within the context) and
-runs them with Model.complete (readings/completion.py): one forward for the batch's prompts, then one per step for
-the rows that generate. A batch runs to its end; rows queued meanwhile go in the next one.
+Every request becomes a `Job` of rows (one per choice). The model's thread keeps one running batch
+(decoding/loop.py through Model.decoding_batch) and, between two decoding steps, admits queued rows
+into it while it has fewer than `max_rows`: round-robin across the jobs that wait (one row of each in
+turn), so a request with many choices never holds a one-row request behind all of its rows. An
+admitted prompt is prefilled alone, at most `max_tokens` prompt positions per round between two
+steps (a long prompt is read over several rounds while the running rows go on); its rows then join
+the batch. A row that finishes, or whose client has gone (a cancelled job), leaves at the next step.
 
 The queue holds at most `max_queue` rows: a request that would go past it is refused at once
-(`Busy`, the server's 503 with Retry-After), never queued. A job whose client has gone is
-cancelled: its queued rows are skipped and its running rows leave their batch at the next step.
-Results go back to the request's own asyncio queue on the server's event loop.
+(`Busy`, the server's 503 with Retry-After), never queued. Results go back to the request's own
+asyncio queue on the server's event loop. Other work (Worker.call: the page's readings) runs on the
+same thread between two steps.
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ import threading
 from collections import deque
 
 from lmhead_cli.api.serving import Echo, Row, Token
-
-
-# A batch's padded prompt tokens stay within this many times its real ones: on a CPU a padded position
-# costs as much as a real one, and prompts of mixed lengths padded to the longest waste work.
-PADDING = 1.25
 
 
 class Busy(Exception):
@@ -51,41 +47,40 @@ class Job:
         self.cancelled = True
 
 
-class _BatchSink:
-    """readings.completion's Sink for a batch: batch row b is row i of job j."""
+class _Sink:
+    """decoding.loop's Sink for the running batch: a row's key is (job, i), row i of the job."""
 
-    def __init__(self, batch: list[tuple[Job, int]], worker: Worker):
-        self.batch, self.worker = batch, worker
+    def __init__(self, worker: Worker):
+        self.worker = worker
 
-    def echo(self, b: int, echo: Echo) -> None:
-        job, i = self.batch[b]
-        job.put(("echo", i, echo))
+    def echo(self, key, echo: Echo) -> None:
+        key[0].put(("echo", key[1], echo))
 
-    def token(self, b: int, token: Token) -> None:
-        job, i = self.batch[b]
+    def token(self, key, token: Token) -> None:
         self.worker.generated += 1
-        job.put(("token", i, token))
+        key[0].put(("token", key[1], token))
 
-    def finish(self, b: int, reason: str, tail: str) -> None:
-        job, i = self.batch[b]
-        job.put(("finish", i, reason, tail))
+    def finish(self, key, reason: str, tail: str) -> None:
+        key[0].put(("finish", key[1], "stop" if reason == "eos" else reason, tail))
 
-    def cancelled(self, b: int) -> bool:
-        return self.batch[b][0].cancelled
+    def cancelled(self, key) -> bool:
+        return key[0].cancelled
 
 
 class Worker:
-    """The model's thread and its queue."""
+    """The model's thread, its queue and its running batch."""
 
     def __init__(self, model, *, max_rows: int = 16, max_tokens: int = 4096, max_queue: int = 1024):
         self.model = model  # api.Model
         self.n_ctx = model.n_ctx
         self.max_rows, self.max_tokens, self.max_queue = max_rows, max_tokens, max_queue
-        self.pending: deque[tuple[Job, int]] = deque()
+        self.jobs: deque[list] = deque()  # [job, next row] of each job with rows not yet admitted, in turn
+        self.waiting = 0  # rows queued, not yet admitted
         self.calls: deque = deque()  # other work for the model's thread (Worker.call)
         self.cond = threading.Condition()
-        self.batches = 0  # how many batches have run, and tokens generated (/health shows both)
+        self.batches = 0  # decoding rounds run (admission and one step), and tokens generated (/health)
         self.generated = 0
+        self.running = 0  # rows in the running batch
         self.stopping = False
         self.busy = False  # the model's thread is running a batch or a call
         self.thread = threading.Thread(target=self._loop, name="lmhead-model", daemon=True)
@@ -94,13 +89,15 @@ class Worker:
     def submit(self, job: Job) -> None:
         """Queue the job's rows, or raise Busy when they would not all fit."""
         with self.cond:
-            if len(self.pending) + len(self.calls) + len(job.rows) > self.max_queue:
+            if self.waiting + len(self.calls) + len(job.rows) > self.max_queue:
                 raise Busy()
-            self.pending.extend((job, i) for i in range(len(job.rows)))
+            if job.rows:
+                self.jobs.append([job, 0])
+                self.waiting += len(job.rows)
             self.cond.notify()
 
     async def call(self, fn):
-        """fn() on the model's thread, between batches (the page's readings); its result or its exception.
+        """fn() on the model's thread, between two steps (the page's readings); its result or its exception.
         It waits in the same queue as the rows, and counts against max_queue (Busy past it)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -117,7 +114,7 @@ class Worker:
             loop.call_soon_threadsafe(done, ok, value)
 
         with self.cond:
-            if len(self.pending) + len(self.calls) >= self.max_queue:
+            if self.waiting + len(self.calls) >= self.max_queue:
                 raise Busy()
             self.calls.append(task)
             self.cond.notify()
@@ -125,51 +122,55 @@ class Worker:
 
     @property
     def queued(self) -> int:
-        return len(self.pending) + len(self.calls)
+        """Rows waiting to be admitted, and calls waiting to run."""
+        return self.waiting + len(self.calls)
 
     def stop(self) -> None:
         with self.cond:
             self.stopping = True
             self.cond.notify()
 
-    def _take(self):
-        """The next batch: queued rows in order, while they fit (the first always does); or a call."""
+    def _admit(self, free: int) -> tuple[list, list]:
+        """Up to `free` queued rows, one per job in turn (round-robin), and the calls waiting; waits while
+        there is nothing to do and no row runs."""
         with self.cond:
-            while not self.pending and not self.calls and not self.stopping:
+            while not self.jobs and not self.calls and not self.stopping and not self.running:
                 self.cond.wait()
-            if self.calls:
-                return self.calls.popleft()
-            batch: list[tuple[Job, int]] = []
-            longest = steps = real = 0
-            kept: deque[tuple[Job, int]] = deque()  # rows passed over, back to the queue in order
-            while self.pending:
-                job, i = self.pending.popleft()
+            calls = list(self.calls)
+            self.calls.clear()
+            rows = []
+            while self.jobs and len(rows) < free:
+                entry = self.jobs.popleft()
+                job, i = entry
                 if job.cancelled:
+                    self.waiting -= len(job.rows) - i
                     continue
-                row = job.rows[i]
-                t, s = max(longest, len(row.ids)), max(steps, row.max_tokens)
-                if batch and (len(batch) >= self.max_rows or t * (len(batch) + 1) > self.max_tokens
-                              or t + s > self.n_ctx or t * (len(batch) + 1) > PADDING * (real + len(row.ids))):
-                    kept.append((job, i))  # a later row may fit (a prompt of another length)
-                    continue
-                batch.append((job, i))
-                longest, steps, real = t, s, real + len(row.ids)
-            self.pending = kept
-            return batch
+                rows.append((job, i))
+                self.waiting -= 1
+                if i + 1 < len(job.rows):
+                    entry[1] = i + 1
+                    self.jobs.append(entry)
+            return rows, calls
 
     def _loop(self) -> None:
+        batch, sink = None, _Sink(self)
         while not self.stopping:
             self.busy = False
-            batch = self._take()
+            admitted, calls = self._admit(self.max_rows - (len(batch) if batch is not None else 0))
             self.busy = True  # /health shows it: work no client waits for must not keep it so
-            if callable(batch):
-                batch()
-                continue
-            if not batch:
+            for call in calls:
+                call()
+            if batch is None and (admitted or self.running):
+                batch = self.model.decoding_batch()
+            for job, i in admitted:
+                batch.add((job, i), job.rows[i])
+            if batch is None or not len(batch):
                 continue
             try:
-                self.model.complete([job.rows[i] for job, i in batch], _BatchSink(batch, self))
-            except Exception as e:  # noqa: BLE001 - every job of the batch hears of it, the thread goes on
-                for job in {id(job): job for job, _ in batch}.values():
+                self.model.advance(batch, sink, self.max_tokens)
+            except Exception as e:  # noqa: BLE001 - every job in the batch hears of it, the thread goes on
+                for job in {id(job): job for job, _ in batch.keys()}.values():
                     job.put(("error", e))
+                batch = None
+            self.running = len(batch) if batch is not None else 0
             self.batches += 1

@@ -1,0 +1,130 @@
+"""One decoding request's settings: the stages (Knobs, one field per entry of the registry) and the
+loop's own settings beside them, checked once, in `make`, with the registry's rules and advice.
+
+Every door converts into it in one function:
+
+    the command line and the API's keywords  resolve(mode=..., preset=..., **values)
+    a preset                                  presets.merge, inside resolve
+    an OpenAI request body (lmhead serve)     from_openai(values)
+    explore's :gen                            make(...) with the session's stages
+
+and every door means the same by the same value: `temperature 0` is greedy (the temperature stage
+off, the most likely token every step; the settings say `greedy`), and a stage's `off` values (top-k
+0 or -1, as vLLM) turn it off. No torch here: the command line checks values before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmhead_cli.decoding import stages
+from lmhead_cli.decoding.stages import STAGES, Knobs
+from lmhead_cli.errors import BadValue, ModeConflict
+
+DEFAULT_MAX_NEW_TOKENS = 40
+DISTRIBUTIONS = ("raw", "processed")  # which one top_logprobs (and the OpenAI document) reports
+MAX_STOPS = 16  # stop strings in one request
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that decides the tokens (with the model, the prompt and the device)."""
+
+    knobs: Knobs = field(default_factory=Knobs)  # the stages, one field per entry of STAGES
+    greedy: bool = False
+    beams: int = 1
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    ignore_eos: bool = False
+    seed: int | None = None  # drawn when sampling without one
+    stop: tuple[str, ...] = ()  # text that ends the generation (not included in its text)
+    show_steps: int = 0  # how many alternatives to record per step
+    top_logprobs: int = 0  # how many of the most probable tokens to keep per step, 0..V
+    logprobs: str = "raw"  # the distribution those come from: raw or processed
+    zero_temperature: bool = False  # greedy because temperature 0 was asked for (said once, in the output)
+
+    @property
+    def mode(self) -> str:
+        return "beam" if self.beams > 1 else "greedy" if self.greedy else "sample"
+
+    def row(self, ids, *, max_tokens: int, eos: int | None, seed: int | None = None, echo: bool = False):
+        """The loop's Row (decoding.loop) for these settings after the prompt `ids`."""
+        from lmhead_cli.decoding.loop import Row
+
+        return Row(tuple(ids), echo=echo, max_tokens=max_tokens, top=self.top_logprobs, mode=self.logprobs,
+                   knobs=self.knobs, greedy=self.greedy, seed=(self.seed if seed is None else seed) or 0,
+                   stop=self.stop, eos=None if self.ignore_eos else eos, alternatives=self.show_steps)
+
+
+def stage_values(values: dict) -> dict:
+    """The stage keys of `values` (a stage's `off` values, e.g. top-k 0, as None); other keys dropped."""
+    out = {}
+    for s in STAGES:
+        v = values.get(s.key)
+        out[s.key] = None if v is not None and _is_off(s, v) else v
+    return out
+
+
+def _is_off(s, v) -> bool:
+    return any(v == off and type(v) is not bool for off in s.off)
+
+
+def make(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+         ignore_eos: bool = False, seed: int | None = None, stop=(), show_steps: int = 0, top_logprobs: int = 0,
+         logprobs: str = "raw", draws: bool = False, **knobs) -> Settings:
+    """The one place decoding settings are checked: BadValue names the first value out of range, with
+    the registry's advice (top_logprobs' upper bound, the vocabulary size, needs the model: check_fits).
+    `knobs`: a value per stage key (None = off); an unknown key is a TypeError, as for any keyword.
+    temperature 0 is greedy (the temperature stage off); with `draws` (sample, softcap: the tokens must be
+    drawn) greedy, temperature 0 or beams are a ModeConflict."""
+    unknown = sorted(set(knobs) - {s.key for s in STAGES})
+    if unknown:
+        raise TypeError(f"unknown decoding setting {unknown[0]!r}; the stages are {', '.join(s.key for s in STAGES)}")
+    zero = knobs.get("temperature") == 0 and not isinstance(knobs.get("temperature"), bool)
+    if zero:
+        knobs = {**knobs, "temperature": None}
+        greedy = True
+    if draws and (greedy or beams > 1):
+        raise ModeConflict({"temperature": 0} if zero else {"greedy": True} if greedy else {"beams": beams})
+    values = stage_values(knobs)
+    stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
+                  "top_logprobs": top_logprobs, **values})
+    if logprobs not in DISTRIBUTIONS:
+        raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
+    stop = check_stop(stop)
+    if stop and beams > 1:
+        raise BadValue("stop", "strings end greedy and sampled text; beam search runs to end-of-text or max_new_tokens")
+    return Settings(knobs=Knobs(**values), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
+                    ignore_eos=ignore_eos, seed=seed, stop=stop, show_steps=show_steps,
+                    top_logprobs=top_logprobs, logprobs=logprobs, zero_temperature=zero)
+
+
+def check_stop(stop) -> tuple[str, ...]:
+    """Stop strings: a string or a sequence of at most MAX_STOPS non-empty strings."""
+    items = [stop] if isinstance(stop, str) else list(stop or ())
+    if not all(isinstance(s, str) for s in items):
+        raise BadValue("stop", "must be a string or a list of strings")
+    if len(items) > MAX_STOPS:
+        raise BadValue("stop", f"holds at most {MAX_STOPS} strings (got {len(items)})")
+    if any(s == "" for s in items):
+        raise BadValue("stop", "strings must not be empty")
+    return tuple(items)
+
+
+def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | None = None, **given) -> Settings:
+    """The command line's and the API's door: three layers, the caller's `defaults` (e.g. softcap 30) < the
+    preset < the values given (None = not given), then `make`."""
+    from lmhead_cli.decoding.presets import merge
+
+    loop = {k: given.pop(k) for k in ("greedy", "beams", "ignore_eos", "seed", "stop", "show_steps", "top_logprobs",
+                                      "logprobs") if k in given}
+    values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, given)
+    return make(draws=draws, **{k: v for k, v in loop.items() if v is not None}, **values)
+
+
+def from_openai(values: dict) -> Settings:
+    """An OpenAI request body's decoding fields (each already of its JSON type: serve/requests.py) as
+    Settings: every stage by its key (temperature, top_p, top_k, min_p, softcap and any stage added to
+    the registry), seed, stop, logprobs_mode. An absent temperature is 1 (the stage off) and 0 is greedy, as
+    OpenAI's; max_tokens is the server's to check (0 scores without generating)."""
+    return make(seed=values.get("seed"), stop=values.get("stop") or (), logprobs=values.get("logprobs_mode") or "raw",
+                **{s.key: values.get(s.key) for s in STAGES})

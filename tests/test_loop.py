@@ -1,0 +1,148 @@
+"""decoding/loop.py: the one batched step loop. Rows join a running batch between two steps and leave
+it at once; each row computes what it computes alone (transformers' generate() for greedy rows), up
+to float rounding of a padded batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import PROMPT_IDS
+
+import lmhead_cli
+from lmhead_cli.decoding.loop import Batch, Row
+from lmhead_cli.decoding.stages import Knobs
+
+
+class Sink:
+    """Every event by key; `cancel` marks keys whose caller has gone."""
+
+    def __init__(self):
+        self.got: dict = {}
+        self.cancel: set = set()
+
+    def echo(self, key, echo):
+        self.got.setdefault(key, []).append(("echo", echo.logprob[1:].tolist()))
+
+    def token(self, key, t):
+        self.got.setdefault(key, []).append(("token", t.id, t.text, t.logprob, t.top_ids))
+
+    def finish(self, key, reason, tail):
+        self.got.setdefault(key, []).append(("finish", reason, tail))
+
+    def cancelled(self, key):
+        return key in self.cancel
+
+
+def alone(model, row: Row) -> list:
+    sink = Sink()
+    batch = Batch(model.loaded)
+    batch.add(0, row)
+    batch.run(sink)
+    return sink.got[0]
+
+
+def same(a: list, t: list) -> None:
+    """The same events: tokens, texts, top ids and reasons exactly; log-probabilities up to rounding."""
+    assert len(a) == len(t)
+    for x, y in zip(a, t):
+        assert x[0] == y[0]
+        if x[0] == "token":
+            assert (y[1], y[2], y[4]) == (x[1], x[2], x[4]) and y[3] == pytest.approx(x[3], abs=1e-5)
+        elif x[0] == "echo":
+            assert y[1] == pytest.approx(x[1], abs=1e-5)
+        else:
+            assert y == x
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return lmhead_cli.load(str(tiny[0]), device="cpu")
+
+
+ROWS = {
+    "greedy": Row(tuple(PROMPT_IDS), max_tokens=14, top=2),
+    "sampled": Row((40, 1101, 257), max_tokens=9, top=1, greedy=False, seed=5, knobs=Knobs(temperature=0.8, top_p=0.9)),
+    "echo": Row(tuple(range(300, 340)), echo=True, max_tokens=3, top=3),
+    "stop": Row(tuple(PROMPT_IDS[:2]), max_tokens=6, stop=(" ",), mode="processed", knobs=Knobs(top_k=40)),
+    "long": Row(tuple(range(1000, 1700)), max_tokens=5, greedy=False, seed=9, knobs=Knobs(softcap=2.0)),
+}
+
+
+def test_rows_joining_and_leaving_a_running_batch_each_equal_their_answer_alone(model):
+    batch, sink = Batch(model.loaded, prefill_chunk=128), Sink()
+    batch.add("greedy", ROWS["greedy"])
+    batch.add("sampled", ROWS["sampled"])
+    batch.prefill(sink)
+    for _ in range(3):
+        batch.step(sink)
+    assert [r.key for r in batch.live] == ["greedy", "sampled"]
+    batch.add("echo", ROWS["echo"])  # joins after 3 steps: its prompt is longer than the others' so far
+    batch.add("stop", ROWS["stop"])
+    batch.add("long", ROWS["long"])  # 700 positions: read in chunks of 128, at most 256 per round
+    rounds, seen = 0, set()
+    while batch.queued or batch.live:
+        batch.round(sink, budget=256)
+        rounds += 1
+        seen |= {r.key for r in batch.live}
+        if rounds == 1:  # the long prompt is still being read while the others step
+            assert batch.queued and batch.queued[0].ids == ROWS["long"].ids and "sampled" in seen
+    assert set(sink.got) == set(ROWS) and {"greedy", "sampled", "echo", "long"} <= seen and rounds > 3
+    for key, row in ROWS.items():
+        same(alone(model, row), sink.got[key])
+
+
+def test_a_greedy_row_that_joins_late_is_transformers_generate(model, tiny):
+    want = tiny[1].generate(torch.tensor([PROMPT_IDS]), max_new_tokens=10, do_sample=False, pad_token_id=50256)
+    batch, sink = Batch(model.loaded), Sink()
+    batch.add("other", Row(tuple(range(500, 530)), max_tokens=30, greedy=False, seed=1))
+    batch.prefill(sink)
+    for _ in range(7):
+        batch.step(sink)
+    batch.add("late", Row(tuple(PROMPT_IDS), max_tokens=10))
+    batch.run(sink)
+    assert [e[1] for e in sink.got["late"] if e[0] == "token"] == want[0, len(PROMPT_IDS):].tolist()
+
+
+def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_go_on(model):
+    batch, sink = Batch(model.loaded), Sink()
+    batch.add("a", ROWS["greedy"])
+    batch.add("b", ROWS["sampled"])
+    batch.prefill(sink)
+    batch.step(sink)
+    sink.cancel.add("a")
+    assert batch.step(sink) == 1 and [r.key for r in batch.live] == ["b"]
+    assert len([e for e in sink.got["a"] if e[0] == "token"]) == 1 and not any(e[0] == "finish" for e in sink.got["a"])
+    batch.run(sink)
+    same(alone(model, ROWS["sampled"]), sink.got["b"])
+
+
+def test_choices_of_one_prompt_share_one_prefill(model):
+    """n rows with the same prompt: the prompt runs through the body once; seed s draws as it does alone."""
+    calls = []
+    body = model.loaded.engine.body
+    model.loaded.engine.body = lambda ids, cache=None, mask=None: calls.append(tuple(ids.shape)) or body(ids, cache, mask)
+    try:
+        batch, sink = Batch(model.loaded), Sink()
+        for j in range(4):
+            batch.add(j, Row(tuple(PROMPT_IDS), max_tokens=3, greedy=False, seed=100 + j))
+        batch.run(sink)
+    finally:
+        model.loaded.engine.body = body
+    assert calls.count((1, len(PROMPT_IDS))) == 1 and calls[1:] == [(4, 1), (4, 1)]
+    for j in range(4):
+        same(alone(model, Row(tuple(PROMPT_IDS), max_tokens=3, greedy=False, seed=100 + j)), sink.got[j])
+
+
+def test_a_row_at_the_end_of_the_context_leaves_room_for_the_others(model):
+    """A long row and a short one with many tokens to go: the padding the long row needed is dropped when
+    the cache is full, so the short row runs to its own end within the context."""
+    n_ctx = model.n_ctx
+    long = Row(tuple(range(2000, 2000 + n_ctx - 10)), max_tokens=10)
+    short = Row(tuple(PROMPT_IDS), max_tokens=60)
+    batch, sink = Batch(model.loaded), Sink()
+    batch.add("long", long)
+    batch.add("short", short)
+    batch.run(sink)
+    same(alone(model, long), sink.got["long"])
+    same(alone(model, short), sink.got["short"])
