@@ -305,7 +305,8 @@ def _public_functions():
 CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines", "lines"),
                        ("inspect_lines", "lines"), ("api.toy", "hidden"), ("explore_reading", "settings"),
                        ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
-                       ("calibrate", "knobs"), ("neurons", "neurons")}
+                       ("calibrate", "knobs"), ("neurons", "neurons"),
+                       ("generate", "stop"), ("generate", "stages")}
 SERVERS_OWN = {"complete", "chat_prompt", "decode"}
 
 

@@ -16,7 +16,23 @@ from helpers import PROMPT, PROMPT_IDS, cli
 import lmhead_cli
 from lmhead_cli.decoding import settings as decoding_settings
 from lmhead_cli.errors import BadValue, ModeConflict
-from lmhead_cli.serve.requests import Limits, RequestError, sampling
+from lmhead_cli.serve.requests import Limits, RequestError
+
+
+def sampling(body: dict, limits: Limits):
+    """The server's door for a body's decoding fields: its pydantic model (a 400 for a wrong JSON type),
+    then its one conversion to the settings object (a 400 naming the field for a bad value)."""
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+
+    from lmhead_cli.serve.requests import CompletionRequest, validation_error
+
+    try:
+        request = CompletionRequest.model_validate({"prompt": "x", **body})
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    return SimpleNamespace(settings=request.settings())
 
 
 @pytest.fixture(scope="module")

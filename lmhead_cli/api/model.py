@@ -23,8 +23,9 @@ from lmhead_cli.errors import BadType, BadValue, UnsupportedModel
 ONE_PROMPT = {"prompt": str, "top_k": int, "targets": list}
 WINDOWS = {"stride": int, "chunk": int}  # score's and compare's
 SCORING = {"text": str, **WINDOWS, "top_logprobs": int, "alternatives": int}
-DECODING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
-            "softcap": float, "beams": int, "seed": int, "greedy": bool, "ignore_eos": bool, "show_steps": int,
+# generate's loop settings; its stages (**stages, each key of the registry) and stop strings are checked,
+# type then range, by the one settings object (decoding/settings.py)
+DECODING = {"max_new_tokens": int, "beams": int, "seed": int, "greedy": bool, "ignore_eos": bool, "show_steps": int,
             "top_logprobs": int, "logprobs": ("raw", "processed"), "preset": str, "mode": tuple(checks.MODES),
             "on_start": callable, "on_text": callable}
 COUNTS = {"batch": int, "seq": int, "vocab": int}
