@@ -32,8 +32,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import bandwidth  # noqa: E402 - the read-bandwidth bound: benchmarks/bandwidth.py
 import compare_bench  # noqa: E402 - `lmhead compare`'s rows: benchmarks/compare_bench.py
 import score_bench  # noqa: E402 - `lmhead score`'s rows, measured and written by benchmarks/score_bench.py
+import versus_llamacpp  # noqa: E402 - the llama.cpp section, its own run (benchmarks/versus_llamacpp.py)
 from checkpoint import gpt2_small  # noqa: E402
 from harness import PYTHON, QUIET, Competitor, load1, lmhead, log, median, probe, run  # noqa: E402
 from prompts import file_prompts  # noqa: E402
@@ -364,7 +366,10 @@ def report(R: dict, args) -> str:
         f"{' --write' if args.write else ''}"
         f"{' --device ' + args.device if args.device != 'cpu' else ''}` on "
         f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {R['elapsed_s'] / 60:.1f} min. "
-        "Every comparison is a ratio of two figures measured in this same run.",
+        "Every comparison is a ratio of two figures measured in this same run. The comparison with llama.cpp "
+        "is a run of its own, `python benchmarks/versus_llamacpp.py --write` (10-15 min on 2 cores once "
+        "llama.cpp is built; `--only decode,busy,score,serve` for a subset), which writes the section "
+        "\"Against llama.cpp\" at the end and which a run of this script keeps.",
         "",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "
         f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}"
@@ -385,11 +390,11 @@ def report(R: dict, args) -> str:
     ]
     if bw:
         lines.append(
-            f"- memory bandwidth (torch, {bw['buffer_mb']:.0f} MB buffers, twice the last-level cache or more, "
-            f"the fastest of 15 passes at "
-            f"{bw['points']} points of the run): copy {bw['copy_gbs']:.1f} GB/s (read + write, the better of 1 and "
-            f"{bw['threads']} threads; {bw['copy_gbs_1']:.1f} GB/s on 1 thread), read {bw['read_gbs']:.1f} GB/s "
-            f"({bw['read_gbs_1']:.1f} on 1 thread)")
+            f"- read bandwidth (benchmarks/bandwidth.py: the fastest of a compiled streaming read and torch's sum, "
+            f"{bw['buffer_mb']:.0f} MB buffers, the fastest pass of each method at {bw['points']} points of the run): "
+            f"{bw['read_gbs']:.1f} GB/s ({bw.get('method', 'torch sum')}, {bw['threads']} threads), {bw['read_gbs_1']:.1f} "
+            f"GB/s on 1 thread ({bw.get('method_1', 'torch sum')})"
+            + ("" if bw.get("compiled") else "; no C compiler, so torch's sum only"))
     lines += ["", "## Targets", "", "| target | measured in this run | met |", "|---|---|---|"]
     for name, value, met in targets(R):
         lines.append(f"| {name} | {value} | {ok(met)} |")
@@ -666,7 +671,7 @@ def main() -> None:
 
     section("start")
     folder = gpt2_small()
-    bandwidths = [probe("bandwidth")] if cpu else []
+    bandwidths = [bandwidth.measure(probe)] if cpu else []
     if not args.decode_only:
         section("start-up")
         R["startup"] = startup(args.repeats, args.quick)
@@ -676,7 +681,7 @@ def main() -> None:
         R["batch"] = batch(folder, 16 if args.quick else 32, args.repeats, not args.quick, args.device)
     section("decode")
     if cpu and not args.quick:
-        bandwidths.append(probe("bandwidth"))
+        bandwidths.append(bandwidth.measure(probe))
     f32 = ["lmhead", "transformers"] if args.quick or not cpu else \
         ["lmhead", "lmhead, 1 thread", "lmhead, spinning threads", "lmhead, gemv form", "transformers"]
     b16 = ["lmhead", "transformers"] if args.quick or not cpu else \
@@ -703,7 +708,7 @@ def main() -> None:
         R["profiles"] = [probe("profile", str(folder), dtype, form)
                          for dtype, form in (("float32", "gemv"), ("int8", "-"),
                                              ("bfloat16", "kernel"))]
-        bandwidths.append(probe("bandwidth"))
+        bandwidths.append(bandwidth.measure(probe))
     if cpu and not args.quick and not args.decode_only:
         section("head alone")
         # Every allocation over 64 kB straight from mmap and back on free, so the resident high-water mark
@@ -720,8 +725,7 @@ def main() -> None:
         R["compare"] = compare_bench.measure(folder, run, quick=args.quick)
     if bandwidths:
         # The best of the measurements (start, middle, end): other work can only make it look lower.
-        R["bandwidth"] = {k: max(b[k] for b in bandwidths) if "gbs" in k else v for k, v in bandwidths[0].items()}
-        R["bandwidth"]["points"] = len(bandwidths)
+        R["bandwidth"] = bandwidth.merge(bandwidths)
     section("end")
     R["checkpoint"] = {**json.loads((folder / "config.json").read_text()),
                        "file_mb": (folder / "model.safetensors").stat().st_size / 1e6}
@@ -738,7 +742,11 @@ def write(R: dict, args, out: Path) -> None:
     text = report(R, args) + (score_bench.report(R["score"]) if "score" in R else "") + (
         compare_bench.report(R["compare"]) if R.get("compare") else "")
     out.parent.mkdir(parents=True, exist_ok=True)
+    previous = out.read_text(encoding="utf-8") if out.is_file() else ""
     out.write_text(text, encoding="utf-8")
+    kept = versus_llamacpp.section_in(previous)  # the llama.cpp section is its own run's: it stays
+    if kept:
+        versus_llamacpp.splice(out, kept)
     print(text)
     log(f"written to {out}" + ("" if args.write else " (only a full run with --write replaces benchmarks/RESULTS.md)"))
 

@@ -36,8 +36,9 @@ class UsageError(LmheadError):
     exit_code = 2
 
 
-class BadValue(UsageError):
+class BadValue(UsageError, ValueError):
     """One setting's value is out of its range: `key` is the setting, `problem` what is wrong with it.
+    A ValueError too, so that a program's `except ValueError` catches it.
 
     str() is neutral ("top_k must be at least 1 (got 0)"); `spelled(name)` puts the user's spelling
     of the setting in its place ("--top-k must be at least 1 (got 0)").
@@ -50,6 +51,11 @@ class BadValue(UsageError):
 
     def spelled(self, name: str) -> str:
         return f"{name} {self.problem}"
+
+
+class BadType(BadValue, TypeError):
+    """A parameter given a value of the wrong type (`top_k=1.5`, `bos="no"`, `targets="abc"`): a BadValue
+    that names it, and a TypeError too (api/checks.py's `typed` raises it)."""
 
 
 class NoPrompt(UsageError):
@@ -104,6 +110,10 @@ class NonFiniteLogits(LmheadError):
 
 class UnsupportedModel(LmheadError):
     """A model lmhead cannot run, or a reading this model cannot give; the message names what it lacks."""
+
+
+class WrongLens(LmheadError):
+    """A tuned-lens file trained for another model (another shape, or the same shape with other weights)."""
 
 
 def is_library_panic(e: BaseException) -> bool:

@@ -8,10 +8,35 @@ from __future__ import annotations
 
 import sys
 
-from lmhead_cli.errors import UsageError
+from lmhead_cli.errors import LmheadError, UsageError
 
 MAX_STDIN_BYTES = 1 << 24  # a prompt piped to `generate -` (16 MiB); it is cut to the context anyway
 MAX_LINE_BYTES = 1 << 20  # one prompt line of a file or of explore at most (1 MiB)
+
+
+def check_working_directory() -> None:
+    """LmheadError when this process's working directory has been deleted: relative paths mean nothing
+    there, and torch's import dies in it ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so", with
+    no word of why), so this runs before torch is imported (the CLI's start, load())."""
+    import os
+
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise LmheadError("the working directory no longer exists (it was deleted); cd to a folder that exists "
+                          "and run the command again") from None
+
+
+def special_kind(mode: int) -> str | None:
+    """What a stat() mode is when it is neither a regular file nor a folder ("a FIFO (named pipe)", "a
+    device", "a socket"), or None: a FIFO, a device or a socket is never opened by lmhead, since opening a
+    FIFO waits for the other end (for ever, when there is none)."""
+    import stat
+
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a special file")
 
 
 def decode_utf8(data: bytes, what: str, line: int | None = None, offset: int = 0,

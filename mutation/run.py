@@ -40,31 +40,28 @@ EQUIVALENT = ROOT / "mutation" / "equivalent.toml"
 # module: (files to mutate, the fast test files that exercise them). mutmut and narrow.py then pick,
 # per mutant, the tests among these that reach it.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_mutants.py", "tests/test_diff.py",
-             "tests/test_kernels.py"]),
+    "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_diff.py", "tests/test_kernels.py"]),
     "stages": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/presets.py"],
-               ["tests/test_decoding.py", "tests/test_mutants.py"]),
+               ["tests/test_decoding.py"]),
     # test_generate_cli: the rates and mean entropy (Generation's properties), ids against transformers
     "generate": (["lmhead_cli/decoding/generate.py"],
-                 ["tests/test_mutants.py", "tests/test_generation.py", "tests/test_logprobs.py",
-                  "tests/test_generate_cli.py"]),
+                 ["tests/test_generation.py", "tests/test_logprobs.py", "tests/test_generate_cli.py"]),
     # test_batch: padded batches (the attention mask); test_attribute: components; test_int8: the int8 paths;
     # test_kernels: a decoding step's attention through the compiled kernel against torch's products
     "lean": (["lmhead_cli/engine/lean.py"],
-             ["tests/test_mutants.py", "tests/test_engine_parity.py", "tests/test_lens.py", "tests/test_batch.py",
+             ["tests/test_engine_parity.py", "tests/test_lens.py", "tests/test_batch.py",
               "tests/test_attribute.py", "tests/test_int8.py", "tests/test_kernels.py"]),
     # test_html: the alternatives; test_logprobs: top log-probs handed over chunk by chunk (on_rows);
     # test_compare: compare walks the windows through score's Window
     "score": (["lmhead_cli/readings/score.py", "lmhead_cli/readings/ranks.py", "lmhead_cli/readings/chunks.py"],
-              ["tests/test_mutants.py", "tests/test_score.py", "tests/test_html.py", "tests/test_logprobs.py",
+              ["tests/test_score.py", "tests/test_html.py", "tests/test_logprobs.py",
                "tests/test_compare.py"]),
     # test_architectures: the RMSNorm branch (no beta) on Llama, and Gemma-2's refusal
-    "attribute": (["lmhead_cli/readings/attribute.py"], ["tests/test_attribute.py", "tests/test_architectures.py",
-                                                            "tests/test_mutants.py"]),
-    "diff": (["lmhead_cli/readings/diff.py"], ["tests/test_mutants.py", "tests/test_diff.py"]),
+    "attribute": (["lmhead_cli/readings/attribute.py"], ["tests/test_attribute.py", "tests/test_architectures.py"]),
+    "diff": (["lmhead_cli/readings/diff.py"], ["tests/test_diff.py"]),
     "lens": (["lmhead_cli/readings/lens.py"], ["tests/test_lens.py"]),
     "compare": (["lmhead_cli/readings/compare.py", "lmhead_cli/readings/agreement.py"],
-                ["tests/test_compare.py", "tests/test_mutants.py"]),
+                ["tests/test_compare.py"]),
 }
 DETECTED = ("killed", "timeout", "segfault")  # a test failed, or the mutant hung or crashed its process
 SAMPLE_SEED = 22  # --sample's seed: a module's sample is the same on every run of the same code

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import build_checkpoint, real_gpt2_folder
+from helpers import build_checkpoint, loud_checkpoint, real_gpt2_folder
 
 
 @pytest.fixture(autouse=True)
@@ -56,3 +56,10 @@ def real_gpt2():
     if folder is None:
         pytest.skip("real gpt2 weights are not in the local Hugging Face cache")
     return folder
+
+
+@pytest.fixture(scope="session")
+def loud(tmp_path_factory):
+    """(folder, transformers model) of loud_checkpoint: peaked distributions, MLPs in gelu's curved range."""
+    folder = tmp_path_factory.mktemp("loud")
+    return folder, loud_checkpoint(folder)

@@ -410,3 +410,207 @@ def loaded_elsewhere(loaded):
     from dataclasses import replace
 
     return replace(loaded, engine=EngineElsewhere(loaded.engine))
+
+
+PY = __import__("sys").executable
+
+
+def invoke(args, **kwargs):
+    """`cli(*args)` that must not end in the catch-all: no "unexpected" and no traceback on stderr."""
+    got = cli(*args, **kwargs)
+    assert "unexpected" not in got.stderr and "Traceback" not in got.stderr, got.stderr
+    return got
+
+
+def one_line(got, code: int, *needles: str) -> None:
+    """The run ended with `code` and exactly one `lmhead: error:` line holding every needle."""
+    assert got.exit_code == code, (got.exit_code, got.output)
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmhead: error: "), got.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def lmhead(*args, env=None, timeout=120, **kwargs):
+    """`lmhead ARGS` in a fresh interpreter, offline, text output (launch with text=True)."""
+    return launch(*args, env={"HF_HUB_OFFLINE": "1", **(env or {})}, timeout=timeout, text=True, **kwargs)
+
+
+# ---- GGUF files (llama.cpp's format), written with the gguf package ---------------------------------
+
+def gpt2_tokens() -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of the bundled GPT-2 tokenizer, as convert_hf_to_gguf.py lists them:
+    tokens in id order, merges as "a b", <|endoftext|> a control token (3), the rest normal (1)."""
+    import json
+
+    src = resources.files("lmhead_cli.data") / "gpt2-tokenizer"
+    vocab = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    lines = (src / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [ln for ln in lines if ln and not ln.startswith("#version")]
+    return tokens, merges, [3 if t == "<|endoftext|>" else 1 for t in tokens]
+
+
+def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotary halves interleaved for ggml's rope."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_names(cfg) -> list[tuple[str, str, str | None]]:
+    """(GGUF name, transformers name, how convert_hf_to_gguf.py lays it out: None as is, "T" transposed,
+    "q"/"k" permuted for ggml's rope) for a transformers GPT-2 or Llama config."""
+    if cfg.model_type == "gpt2":
+        names = [("token_embd.weight", "transformer.wte.weight", None),
+                 ("position_embd.weight", "transformer.wpe.weight", None),
+                 ("output_norm.weight", "transformer.ln_f.weight", None),
+                 ("output_norm.bias", "transformer.ln_f.bias", None)]
+        for i in range(cfg.n_layer):
+            for g, hf in (("attn_norm", "ln_1"), ("attn_qkv", "attn.c_attn"), ("attn_output", "attn.c_proj"),
+                          ("ffn_norm", "ln_2"), ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")):
+                names.append((f"blk.{i}.{g}.weight", f"transformer.h.{i}.{hf}.weight", None if "norm" in g else "T"))
+                names.append((f"blk.{i}.{g}.bias", f"transformer.h.{i}.{hf}.bias", None))
+    else:
+        names = [("token_embd.weight", "model.embed_tokens.weight", None), ("output_norm.weight", "model.norm.weight", None)]
+        for i in range(cfg.num_hidden_layers):
+            for g, hf in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"),
+                          ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                          ("attn_output", "self_attn.o_proj"), ("ffn_norm", "post_attention_layernorm"),
+                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
+                names.append((f"blk.{i}.{g}.weight", f"model.layers.{i}.{hf}.weight",
+                              {"attn_q": "q", "attn_k": "k"}.get(g)))
+    if not cfg.tie_word_embeddings:
+        names.append(("output.weight", "lm_head.weight", None))
+    return names
+
+
+def _heads(cfg, kind: str) -> int:
+    return cfg.num_attention_heads if kind == "q" else cfg.num_key_value_heads
+
+
+def gguf_tensors(model) -> dict[str, torch.Tensor]:
+    """A transformers GPT-2 or Llama's weights under GGUF names and layouts, as convert_hf_to_gguf.py
+    writes them: GPT-2's Conv1D weights transposed to [out, in], Llama's q and k permuted."""
+    sd = model.state_dict()
+    out = {}
+    for g, hf, kind in gguf_names(model.config):
+        w = sd[hf].detach().float()
+        w = w.t() if kind == "T" else llama_permute(w, _heads(model.config, kind)) if kind else w
+        out[g] = w.contiguous()
+    return out
+
+
+def from_gguf_layout(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of gguf_tensors, for the test's oracle: GGUF names and layouts -> transformers' state
+    dict. A permutation is undone by indexing with the permutation of the row numbers (argsort), not
+    by a second formula."""
+    out = {}
+    for g, hf, kind in gguf_names(model.config):
+        w = tensors[g]
+        if kind == "T":
+            w = w.t()
+        elif kind:
+            rows = llama_permute(torch.arange(w.shape[0], dtype=torch.float64)[:, None],
+                                 _heads(model.config, kind))[:, 0].long()  # GGUF row r holds HF row rows[r]
+            w = w[torch.argsort(rows)]
+        out[hf] = w.contiguous()
+    return out
+
+
+def k_quant_blocks(qtype: str, rows: int, cols: int, seed: int = 0):
+    """Raw Q4_K or Q6_K blocks (uint8, (rows, cols / 256 × block bytes)) with random quants and small
+    finite float16 scales: the gguf package dequantises these types but cannot quantise to them."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    t = GGMLQuantizationType[qtype]
+    block, size = GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    scale = rng.uniform(1e-4, 2e-3, size=(len(blocks), 2)).astype(np.float16).view(np.uint8)
+    if qtype == "Q4_K":  # d and dmin lead the block
+        blocks[:, 0:4] = scale
+    else:  # Q6_K: d ends the block
+        blocks[:, -2:] = scale[:, :2]
+    return blocks.reshape(rows, cols // block * size)
+
+
+def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = None, meta: dict | None = None,
+               drop: tuple[str, ...] = (), k_seed: int = 0, arch: str | None = None) -> dict[str, tuple[str, object]]:
+    """A GGUF file of a transformers GPT-2 or Llama (GPT-2's tokenizer), written with gguf.GGUFWriter:
+    matrices in `qtype` where their rows fit its block (else F32), vectors in F32, as llama.cpp's
+    quantiser does. F16, BF16, Q8_0, Q4_0 through gguf.quants.quantize; Q4_K and Q6_K from raw blocks
+    (k_quant_blocks). `tensors` replaces tensors (GGUF names), `meta` adds or replaces metadata keys
+    (value, or (value, GGUFValueType)), `drop` leaves keys or tensors out, `arch` replaces
+    general.architecture. Returns what was written:
+    name -> (type name, numpy data as stored)."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+    from gguf.quants import quantize
+
+    cfg = model.config
+    arch_name, arch = arch, cfg.model_type  # `arch`: general.architecture, when it should lie
+    weights = {**gguf_tensors(model), **(tensors or {})}
+    tokens, merges, types = gpt2_tokens()
+    if arch == "gpt2":
+        d, L, ff = cfg.n_embd, cfg.n_layer, cfg.n_inner or 4 * cfg.n_embd
+        kv = {"gpt2.context_length": cfg.n_positions, "gpt2.embedding_length": d, "gpt2.block_count": L,
+              "gpt2.feed_forward_length": ff, "gpt2.attention.head_count": cfg.n_head,
+              "gpt2.attention.layer_norm_epsilon": float(cfg.layer_norm_epsilon)}
+    else:
+        kv = {"llama.context_length": cfg.max_position_embeddings, "llama.embedding_length": cfg.hidden_size,
+              "llama.block_count": cfg.num_hidden_layers, "llama.feed_forward_length": cfg.intermediate_size,
+              "llama.attention.head_count": cfg.num_attention_heads,
+              "llama.attention.head_count_kv": cfg.num_key_value_heads,
+              "llama.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+              "llama.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+              "llama.rope.dimension_count": cfg.head_dim}
+    kv |= {"general.name": "tiny", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+           "tokenizer.ggml.bos_token_id": 50256, "tokenizer.ggml.eos_token_id": 50256}
+    ftypes = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
+    kv["general.file_type"] = ftypes[qtype]
+    kv |= meta or {}
+    w = GGUFWriter(str(path), arch_name or arch)
+    for key, value in kv.items():
+        if key in drop:
+            continue
+        if isinstance(value, tuple):
+            w.add_key_value(key, value[0], value[1], sub_type=value[2] if len(value) > 2 else None)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, list) and value and isinstance(value[0], str):
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    written: dict[str, tuple[str, object]] = {}
+    t = GGMLQuantizationType[qtype]
+    block = GGML_QUANT_SIZES[t][0]
+    for i, (name, tensor) in enumerate(weights.items()):
+        if name in drop:
+            continue
+        data = tensor.numpy().astype(np.float32) if isinstance(tensor, torch.Tensor) else tensor
+        if data.dtype != np.float32 or data.ndim == 1 or data.shape[-1] % block or qtype == "F32":
+            if data.dtype == np.uint8:  # raw blocks given in `tensors`
+                raise ValueError("give raw blocks through k_quant_blocks' qtype, not `tensors`")
+            w.add_tensor(name, data)
+            written[name] = ("F32", data)
+        elif qtype in ("Q4_K", "Q6_K"):
+            raw = k_quant_blocks(qtype, data.shape[0], data.shape[1], seed=k_seed + i)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=t)
+            written[name] = (qtype, raw)
+        else:
+            raw = quantize(data, t)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=None if qtype == "F16" else t)
+            written[name] = (qtype, raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written

@@ -284,3 +284,151 @@ def test_completion_offers_cached_hub_ids_and_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert "openai-community/gpt2" in complete.models("")
     assert complete.models("my-") == ["my-model/"]
+
+
+# ---- every public parameter checked: its type, then its range (api.checks.typed) ----------------------
+
+def _public_functions():
+    """(name, function) for every public Model method (Serving's included) and the API's functions."""
+    from lmhead_cli.api import explore, model as api_model
+
+    methods = [(name, fn) for cls in (api_model.Model, *api_model.Model.__mro__[1:-1])
+               for name, fn in vars(cls).items() if callable(fn) and not name.startswith("_")]
+    return [*dict(methods).items(), ("api.load", api_model.load), ("api.model_params", api_model.model_params),
+            ("api.params", api_model.params), ("api.toy", api_model.toy), ("explore.settings", explore.settings)]
+
+
+# Parameters checked in the method's body rather than by their declared kind, each with the test below that
+# drives it; and the server's own (its request models check what reaches them).
+CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines", "lines"),
+                       ("inspect_lines", "lines"), ("api.toy", "hidden"), ("explore_reading", "settings"),
+                       ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
+                       ("calibrate", "knobs")}
+SERVERS_OWN = {"complete", "chat_prompt", "decode"}
+
+
+def test_every_public_parameter_has_a_kind_or_a_check_of_its_own():
+    import inspect as py_inspect
+
+    missing = []
+    for name, fn in _public_functions():
+        if name in SERVERS_OWN:
+            continue
+        declared = getattr(fn, "kinds", {})
+        method = "." not in name
+        for param in list(py_inspect.signature(fn).parameters)[method:]:  # a method's self left out
+            if param not in declared and (name, param) not in CHECKED_IN_THE_BODY:
+                missing.append(f"{name}({param})")
+    assert missing == []
+
+
+# A valid call of each function, into which one wrong value at a time is put.
+VALID = {
+    "inspect": dict(prompt=PROMPT), "explain": dict(prompt=PROMPT, token=" are"), "diff": dict(a=PROMPT, b="x"),
+    "attribute": dict(prompt=PROMPT, target=" are"), "lens": dict(prompt=PROMPT), "params": {},
+    "explore_reading": dict(prompt=PROMPT), "explore_generate": dict(prompt=PROMPT, n=1, on_text=print),
+    "score": dict(text="The keys are"), "check_score": {}, "compare": dict(text="The keys are"),
+    "score_lines": dict(lines=["The keys are"]), "inspect_lines": dict(lines=[PROMPT]),
+    "generate": dict(prompt=PROMPT, max_new_tokens=1), "scored_positions": dict(n_tokens=5),
+    "encode": dict(text=PROMPT), "api.load": dict(source="random:gpt2"),
+    "api.model_params": dict(source="random:gpt2"), "api.params": dict(config="gpt2"), "api.toy": {},
+    "explore.settings": {}, "calibrate": dict(text="The keys are"), "neurons": dict(layer=0),
+    "tune_lens": dict(text="The keys are on the table", steps=1, batch=1, seq=4),
+}
+# Values of the wrong type for each kind (None only where None is not the parameter's "not given").
+WRONG = {int: [1.5, True, float("nan"), "3"], float: ["hot", True, b"1"], bool: ["no", 1, 0.0],
+         str: [123, b"abc", ["a"]], list: ["abc", None, [1], b"ab", {"a": 1}], callable: [1, "print"]}
+
+
+def _wrong_calls():
+    for name, fn in _public_functions():
+        for param, kind in getattr(fn, "kinds", {}).items():
+            values = ["bogus", 1] if isinstance(kind, tuple) else WRONG[kind]
+            if param not in fn.optional and kind is not list:
+                values = [*values, None]
+            for value in values:
+                yield pytest.param(name, param, value, id=f"{name}-{param}={value!r}")
+
+
+@pytest.mark.parametrize("name, param, value", list(_wrong_calls()))
+def test_every_parameter_refuses_a_wrong_value_naming_itself(model, name, param, value):
+    from lmhead_cli.api import explore
+
+    fn = dict(_public_functions())[name]
+    args = {**VALID[name], param: value}
+    if name in ("explore_reading", "explore_generate"):
+        args["settings"] = explore.settings()
+    with pytest.raises(BadValue) as e:
+        (fn if "." in name else getattr(model, name))(**args)
+    assert e.value.key == param and str(e.value).startswith(f"{param} must be ")
+    assert isinstance(e.value, (TypeError, ValueError)) and isinstance(e.value, LmheadError)
+
+
+@pytest.mark.parametrize("call, key", [
+    (lambda m: m.inspect(123), "prompt"),
+    (lambda m: m.inspect(b"abc"), "prompt"),
+    (lambda m: m.inspect(PROMPT, targets=[1]), "targets"),
+    (lambda m: m.inspect(PROMPT, targets=None), "targets"),
+    (lambda m: m.inspect(PROMPT, targets="abc"), "targets"),  # never the targets a, b and c
+    (lambda m: m.inspect(PROMPT, top_k=1.5), "top_k"),
+    (lambda m: m.inspect(PROMPT, top_k=float("nan")), "top_k"),
+    (lambda m: m.inspect(PROMPT, top_k=True), "top_k"),
+    (lambda m: m.inspect(PROMPT, stages="bogus"), "stages"),
+    (lambda m: m.inspect(PROMPT, stages={"bogus": 1}), "stages"),
+    (lambda m: m.inspect(PROMPT, stages={"temperature": "hot"}), "temperature"),
+    (lambda m: m.inspect(PROMPT, stages=3), "stages"),
+    (lambda m: m.generate(PROMPT, top_k=1.5), "top_k"),
+    (lambda m: m.generate(PROMPT, top_k=float("nan")), "top_k"),
+    (lambda m: m.generate(PROMPT, top_k=True), "top_k"),
+    (lambda m: m.generate(PROMPT, max_new_tokens=1.5), "max_new_tokens"),
+    (lambda m: m.generate(PROMPT, seed=1.5), "seed"),
+    (lambda m: m.generate(PROMPT, temperature="hot"), "temperature"),
+    (lambda m: m.generate(PROMPT, temperature=float("nan")), "temperature"),
+    (lambda m: m.generate(PROMPT, greedy="no"), "greedy"),
+    (lambda m: m.generate(PROMPT, mode="bogus"), "mode"),
+    (lambda m: m.score("The keys are", chunk=1.5), "chunk"),
+    (lambda m: m.score("The keys are", bos="no"), "bos"),
+    (lambda m: m.score_lines("The keys are"), "lines"),
+    (lambda m: m.inspect_lines(b"The keys"), "lines"),
+    (lambda m: m.compare("The keys are", base=3), "base"),
+    (lambda m: m.lens(PROMPT, position="-1"), "position"),
+    (lambda m: lmhead_cli.load("random:gpt2", threads=1.5), "threads"),
+    (lambda m: lmhead_cli.load(None), "source"),
+    (lambda m: lmhead_cli.load("random:gpt2", device=0), "device"),
+    (lambda m: lmhead_cli.api.toy(hidden=["a", 1, 2]), "hidden"),
+    (lambda m: lmhead_cli.api.toy(hidden=5), "hidden"),
+])
+def test_the_issues_bad_values_raise_badvalue_naming_the_parameter(model, call, key):
+    """Each case of issue 34 (class 7): no AttributeError, KeyError, tokenizer or torch error; a
+    string is never split into characters, and no flag is read by its truthiness."""
+    with pytest.raises(BadValue) as e:
+        call(model)
+    assert e.value.key == key
+
+
+def test_bad_types_are_type_errors_and_bad_ranges_value_errors(model):
+    from lmhead_cli.errors import BadType
+
+    with pytest.raises(TypeError) as e:
+        model.inspect(PROMPT, top_k=1.5)
+    assert isinstance(e.value, BadType) and str(e.value) == "top_k must be an integer (got 1.5)"
+    with pytest.raises(ValueError) as e:
+        model.inspect(PROMPT, top_k=0)
+    assert not isinstance(e.value, TypeError) and str(e.value) == "top_k must be at least 1 (got 0)"
+
+
+def test_right_values_in_other_shapes_still_work(model):
+    """A tuple or a generator of targets, a numpy integer, a preset name or a dict as stages: the same
+    answers as the plain forms."""
+    import numpy as np
+
+    from lmhead_cli.api import checks
+
+    plain = model.inspect(PROMPT, top_k=3, targets=[" are"]).to_dict()
+    assert model.inspect(PROMPT, top_k=np.int64(3), targets=(t for t in [" are"])).to_dict() == plain
+    as_dict = model.inspect(PROMPT, top_k=3, stages={"temperature": 0.7, "top_k": 2}).to_dict()
+    assert as_dict == model.inspect(PROMPT, top_k=3, stages=checks.stages(temperature=0.7, top_k=2)).to_dict()
+    assert model.inspect(PROMPT, stages="precise").to_dict() == model.inspect(PROMPT,
+                                                                                stages=checks.stages("precise")).to_dict()
+    assert lmhead_cli.api.toy(hidden=(1, 0, 1)) == lmhead_cli.api.toy()
+    assert model.lens(PROMPT, position=None).to_dict() == model.lens(PROMPT).to_dict()  # None: the last token

@@ -396,3 +396,46 @@ def test_a_model_without_a_findable_piece_refuses_the_reading_that_needs_it(llam
     with pytest.raises(UnsupportedModel, match=r"cannot find the decoder layers .* of transformers' LlamaForCausalLM"):
         lens_prompt(loaded, PROMPT)
     assert inspect_prompt(loaded, PROMPT, 1).top[0].id == top
+
+
+def _with_rope(llama, tmp_path, rope) -> "Path":
+    folder, _ = llama
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"rope_scaling": rope}))
+    for name in ("model.safetensors", "vocab.json", "merges.txt"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    return tmp_path
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "linear", "factor": "x"}, "rope_scaling's factor must be a number, not \"x\""),
+    ({"type": "dynamic", "factor": "2"}, "rope_scaling's factor must be a number, not \"2\""),
+    ({"rope_type": "yarn", "factor": 2.0, "beta_fast": [32]}, "rope_scaling's beta_fast must be a number, not [32]"),
+    ({"rope_type": 3, "factor": 2.0}, "rope_scaling's rope_type must be a string, not 3"),
+    ({"rope_type": "longrope", "short_factor": [1, "a"]}, "rope_scaling's short_factor must be a list of numbers"),
+    ({"full_attention": {"rope_type": "linear", "factor": "x"}}, "rope_scaling.full_attention's factor must be a"),
+    ("x", "rope_scaling must be an object of RoPE settings, not \"x\""),
+])
+def test_rope_scaling_of_the_wrong_type_is_one_lmhead_line(llama, tmp_path, rope, message):
+    """As a user meets it (a fresh process, transformers' logging on): no transformers warning, printed
+    twice, then "unexpected TypeError"; one line naming the config and the setting."""
+    from helpers import launch
+
+    folder = _with_rope(llama, tmp_path, rope)
+    got = launch("inspect", PROMPT, "--model", str(folder), timeout=120, text=True)
+    assert got.returncode == 1 and got.stderr.count("\n") == 1, got.stderr
+    assert got.stderr.startswith(f"lmhead: error: {folder / 'config.json'}: {message}")
+
+
+def test_rope_scaling_of_the_right_types_loads_and_matches_transformers(llama, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    import lmhead_cli
+
+    folder = _with_rope(llama, tmp_path, {"rope_type": "linear", "factor": 2.0})
+    want = LlamaForCausalLM.from_pretrained(folder).eval()(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    plain = llama[1](torch.tensor([PROMPT_IDS])).logits[0, -1]
+    assert not torch.allclose(want, plain, atol=1e-4)  # the scaling changes the logits: it was read
+    top = lmhead_cli.load(str(folder), device="cpu").inspect(PROMPT, top_k=3).to_dict()["top"]
+    assert [t["id"] for t in top] == want.topk(3).indices.tolist()
+    assert [t["logit"] for t in top] == pytest.approx(want.topk(3).values.tolist(), abs=1e-4)

@@ -308,3 +308,16 @@ def test_the_sum_check_allows_exactly_its_tolerance_and_no_more():
     _check_close(want + torch.eye(8, dtype=torch.float64)[3] * tolerance, want, torch.float32, "x")  # at it: fine
     with pytest.raises(UnsupportedModel):
         _check_close(want + torch.eye(8, dtype=torch.float64)[3] * tolerance * 1.001, want, torch.float32, "x")
+
+
+def test_the_attribution_check_is_relative_only_above_one():
+    """_check_close allows rounding times max(1, |want|): for values below 1 the absolute tolerance itself.
+    Mutant: max(2, |want|), twice as lenient there."""
+    from lmhead_cli.errors import UnsupportedModel
+    from lmhead_cli.readings.attribute import ROUNDING_ULPS, SUM_TOLERANCE, _check_close
+
+    tolerance = max(SUM_TOLERANCE, ROUNDING_ULPS * torch.finfo(torch.float32).eps)
+    want = torch.full((4,), 0.5)
+    _check_close(want + 0.9 * tolerance, want, torch.float32, "the parts' sum")
+    with pytest.raises(UnsupportedModel, match="off by"):
+        _check_close(want + 1.5 * tolerance, want, torch.float32, "the parts' sum")

@@ -26,6 +26,7 @@ from lmhead_cli.readings.agreement import DP_PERCENTILES, KLD_PERCENTILES, perce
 from lmhead_cli.readings.compare import Mismatch, compare_text
 from lmhead_cli.render import _plain
 from lmhead_cli.render import compare as show
+from types import SimpleNamespace
 
 N_CTX = 48  # small windows, so that a short text goes through several
 WORDS = ("the keys on table are here and dog is asleep a cat sat mat of house by window door it was "
@@ -341,6 +342,36 @@ def test_cli_bad_input_is_one_line_exit_2(pair, args, message):
     assert message in got.stderr and got.stderr.count("\n") == 1 and "Traceback" not in got.output
 
 
+def test_cli_file_that_is_a_fifo_is_refused_without_waiting_for_a_writer(pair, tmp_path):
+    import os
+
+    from helpers import launch
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = launch("compare", "--file", str(fifo), "--model", str(pair[0]), timeout=120, text=True)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr == (f"lmhead: error: {fifo} is a FIFO (named pipe), not a regular file; give a regular file, "
+                          "or give - and pipe the text file in (a FIFO with no writer would wait for ever)\n")
+
+
+def test_cli_file_that_is_a_pipe_already_open_is_read(pair):
+    """bash's `--file <(cmd)` names a pipe the process holds (/dev/fd/N), whose writer exists: it is read,
+    as the same text given as an argument is."""
+    import os
+
+    read, write = os.pipe()
+    os.write(write, TEXT.encode())
+    os.close(write)
+    try:
+        got = runner.invoke(app, ["compare", "--file", f"/dev/fd/{read}", "--model", str(pair[0]), "--json"])
+    finally:
+        os.close(read)
+    assert got.exit_code == 0, got.output
+    same = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--json"])
+    assert json.loads(got.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
+
+
 def test_cli_another_vocabulary_is_one_line_exit_2(pair, tmp_path):
     build_checkpoint(tmp_path, n_positions=N_CTX, vocab_size=50304)
     got = runner.invoke(app, ["compare", TEXT, "--model", str(pair[0]), "--base", str(tmp_path)])
@@ -610,3 +641,140 @@ def test_worst_lists_five_scored_tokens_by_default_and_never_an_unscored_one(pai
     q = load_model(str(pair[0]), device="cpu")
     itself = compare_text(q, q, "the keys on")  # every KL divergence 0: ties with nothing unscored
     assert [t.index for t in itself.worst()] == [1, 2]
+
+
+def test_compare_lists_each_token_at_its_own_index(tmp_path):
+    """compare --json's per-token rows carry their index in the text. Mutant: index None."""
+    from lmhead_cli.readings.compare import compare_text
+
+    build_checkpoint(tmp_path, seed=3)
+    q = load_model(str(tmp_path), device="cpu")
+    c = compare_text(q, q, "The keys on the table are lost.")
+    assert [c.token(i).index for i in range(len(c.ids))] == list(range(len(c.ids)))
+
+
+def test_another_tokenizer_that_only_adds_tokens_is_named_where_the_shorter_split_ends():
+    """The base splits the text into Q's tokens and then more: they first differ at the token after the
+    shorter split. Mutant: no position given (None) when no token within both differs."""
+    import numpy as np
+
+    from lmhead_cli.errors import UsageError
+    from lmhead_cli.readings.compare import check_same_tokens
+
+    longer = bytearray(np.array([5, 6, 7, 8, 9], dtype=np.int32).tobytes())
+    base = SimpleNamespace(source="other", tokenizer=SimpleNamespace(encode_long=lambda text: longer, token_text=str))
+    q = SimpleNamespace(source="q", tokenizer=SimpleNamespace(token_text=str))
+    with pytest.raises(UsageError, match="into 5 tokens against 3, differing first at token 3; there q reads "
+                                         r"nothing \(its split has ended\) and the base '8' \(id 8\)"):
+        check_same_tokens(q, base, torch.tensor([5, 6, 7]), "text")
+
+
+# ---- across formats: a GGUF file against its original; llama-perplexity's positions --------------
+
+def llama_rows(model, seq: list[int], n: int, bos: int | None = None) -> dict[int, torch.Tensor]:
+    """{index in seq: (V,) float64 log-probabilities that predict it} on llama-perplexity's positions,
+    redone from perplexity.cpp's loop: chunk c is seq[c·n:(c+1)·n] (BOS in place of its first token
+    when `bos`), run alone; its logits at positions n/2 … n − 2 predict its tokens n/2 + 1 … n − 1."""
+    rows = {}
+    for c in range(len(seq) // n):
+        tokens = seq[c * n:(c + 1) * n]
+        if bos is not None:
+            tokens = [bos] + tokens[1:]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1).double()
+        for j in range(n // 2, n - 1):
+            rows[c * n + j + 1] = lp[j]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(pair, tmp_path_factory):
+    """(Q8_0 GGUF of the base checkpoint, transformers' model on its dequantised weights)."""
+    import copy
+
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from helpers import from_gguf_layout, write_gguf
+
+    base_dir, base_model = pair[0], pair[1]
+    path = tmp_path_factory.mktemp("gguf") / "base-Q8_0.gguf"
+    written = write_gguf(base_model, path, "Q8_0")
+    twin = copy.deepcopy(base_model)
+    state = from_gguf_layout(base_model, {k: torch.from_numpy(np.array(dequantize(d, GGMLQuantizationType[t])))
+                                          for k, (t, d) in written.items()})
+    with torch.no_grad():
+        for name, t in state.items():
+            twin.get_parameter(name).copy_(t)
+    return path, twin
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_a_gguf_against_its_original_on_llama_perplexitys_positions(pair, gguf_pair, bos):
+    base_dir, base_model = pair[0], pair[1]
+    path, twin = gguf_pair
+    n = 20
+    got = CliRunner().invoke(app, ["compare", TEXT, "--model", str(path), "--base", str(base_dir),
+                                   "--llama-chunks", str(n), "--json", *(["--bos"] if bos else [])])
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    assert doc["llama_chunks"] == n and doc["window"] == n and doc["stride"] == n
+    ids = [t["id"] for t in doc["tokens"]]
+    seq = ([50256] if bos else []) + ids
+    ref_q, ref_b = llama_rows(twin, seq, n, 50256 if bos else None), llama_rows(base_model, seq, n, 50256 if bos else None)
+    order = sorted(ref_q)  # indices in seq; the document's tokens are seq without its BOS
+    assert [t["index"] for t in doc["tokens"] if t["scored"]] == [i - bos for i in order]
+    assert doc["windows"] == len(seq) // n and len(order) == doc["windows"] * (n - 1 - n // 2)
+    lq, lb = torch.stack([ref_q[i] for i in order]).numpy(), torch.stack([ref_b[i] for i in order]).numpy()
+    want = reference_statistics(lq, lb, np.array([seq[i] for i in order]))
+    s = doc["statistics"]
+    close(s["ppl_q"]["value"], want["ppl_q"][0], rel=1e-5)
+    close(s["ppl_base"]["value"], want["ppl_base"][0], rel=1e-5)
+    close(s["ln_ppl_ratio"]["value"], want["ln_ratio"][0], rel=1e-3, abs=1e-6)
+    close(s["kld_mean"]["value"], want["kld"][0], rel=1e-3, abs=1e-8)
+    close(s["kld_mean"]["uncertainty"], want["kld"][1], rel=1e-3, abs=1e-9)
+    close(s["same_top"]["value"], want["same"][0])
+    assert want["kld"][0] > 0  # Q8_0 really moved the distributions: the test can tell a wrong side
+
+
+def test_compare_names_the_first_token_where_a_ggufs_tokenizer_splits_otherwise(pair, tmp_path):
+    """A GGUF whose merges lack "Ġ t" against the original folder: transformers' tokenizers on both
+    files say where the splits part, and compare names that token as each side reads it, and stops."""
+    from helpers import gpt2_tokens, write_gguf
+    from transformers import GPT2Tokenizer as ReferenceTokenizer
+
+    base_dir, base_model = pair[0], pair[1]
+    tokens, merges, _ = gpt2_tokens()
+    path = tmp_path / "other-merges.gguf"
+    write_gguf(base_model, path, "F32", meta={"tokenizer.ggml.merges": [m for m in merges if m != "Ġ t"]})
+    folder = tmp_path / "other"
+    folder.mkdir()
+    (folder / "vocab.json").write_text((base_dir / "vocab.json").read_text(encoding="utf-8"), encoding="utf-8")
+    lines = (base_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+    (folder / "merges.txt").write_text("\n".join(m for m in lines if m != "Ġ t"), encoding="utf-8")
+    mine = ReferenceTokenizer.from_pretrained(str(folder)).encode(TEXT)
+    theirs = ReferenceTokenizer.from_pretrained(str(base_dir)).encode(TEXT)
+    at = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+    got = CliRunner().invoke(app, ["compare", TEXT, "--model", str(path), "--base", str(base_dir)])
+    assert got.exit_code == 2
+    line = got.stderr.strip().splitlines()[-1]
+    q_tok = ReferenceTokenizer.from_pretrained(str(folder)).convert_ids_to_tokens(mine[at]).replace("Ġ", " ")
+    b_tok = ReferenceTokenizer.from_pretrained(str(base_dir)).convert_ids_to_tokens(theirs[at]).replace("Ġ", " ")
+    assert (f"differing first at token {at}; there {path} reads {q_tok!r} (id {mine[at]}) and the base "
+            f"{b_tok!r} (id {theirs[at]}); compare needs one tokenizer") in line
+    assert "perplexity" not in got.stdout  # stopped there: no statistics
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--llama-chunks", "3"], f"--llama-chunks must be between 4 and the context of {N_CTX} (got 3)"),
+    (["--llama-chunks", str(N_CTX + 1)], f"--llama-chunks must be between 4 and the context of {N_CTX}"),
+    (["--llama-chunks", "8", "--stride", "4"], "give --stride or --llama-chunks, not both"),
+])
+def test_llama_chunks_refusals(pair, args, says):
+    got = CliRunner().invoke(app, ["compare", TEXT, "--model", str(pair[2]), "--base", str(pair[0]), *args])
+    assert got.exit_code == 2 and says in got.stderr and got.stderr.count("\n") == 1, got.output
+
+
+def test_a_text_shorter_than_one_llama_chunk_is_refused(pair):
+    q = load_model(str(pair[0]), device="cpu")
+    with pytest.raises(UsageError, match="the text is 6 tokens, fewer than one chunk of 8"):
+        compare_text(q, q, "the keys on the table are", llama=8)

@@ -13,10 +13,12 @@ import sys
 import pytest
 import torch
 
-from lmhead_cli.decoding import stages as decoding
+from lmhead_cli.decoding import stages, stages as decoding
 from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.errors import BadValue, UsageError
 from lmhead_cli.head import entropy, log_softmax
+import json
+from helpers import invoke, one_line
 
 # A fixed logits vector for the draws: 12 tokens, a clear favourite and a long tail.
 LOGITS = torch.tensor([3.1, 2.6, 2.2, 1.9, 1.0, 0.7, 0.3, -0.2, -0.9, -1.5, -2.4, -3.0])
@@ -553,3 +555,86 @@ def test_stage_table_rows_carry_each_tokens_raw_logit():
     t = decoding.stage_table(LOGITS, Knobs(softcap=2.0, temperature=0.5), 4, lambda i: f"t{i}")
     assert [r.logit for r in t.rows] == pytest.approx(LOGITS[:4].tolist(), rel=1e-6)
     assert all(r.logit != pytest.approx(r.cells[1].value) for r in t.rows)
+
+
+@pytest.mark.parametrize("args", [
+    ["sample", "x", "--softcap", "4e38", "--seed", "1"],
+    ["sample", "x", "--softcap", "1e308", "--seed", "1"],
+    ["inspect", "x", "--stages", "--softcap", "1e39"],
+    ["greedy", "x", "--cap", "3.5e38"],
+])
+def test_a_softcap_beyond_its_bound_is_refused_with_the_bound(args):
+    got = invoke([*args, "-n", "1", "--model", "random:distilgpt2"] if args[0] != "inspect" else
+                 [*args, "--model", "random:distilgpt2"])
+    one_line(got, 2, "between 1e-06 and 1e+06")
+
+
+def test_the_largest_softcap_decodes_like_no_softcap():
+    a = json.loads(invoke(["greedy", "The keys", "-n", "3", "--softcap", "1e6", "--model", "random:distilgpt2",
+                           "--json"]).stdout)
+    b = json.loads(invoke(["greedy", "The keys", "-n", "3", "--model", "random:distilgpt2", "--json"]).stdout)
+    assert a["text"] == b["text"]
+
+
+def test_non_finite_stages_give_advice_that_points_the_right_way():
+    from lmhead_cli.decoding.stages import Knobs, stage_table
+    from lmhead_cli.errors import NonFiniteLogits
+
+    z = torch.zeros(10)
+    z[0] = 3e38
+    with pytest.raises(NonFiniteLogits) as e:
+        stage_table(z, Knobs(temperature=1e-6), 3, str)
+    assert "larger temperature or soft-cap" not in str(e.value)
+    assert "larger temperature" in str(e.value) and "smaller soft-cap" in str(e.value)
+
+
+EXACT = torch.log(torch.tensor([0.125, 0.5, 0.125, 0.25]))  # softmax gives these exactly in float32
+
+
+def test_the_exact_probabilities_are_exact():
+    """The boundary cases below mean something only if float32 softmax and cumsum are exact here."""
+    p = EXACT.softmax(-1)
+    assert p.tolist() == [0.125, 0.5, 0.125, 0.25]
+    assert torch.sort(p, descending=True).values.cumsum(-1).tolist() == [0.5, 0.75, 0.875, 1.0]
+
+
+def test_top_p_stops_at_a_mass_exactly_equal_to_p():
+    """0.5 + 0.25 = 0.75 = p: the third token is not needed. Mutant: `mass_before >= p` as `>`."""
+    assert kept(stages.top_p(EXACT, 0.75)) == [1, 3]
+    assert kept(stages.top_p(EXACT, 0.5)) == [1]
+    assert len(kept(stages.top_p(EXACT, 0.875))) == 3  # 0.5 + 0.25 + 0.125 (either of the tied 0.125s)
+
+
+def test_min_p_keeps_a_token_exactly_at_its_threshold():
+    """p = 0.25 = 0.5 × 0.5 stays; 0.125 = 0.25 × 0.5 stays. Mutant: `z - best < log m` as `<=`."""
+    assert kept(stages.min_p(EXACT, 0.5)) == [1, 3]
+    assert kept(stages.min_p(EXACT, 0.25)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("p", [0.5, 0.75, 0.9])
+def test_top_p_at_the_boundary_matches_transformers(p):
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    theirs = TopPLogitsWarper(top_p=p)(None, EXACT[None].clone())[0]
+    assert kept(stages.top_p(EXACT, p)) == kept(theirs)
+
+
+@pytest.mark.parametrize("m", [0.25, 0.5, 0.6])
+def test_min_p_at_the_boundary_matches_transformers(m):
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    theirs = MinPLogitsWarper(min_p=m)(None, EXACT[None].clone())[0]
+    assert kept(stages.min_p(EXACT, m)) == kept(theirs)
+
+
+def test_a_damaged_bundled_preset_file_is_named_in_its_error(tmp_path, monkeypatch):
+    """An installed package whose presets file is not TOML: the one-line error names that file.
+    Mutant: the error names None."""
+    from lmhead_cli.decoding import presets
+    from lmhead_cli.errors import UsageError
+
+    broken = tmp_path / "presets.toml"
+    broken.write_text("[greedy\n", encoding="utf-8")
+    monkeypatch.setattr(presets, "_bundled_file", lambda: broken)
+    with pytest.raises(UsageError, match=f"^{broken} is not valid TOML"):
+        presets.bundled()

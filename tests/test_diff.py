@@ -251,3 +251,28 @@ def test_each_side_keeps_its_prompt_and_how_many_tokens_it_dropped(tmp_path):
     assert (d.a.truncated, d.b.truncated) == (len(tok.encode(a)) - 16, len(tok.encode(b)) - 16)
     assert d.a.truncated != d.b.truncated and d.a.truncated > 0
     assert len(d.a.top) == len(d.b.top) == 10
+
+
+DIFF_A, DIFF_B = "The key on the table", "The keys on the table"
+
+
+KL_ATOL = 1e-5  # engine vs transformers logits differ by ~5e-6 here (logits up to ~16)
+
+
+def test_diff_kl_directions_are_each_right_where_they_differ_clearly(loud):
+    """KL(p‖q) and KL(q‖p) against torch's kl_div on transformers' logits, on prompts whose two
+    directions differ by over 100 × the tolerance. Mutant: kl_ab and kl_ba swapped (or p, q swapped
+    inside kl_divergence)."""
+    from lmhead_cli.readings.diff import diff_prompts
+
+    folder, model = loud
+    with torch.no_grad():
+        lp, lq = (torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+                  for ids in ([464, 1994, 319, 262, 3084], [464, 8251, 319, 262, 3084]))
+    kl = torch.nn.functional.kl_div
+    kl_pq = float(kl(lq, lp, log_target=True, reduction="sum"))  # input log q, target log p: KL(p‖q)
+    kl_qp = float(kl(lp, lq, log_target=True, reduction="sum"))
+    assert abs(kl_pq - kl_qp) > 100 * KL_ATOL  # the directions are told apart
+    for engine in ("lean", "transformers"):
+        d = diff_prompts(load_model(str(folder), device="cpu", dtype="float32", engine=engine), DIFF_A, DIFF_B, top_k=3)
+        assert d.kl_ab == pytest.approx(kl_pq, abs=KL_ATOL) and d.kl_ba == pytest.approx(kl_qp, abs=KL_ATOL)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmhead_cli.loading.sources import load_model
-from helpers import build_checkpoint
+from helpers import PROMPT_IDS, build_checkpoint
 
 NEW = 12  # new tokens per generation test
 N_POSITIONS = 1024 + NEW  # room for a 1024-token prompt and what follows it
@@ -561,3 +561,70 @@ def test_one_new_position_on_the_cpu_attends_without_sdpa_and_its_head_takes_the
     monkeypatch.setattr(lean, "few_rows_product", lambda form, x2, *rest: seen.append(tuple(x2.shape)) or own(form, x2, *rest))
     eng.head(h)
     assert seen == [(1, h.shape[-1])]
+
+
+def test_lean_engine_matches_transformers_where_gelu_new_and_gelu_differ(loud):
+    """On loud_checkpoint, transformers' logits under exact gelu differ from its gelu_new ones by more than
+    10 × the parity tolerance; the lean engine matches gelu_new within it, for the whole prompt and for
+    one-position cached steps (the blocked products). Mutant: F.gelu without approximate="tanh"."""
+    from transformers import GPT2LMHeadModel
+
+    folder, model = loud
+    ids = torch.tensor([list(range(100, 2000, 97))])  # (1, 20)
+    exact = GPT2LMHeadModel.from_pretrained(folder, activation_function="gelu").eval()
+    with torch.no_grad():
+        expected = model(ids).logits[0]  # (20, V) gelu_new, GPT-2's activation
+        gap = float((exact(ids).logits[0] - expected).abs().max())
+    atol = 1e-4
+    assert gap > 10 * atol
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean").engine
+    torch.testing.assert_close(eng.head(eng.body(ids))[0], expected, atol=atol, rtol=0)
+    cache = eng.new_cache(1, ids.shape[1])
+    eng.body(ids[:, :-3], cache)
+    for t in range(ids.shape[1] - 3, ids.shape[1]):  # the last three positions one at a time
+        step = eng.head(eng.body(ids[:, t:t + 1], cache))[0, 0]
+        torch.testing.assert_close(step, expected[t], atol=atol, rtol=0)
+
+
+def test_a_left_padded_batch_through_body_gives_transformers_logits_at_the_real_positions(tiny):
+    """body(ids, attention_mask=…) with left padding: each row's logits are transformers' with the same
+    mask and positions, so no real position attends to a pad. Mutant: the body's blocks given no mask."""
+    folder, reference = tiny
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean").engine
+    ids = torch.tensor([[50256, 50256, 464, 8251, 319], [464, 8251, 319, 262, 3084]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        want = reference(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        got = eng.head(eng.body(ids, attention_mask=mask))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
+
+
+def test_a_config_s_n_inner_sets_the_mlp_width(tmp_path):
+    """n_inner given (96, not 4 · 64): the lean engine builds MLPs that wide and gives transformers'
+    logits. Mutant: n_inner read under another key (the 4·d default, and the checkpoint then does not fit)."""
+    reference = build_checkpoint(tmp_path, n_inner=96, seed=5)
+    eng = load_model(str(tmp_path), device="cpu", dtype="float32", engine="lean").engine
+    assert eng.gpt.h[0].mlp.c_fc.weight.shape == (64, 96)
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT_IDS])).logits
+    torch.testing.assert_close(eng.head(eng.body(torch.tensor([PROMPT_IDS]))), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_the_lean_engine_names_how_its_weights_are_stored(tiny, dtype):
+    """weight_format is the stored format: float32, bfloat16 or int8. Mutant: always "int8"."""
+    assert load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine.weight_format == dtype
+
+
+def test_the_kv_cache_keeps_the_attention_dtype_whatever_torch_s_default(tiny):
+    """A notebook may set torch's default dtype to float64; the cache is still made in the dtype
+    attention runs in (float32 here). Mutant: the cache in torch's default dtype."""
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cache = eng.new_cache(1, 8)
+    finally:
+        torch.set_default_dtype(before)
+    assert cache.k.dtype == cache.v.dtype == torch.float32 == eng.attention_dtype

@@ -9,12 +9,14 @@ import re
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, assert_rank, cli
+from helpers import PROMPT, PROMPT_IDS, PY, REPO, assert_rank, cli, invoke
 
 from lmhead_cli.readings import explore
 from lmhead_cli.errors import UsageError
 from lmhead_cli.readings.explore import Command, Settings, apply, parse_command
 from lmhead_cli.loading.sources import load_model
+import subprocess
+import textwrap
 
 
 def session(tiny, script: str, *args):
@@ -269,3 +271,51 @@ def test_markup_like_tokens_are_shown_as_they_are(tiny):
     got = session(tiny, f':target "[/"\n{PROMPT}\n:lens\n')
     assert got.exit_code == 0, got.output
     assert "│ [/ " in got.stdout and "[/ rank" in got.stdout  # the explore table and the lens header
+
+
+def test_explore_completion_and_offline_advice(tiny):
+    got = invoke(["explore", "--model", str(tiny[0])], input=":foo\n:top-k 100000\nThe keys\n")
+    assert got.exit_code == 0 and got.stderr.count("unknown command :foo; :help lists the commands") == 1
+    assert ":softcap C|off" not in got.stdout and "50,257" in got.stdout  # every token's row, ranked by a sort
+    assert "--install-completion" in invoke(["--help"]).stdout
+    got = invoke(["tie", "--model", "distilgpt2"])
+    assert got.exit_code == 1 and "--model random:distilgpt2" in got.stderr
+
+
+def test_a_fifo_as_explores_history_neither_blocks_nor_is_replaced(tmp_path):
+    history = tmp_path / "history"
+    os.mkfifo(history)
+    script = ("import sys; from pathlib import Path; from lmhead_cli.readings.explore import History; "
+              "h = History(Path(sys.argv[1])); h.readline.add_history('x'); h.save()")
+    got = subprocess.run([PY, "-c", script, str(history)], env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+                         capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert history.is_fifo()
+
+
+SESSION = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from lmhead_cli.readings.explore import History
+    path, line, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    h = History(path)
+    h.readline.add_history(line)
+    while not go.exists():
+        time.sleep(0.05)
+    h.save()
+""")
+
+
+def test_two_explore_sessions_sharing_a_history_keep_both(tmp_path):
+    path = tmp_path / "history"
+    path.write_text("from before\n")
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([PY, "-c", SESSION, str(path), line, str(go)], env=env) for line in ("one", "two")]
+    import time
+
+    time.sleep(3)  # both have read the file
+    go.touch()
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "from before" and sorted(lines[1:]) == ["one", "two"]

@@ -227,6 +227,16 @@ def test_non_finite_logits_stop_with_a_clear_error(tmp_path):
     assert got.exit_code == 1 and "non-finite logits" in got.stderr and "Traceback" not in got.output
 
 
+def test_sampling_non_finite_logits_is_one_line_not_an_unexpected_error(tmp_path, tiny):
+    from helpers import nan_checkpoint
+
+    folder = nan_checkpoint(tiny[0], tmp_path)
+    got = cli("sample", PROMPT, "-n", "3", "--seed", "0", "--model", str(folder))
+    assert got.exit_code == 1 and "Traceback" not in got.output and "unexpected" not in got.output
+    assert got.stderr.strip().startswith("lmhead: error: the head produced non-finite logits (NaN or inf)")
+    assert len(got.stderr.strip().splitlines()) == 1
+
+
 def test_piping_into_head_ends_quietly(tiny):
     cmd = (f"{sys.executable} -m lmhead_cli greedy {PROMPT!r} --max-new-tokens 300 --ignore-eos "
            f"--model {tiny[0]} | head -c 30; exit ${{PIPESTATUS[0]}}")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, invoke
 
 from lmhead_cli.decoding import generate as generation
 from lmhead_cli.errors import BadValue, ModeConflict, NonFiniteLogits, UsageError
@@ -222,6 +222,20 @@ def test_non_finite_logits_stop_with_a_clear_error(tmp_path):
         generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=3))
 
 
+@pytest.mark.parametrize("how", [dict(seed=1), dict(seed=1, temperature=0.7, top_k=50)])
+def test_non_finite_logits_are_caught_before_sampling(tmp_path, how):
+    """Sampling a NaN distribution is NonFiniteLogits, as greedy's and every reading's, not torch's
+    `RuntimeError: probability tensor contains either inf, nan or element < 0`."""
+    folder = tmp_path / "nan"
+    build_checkpoint(folder)
+    loaded = load(folder)
+    with torch.no_grad():
+        loaded.engine.module.ln_f.weight[0] = float("nan")
+    with pytest.raises(NonFiniteLogits, match=r"non-finite logits \(NaN or inf\) in 1 of 1 rows, so there is no "
+                                              "distribution to sample from"):
+        generate(loaded, PROMPT_IDS, make_settings(max_new_tokens=3, **how))
+
+
 def test_streamed_text_is_the_whole_text_and_splits_no_character(tiny):
     folder, _ = tiny
     loaded = load(folder)
@@ -382,3 +396,370 @@ def test_settings_refuse_a_seed_torch_cannot_take(seed):
     with pytest.raises(BadValue) as e:
         make_settings(seed=seed)
     assert str(e.value) == f"seed must be between 0 and 2**63 - 1 (got {seed})"
+
+
+def test_beams_are_bounded_by_the_memory_they_need(tiny, monkeypatch):
+    from lmhead_cli.loading import checks
+
+    monkeypatch.setattr(checks, "available_memory", lambda device: 10**9)
+    got = invoke(["generate", "x", "--beams", "1000000", "-n", "3", "--model", str(tiny[0])])
+    assert got.exit_code == 2 and "--beams of 1,000,000 need about" in got.stderr
+    assert "but 1.0 GB is available; at most " in got.stderr
+
+
+STUB_V, STUB_EOS, STUB_PROMPT = 16, 15, 14
+
+
+def bigram_table() -> torch.Tensor:
+    """(V, V) logits of the next token given the last one. After the prompt token: 0 (p .4), 1 (.3),
+    end-of-text (.2), 2 (.06), 3 (.04), so with 2 beams end-of-text is the 3rd of the 4 candidates.
+    After 0 or 1: nearly flat, the best about 0.09, so any two-token beam averages below log .2 and
+    a one-token [end-of-text] (score log .2) would beat them all if it were allowed to finish."""
+    table = torch.full((STUB_V, STUB_V), -30.0)
+    for t, p in {0: 0.4, 1: 0.3, STUB_EOS: 0.2, 2: 0.06, 3: 0.04}.items():
+        table[STUB_PROMPT, t] = math.log(p)
+    table[0] = torch.linspace(0.0, -0.6, STUB_V)
+    table[1] = table[0].roll(3)
+    return table
+
+
+class BigramEngine:
+    """The parts of the engine contract that generate() uses, over a bigram table: the hidden state is
+    the one-hot last token and the head multiplies it by the table. No cache is needed."""
+
+    name, n_ctx, device, dtype = "bigram", 64, torch.device("cpu"), torch.float32
+    vocab_size, eos_token_id, config = STUB_V, STUB_EOS, {"n_layer": 1, "n_embd": STUB_V}
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def new_cache(self, batch, max_len):
+        return None
+
+    def reorder_cache(self, cache, rows):
+        return cache
+
+    def body(self, ids, cache=None):
+        return torch.nn.functional.one_hot(ids, STUB_V).float()  # (R, T, V)
+
+    def head(self, h):
+        return h @ self.table  # (R, T, V)
+
+    def last_logits(self, ids, cache=None):
+        return self.head(self.body(ids, cache))[:, -1].float()  # (R, V)
+
+
+def bigram_loaded(table: torch.Tensor):
+    text = lambda i: f"<{i}>"  # noqa: E731
+    tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
+                                decode=lambda ids: "".join(map(text, ids)))
+    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, threads=SimpleNamespace(run=lambda f: f()))
+
+
+def transformers_bigram_beams(table: torch.Tensor, beams: int, new: int):
+    """transformers' own beam search over the same bigram table: (sequences without the prompt, scores)."""
+    from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class BigramConfig(PretrainedConfig):
+        model_type = "lmhead_test_bigram"
+
+    class Bigram(PreTrainedModel, GenerationMixin):
+        config_class = BigramConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.table = torch.nn.Parameter(table.clone())
+
+        def forward(self, input_ids, attention_mask=None, **kwargs):
+            return CausalLMOutputWithPast(logits=self.table[input_ids])
+
+    model = Bigram(BigramConfig(vocab_size=STUB_V, eos_token_id=STUB_EOS, pad_token_id=STUB_EOS)).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[STUB_PROMPT]]), num_beams=beams, num_return_sequences=beams,
+                             do_sample=False, max_new_tokens=new, use_cache=False, eos_token_id=STUB_EOS,
+                             pad_token_id=STUB_EOS, return_dict_in_generate=True, output_scores=True)
+    return [s[1:].tolist() for s in out.sequences], out.sequences_scores.tolist()
+
+
+def test_end_of_text_ranked_below_the_best_n_candidates_does_not_finish():
+    """End-of-text is the 3rd of 2 × 2 candidates at the first step: transformers lets only the best 2
+    finish, so it never becomes a one-token beam; the two-token beams win, in transformers' order.
+    Mutant: the finishing loop over `cands` instead of `cands[:n]` returns [end-of-text] first."""
+    table = bigram_table()
+    expected, scores = transformers_bigram_beams(table, beams=2, new=2)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=2))
+    assert [b.ids for b in g.beams] == expected and all(len(ids) == 2 for ids in expected)
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.generated_ids == expected[0] and STUB_EOS not in g.generated_ids
+    assert max(scores) < math.log(0.2)  # so a finished [end-of-text] would have won: the case is live
+
+
+def bigram_table_of(rows: dict[int, dict[int, float]]) -> torch.Tensor:
+    """(V, V) bigram logits: log p for the probabilities given after each token, the rest of the mass
+    (if any) spread evenly over the other tokens."""
+    table = torch.full((STUB_V, STUB_V), -30.0)
+    for r, probs in rows.items():
+        others = [i for i in range(STUB_V) if i not in probs]
+        rest = 1 - sum(probs.values())
+        if rest > 1e-9:
+            table[r, others] = math.log(rest / len(others))
+        for i, p in probs.items():
+            table[r, i] = math.log(p)
+    return table
+
+
+def up_to_end_of_text(ids: list[int]) -> list[int]:
+    """transformers pads a beam that finished early with the pad token (end-of-text here)."""
+    return ids[:ids.index(STUB_EOS) + 1] if STUB_EOS in ids else ids
+
+
+A, A2, B, C = 4, 7, 5, 6
+
+
+# After the prompt: end-of-text .5, A .45; after A: A2 .55, end-of-text .44; after A2: end-of-text .9.
+RUNNER_UP_TABLE = {STUB_PROMPT: {STUB_EOS: .5, A: .45, B: .03, C: .02}, A: {A2: .55, STUB_EOS: .44}, A2: {STUB_EOS: .9}}
+
+
+def test_beam_search_runs_on_while_its_best_running_beam_can_still_win():
+    """After 2 steps, [end-of-text] (log .5) and [A, end-of-text] have finished; the best running beam
+    [A, A2] scores above the worse of them per token, the 2nd running beam far below. transformers runs
+    on, and [A, A2, end-of-text] wins. Mutant: judging by the 2nd running beam stops at 2 steps."""
+    table = bigram_table_of(RUNNER_UP_TABLE)
+    expected, scores = transformers_bigram_beams(table, beams=2, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=3))
+    assert [b.ids for b in g.beams] == [up_to_end_of_text(ids) for ids in expected] == [[A, A2, STUB_EOS], [STUB_EOS]]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.generated_ids == [A, A2, STUB_EOS] and g.stop == "eos"
+    assert [b.text for b in g.beams] == [f"<{A}><{A2}>", ""]  # a beam's text leaves out its end-of-text
+
+
+def test_beam_search_stops_as_its_best_beam_did():
+    """One step: the best beam is [end-of-text] (stop "eos"), the 2nd [A] ran out of tokens. The
+    generation's stop is the best beam's. Mutant: the 2nd beam's."""
+    table = bigram_table_of(RUNNER_UP_TABLE)
+    expected, scores = transformers_bigram_beams(table, beams=2, new=1)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=1))
+    assert [b.ids for b in g.beams] == expected == [[STUB_EOS], [A]]
+    assert [b.stop for b in g.beams] == ["eos", "max_new_tokens"] and g.stop == "eos"
+    assert [b.text for b in g.beams] == ["", f"<{A}>"]  # only a beam that ended on end-of-text drops it
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+
+
+def test_finished_beams_with_equal_scores_keep_transformers_order():
+    """Two tokens of exactly equal probability finish together. Mutant: sorting the (score, beam)
+    pairs without a key compares the beams themselves at the tie (a TypeError)."""
+    table = bigram_table_of({STUB_PROMPT: {0: .4, 1: .4}})
+    expected, scores = transformers_bigram_beams(table, beams=2, new=1)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=1))
+    assert [b.ids for b in g.beams] == expected and scores[0] == scores[1]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+
+
+def test_as_many_beams_as_tokens_never_continue_a_finished_one():
+    """16 beams over 16 tokens: at the first step every token is a candidate, so the finished
+    [end-of-text] is among the beams that run on, its score sunk by transformers' -1e9. Mutant: raised
+    by 1e9, its continuations take every beam."""
+    table = bigram_table()
+    expected, scores = transformers_bigram_beams(table, beams=16, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=16, max_new_tokens=3))
+    # the table's rows 0 and 1 tie (one is the other rolled), so beams of equal score may come in either order
+    assert sorted(b.ids for b in g.beams) == sorted(up_to_end_of_text(ids) for ids in expected)
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.beams[0].ids == [STUB_EOS] and all(STUB_EOS not in b.ids for b in g.beams[1:])
+
+
+X, Y, Z = 0, 1, 2
+
+
+def exact_table(rows: dict[int, dict[int, float]]) -> torch.Tensor:
+    """(V, V) bigram logits: the given ones, -1000 elsewhere (exp(-1000) is 0 in float32, so a row of
+    k zeros gives each of them log p = -log k exactly, the same bits in every row)."""
+    table = torch.full((STUB_V, STUB_V), -1000.0)
+    for r, logits in rows.items():
+        for i, z in logits.items():
+            table[r, i] = z
+    return table
+
+
+def test_beam_search_stops_when_its_best_running_beam_only_ties_the_worst_finished():
+    """After 2 steps: [end-of-text] and [X, end-of-text] have finished; the best running beam [Y, Z] has
+    exactly [X, end-of-text]'s score (X and Y tie, each continues with p = 1), so it cannot beat it: the
+    search stops, as transformers' does (worst finished >= best attainable). Mutant: `<` for `<=` runs
+    on, and [Y, Z, end-of-text], scored over 3 tokens, wins."""
+    table = exact_table({STUB_PROMPT: {STUB_EOS: 1.0, X: 0.0, Y: 0.0}, X: {STUB_EOS: 0.0}, Y: {Z: 0.0},
+                         Z: {STUB_EOS: 0.0}})
+    expected, scores = transformers_bigram_beams(table, beams=2, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=3))
+    assert [b.ids for b in g.beams] == [up_to_end_of_text(ids) for ids in expected] == [[STUB_EOS], [X, STUB_EOS]]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+
+
+def test_beam_search_judges_the_best_running_beam_against_the_worst_finished_of_three():
+    """3 beams. After 2 steps the finished are [end-of-text], [B, end-of-text] and [C, end-of-text]; the
+    best running beam [A, A2] scores per token between the 2nd and the 3rd of them, so it can still win,
+    and [A, A2, end-of-text] does. Mutant: judging it against the 2nd finished (`finished[1]`) stops."""
+    B_, C_ = 5, 6
+    table = bigram_table_of({STUB_PROMPT: {STUB_EOS: .5, A: .2, B_: .15, C_: .1}, A: {A2: .64, STUB_EOS: .35},
+                             B_: {STUB_EOS: .9}, C_: {STUB_EOS: .9}, A2: {STUB_EOS: .95}})
+    expected, scores = transformers_bigram_beams(table, beams=3, new=3)
+    g = generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=3, max_new_tokens=3))
+    assert [b.ids for b in g.beams] == [up_to_end_of_text(ids) for ids in expected]
+    assert [b.score for b in g.beams] == pytest.approx(scores, abs=1e-6)
+    assert g.beams[1].ids == [A, A2, STUB_EOS]  # the case is live: the beam that ran on is among them
+
+
+def test_each_beam_step_shows_its_own_alternatives_and_the_raw_figures_before_the_temperature():
+    """Beam search with a temperature and --show-steps: each step's log p is its beam's processed one
+    (the table's row / T), its raw log p the table row's own, and its alternatives the best 3 of the
+    processed row. Mutants: no alternatives passed on (`None` for show_steps); the raw figures taken
+    from the processed ones (the stage flag lost)."""
+    table = bigram_table_of(RUNNER_UP_TABLE)
+    temperature = 0.5
+    g = generate(bigram_loaded(table), [STUB_PROMPT],
+                 make_settings(beams=2, max_new_tokens=3, show_steps=3, temperature=temperature))
+    prev, moved = STUB_PROMPT, []
+    for step in g.steps:
+        raw = torch.log_softmax(table[prev].double(), -1)
+        processed = torch.log_softmax(table[prev].double() / temperature, -1)
+        assert step.raw_logprob == pytest.approx(float(raw[step.id]), abs=1e-5)
+        assert step.logprob == pytest.approx(float(processed[step.id]), abs=1e-5)
+        moved.append(abs(step.raw_logprob - step.logprob))
+        best = torch.topk(processed, 3)
+        assert [c.id for c in step.alternatives] == best.indices.tolist()
+        assert [c.prob for c in step.alternatives] == pytest.approx(best.values.exp().tolist(), abs=1e-6)
+        prev = step.id
+    assert max(moved) > 0.1  # the temperature shows
+
+
+def test_beam_search_on_non_finite_logits_says_so():
+    """A NaN logit: beam search raises NonFiniteLogits with the count, as greedy does. Mutant: the
+    logits not passed to the step, which then fails on None."""
+    from lmhead_cli.errors import NonFiniteLogits
+
+    table = bigram_table()
+    table[STUB_PROMPT, 3] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="1 non-finite"):
+        generate(bigram_loaded(table), [STUB_PROMPT], make_settings(beams=2, max_new_tokens=2))
+
+
+def test_the_streamed_pieces_are_the_text_without_end_of_text_and_end_with_a_cut_character():
+    """on_text sees each piece that became printable, never an empty one and never end-of-text; an
+    answer cut inside a character (max_new_tokens) ends with U+FFFD, streamed last. The timings are
+    within the call's own wall time. Mutants: end-of-text streamed as text, the last piece dropped,
+    sent empty or as None, or sent when nobody listens; the elapsed time counted from 0."""
+    import time
+
+    CUT, A_ = 3, 4  # CUT: the first 2 of the 3 bytes of "€"; A_: "a"
+    pieces = {CUT: b"\xe2\x82", A_: b"a", STUB_EOS: b"<|endoftext|>"}
+    loaded = bigram_loaded(exact_table({STUB_PROMPT: {CUT: 0.0, A_: 1.0}, A_: {STUB_EOS: 0.0}, CUT: {A_: 0.0}}))
+    loaded.tokenizer.token_bytes = lambda i: pieces.get(i, b"?")
+    for new, want_ids, want in ((2, [A_, STUB_EOS], ["a"]), (1, [A_], ["a"])):
+        got = []
+        t0 = time.perf_counter()
+        g = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=new), on_text=got.append)
+        wall = time.perf_counter() - t0
+        assert g.generated_ids == want_ids and got == want and g.text == "a"
+        assert 0 < g.first_token_s <= g.elapsed_s <= wall
+    loaded.engine.table = exact_table({STUB_PROMPT: {CUT: 0.0}, CUT: {A_: 0.0}})
+    got = []
+    g = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=1), on_text=got.append)
+    assert g.generated_ids == [CUT] and got == ["\ufffd"] and g.text == "\ufffd"
+    assert generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=1)).text == "\ufffd"
+
+
+def test_a_finished_beam_adds_up_up_to_its_tolerance_inclusive():
+    """FinishedBeam.adds_up allows float32 rounding: |Σ transition scores − log p| up to 1e-6 per token of
+    the total's size, the bound itself included (mutant: `<`)."""
+    from lmhead_cli.decoding.generate import FinishedBeam
+
+    def beam(logprob: float) -> FinishedBeam:  # two tokens of log p 0 each, said to add up to `logprob`
+        return FinishedBeam(ids=[1, 2], text="", transition_scores=[0.0, 0.0], logprob=logprob, score=logprob / 2,
+                            stop="eos")
+
+    bound = 1e-6 * 1.0 * 2  # |log p| below 1 counts as 1; 2 tokens
+    assert beam(-bound).sum_error == bound and beam(-bound).adds_up
+    assert not beam(-math.nextafter(bound, 1.0)).adds_up
+
+
+class DeviceCheckingEngine(BigramEngine):
+    """A bigram engine that refuses ids and cache rows on any device but its own."""
+
+    def __init__(self, table):
+        super().__init__(table)
+        self.seen = []
+
+    def _check(self, t):
+        self.seen.append(t.device)
+        assert t.device == self.device, f"handed a tensor on {t.device}, the engine is on {self.device}"
+
+    def reorder_cache(self, cache, rows):
+        self._check(rows)
+        return cache
+
+    def last_logits(self, ids, cache=None):
+        self._check(ids)
+        return super().last_logits(ids, cache)
+
+
+@pytest.mark.parametrize("settings", [dict(greedy=True, max_new_tokens=3), dict(beams=2, max_new_tokens=3)],
+                         ids=["one sequence", "beams"])
+def test_generate_hands_the_engine_tensors_on_its_own_device(settings):
+    """The prompt, each step's ids and the beams' cache rows are made on the engine's device, not on
+    torch's default one: here the default is the meta device (as a GPU would differ from the CPU)."""
+    loaded = bigram_loaded(bigram_table())
+    loaded.engine = DeviceCheckingEngine(bigram_table())
+    with torch.device("meta"):
+        g = generate(loaded, [STUB_PROMPT], make_settings(**settings))
+    assert g.generated_ids and set(loaded.engine.seen) == {torch.device("cpu")}
+    if "beams" in settings:
+        assert len(loaded.engine.seen) > 3  # the reorders were checked too
+
+
+def test_an_end_of_text_id_given_to_generate_is_the_one_it_stops_at():
+    """generate(eos_token_id=…) overrides the engine's own: greedy's first pick from the stub prompt is
+    token 0, so asking to stop at 0 ends the answer there, while the engine's end-of-text would not."""
+    loaded = bigram_loaded(bigram_table())
+    own = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=4))
+    assert own.generated_ids[0] == 0 and own.stop == "max_new_tokens"
+    g = generate(loaded, [STUB_PROMPT], make_settings(greedy=True, max_new_tokens=4), eos_token_id=0)
+    assert g.generated_ids == [0] and g.stop == "eos"
+
+
+def test_a_generation_of_no_steps_reports_zero_rates_and_entropy():
+    """No steps (nothing generated) and no time: mean entropy and tokens/s are 0, not a made-up 1.
+    Mutants: either fallback changed."""
+    from lmhead_cli.decoding.generate import Generation
+
+    g = Generation(mode="greedy", settings=make_settings(greedy=True), seed=None, prompt_ids=[1], generated_ids=[],
+                   text="", steps=[], stop="max_new_tokens", elapsed_s=0.0, first_token_s=0.0)
+    assert g.mean_entropy == 0.0 and g.tokens_per_second == 0.0 and g.decode_tokens_per_second == 0.0
+
+
+def test_beam_search_top_logprobs_come_from_the_distribution_asked_for(tiny):
+    """Beams with top_k = 2 and 4 top logprobs per step: raw ones are all finite (log softmax of the
+    logits), processed ones -inf beyond the two the filter kept. Mutant: the beams' alternatives always
+    taken from the processed distribution."""
+    loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
+    for which in ("raw", "processed"):
+        g = generate(loaded, PROMPT_IDS, make_settings(beams=2, max_new_tokens=3, top_k=2, top_logprobs=4,
+                                                       logprobs=which))
+        tops = [s.top.logprobs for s in g.steps]
+        assert tops and all(t.shape == (4,) for t in tops)
+        finite = [int(torch.isfinite(t).sum()) for t in tops]
+        assert finite == ([4] * len(tops) if which == "raw" else [2] * len(tops)), (which, finite)
+
+
+def test_f32_rounds_to_float32_whatever_torch_s_default_dtype():
+    """A notebook may set torch's default dtype to float64; generate's scores still round as float32 does.
+    Mutant: torch.tensor(v) in the default dtype."""
+    import numpy as np
+
+    from lmhead_cli.decoding.generate import _f32
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _f32(0.1) == float(np.float32(0.1)) != 0.1
+    finally:
+        torch.set_default_dtype(before)

@@ -14,6 +14,10 @@ import torch
 
 from lmhead_cli import head
 from lmhead_cli.errors import BadValue, NonFiniteLogits
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint
+from lmhead_cli.decoding.generate import generate, make_settings
+from lmhead_cli.head import Distribution, RANKS_BY_COMPARISON, rank_of, ranks, score_rows
+from lmhead_cli.loading.sources import load_model
 
 G = torch.Generator().manual_seed(0)
 Z = torch.randn(3, 50, generator=G) * 3  # (3, 50) logits, no ties
@@ -351,3 +355,92 @@ def test_top_k_orders_ties_lowest_id_first_for_every_k():
         assert got == [2, 3, 5, 999, 0, 1, 4][:k], k
     assert [t.rank for t in d.top(4, str)] == [1, 2, 3, 4] and int(logits.argmax()) == 2
     assert [t.id for t in Distribution(torch.zeros(50257)).top(3, str)] == [0, 1, 2]
+
+
+ARE = 389  # " are", the twin of the top token in `twin`
+
+
+def strictly_higher_plus_one(z: torch.Tensor, i: int) -> int:
+    return 1 + int((z > z[i]).sum())
+
+
+TIED = torch.tensor([0.5, 2.0, -1.0, 2.0, 0.25, 3.0, 0.5, -1.0])  # 1 and 3 tie below 5; 0 and 6, 2 and 7 tie
+
+
+@pytest.mark.parametrize("k", [1, 2, RANKS_BY_COMPARISON, RANKS_BY_COMPARISON + 1])
+def test_ranks_of_tied_tokens_share_the_better_rank_on_each_path(k):
+    """ranks() has three ways (one id per row, up to 64 by comparison, more by a sort); each counts only
+    the tokens strictly higher. Mutants: `>` as `>=` (without the 1 +) on the first two, searchsorted's
+    right=True as right=False on the third."""
+    z = TIED.repeat(12)  # (96,): every value tied with 11 others at least
+    rows = torch.stack([z, -z])  # (2, 96): two rows, so the paths' (..., K) shapes are exercised
+    ids = torch.tensor([[1, 3, 0, 6, 2, 7, 5, 4] * 9][0][:k]).expand(2, -1)  # (2, k)
+    got = ranks(rows, ids)
+    expected = [[strictly_higher_plus_one(r, int(i)) for i in ids[0]] for r in rows]
+    assert got.tolist() == expected
+    assert got[0, 0] == 1 + 12 and (k < 3 or got[0, 2] == 1 + 12 * 3)  # 3.0 ×12 above 2.0; then 2.0 ×24 too
+
+
+def test_rank_of_a_tied_token_is_the_better_rank():
+    """rank_of (explain, targets): mutant `>` as `>=` on the one-id path gives 3 and 6 below."""
+    assert rank_of(TIED, 1) == rank_of(TIED, 3) == 2
+    assert rank_of(TIED, 0) == rank_of(TIED, 6) == 4
+
+
+def test_target_score_of_a_tied_token_is_the_better_rank():
+    t = Distribution(TIED).target(" x", [3, 9], str)
+    assert (t.id, t.rank) == (3, 2)
+
+
+def test_score_rows_rank_of_a_tied_token_is_the_better_rank():
+    """score's per-token rank (score_rows, one id per row): a tie with the top token is rank 1."""
+    logits = torch.stack([TIED, TIED.flip(0), torch.zeros(8)])  # row 2: all eight tied
+    ids = torch.tensor([1, 4, 4])  # 2.0 tied with 2.0 below 3.0, in each order; 0 among eight zeros
+    rows = score_rows(logits.clone(), ids)
+    assert rows.rank.tolist() == [strictly_higher_plus_one(z, int(i)) for z, i in zip(logits, ids)] == [2, 2, 1]
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """(loaded lean engine, transformers model, top id): a tiny untied GPT-2 whose head row for " are"
+    is a copy of the row of the prompt's top token, so the two tie exactly after PROMPT."""
+    folder = tmp_path_factory.mktemp("twin")
+    model = build_checkpoint(folder, tied=False, seed=7)
+    with torch.no_grad():
+        top = int(model(torch.tensor([PROMPT_IDS])).logits[0, -1].argmax())
+        assert top != ARE
+        model.lm_head.weight[ARE] = model.lm_head.weight[top]
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        z = model(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    third = float(torch.topk(z, 3).values[2])
+    assert z[ARE] == z[top] and float(z[top]) - third > 1e-3  # an exact tie at the top, nothing near it
+    return load_model(str(folder), device="cpu", dtype="float32", engine="lean"), model, top
+
+
+def test_a_twin_tie_in_real_logits_is_rank_one_on_every_reading(twin):
+    """The same tie through score, inspect's targets, diff (its targets and its other-side ranks) and a
+    generated step: every one says rank 1 for both twins, as transformers' logits do."""
+    from lmhead_cli.readings.diff import diff_prompts
+    from lmhead_cli.readings.inspect import inspect_prompt
+    from lmhead_cli.readings.score import score_text
+
+    loaded, model, top = twin
+    with torch.no_grad():
+        z = model(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    assert strictly_higher_plus_one(z, ARE) == strictly_higher_plus_one(z, top) == 1
+    logits = loaded.engine.head(loaded.engine.body(torch.tensor([PROMPT_IDS]))[:, -1:])[0, 0]
+    assert logits[ARE] == logits[top]  # the engine ties them exactly too
+
+    s = score_text(loaded, PROMPT + " are")
+    assert [t.id for t in s.tokens()][-1] == ARE and list(s.tokens())[-1].rank == 1
+
+    i = inspect_prompt(loaded, PROMPT, top_k=3, targets=[" are"])
+    assert i.targets[0].rank == 1
+
+    d = diff_prompts(loaded, PROMPT, PROMPT, top_k=3, targets=[" are"])
+    assert (d.targets[0].rank_a, d.targets[0].rank_b) == (1, 1)
+    assert {t.id: t.other_rank for t in d.a.top if t.id in (ARE, top)} == {ARE: 1, top: 1}
+
+    g = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=1))
+    assert g.generated_ids[0] in (ARE, top) and g.steps[0].rank == 1

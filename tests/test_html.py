@@ -105,6 +105,74 @@ def test_score_html_bad_use(tiny, args, message):
     assert got.exit_code == 2 and message in got.stderr
 
 
+def _score_html(tiny, path, *more):
+    from typer.testing import CliRunner
+
+    from lmhead_cli.cli import app
+
+    return CliRunner().invoke(app, ["score", TEXT, "--model", str(tiny[0]), "--html", str(path), *more])
+
+
+def test_score_html_replaces_a_link_never_its_target(tiny, tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    got = _score_html(tiny, link)
+    assert got.exit_code == 0, got.stderr
+    assert target.read_text() == "keep me"  # the link's target is as it was
+    assert not link.is_symlink() and link.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.html", "precious.txt"]  # no temporary file left
+
+
+def test_score_html_replaces_a_file_whole_with_open_s_permissions(tiny, tmp_path):
+    import os
+
+    path = tmp_path / "view.html"
+    path.write_text("x" * 10_000_000)  # longer than the page: a write through the old file would leave a tail
+    got = _score_html(tiny, path)
+    assert got.exit_code == 0, got.stderr
+    page = path.read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and page.endswith("</html>\n") and "xxx" not in page
+    mask = os.umask(0o22)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda p: __import__("os").mkfifo(p), "a FIFO (named pipe)"),
+    (lambda p: __import__("socket").socket(__import__("socket").AF_UNIX).bind(str(p)), "a socket"),
+])
+def test_score_html_refuses_a_fifo_or_socket_before_any_work_without_blocking(tiny, tmp_path, monkeypatch, make, kind):
+    from lmhead_cli.api import model as api_model
+
+    path = tmp_path / "out.html"
+    make(path)
+    monkeypatch.setattr(api_model, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    got = _score_html(tiny, path)
+    assert got.exit_code == 2 and "Traceback" not in got.output
+    assert got.stderr.strip() == (f"lmhead: error: --html '{path}' is {kind}, not a regular file; give a new "
+                                  "file's name (lmhead replaces only a regular file or a link)")
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    import os
+
+    from lmhead_cli import outputs
+    from lmhead_cli.errors import LmheadError
+
+    path = tmp_path / "view.html"
+    path.write_text("old")
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(LmheadError, match=f"cannot write '{path}': No space left on device"):
+        outputs.write_atomically(str(path), "new", "--html")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["view.html"]
+
+
 # ---- the page's routes ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -215,3 +215,13 @@ def test_the_command_line_says_int8_and_how_the_tie_is_stored(tiny):
     assert got.exit_code == 2 and got.stderr.strip().splitlines() == [
         "lmhead: error: --dtype int8 is the lean engine's (GPT-2 checkpoints); with --engine transformers use "
         "float32, bfloat16 or float16"]
+
+
+def test_int8_head_rows_are_made_on_the_engine_s_device(tiny):
+    """head_rows on an int8 engine indexes its table with ids on the engine's device, whatever torch's
+    default device (here meta, as a GPU would differ from the CPU). Mutant: ids on the default device."""
+    loaded = load_model(str(tiny[0]), device="cpu", dtype="int8")
+    want = loaded.engine.head_rows([5, 7])
+    with torch.device("meta"):
+        got = loaded.engine.head_rows([5, 7])
+    assert got.device.type == "cpu" and torch.equal(got, want)

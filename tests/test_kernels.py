@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from lmhead_cli.engine import kernels
+from helpers import PROMPT_IDS
+from lmhead_cli.loading.sources import load_model
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"the compiled kernels did not load: {kernels.unavailable()}")
@@ -445,3 +447,22 @@ def test_decoding_steps_attend_through_the_kernel_as_torch_does(tiny, monkeypatc
     assert len(calls) == 3 * eng.config["n_layer"]  # the three one-position steps, each layer
     monkeypatch.setattr(lean.kernels, "load", lambda: None)
     torch.testing.assert_close(compiled, steps(), rtol=1e-5, atol=1e-5)
+
+
+def test_more_positions_than_a_few_never_take_the_few_row_products(tiny, monkeypatch):
+    """The head over many positions is one GEMM (F.linear), not the few-row forms. Mutant: the few-row
+    path taken whenever the engine has forms."""
+    from lmhead_cli.engine import lean
+    from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
+
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    assert eng.forms
+    taken = []
+    plain = lean.few_rows_product
+    monkeypatch.setattr(lean, "few_rows_product", lambda *a: taken.append(a[1].shape[0]) or plain(*a))
+    h = eng.body(torch.tensor([PROMPT_IDS[:BLOCKED_MAX_ROWS + 1]]))
+    taken.clear()
+    eng.head(h)
+    assert taken == []
+    eng.head(h[:, -1:])
+    assert taken == [1]

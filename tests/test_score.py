@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import ELSEWHERE, PROMPT, assert_rank, cli, elsewhere, loaded_elsewhere, nan_checkpoint
+from helpers import ELSEWHERE, PROMPT, assert_rank, build_checkpoint, cli, elsewhere, loaded_elsewhere, nan_checkpoint
 from rich.console import Console
 
 from lmhead_cli.errors import UsageError
@@ -685,3 +685,21 @@ def test_a_character_split_across_tokens_is_one_span_and_a_cut_one_is_shown_as_b
     assert spans([hello, c3, a9]) == ["Hello", "é"]
     assert spans([hello, c3]) == ["Hello", "\\xc3"]
     assert spans([hello, c3, a9, hello]) == ["Hello", "é", "Hello"]
+
+
+def test_score_progress_counts_every_scored_token_once_up_to_the_total(tmp_path):
+    """Two windows (a 24-position model, stride 12) and chunks of 5: progress(done, total) rises by each
+    chunk's tokens and ends at total = the tokens scored. Mutants: done moved by hi + lo or down, total
+    summed over window ends plus starts."""
+    from lmhead_cli.readings.score import score_ids
+
+    build_checkpoint(tmp_path, n_positions=24, seed=4)
+    loaded = load_model(str(tmp_path), device="cpu")
+    ids = torch.arange(100, 140)
+    seen = []
+    cols = score_ids(loaded, ids, stride=12, chunk=5, progress=lambda done, total: seen.append((done, total)))
+    scored = int(torch.isfinite(cols["logprob"]).sum())
+    assert cols["windows"] > 1 and scored == len(ids) - 1
+    assert {t for _, t in seen} == {scored} and seen[-1][0] == scored
+    steps = [b - a for (a, _), (b, _) in zip([(0, 0)] + seen, seen)]
+    assert all(0 < s <= 5 for s in steps)

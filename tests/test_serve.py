@@ -526,3 +526,26 @@ def test_uncertainty_in_chat_entries_and_its_refusal_without_logprobs(server):
         assert "needs logprobs" in bad.json()["error"]["message"]
     wrong = post(server, "/v1/completions", {"prompt": PROMPT, "logprobs": 1, "uncertainty": "yes"})
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "uncertainty"
+
+
+HOSTILE_NAME = "m\x1b]0;retitled\x07\x1b[31m\x9b32m\u2028x"  # OSC retitle, BEL, SGR, C1 CSI, LINE SEPARATOR
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_the_start_up_line_shows_a_hostile_folder_name_escaped(tiny, tmp_path, monkeypatch, dry_run):
+    """`lmhead serve --model` with a folder whose name holds ESC, BEL or C1: the start-up line (and
+    --dry-run's) shows them escaped, so the name cannot retitle or recolour the terminal."""
+    import shutil
+
+    import uvicorn
+    from helpers import cli
+
+    folder = tmp_path / HOSTILE_NAME
+    shutil.copytree(tiny[0], folder)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)  # the line is printed before the server runs
+    got = cli("serve", "--model", str(folder), "--port", "0", *(["--dry-run"] if dry_run else []))
+    assert got.exit_code == 0, got.output
+    line = (got.stdout if dry_run else got.stderr).splitlines()[0]
+    assert line.startswith("would serve " if dry_run else "lmhead serve: ")
+    assert "m\\x1b]0;retitled\\x07\\x1b[31m\\x9b32m\\u2028x at http://127.0.0.1:0/v1" in line
+    assert not any(ch in got.output for ch in "\x1b\x07\x9b\u2028")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import pytest
-from helpers import PROMPT_IDS
+from helpers import PROMPT_IDS, invoke
 from safetensors.torch import save_file
 
 from lmhead_cli.loading import sources
@@ -188,3 +188,13 @@ def test_cached_hub_id_loads_offline(tmp_path, tiny, monkeypatch):
     loaded = load_model("someorg/tiny-gpt2", device="cpu")
     assert loaded.kind == "hub" and loaded.path == str(snap)
     torch.testing.assert_close(_our_logits(loaded), _ref_logits(ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("command", [["generate"], ["greedy"], ["sample"], ["softcap"], ["generate", "--beams", "2"]])
+def test_every_text_output_of_random_weights_says_so(command):
+    got = invoke([*command, "The keys", "-n", "2", "--seed", "1", "--model", "random:distilgpt2"]
+                 if command[0] not in ("greedy",) and "--beams" not in command else
+                 [*command, "The keys", "-n", "2", "--model", "random:distilgpt2"])
+    assert got.exit_code == 0, got.output
+    # the banner is prose: a narrow terminal (COLUMNS=40) wraps it
+    assert " ".join(got.stdout.split()).startswith("random weights (random:distilgpt2, seeded)")

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 LIGHT_COMMANDS = [
     ["--help"],
@@ -78,6 +81,7 @@ CLI_MAY_IMPORT = {
     "lmhead_cli.render": "the output of a result: tables, JSON documents, notices",
     "lmhead_cli.errors": "the one error boundary turns the domain errors into one line and an exit code",
     "lmhead_cli.inputs": "reading a text from stdin with its limits is the front end's own input",
+    "lmhead_cli.outputs": "writing a file (--html) whole or not at all is the front end's own output",
     "lmhead_cli.serve": "`lmhead serve` starts the server, another front end beside the command line",
     "lmhead_cli": "the package itself, for --version's __version__ (its submodules are checked by name)",
 }
@@ -128,3 +132,38 @@ def test_the_command_line_imports_only_the_api_render_and_its_boundary():
     assert {"inspect.py", "score.py", "options.py", "boundary.py"} <= {p.name for p in modules}
     found = {p.name: _reaching_past(p.read_text(encoding="utf-8"), root) for p in modules}
     assert {name: past for name, past in found.items() if past} == {}
+
+
+@pytest.mark.parametrize("args", [["inspect", "x", "--model", "random:gpt2"], ["score", "a b", "--model", "random:gpt2"],
+                                  ["toy"], ["--version"]])
+def test_a_deleted_working_directory_is_one_line_before_torch_is_imported(tmp_path, args):
+    """torch's import dies in a deleted working directory ("Intel oneMKL FATAL ERROR", exit 2, no word
+    of why): every command says so first, in one line."""
+    import os
+
+    from helpers import launch
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+
+    def in_a_deleted_folder():
+        os.chdir(gone)
+        os.rmdir(gone)
+
+    got = launch(*args, preexec_fn=in_a_deleted_folder, timeout=120, text=True)
+    assert (got.returncode, got.stdout) == (1, "")
+    assert got.stderr == ("lmhead: error: the working directory no longer exists (it was deleted); cd to a folder "
+                          "that exists and run the command again\n")
+
+
+def test_load_says_the_working_directory_is_gone_before_torch_is_imported(tmp_path):
+    import os
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = ("import sys, lmhead_cli\ntry:\n    lmhead_cli.load('random:gpt2')\nexcept lmhead_cli.errors.LmheadError as e:\n"
+            "    print(e, 'torch' in sys.modules)")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: (os.chdir(gone), os.rmdir(gone)),
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert got.stdout.endswith("(it was deleted); cd to a folder that exists and run the command again False\n"), got

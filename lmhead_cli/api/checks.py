@@ -8,11 +8,109 @@ Nothing here imports torch at module level.
 
 from __future__ import annotations
 
-from lmhead_cli.errors import BadValue, Param, UsageError
+import functools
+import inspect
+import numbers
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Callable
+
+from lmhead_cli.errors import BadType, BadValue, Param, UsageError
+
+# What each kind of parameter must be, in words ("top_k must be an integer (got 1.5)").
+KIND_NAMES = {bool: "True or False", int: "an integer", float: "a number", str: "a string",
+              list: "a list of strings", callable: "a function"}
+
+
+def typed(key: str, value, kind, rule=None, *, optional: bool = False):
+    """`value` as the parameter `key` takes it, checked once: its type, then its range; returns it (a
+    list for `list`). The one check of a parameter's value for the API (and for decoding's settings).
+
+    `kind`: bool (True or False only: "no" is not False), int (not a bool, not a float, even 2.0),
+    float (any real number but a bool; NaN is a float, which every range refuses), str, list (a list or tuple of strings, or an
+    iterable of them, materialised once; a bare string is refused, not split into characters),
+    callable, or a tuple of names the value must be one of. `rule`: the range, an object with
+    `check(key, value)` (decoding.stages.Rule) or a function (key, value) that raises BadValue.
+    `optional`: None passes (the parameter's "not given"). A wrong type is BadType (a BadValue that is
+    also a TypeError); a value out of range is BadValue (also a ValueError).
+    """
+    if value is None:
+        if optional:
+            return None
+    elif isinstance(kind, tuple):
+        if isinstance(value, str):
+            if value not in kind:
+                raise BadValue(key, f"must be one of: {', '.join(kind)} (got {_shown(value)})")
+            return value
+    elif kind is list:
+        if isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray, Mapping)):
+            value = list(value)
+            wrong = next((v for v in value if not isinstance(v, str)), value)
+            if wrong is value:
+                return value
+            raise BadType(key, f"must be {KIND_NAMES[list]} (got {_shown(wrong)} in it)")
+    elif kind is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return _ranged(key, value, rule)  # NaN is a float: every range refuses it
+    elif kind is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return _ranged(key, value, rule)
+    elif kind is callable:
+        if callable(value):
+            return value
+    elif isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return _ranged(key, value, rule)
+    names = f"one of: {', '.join(kind)}" if isinstance(kind, tuple) else KIND_NAMES[kind]
+    raise BadType(key, f"must be {names} (got {_shown(value)})")
+
+
+def _ranged(key: str, value, rule):
+    if rule is not None:
+        rule.check(key, value) if hasattr(rule, "check") else rule(key, value)
+    return value
+
+
+def _shown(value) -> str:
+    """A wrong value as a message shows it: its repr (control characters escaped), cut to 40 characters,
+    and its type when that is not plain from the repr."""
+    text = repr(value)
+    text = text if len(text) <= 40 else text[:39] + "…"
+    plain = isinstance(value, (bool, int, float, str)) or value is None
+    return text if plain else f"{type(value).__name__} {text}"
+
+
+def kinds(**declared) -> Callable:
+    """Decorate an API function: each parameter named here is checked by `typed` against its kind before
+    the body runs (None passes where None is the parameter's default, or where the kind says so: `int |
+    None`; a default is never checked). The kinds are kept as the function's `kinds` and the parameters
+    that take None as its `optional`, for tests that hold every public parameter to one."""
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        assert set(declared) <= set(sig.parameters), f"{fn.__name__} has no {set(declared) - set(sig.parameters)}"
+        union = {name for name, kind in declared.items() if isinstance(kind, types.UnionType)}
+        plain = {name: next(k for k in typing.get_args(kind) if k is not type(None)) if name in union else kind
+                 for name, kind in declared.items()}
+        optional = union | {name for name in declared if sig.parameters[name].default is None}
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            for name, kind in plain.items():
+                if name in bound.arguments:
+                    bound.arguments[name] = typed(name, bound.arguments[name], kind, optional=name in optional)
+            return fn(*bound.args, **bound.kwargs)
+
+        checked.kinds, checked.optional = plain, optional
+        return checked
+
+    return wrap
 
 
 def at_least_one(key: str, value: int) -> int:
-    """BadValue unless `value` >= 1 (top_k, batch_size, stride, chunk...)."""
+    """BadValue unless `value` is an integer >= 1 (top_k, batch_size, stride, chunk...)."""
+    typed(key, value, int)
     if value < 1:
         raise BadValue(key, f"must be at least 1 (got {value})")
     return value
@@ -69,6 +167,29 @@ def attribution(prompt: str | None, target: str | None, vs: str | None) -> None:
     check_attribute(prompt, target, vs)
 
 
+def neurons(prompt: str | None, layer: int | None, token: str | None, target: str | None,
+            top: int | None) -> None:
+    """`neurons`' values: a prompt needs a target (and then no token); without one, a layer or a token."""
+    if top is not None:
+        at_least_one("top", top)
+    if prompt is not None:
+        if target is None:
+            raise UsageError("with a prompt, give ", Param("target"), ": the token whose logit the neurons' "
+                             "shares add up to")
+        if token is not None:
+            raise UsageError("give a prompt with ", Param("target"), ", or ", Param("token"), " alone, not both")
+        attribution(prompt, target, None)
+    elif target is not None:
+        raise UsageError(Param("target"), " needs a prompt: the text whose next-token logit to take apart")
+    elif layer is None and token is None:
+        raise UsageError("give ", Param("layer"), " (a layer's neurons), ", Param("token"),
+                         " (the neurons that write it) or a prompt and ", Param("target"))
+    if token is not None and not token:
+        raise BadValue("token", "must be a non-empty text (it has no token)")
+    if layer is not None and layer < 0:
+        raise BadValue("layer", f"must be at least 0 (got {layer})")
+
+
 def text(value: str) -> str:
     """score's text: not empty, valid Unicode."""
     from lmhead_cli.readings.score import check_text
@@ -92,10 +213,14 @@ def chunk(value: int | None) -> None:
 
 
 def settings(values: dict) -> None:
-    """Decoding settings (stages and loop) against their rules (decoding.stages.SETTINGS)."""
-    from lmhead_cli.decoding.stages import check
+    """Decoding settings (stages and loop) against their types and rules (decoding.stages.SETTINGS),
+    each by `typed`: `top_k=1.5`, NaN or True, `seed=1.5`, `temperature="hot"` are BadValue naming the
+    key. None = not given; unknown keys pass."""
+    from lmhead_cli.decoding.stages import SETTINGS
 
-    check(values)
+    for key, value in values.items():
+        if key in SETTINGS:
+            typed(key, value, SETTINGS[key].type, SETTINGS[key].rule, optional=True)
 
 
 def stages(preset: str | None = None, **given):
@@ -105,6 +230,30 @@ def stages(preset: str | None = None, **given):
     from lmhead_cli.decoding.presets import knobs
 
     return knobs(preset, **given)
+
+
+def stage_knobs(value):
+    """Model.inspect's `stages`: None (no stage table), decoding.stages.Knobs (from `stages()`), a preset
+    (a bundled name or a .toml file) or a dict of stage settings ({"temperature": 0.7}); returns Knobs
+    or None. Anything else is BadValue naming `stages`, with what it may be."""
+    from lmhead_cli.decoding.presets import preset_names
+    from lmhead_cli.decoding.stages import STAGES, Knobs
+
+    if value is None or isinstance(value, Knobs):
+        return value
+    may = (f"must be a preset ({', '.join(preset_names())}), a .toml preset file, a dict of stage settings "
+           f"({', '.join(s.key for s in STAGES)}) or lmhead_cli.api.checks.stages(...)")
+    if isinstance(value, str):
+        if value.endswith(".toml") or value in preset_names():
+            return stages(value)
+        raise BadValue("stages", f"{may} (got {_shown(value)})")
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in Knobs.__dataclass_fields__]
+        if unknown:
+            raise BadValue("stages", f"{may}: {_shown(unknown[0])} is not a stage")
+        settings(dict(value))
+        return stages(**value)
+    raise BadType("stages", f"{may} (got {_shown(value)})")
 
 
 def generation(*, mode: str = "generate", preset: str | None = None, greedy: bool = False, beams: int = 1,

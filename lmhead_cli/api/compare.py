@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from lmhead_cli.api.results import ReadingResult, html_table
-from lmhead_cli.errors import Param, UsageError
+from lmhead_cli.errors import BadType, Param, UsageError
 
 SAME = "same"  # --base same: the model's own source
 
@@ -41,7 +41,7 @@ def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool =
     if isinstance(base, Model):
         return base
     if base is not None and not isinstance(base, str):
-        raise UsageError(f"base must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
+        raise BadType("base", f"must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
     check_base(base, base_dtype)
     source = model.source if base in (None, SAME) else base
     from lmhead_cli.readings.compare import dtype_name
@@ -55,20 +55,24 @@ def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool =
 
 
 def compare(model, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
-            stride: int | None = None, chunk: int | None = None,
+            stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,
             progress: Callable[[int, int], None] | None = None) -> CompareResult:
     """How far this model (Q) moves the next-token distribution from `base` over every token of `text`:
     PPL of both, ln(PPL(Q)/PPL(base)), mean KLD with its percentiles, Δp, same top p.
 
     `base`: a loaded Model, a source, or None / "same" for this model's own source, loaded in
     `base_dtype`. Both must share the vocabulary and the tokenizer. Texts longer than the context go in
-    windows of n_ctx tokens that begin every `stride` tokens; both heads run `chunk` positions at a time."""
+    windows of n_ctx tokens that begin every `stride` tokens; both heads run `chunk` positions at a time.
+    `llama_chunks` = n scores llama-perplexity's positions instead: chunks of n tokens, the second half
+    of each (with `bos`, BOS in place of each chunk's first token)."""
     from lmhead_cli.api import checks
-    from lmhead_cli.readings.compare import compare_text
+    from lmhead_cli.readings.compare import check_llama_chunks, compare_text
 
     checks.text(text)
     checks.chunk(chunk)
     other = base_model(model, base, base_dtype)
-    checks.stride(stride, min(model.n_ctx, other.n_ctx))
+    n_ctx = min(model.n_ctx, other.n_ctx)
+    checks.stride(stride, n_ctx)
+    check_llama_chunks(llama_chunks, n_ctx)
     return CompareResult(compare_text(model.loaded, other.loaded, text, bos=bos, stride=stride, chunk=chunk,
-                                      progress=progress))
+                                      progress=progress, llama=llama_chunks))

@@ -4,6 +4,7 @@ A front end picks where the lines come from (piped_lines, terminal_lines) and ho
 
 from __future__ import annotations
 
+from lmhead_cli.api.checks import kinds
 from lmhead_cli.readings.explore import (History, Session, Settings, View, history_file, piped_lines,  # noqa: F401
                                          terminal_lines)
 
@@ -11,6 +12,7 @@ __all__ = ["History", "Session", "Settings", "View", "history_file", "piped_line
            "terminal_lines"]
 
 
+@kinds(top_k=int, temperature=float, softcap=float, targets=list, threads=int)
 def settings(top_k: int = 10, *, temperature: float | None = None, softcap: float | None = None,
              targets=(), threads: int | None = None) -> Settings:
     """A session's starting settings, every value checked (api/checks.py) before any model loads;

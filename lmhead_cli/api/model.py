@@ -14,14 +14,27 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator
 
 from lmhead_cli.api import checks, results
+from lmhead_cli.api.checks import kinds
 from lmhead_cli.api.serving import Serving
-from lmhead_cli.errors import BadValue, UnsupportedModel
+from lmhead_cli.errors import BadType, BadValue, UnsupportedModel
+
+# The kinds (api.checks.typed) of parameters that several methods share.
+ONE_PROMPT = {"prompt": str, "top_k": int, "targets": list}
+WINDOWS = {"stride": int, "chunk": int}  # score's and compare's
+SCORING = {"text": str, **WINDOWS, "top_logprobs": int, "alternatives": int}
+DECODING = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+            "softcap": float, "beams": int, "seed": int, "greedy": bool, "ignore_eos": bool, "show_steps": int,
+            "top_logprobs": int, "logprobs": ("raw", "processed"), "preset": str, "mode": tuple(checks.MODES),
+            "on_start": callable, "on_text": callable}
+COUNTS = {"batch": int, "seq": int, "vocab": int}
 
 
+@kinds(source=str, device=str, dtype=str, engine=str, threads=int, allow_pickle=bool, ignore_memory=bool,
+       announce=callable)
 def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
          threads: int | None = None, allow_pickle: bool = False, ignore_memory: bool = False,
          announce: Callable[[str], None] | None = None) -> Model:
-    """Load `source` (a hub id, a local folder or random:NAME) and return a Model.
+    """Load `source` (a hub id, a local folder, a GGUF file, random:NAME or bundled:NAME) and return a Model.
 
     device: auto, cpu, cuda or mps; dtype: float32, bfloat16, float16 or int8 (weights only, quantised at
     load; the lean engine's); engine: auto, lean or transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept
@@ -29,7 +42,9 @@ def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", 
     `announce(line)` hears the loader's notices (a large model; default: one dim line on stderr).
     """
     from lmhead_cli.engine.threads import prepare
+    from lmhead_cli.inputs import check_working_directory
 
+    check_working_directory()  # torch's import dies in a deleted working directory: say so before it
     threads = prepare(threads)  # OpenMP's wait policy is read when torch is imported: before that
     from lmhead_cli.loading.sources import load_model
 
@@ -84,6 +99,7 @@ class Model(Serving):
         return f"<lmhead Model {self.source!r} engine={self.loaded.engine.name} n_ctx={self.n_ctx}>"
 
     # ---- one prompt -------------------------------------------------------------------------------
+    @kinds(**ONE_PROMPT)
     def inspect(self, prompt: str, top_k: int = 10, targets: Iterable[str] = (), *,
                 stages=None) -> results.InspectResult:
         """The next-token distribution after `prompt`: the top `top_k` tokens, each target's rank and
@@ -92,6 +108,7 @@ class Model(Serving):
         from lmhead_cli.readings.inspect import inspect_prompt
 
         checks.one_prompt(prompt, targets, top_k)
+        stages = checks.stage_knobs(stages)
         reading = inspect_prompt(self.loaded, prompt, top_k, list(targets))
         table = None
         if stages is not None:
@@ -100,6 +117,7 @@ class Model(Serving):
             table = stage_table(reading.logits, stages, top_k, self.tokenizer.token_text)
         return results.InspectResult(reading, self.loaded.tie, table, self.own_softcap)
 
+    @kinds(**ONE_PROMPT, token=str)
     def explain(self, prompt: str, token: str, top_k: int = 10, targets: Iterable[str] = ()) -> results.ExplainResult:
         """One token's logit taken apart: z = e·h = |e|·|h|·cos θ (`inspect --explain`)."""
         from lmhead_cli.readings.explain import explain_logit
@@ -107,6 +125,7 @@ class Model(Serving):
         checks.one_prompt(prompt, targets, top_k)
         return results.ExplainResult(explain_logit(self.loaded, prompt, token, top_k, list(targets)))
 
+    @kinds(a=str, b=str, top_k=int, targets=list, movers=int)
     def diff(self, a: str, b: str, top_k: int = 10, targets: Iterable[str] = (), movers: int = 5) -> results.DiffResult:
         """Two prompts' next-token distributions side by side: KL, JS, total variation, movers."""
         from lmhead_cli.readings.diff import diff_prompts
@@ -117,6 +136,7 @@ class Model(Serving):
             raise BadValue("movers", f"must be at least 0 (got {movers})")
         return results.DiffResult(diff_prompts(self.loaded, a, b, top_k, list(targets), movers))
 
+    @kinds(prompt=str, target=str, vs=str, heads=bool)
     def attribute(self, prompt: str, target: str, vs: str | None = None, heads: bool = False) -> results.AttributeResult:
         """Direct logit attribution of `target`'s logit (or z(target) - z(vs)) over the model's parts.
         Every head's share is always computed; `heads` is what a table shows and is kept for the caller."""
@@ -125,15 +145,81 @@ class Model(Serving):
         checks.attribution(prompt, target, vs)
         return results.AttributeResult(attribute_logit(self.loaded, prompt, target, vs))
 
-    def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8) -> results.LensResult:
+    @kinds(**ONE_PROMPT, position=int | None)
+    def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8, *,
+             tuned=None) -> results.LensResult:
         """Logit lens: what the head predicts from the residual stream after each block, at `position`
-        (-1 or None: the last token)."""
+        (-1 or None: the last token). `tuned`: a tuned-lens file (a path, or "bundled" for bundled:tiny's)
+        or a TunedLens (`tune_lens().lens`), read beside the logit lens; each layer's `kl_to_final` then
+        has both lenses' KL to the final distribution."""
         from lmhead_cli.readings.lens import lens_prompt
 
         checks.one_prompt(prompt, targets, top_k)
-        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position))
+        lens = self.tuned_lens(tuned) if tuned is not None else None
+        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position, lens))
+
+    def tuned_lens(self, where):
+        """A tuned lens for this model: `where` is a path, "bundled", or a TunedLens (checked against
+        this model either way). WrongLens if it was trained for another model; CorruptCheckpoint if the
+        file is damaged."""
+        from lmhead_cli.readings import tuned_lens
+
+        if isinstance(where, tuned_lens.TunedLens):
+            tuned_lens.check_readable(self.loaded)
+            mine = tuned_lens.identity_of(self.loaded)
+            if where.identity != mine:
+                from lmhead_cli.errors import WrongLens
+
+                raise WrongLens(f"the tuned lens {where.name} is for {where.identity.describe()}; "
+                                f"this model is {mine.describe()}")
+            return where
+        return tuned_lens.load_lens(self.loaded, where)
+
+    @kinds(text=str, file=str, out=str, steps=int, batch=int, seq=int, lr=float, warmup=int, seed=int,
+           progress=callable)
+    def tune_lens(self, text: str | None = None, *, file: str | None = None, out: str | None = None,
+                  steps: int = 300, batch: int = 4, seq: int | None = None, lr: float = 1e-3, warmup: int = 20,
+                  seed: int = 0, progress: Callable[[int, int, float], None] | None = None) -> results.TuneResult:
+        """Train a tuned lens for this model on `text` or the file `file` (read a window at a time):
+        `steps` steps of `batch` windows of `seq` tokens (default min(n_ctx, 128)), Adam at `lr` with
+        `warmup` steps of warm-up and a linear decay. Writes it to `out` (safetensors) when given.
+        `progress(step, steps, mean_kl)` hears each step."""
+        from lmhead_cli.readings.tune_lens import TextSource, TuneSettings, tune_lens
+        from lmhead_cli.readings.tuned_lens import save_lens
+
+        settings = TuneSettings(steps=steps, batch=batch, seq=seq, lr=lr, warmup=warmup, seed=seed)
+        settings.check()
+        if text is not None:
+            checks.text(text)
+        tuning = tune_lens(self.loaded, TextSource(text, file), settings, progress)
+        if out is not None:
+            save_lens(tuning.lens, out)
+            tuning.lens.name = str(out)
+        return results.TuneResult(tuning, self.provenance, out)
+
+    @kinds(prompt=str, layer=int, token=str, target=str, top=int, neurons=list)
+    def neurons(self, prompt: str | None = None, *, layer: int | None = None, token: str | None = None,
+                target: str | None = None, top: int | None = None,
+                neurons: Iterable[int] = ()) -> results.NeuronsResult:
+        """What MLP neurons write into the vocabulary (e_k · (γ ⊙ centre(v)), v a value vector):
+        - `layer` alone: each neuron of that layer (or of `neurons`, indices) with the `top` (5) tokens it
+          promotes and suppresses most;
+        - `token`: the `top` (10) neurons of the model (or of `layer`) that write that token most;
+        - `prompt` and `target`: attribute at neuron grain, the `top` (10) neurons' shares of the target's
+          logit at the last position, with the check that they add up to attribute's MLP parts."""
+        from lmhead_cli.readings import neurons as reading
+
+        checks.neurons(prompt, layer, token, target, top)
+        if prompt is not None:
+            result = reading.neuron_shares(self.loaded, prompt, target, top or 10, layer)
+        elif token is not None:
+            result = reading.token_writers(self.loaded, token, top or 10, layer)
+        else:
+            result = reading.layer_neurons(self.loaded, layer, top or 5, list(neurons))
+        return results.NeuronsResult(result)
 
     # ---- explore's session: one prompt at a time, with the session's settings -------------------------
+    @kinds(prompt=str)
     def explore_reading(self, prompt: str, settings):
         """The top-k table (and targets) after the stages `settings` (readings.explore.Settings) turn on:
         a readings.explore.Reading."""
@@ -141,6 +227,7 @@ class Model(Serving):
 
         return read(self.loaded, prompt, settings)
 
+    @kinds(prompt=str, n=int, on_text=callable)
     def explore_generate(self, prompt: str, n: int, settings, on_text: Callable[[str], None]):
         """`n` tokens after `prompt`, sampled with the session's stages and seed (decoding.generate.Generation)."""
         from lmhead_cli.readings.explore import generate_after
@@ -158,6 +245,7 @@ class Model(Serving):
         """Is the head the very same tensor as the embedding table?"""
         return results.TieResult(self.loaded.tie, self.provenance)
 
+    @kinds(**COUNTS)
     def params(self, batch: int = 1, seq: int | None = None, vocab: int | None = None) -> results.ParamsResult:
         """The parameter account of this model's tensors (GPT-2 family), the head's cost and the logits'
         memory for batch × seq × vocab (seq: n_positions, vocab: the model's, by default)."""
@@ -169,6 +257,7 @@ class Model(Serving):
         return params_result(self.source, "tensors", acc, batch, seq, vocab)
 
     # ---- text ------------------------------------------------------------------------------------
+    @kinds(**SCORING, bos=bool, progress=callable, on_rows=callable)
     def score(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
               top_logprobs: int = 0, progress: Callable[[int, int], None] | None = None,
               on_rows=None, alternatives: int = 0) -> results.ScoreResult:
@@ -184,6 +273,7 @@ class Model(Serving):
                                               progress=progress, top_logprobs=top_logprobs, on_rows=on_rows,
                                               alternatives=alternatives))
 
+    @kinds(**SCORING)
     def check_score(self, text: str | None = None, *, stride: int | None = None, chunk: int | None = None,
                     top_logprobs: int = 0, alternatives: int = 0) -> None:
         """score's values, without scoring (a front end calls it before it writes anything)."""
@@ -196,6 +286,8 @@ class Model(Serving):
         checks.chunk(chunk)
         checks.stride(stride, self.n_ctx)
 
+    @kinds(text=str, **WINDOWS, bos=bool, progress=callable, generations=int, max_new_tokens=int, seed=int,
+           preset=str, greedy=bool)
     def calibrate(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
                   progress: Callable[[int, int], None] | None = None, generations: int = 0,
                   max_new_tokens: int = 64, seed: int | None = None, preset: str | None = None,
@@ -235,17 +327,20 @@ class Model(Serving):
                                               texts=[g.text for g in made])
         return results.CalibrateResult(reading)
 
+    @kinds(text=str, **WINDOWS, base_dtype=str, llama_chunks=int, bos=bool, progress=callable)
     def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
-                stride: int | None = None, chunk: int | None = None,
+                stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,
                 progress: Callable[[int, int], None] | None = None):
         """This model (Q) against `base` over every token of `text`: llama-perplexity --kl-divergence's
         statistics (api/compare.py). `base`: a Model, a source, or None / "same" for this model's own
-        source, loaded in `base_dtype`."""
+        source, loaded in `base_dtype`. `llama_chunks` = n: llama-perplexity's positions (chunks of n
+        tokens, the second half of each scored)."""
         from lmhead_cli.api.compare import compare
 
         return compare(self, text, base, base_dtype=base_dtype, bos=bos, stride=stride, chunk=chunk,
-                       progress=progress)
+                       llama_chunks=llama_chunks, progress=progress)
 
+    @kinds(**WINDOWS, bos=bool)
     def score_lines(self, lines: Iterable, *, bos: bool = False, stride: int | None = None,
                     chunk: int | None = None) -> results.LineResults:
         """score_text over many texts, lazily, one at a time: `lines` are texts (numbered from 1) or
@@ -254,6 +349,7 @@ class Model(Serving):
         has been yielded. api.files.score_file runs a whole file with it."""
         from lmhead_cli.readings.score import Corpus, Line, score_lines
 
+        lines = many("lines", lines)
         self.check_score(stride=stride, chunk=chunk)
         numbered = (line if isinstance(line, Line) else Line(n, line if line.strip() else None)
                     for n, line in enumerate(lines, 1))
@@ -261,6 +357,7 @@ class Model(Serving):
         return results.LineResults(score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk),
                                    totals)
 
+    @kinds(top_k=int, targets=list, batch_size=int)
     def inspect_lines(self, lines: Iterable, top_k: int = 10, targets: Iterable[str] = (),
                       batch_size: int = 32) -> results.LineResults:
         """inspect over many prompts, `batch_size` a forward pass: `lines` are prompts (numbered from 1)
@@ -268,6 +365,7 @@ class Model(Serving):
         (readings.batch.BatchStats) counts what has been yielded."""
         from lmhead_cli.readings.batch import BatchStats, PromptLine, inspect_stream
 
+        lines = many("lines", lines)
         targets = checks.prompt_file(top_k, batch_size, targets)
         numbered = (line if isinstance(line, PromptLine) else PromptLine(n, line) for n, line in enumerate(lines, 1))
         tie, stats = self.loaded.tie, BatchStats(batch_size, targets)
@@ -275,6 +373,7 @@ class Model(Serving):
                                     for batch in inspect_stream(self.loaded, numbered, top_k, targets, batch_size,
                                                                 stats)), stats)
 
+    @kinds(prompt=str, **DECODING)
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  softcap: float | None = None, beams: int = 1, seed: int | None = None, greedy: bool = False,
@@ -306,6 +405,14 @@ class Model(Serving):
         return results.GenerateResult(g, self.provenance, text, preset, tok.token_text, tok.token_bytes)
 
 
+def many(key: str, values: Iterable) -> Iterable:
+    """An iterable of texts (a list, a file's lines, a generator) as given; one string or bytes is BadType
+    (iterating it would give its characters)."""
+    if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
+        raise BadType(key, f"must be an iterable of texts (a list, a file's lines), not {type(values).__name__}")
+    return values
+
+
 def params_result(model: str, counted_from: str, acc, batch: int = 1, seq: int | None = None,
                   vocab: int | None = None) -> results.ParamsResult:
     """A ParamsResult from an account (readings.params): the head's cost and the logits' memory."""
@@ -325,6 +432,7 @@ def gpt2_only(source: str, kind: str | None) -> None:
                                f"{kind!r} model")
 
 
+@kinds(source=str, **COUNTS, allow_pickle=bool)
 def model_params(source: str, batch: int = 1, seq: int | None = None, vocab: int | None = None, *,
                  allow_pickle: bool = False) -> results.ParamsResult:
     """`lmhead params --model SOURCE`: a GPT-2-family model's real tensors counted (loaded on the CPU by
@@ -335,6 +443,7 @@ def model_params(source: str, batch: int = 1, seq: int | None = None, vocab: int
     return load(source, device="cpu", engine="lean", allow_pickle=allow_pickle).params(batch, seq, vocab)
 
 
+@kinds(temperature=float, seed=int, draws=int)
 def toy(hidden: str | Iterable[float] | None = None, temperature: float = 1.0, seed: int = 0, draws: int = 20):
     """`lmhead toy`: the whole last step on a four-word table (readings.toy.ToyExample); `hidden` is
     3 numbers, or their text "0.5,1,2" (default 1,0,1). Arithmetic only: no torch."""
@@ -344,13 +453,16 @@ def toy(hidden: str | Iterable[float] | None = None, temperature: float = 1.0, s
         h = reading.HIDDEN
     elif isinstance(hidden, str):
         h = reading.parse_hidden(hidden)
+    elif isinstance(hidden, Iterable) and not isinstance(hidden, (bytes, bytearray)):
+        h = reading.parse_hidden(",".join(str(float(checks.typed("hidden", v, float))) for v in hidden))
     else:
-        h = reading.parse_hidden(",".join(str(float(v)) for v in hidden))
+        raise BadType("hidden", f"must be numbers, or their text \"0.5,1,2\" (got {type(hidden).__name__})")
     reading.check_temperature(temperature)
     reading.check_draws(draws)
     return reading.toy_example(h, temperature, seed, draws)
 
 
+@kinds(config=str, **COUNTS)
 def params(config: str = "gpt2", batch: int = 1, seq: int | None = None, vocab: int | None = None) -> results.ParamsResult:
     """`lmhead params --config NAME`: a bundled config counted by arithmetic; no torch, no weights."""
     from lmhead_cli.loading.model_configs import load_config

@@ -189,6 +189,24 @@ class LensResult(ReadingResult):
         return lens_html(self.to_dict(), self.reading.columns, self.reading.heat, self.reading.peak)
 
 
+class NeuronsResult(ReadingResult):
+    """neurons: readings.neurons.Neurons."""
+
+    DOCUMENT = "neurons:neurons_json"
+
+
+@dataclass(eq=False)
+class TuneResult(Result):
+    """tune-lens: readings.tune_lens.Tuning (`lens` the trained TunedLens), where the model came from,
+    and the file written (None when not saved)."""
+
+    DOCUMENT = "lens:tuning_json"
+
+    reading: Any
+    source: Provenance
+    out: str | None
+
+
 @dataclass(eq=False)
 class TieResult(Result):
     """tie: loading.sources.TieReport and where the model came from."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lmhead_cli.api.checks import kinds
+
 
 class Serving:
     """Mixed into api.Model (which provides `self.loaded`)."""
@@ -49,6 +51,7 @@ class Serving:
         bos = "" if self.bos_token_id is None else text(self.bos_token_id)
         return chat.render(self.chat_template, messages, bos_token=bos, eos_token=eos)
 
+    @kinds(n_tokens=int, bos=bool, stride=int)
     def scored_positions(self, n_tokens: int, *, bos: bool = False, stride: int | None = None) -> list[range]:
         """Which of a text's n_tokens positions `score` gives a logprob (the rest have nothing before them
         in their window): ranges of text positions, in order."""
@@ -58,6 +61,7 @@ class Serving:
         return [range(w.first - bos, w.end - bos)
                 for w in windows(n_tokens + bos, n_ctx, n_ctx // 2 if stride is None else stride)]
 
+    @kinds(text=str)
     def encode(self, text: str) -> list[int]:
         """A text's token ids (any length; long texts are encoded in pieces, with the same ids)."""
         return list(self.tokenizer.encode_long(text))

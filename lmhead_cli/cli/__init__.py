@@ -2,13 +2,13 @@
 
     options.py   the app and the options several commands share (model, stages, output format)
     boundary.py  the one error boundary: domain errors -> one line and an exit code; stdout guarded
-    inspect.py, generate.py, params.py, explore.py, score.py, calibrate.py, diff.py, compare.py, serve.py: the commands, in --help's order
+    inspect.py, generate.py, params.py, explore.py, score.py, calibrate.py, diff.py, neurons.py, compare.py, serve.py: the commands, in --help's order
 
 No math and no torch at module top: `lmhead --help`, `params` and `toy` start instantly.
 """
 
 from lmhead_cli.cli.options import app
-from lmhead_cli.cli import inspect, generate, params, explore, score, calibrate, diff, compare, serve  # noqa: E401,F401 - registers, in order
+from lmhead_cli.cli import inspect, generate, params, explore, score, calibrate, diff, neurons, compare, serve  # noqa: E401,F401 - registers, in order
 from lmhead_cli.cli.boundary import message, run
 
 __all__ = ["app", "main", "message"]

@@ -298,6 +298,13 @@ def run(app) -> None:
     if sys.stdout is None:  # started with stdout closed (>&-)
         say("lmhead: error: stdout is closed; there is nowhere to write the output")
         sys.exit(1)
+    from lmhead_cli.inputs import check_working_directory
+
+    try:
+        check_working_directory()  # before any command can import torch, which dies in a deleted folder
+    except LmheadError as e:
+        say(f"lmhead: error: {e}")
+        sys.exit(e.exit_code)
     streams_for_any_terminal()
     sys.stdout = guarded = GuardedStdout(sys.stdout)
     try:

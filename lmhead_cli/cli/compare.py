@@ -31,6 +31,11 @@ def compare_cmd(
     ] = "float32",
     bos: BosOpt = False,
     stride: StrideOpt = None,
+    llama_chunks: Annotated[
+        Optional[int], typer.Option("--llama-chunks", metavar="N", help="Score exactly llama-perplexity's "
+                                    "positions: chunks of N tokens (its -c), the second half of each; with --bos, "
+                                    "BOS in place of each chunk's first token (a tokenizer that adds BOS).")
+    ] = None,
     chunk: ChunkOpt = None,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
@@ -39,7 +44,8 @@ def compare_cmd(
     llama-perplexity --kl-divergence's statistics (PPL ratio, mean KLD and percentiles, Δp, same top p).
 
     --model and --dtype choose the model under test (Q); the base is the same source in float32 unless
-    --base and --base-dtype say otherwise. See docs/compare.md for each statistic.
+    --base and --base-dtype say otherwise. Either may be a GGUF file (--model q8.gguf --base ./original):
+    the two tokenizers are compared on the text first. See docs/compare.md for each statistic.
 
     Example: lmhead compare "The keys on the table are on the table." --model random:gpt2 --dtype bfloat16
     """
@@ -62,6 +68,8 @@ def compare_cmd(
     text = checks.text(text)
     checks.chunk(chunk)
     check_base(base, base_dtype)
+    if llama_chunks is not None and stride is not None:
+        raise UsageError("give --stride or --llama-chunks, not both")
     model = source.load()
     base_model = None
     if base not in (None, SAME) or base_dtype != source.dtype:  # else: the model against itself, loaded once
@@ -69,7 +77,7 @@ def compare_cmd(
                                          dtype=base_dtype).load()
     with Progress("comparing") as progress:
         result = model.compare(text, base=base_model or model, bos=bos, stride=stride, chunk=chunk,
-                               progress=progress)
+                               llama_chunks=llama_chunks, progress=progress)
     if json_out:
         show.write_json(result.reading)  # streamed, a token a line: the same document as result.to_dict()
     else:

@@ -1,4 +1,5 @@
-"""`lmhead lens` (the logit lens) and `lmhead explore` (an interactive session)."""
+"""`lmhead lens` (the logit lens, and a tuned lens beside it), `lmhead tune-lens` (train a tuned lens)
+and `lmhead explore` (an interactive session)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,15 @@ def lens_cmd(
         Optional[int], typer.Option("--position", help="Read the prompt at token I (0-based; -1 the last): "
                                     "what each layer predicts after it.", show_default="the last")
     ] = None,
+    tuned: Annotated[
+        Optional[str], typer.Option("--tuned", help="Also read each layer through a tuned lens: a file from "
+                                    "lmhead tune-lens, or 'bundled' (bundled:tiny's, shipped with lmhead).")
+    ] = None,
     source: ModelChoice = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Logit lens: what the head would predict from the residual stream after the embeddings and each block.
+    Each row's KL is KL(final ‖ that layer's reading) in nats; --tuned adds the tuned lens's reading.
 
     Example: lmhead lens "The keys on the table" --target " are" --heat --model random:gpt2
     """
@@ -42,7 +48,7 @@ def lens_cmd(
 
     checks.one_prompt(prompt, target, top_k)
     model = source.load()
-    result = model.lens(prompt, position, target or (), top_k)
+    result = model.lens(prompt, position, target or (), top_k, tuned=tuned)
     render.truncated(len(result.prompt_tokens), result.truncated, model.n_ctx)
     if json_out:
         render.print_json(result.to_dict())
@@ -50,6 +56,51 @@ def lens_cmd(
         lens_heat(result.reading)
     else:
         lens_table(result.reading)
+
+
+@command("tune-lens")
+def tune_lens_cmd(
+    text: Annotated[Optional[str], typer.Argument(help="The text to train on (or --file).")] = None,
+    file: Annotated[Optional[str], typer.Option("--file", "-f", help="A text file to train on, read a window "
+                                                "at a time.")] = None,
+    out_path: Annotated[Optional[str], typer.Option("--out", "-o", help="Where to write the lens "
+                                                    "(safetensors).")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 300,
+    batch: Annotated[int, typer.Option("--batch", help="Windows per step.")] = 4,
+    seq: Annotated[Optional[int], typer.Option("--seq", help="Tokens per window.",
+                                               show_default="min(n_ctx, 128)")] = None,
+    lr: Annotated[float, typer.Option("--lr", help="Adam's learning rate (after the warm-up, decayed "
+                                      "linearly to 0).")] = 1e-3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Steps of linear warm-up.")] = 20,
+    seed: Annotated[int, typer.Option("--seed", help="Where the windows are drawn.")] = 0,
+    source: ModelChoice = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train a tuned lens: one affine translator per layer (identity at the start), fitted to the model's
+    final distribution (KL) on windows of the text, and write it for lens --tuned.
+
+    Example: lmhead tune-lens --file book.txt --out book-lens.safetensors --steps 100 --model random:gpt2
+    """
+    from lmhead_cli import render
+    from lmhead_cli.api import checks
+    from lmhead_cli.render.lens import tuning_report
+
+    checks.prompt_or_file(text, file, "a text")
+    if text is None and file is None:
+        raise UsageError("give a text or --file to train the lens on, e.g. lmhead tune-lens --file book.txt "
+                         "--out lens.safetensors")
+    if out_path is None:
+        raise UsageError("give --out PATH: where to write the lens")
+    from lmhead_cli.render.score import Progress
+
+    model = source.load()
+    with Progress("training the lens", unit="steps", verb="trained") as progress:
+        result = model.tune_lens(text, file=file, out=out_path, steps=steps, batch=batch, seq=seq, lr=lr,
+                                 warmup=warmup, seed=seed, progress=lambda done, total, _kl: progress(done, total))
+    if json_out:
+        render.print_json(result.to_dict())
+    else:
+        tuning_report(result)
 
 
 @command("explore", knobs=stage_options(only=("softcap", "temperature")))  # the start values of :softcap, :temp

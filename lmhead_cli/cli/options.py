@@ -110,8 +110,9 @@ def _param(name: str, annotation, default) -> pyinspect.Parameter:
 MODEL_OPTIONS = [
     _param("model", Annotated[str, typer.Option(
         "--model", "-m", envvar="LMHEAD_MODEL", autocompletion=complete.models,
-        help="Hub id (gpt2, distilgpt2, ...), a local folder, random:NAME (seeded random weights, offline), "
-             "or bundled:tiny (a small GPT-2 trained on the King James Bible that ships with lmhead).")],
+        help="Hub id (gpt2, distilgpt2, ...), a local folder, a GGUF file (FILE.gguf: GPT-2 or Llama), "
+             "random:NAME (seeded random weights, offline), or bundled:tiny (a small GPT-2 trained on the King "
+             "James Bible that ships with lmhead).")],
         DEFAULT_MODEL),
     _param("device", Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.",
                                                                 autocompletion=complete.devices)], "auto"),

@@ -83,28 +83,22 @@ def score_cmd(
 
 
 def html_target(path: str, file: str | None) -> None:
-    """--html's file, checked before the model loads: one text, a folder that exists."""
-    import os
-
-    from lmhead_cli.render import quoted
+    """--html's file, checked before the model loads: one text; a new file, a regular file or a link
+    (replaced, never written through) in a folder that exists; never a FIFO (outputs.check_target)."""
+    from lmhead_cli.outputs import check_target
 
     if file is not None:
         raise UsageError("--html shows one text; it cannot be combined with --file")
-    folder = os.path.dirname(path) or "."
-    if os.path.isdir(path) or not os.path.isdir(folder):
-        raise UsageError(f"--html needs a file in a folder that exists (got {quoted(path)})")
+    check_target(path, "--html")
 
 
 def write_html(result, path: str, what: str | None = None) -> None:
-    """result.to_html() into `path`, and one line saying what it holds (`what`; score's: the coloured text)."""
-    from lmhead_cli.errors import LmheadError
+    """result.to_html() into `path`, written whole or not at all (a file beside it renamed over it:
+    outputs.py), and one line saying what it holds (`what`; score's: the coloured text)."""
+    from lmhead_cli.outputs import write_atomically
     from lmhead_cli.render import notice
 
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(result.to_html())
-    except OSError as e:
-        raise LmheadError(f"cannot write {path}: {e.strerror or e}") from None
+    write_atomically(path, result.to_html(), "--html")
     what = what or f"{len(result.ids):,} tokens, coloured by rank"
     notice(f"wrote {path}: {what}; open it in a browser")
 

@@ -41,7 +41,11 @@ def serve_cmd(
     Example: lmhead serve --model random:gpt2 --port 8000 --dry-run
     """
     from lmhead_cli import serve
-    from lmhead_cli.cli.boundary import say
+    from lmhead_cli.cli.boundary import say as say_raw
+    from lmhead_cli.render import safe_text
+
+    def say(line: str) -> None:  # the served name is a folder's: ESC, BEL or a C1 byte would drive the terminal
+        say_raw(safe_text(line))
 
     options = serve.Options(model=source.model, host=host, port=port, api_key=api_key, max_logprobs=max_logprobs,
                             max_entries=max_entries, max_queue=max_queue, max_batch=max_batch, max_body=max_body,
@@ -52,8 +56,8 @@ def serve_cmd(
     model = source.load()
     if dry_run:
         app = serve.build(options, model)
-        typer.echo(f"would serve {app.state.served.name} at http://{host}:{port}/v1"
-                   f" ({'an API key' if api_key else 'no API key'}; CORS {'for ' + ', '.join(cors) if cors else 'off'})")
+        access = f"{'an API key' if api_key else 'no API key'}; CORS {'for ' + ', '.join(cors) if cors else 'off'}"
+        typer.echo(safe_text(f"would serve {app.state.served.name} at http://{host}:{port}/v1 ({access})"))
         for route in ROUTES:
             typer.echo(f"  {route}")
         return

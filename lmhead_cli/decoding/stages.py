@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from lmhead_cli.errors import BadValue
+from lmhead_cli.errors import BadValue, NonFiniteLogits
 
 if TYPE_CHECKING:
     import torch
@@ -240,8 +240,14 @@ def choose(logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | No
     import torch
 
     if greedy:
-        return logprobs.argmax(dim=-1)
-    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        return logprobs.argmax(dim=-1)  # a NaN row: the step's record raises NonFiniteLogits (generate._step)
+    probs = logprobs.exp()  # (R, V)
+    if bool(probs.isnan().any()):  # before the draw: torch.multinomial's RuntimeError (a device assert on CUDA)
+        from lmhead_cli.head import NON_FINITE_ADVICE
+
+        raise NonFiniteLogits(f"the head produced non-finite logits (NaN or inf) in {int(probs.isnan().any(-1).sum())} "
+                              f"of {len(probs)} rows, so there is no distribution to sample from: {NON_FINITE_ADVICE}")
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 # ---- the stage table (`lmhead inspect --stages`) ---------------------------------------------

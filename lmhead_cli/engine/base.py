@@ -113,6 +113,11 @@ class LayerTaps:
     weight: torch.Tensor  # the projection as (H·hd, D): x @ weight (+ bias)
     bias: torch.Tensor | None  # (D,)
     mlp: nn.Module  # its output is added to the residual stream
+    # The MLP's output projection (GPT-2's c_proj, Llama's down_proj): its input is the N neurons'
+    # activations (..., N), and mlp(x) = activations @ values (+ mlp_bias). None where it is not found.
+    mlp_out: nn.Module | None = None
+    values: torch.Tensor | None = None  # (N, D): each neuron's value vector, a row
+    mlp_bias: torch.Tensor | None = None  # (D,)
 
 
 def capture_components(run: Callable[[], Any], n_head: int, taps: list[LayerTaps], blocks: nn.ModuleList,
@@ -233,6 +238,13 @@ class Engine(ABC):
         """The residual stream at the last position of `ids` (B, T) split into its parts (embeddings, each
         layer's heads, attention bias and MLP) and the final norm's linearisation: see `Components`.
         Raises UnsupportedModel, naming what is missing, for a model whose layers it cannot find."""
+
+    def layer_taps(self) -> list[LayerTaps]:
+        """Each layer's taps (attention output projection, MLP, the MLP's value vectors). Raises
+        UnsupportedModel, naming what is missing, for a model whose layers it cannot find."""
+        from lmhead_cli.errors import UnsupportedModel
+
+        raise UnsupportedModel(f"the {self.name} engine cannot split its layers into parts")
 
     @abstractmethod
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The lean engine is plain GPT-2: gelu_new, attention scaled by 1/sqrt(head_dim), LayerNorm with the
 config's epsilon. A GPT-2 config that asks for other arithmetic must not run there as plain GPT-2
 with no word said: such a field is *routed* (the model runs on transformers' own GPT-2, with a
-note; `--engine lean` refuses it by name). tests/test_hostile2.py checks that this table covers
+note; `--engine lean` refuses it by name). tests/test_checkpoints.py checks that this table covers
 every GPT2Config field and that each routed field gives transformers' figures. No torch here.
 """
 

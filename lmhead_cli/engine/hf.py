@@ -123,7 +123,7 @@ class TransformersEngine(Engine):
         if post:
             raise UnsupportedModel(f"{self.kind} layers normalise their outputs before adding them to the residual "
                                    f"stream ({post[0]}), so the stream is not a sum of the layers' outputs")
-        taps = [self._taps(layer) for layer in layers]
+        taps = self.layer_taps()
         norm = self._need(self.norm, "final norm (a norm module beside the decoder layers)")
         lin = linearise_norm(norm)
         if lin is None:
@@ -133,6 +133,10 @@ class TransformersEngine(Engine):
         n_head = int(self.config.get("n_head") or self.config.get("num_attention_heads"))
         return capture_components(lambda: self.body(ids), n_head, taps, layers, lin,
                                   (wte, wpe) if wte is not None and wpe is not None else None)
+
+    def layer_taps(self) -> list[LayerTaps]:
+        layers = self._need(self.layers, "decoder layers (a ModuleList of num_hidden_layers blocks)")
+        return [self._taps(layer) for layer in layers]
 
     def _taps(self, block: nn.Module) -> LayerTaps:
         attn = next((getattr(block, n) for n in ("attn", "self_attn", "attention") if hasattr(block, n)), None)
@@ -144,7 +148,15 @@ class TransformersEngine(Engine):
         # transformers' Conv1D stores (in, out); nn.Linear stores (out, in).
         weight = proj.weight.detach() if type(proj).__name__ == "Conv1D" else proj.weight.detach().t()
         bias = proj.bias.detach() if getattr(proj, "bias", None) is not None else None
-        return LayerTaps(out_proj=proj, weight=weight, bias=bias, mlp=mlp)
+        # The MLP's output projection: GPT-2's c_proj (Conv1D, (N, D)), Llama's down_proj, fc2 (Linear, (D, N)).
+        down = next((getattr(mlp, n) for n in ("c_proj", "down_proj", "fc2", "dense_4h_to_h", "fc_out")
+                     if isinstance(getattr(mlp, n, None), nn.Module) and hasattr(getattr(mlp, n), "weight")), None)
+        values = mlp_bias = None
+        if down is not None:
+            values = down.weight.detach() if type(down).__name__ == "Conv1D" else down.weight.detach().t()
+            mlp_bias = down.bias.detach() if getattr(down, "bias", None) is not None else None
+        return LayerTaps(out_proj=proj, weight=weight, bias=bias, mlp=mlp, mlp_out=down, values=values,
+                         mlp_bias=mlp_bias)
 
     # -- the KV cache ----------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int):

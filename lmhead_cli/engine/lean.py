@@ -314,10 +314,15 @@ class LeanGPT2(Engine):
 
     def components(self, ids: torch.Tensor) -> Components:
         """The last position's final residual as wte + wpe + each head of each layer + c_proj biases + MLPs."""
-        taps = [LayerTaps(out_proj=b.attn.c_proj, weight=b.attn.c_proj.weight.detach(),
-                          bias=b.attn.c_proj.bias.detach(), mlp=b.mlp) for b in self.gpt.h]
-        return capture_components(lambda: self.body(ids), self.config["n_head"], taps, self.gpt.h,
+        return capture_components(lambda: self.body(ids), self.config["n_head"], self.layer_taps(), self.gpt.h,
                                   linearise_norm(self.gpt.ln_f), (self.gpt.wte, self.gpt.wpe))
+
+    def layer_taps(self) -> list[LayerTaps]:
+        """Each block's c_proj (attention) and MLP; the MLP's c_proj weight (4D, D) holds its value vectors as rows."""
+        return [LayerTaps(out_proj=b.attn.c_proj, weight=b.attn.c_proj.weight.detach(),
+                          bias=b.attn.c_proj.bias.detach(), mlp=b.mlp, mlp_out=b.mlp.c_proj,
+                          values=b.mlp.c_proj.weight.detach(), mlp_bias=b.mlp.c_proj.bias.detach())
+                for b in self.gpt.h]
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:

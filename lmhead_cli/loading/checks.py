@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +73,54 @@ def check_config(config, path) -> None:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (V is not None and i >= V):
                 raise CorruptCheckpoint(f"{path}: {key} {json.dumps(value)[:40]} is not a token id of its "
                                         f"vocabulary (0 to {V - 1 if V else '?'})")
+    check_rope(config, path)
+
+
+# RoPE's settings (transformers' RopeParameters) by the type each must have.
+ROPE_KINDS = {
+    "a number": ("rope_theta", "partial_rotary_factor", "factor", "attention_factor", "beta_fast", "beta_slow",
+                 "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim"),
+    "an integer": ("original_max_position_embeddings",),
+    "a list of numbers": ("short_factor", "long_factor"),
+    "a list of integers": ("mrope_section",),
+    "a string": ("rope_type", "type"),
+    "true or false": ("truncate",),
+}
+
+
+def check_rope(config: dict, path) -> None:
+    """rope_scaling and rope_parameters (one table, or one per layer type: {"full_attention": {...}}), each
+    setting of the type transformers computes with, before transformers reads them: a factor given as a
+    string makes it warn (twice: the config is built twice) and then fail in a tensor division, far from
+    the config. Ranges are transformers' own to judge."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise CorruptCheckpoint(f"{path}: {key} must be an object of RoPE settings, not {json.dumps(value)[:40]}")
+        nested = value and all(v is None or isinstance(v, dict) for v in value.values())
+        for layer, table in (value.items() if nested else [(None, value)]):
+            for name, v in (table or {}).items():
+                kind = next((k for k, names in ROPE_KINDS.items() if name in names), None)
+                if kind is not None and not _rope_value_is(kind, v):
+                    where = f"{key}.{layer}" if layer is not None else key
+                    raise CorruptCheckpoint(f"{path}: {where}'s {name} must be {kind}, not {json.dumps(v)[:40]}")
+
+
+def _rope_value_is(kind: str, v) -> bool:
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    def integer(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    return {"a number": lambda: v is None or number(v),
+            "an integer": lambda: v is None or integer(v),
+            "a list of numbers": lambda: v is None or isinstance(v, list) and all(map(number, v)),
+            "a list of integers": lambda: v is None or isinstance(v, list) and all(map(integer, v)),
+            "a string": lambda: isinstance(v, str),
+            "true or false": lambda: v is None or isinstance(v, bool)}[kind]()
 
 
 def check_vocabularies(tokenizer_size: int, vocab_size: int, origin: str, path) -> None:
@@ -92,13 +139,13 @@ def regular_file(path: Path) -> Path:
     """`path` itself, when it is a regular file (or a link to one): a FIFO, a device or a socket is a
     CorruptCheckpoint naming it, found by stat() without opening it (opening a FIFO blocks until a
     writer comes). A missing path or a folder passes through, for the caller's own message."""
+    from lmhead_cli.inputs import special_kind
+
     try:
-        mode = os.stat(path).st_mode
+        kind = special_kind(os.stat(path).st_mode)
     except OSError:
         return path
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    if kind is not None:
         raise CorruptCheckpoint(f"{path} is {kind}, not a regular file; lmhead reads checkpoint files only from "
                                 "regular files (reading a FIFO would wait for a writer)")
     return path

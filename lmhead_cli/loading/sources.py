@@ -23,7 +23,7 @@ from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
 from lmhead_cli.engine.threads import ThreadChooser
 from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
-from lmhead_cli.loading import bundled, checks, validate
+from lmhead_cli.loading import bundled, checks, gguf, validate
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tie import TieReport, file_tie, tie_report  # noqa: F401 - the tie's own module
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer
@@ -45,7 +45,7 @@ class Loaded:
     """A model ready to run: what the user asked for, where it came from, and the pieces."""
 
     source: str
-    kind: str  # "hub", "local", "random" or "bundled"
+    kind: str  # "hub", "local", "random", "bundled" or "gguf"
     path: str | None
     random_weights: bool
     seed: int | None
@@ -116,6 +116,23 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         kind, folder, files = "random", None, []
         engine_name = validate.checkpoint_engine(engine, config, announce)
         tokenizer = GPT2Tokenizer.bundled()
+    elif gguf.is_gguf(source):
+        # llama.cpp's file: header checked, memory planned, then read and dequantised (loading/gguf.py)
+        folder, kind = None, "gguf"
+        files = [Path(source).expanduser()]
+        header = gguf.read_header(files[0])
+        n = sum(math.prod(t.dims) for t in header.tensors)
+        checks.check_memory(checks.plan_memory(n, dtype, 4 * n, dev.type), source, ignore_memory, announce)
+        found = gguf.read_gguf(files[0], header)
+        config, state, tokenizer = found.config, found.state, found.tokenizer
+        checks.check_config(config, files[0])
+        engine_name = validate.checkpoint_engine(engine, config, announce)
+        if engine_name == "transformers":
+            validate.check_config_for(config, files[0])
+        if int8 and engine_name != "lean":
+            raise UsageError(Param("dtype"), f" int8 runs on the lean engine, which takes GPT-2 only (this GGUF is "
+                             f"{config['model_type']!r}); use float32, bfloat16 or float16")
+        announce(found.describe(files[0], dtype))
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
@@ -159,7 +176,7 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     # After the build, whose own checks name an unsupported model first; before any prompt is read.
     checks.check_vocabularies(tokenizer.vocab_size, eng.vocab_size, tokenizer.origin,
                               (folder / "config.json") if folder else source)
-    return Loaded(source=source, kind=kind, path=str(folder) if folder else None,
+    return Loaded(source=source, kind=kind, path=str(folder) if folder else str(files[0]) if kind == "gguf" else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
                   config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
 
@@ -168,6 +185,8 @@ def model_type(source: str, allow_pickle: bool = False) -> str | None:
     """The config's model_type of `source` ("gpt2" for random:NAME), read without any weights."""
     if source.startswith(RANDOM_PREFIX):
         return "gpt2"
+    if gguf.is_gguf(source):
+        return gguf.architecture(Path(source).expanduser())
     return _read_config(_find_folder(source, allow_pickle)[0]).get("model_type")
 
 

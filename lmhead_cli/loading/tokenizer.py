@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections import Counter
 from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from lmhead_cli.errors import CorruptCheckpoint, UsageError, is_library_panic
+from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel, UsageError, is_library_panic
 from lmhead_cli.loading.checks import regular_file
 
 EOT = "<|endoftext|>"
@@ -73,6 +74,59 @@ class GPT2Tokenizer:
 
             return cls(_checked(blame, lambda: _bpe(vocab, merges)), str(folder))
         return None
+
+    @classmethod
+    def from_gguf(cls, meta, vocab_size: int, path: Path) -> GPT2Tokenizer:
+        """The tokenizer a GGUF file describes in its metadata (`meta.get(key)`: tokenizer.ggml.model,
+        .pre, .tokens, .token_type, .merges), as llama.cpp builds it: byte-level BPE ("gpt2") with
+        GPT-2's pre-tokenizer, control tokens (type 3) special, user-defined ones (type 4) added.
+
+        Checked before use: one token per embedding row, no token twice, every merge two tokens of the
+        table; then the probe text must encode without error and decode back to itself."""
+        model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+        if model != "gpt2":
+            raise UnsupportedModel(f"{path}: tokenizer.ggml.model is {model!r}; lmhead builds GGUF tokenizers of "
+                                   "byte-level BPE ('gpt2') only")
+        if pre not in (None, "default", "gpt-2"):
+            raise UnsupportedModel(f"{path}: tokenizer.ggml.pre is {pre!r}; lmhead builds GPT-2's pre-tokenizer "
+                                   "('gpt-2' or 'default') only")
+        tokens, kinds = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+        merges = meta.get("tokenizer.ggml.merges")
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.tokens is missing or not a list of strings")
+        if len(tokens) != vocab_size:
+            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.tokens holds {len(tokens):,} tokens but token_embd.weight "
+                                    f"has {vocab_size:,} rows; each token needs one row")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            twice = next(t for t, n in Counter(tokens).items() if n > 1)
+            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.tokens holds {twice!r} twice")
+        kinds = kinds if kinds is not None else [1] * len(tokens)
+        if not isinstance(kinds, list) or len(kinds) != len(tokens):
+            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.token_type must list one type per token")
+        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.merges is missing or not a list of strings")
+        pairs = []
+        for i, m in enumerate(merges):
+            a, sep, b = m.partition(" ")
+            if not sep or a not in vocab or b not in vocab or a + b not in vocab:
+                raise CorruptCheckpoint(f"{path}: tokenizer.ggml.merges[{i}] {m[:40]!r} is not two tokens of the "
+                                        "table whose join is one")
+            pairs.append((a, b))
+
+        def build() -> Tokenizer:
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            tok.add_special_tokens([t for t, k in zip(tokens, kinds) if k == 3])
+            tok.add_tokens([t for t, k in zip(tokens, kinds) if k == 4])
+            return tok
+
+        tok = _checked(path, build)
+        if tok.decode(tok.encode(PROBE, add_special_tokens=False).ids, skip_special_tokens=False) != PROBE:
+            raise CorruptCheckpoint(f"{path}: the tokenizer in its metadata does not give the probe text back "
+                                    "(tokenizer.ggml.tokens is not GPT-2's byte-level table)")
+        return cls(tok, f"{path} (tokenizer.ggml.*)")
 
     @classmethod
     def bundled(cls) -> GPT2Tokenizer:

@@ -75,11 +75,15 @@ class PromptLines:
 
 def open_input(name: str, what: str):
     """The binary stream behind a file option (`-`: stdin), opened now so that a bad path fails before
-    any model loads; a missing or unreadable file, or a closed stdin, is a UsageError that names it as `what`."""
+    any model loads; a missing or unreadable file, or a closed stdin, is a UsageError that names it as `what`.
+    A named FIFO is refused without being opened (opening one waits for a writer, for ever when there is
+    none); a pipe this process already holds (bash's `<(...)`: /dev/fd/N) is read, and so is a device
+    (/dev/zero ends at the line limit)."""
     if name == STDIN:
         if sys.stdin is None or getattr(sys.stdin, "closed", False):
             raise UsageError(f"the {what} is stdin, and stdin is closed; pass a file or pipe it in")
         return getattr(sys.stdin, "buffer", sys.stdin)
+    _refuse_fifo(name, what)
     try:
         return open(name, "rb")  # noqa: SIM115 - the caller reads and closes it
     except FileNotFoundError:
@@ -88,6 +92,23 @@ def open_input(name: str, what: str):
         raise UsageError(f"{name} is a folder, not a {what}") from None
     except OSError as e:
         raise UsageError(f"cannot read the {what} {name}: {e.strerror or e}") from None
+
+
+def _refuse_fifo(name: str, what: str) -> None:
+    import os
+    import re
+    import stat
+
+    from lmhead_cli.inputs import special_kind
+
+    try:
+        mode = os.stat(name).st_mode
+    except OSError:
+        return  # missing or unreadable: open() says which
+    if not stat.S_ISFIFO(mode) or re.fullmatch(r"/proc/(self|\d+)/fd/pipe:\[\d+\]", os.path.realpath(name)):
+        return
+    raise UsageError(f"{name} is {special_kind(mode)}, not a regular file; give a regular file, or give - and pipe "
+                     f"the {what} in (a FIFO with no writer would wait for ever)")
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.engine.heap import fix_mmap_threshold
-from lmhead_cli.errors import NonFiniteLogits, OneToken, UsageError
+from lmhead_cli.errors import BadValue, NonFiniteLogits, OneToken, UsageError
 from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.agreement import Statistics, statistics
 from lmhead_cli.readings.chunks import COMPARE_BUFFERS
 from lmhead_cli.readings.chunks import default_chunk as _chunk
-from lmhead_cli.readings.score import (bos_id, check_chunk, check_stride, check_text, run_means,
+from lmhead_cli.readings.score import (Window, bos_id, check_chunk, check_stride, check_text, run_means,
                                        text_ids, windows)
 
 
@@ -79,13 +79,26 @@ def check_same_vocabulary(q: Loaded, base: Loaded) -> None:
 
 
 def check_same_tokens(q: Loaded, base: Loaded, ids: torch.Tensor, text: str) -> None:
-    """A Mismatch when the base's tokenizer splits the text otherwise than Q's (same table, other merges)."""
+    """A Mismatch when the base's tokenizer splits the text otherwise than Q's (same table, other merges,
+    or a GGUF's tokenizer against its original's), naming the first token where they differ as each
+    side reads it; nothing is run before this check."""
     other = torch.frombuffer(base.tokenizer.encode_long(text), dtype=torch.int32).long()
     if not torch.equal(other, ids):
         n = min(len(other), len(ids))
         at = next((i for i in range(n) if int(other[i]) != int(ids[i])), n)
+        mine = _token_at(q, ids, at)
+        theirs = _token_at(base, other, at)
         raise Mismatch(f"the base {base.source} has another tokenizer: it splits the text into {len(other):,} "
-                       f"tokens against {len(ids):,}, differing first at token {at}; compare needs one tokenizer")
+                       f"tokens against {len(ids):,}, differing first at token {at}; there {q.source} reads "
+                       f"{mine} and the base {theirs}; compare needs one tokenizer")
+
+
+def _token_at(side: Loaded, ids: torch.Tensor, at: int) -> str:
+    """Token `at` of `ids` as `side` reads it: its text and id, or that the split has ended."""
+    if at >= len(ids):
+        return "nothing (its split has ended)"
+    tid = int(ids[at])
+    return f"{side.tokenizer.token_text(tid)!r} (id {tid})"
 
 
 # ---- the result ------------------------------------------------------------------------------
@@ -121,6 +134,7 @@ class Comparison:
     stride: int
     chunk: int
     windows: int
+    llama_chunks: bool  # llama-perplexity's positions: windows of `window` tokens, the second half of each scored
     ids: torch.Tensor  # (T,) int64
     scored: torch.Tensor  # (T,) bool
     kld: torch.Tensor  # (T,) float32 nats, NaN where unscored
@@ -181,25 +195,57 @@ def _top(lp: torch.Tensor, who: str, first: int) -> torch.Tensor:
     return top_id
 
 
+def llama_chunks(T: int, n: int) -> Iterator[Window]:
+    """llama-perplexity's plan over T tokens: ⌊T / n⌋ chunks of n tokens, no overlap, the rest of the text
+    unread; in each, positions n/2 … n − 2 predict tokens n/2 + 1 … n − 1 (perplexity.cpp: `first =
+    n_ctx/2`, logits from `first` on, `n_ctx - 1 - first` tokens scored a chunk)."""
+    for c in range(T // n):
+        yield Window(c * n, (c + 1) * n, c * n + n // 2 + 1)
+
+
+def check_llama_chunks(n: int | None, n_ctx: int, T: int | None = None) -> None:
+    if n is None:
+        return
+    if not (isinstance(n, int) and not isinstance(n, bool)) or not 4 <= n <= n_ctx:
+        raise BadValue("llama_chunks", f"must be between 4 and the context of {n_ctx} (got {n!r})")
+    if T is not None and T < n:
+        raise UsageError(f"the text is {T:,} tokens, fewer than one chunk of {n:,}; llama-perplexity scores whole "
+                         "chunks only")
+
+
 @torch.inference_mode()
 def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: int | None = None,
-                chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
-    """Both models over token ids (T,), window by window, the heads chunk by chunk. Returns the columns."""
+                chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
+                llama: int | None = None) -> dict:
+    """Both models over token ids (T,), window by window, the heads chunk by chunk. Returns the columns.
+
+    `llama` = n: llama-perplexity's positions instead of score's windows (`llama_chunks`); with `bos`
+    each chunk begins with BOS in place of its first token, as llama-perplexity does when the
+    tokenizer adds one."""
     fix_mmap_threshold()  # as score: freed chunk buffers go back to the OS (engine/heap.py)
     n_ctx = min(q.engine.n_ctx, base.engine.n_ctx)
+    if llama is not None:
+        if stride is not None:
+            raise UsageError("give a stride or llama-perplexity's chunks, not both")
+        check_llama_chunks(llama, n_ctx, len(ids) + bos)
+        stride = llama
     stride = n_ctx // 2 if stride is None else stride
     check_stride(stride, n_ctx)
     check_chunk(chunk)
     chunk = chunk or default_chunk(q.engine.vocab_size)
-    seq = torch.cat([ids.new_tensor([bos_id(q)]), ids]) if bos else ids  # (T + bos,)
+    first_id = bos_id(q) if bos else None
+    seq = torch.cat([ids.new_tensor([first_id]), ids]) if bos else ids  # (T + bos,)
     T = len(seq)
-    plan = list(windows(T, n_ctx, stride))
+    plan = list(llama_chunks(T, llama) if llama else windows(T, n_ctx, stride))
     kld, lp_q, lp_b = (torch.full((T,), math.nan) for _ in range(3))
     top_q, top_b = (torch.full((T,), -1, dtype=torch.long) for _ in range(2))
     who = (f"the model {q.source} ({dtype_name(q)})", f"the base {base.source} ({dtype_name(base)})")
     total, done = sum(w.end - w.first for w in plan), 0
     for w in plan:
         window = seq[None, w.begin:w.end]
+        if llama and bos and w.begin:  # llama-perplexity: BOS in place of each chunk's first token
+            window = window.clone()
+            window[0, 0] = first_id
         pred_q = q.engine.body(window.to(q.engine.device))[0][w.predictors]  # (n, D)
         pred_b = pred_q if base is q else base.engine.body(window.to(base.engine.device))[0][w.predictors]  # (n, D)
         for lo, hi in w.chunks(chunk):
@@ -218,15 +264,17 @@ def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False
                 progress(done, total)
         del pred_q, pred_b
     keep = slice(1, None) if bos else slice(None)
-    return {"windows": len(plan), "window": n_ctx, "stride": stride, "chunk": chunk, "kld": kld[keep],
-            "logprob_q": lp_q[keep], "logprob_base": lp_b[keep], "top_q": top_q[keep], "top_base": top_b[keep],
+    return {"windows": len(plan), "window": llama or n_ctx, "stride": stride, "llama_chunks": llama is not None,
+            "chunk": chunk, "kld": kld[keep], "logprob_q": lp_q[keep], "logprob_base": lp_b[keep], "top_q": top_q[keep], "top_base": top_b[keep],
             "scored": top_q[keep] >= 0}
 
 
 def compare_text(q: Loaded, base: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
-                 chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Comparison:
-    """Compare Q with the base over every token of one text. The text must be at least 2 tokens,
-    and both models must share the vocabulary and the tokenizer (Mismatch otherwise)."""
+                 chunk: int | None = None, progress: Callable[[int, int], None] | None = None,
+                 llama: int | None = None) -> Comparison:
+    """Compare Q with the base over every token of one text (or llama-perplexity's positions: `llama`
+    = n, see compare_ids). The text must be at least 2 tokens, and both models must share the
+    vocabulary and split the text into the same tokens (Mismatch otherwise, before anything runs)."""
     check_same_vocabulary(q, base)
     text = check_text(text)
     try:
@@ -238,6 +286,6 @@ def compare_text(q: Loaded, base: Loaded, text: str, *, bos: bool = False, strid
         token = token if ids is None else q.tokenizer.token_text(int(ids[0]))
         raise UsageError(f"the text is one token ({token!r}); compare needs a text of at least 2 tokens")
     check_same_tokens(q, base, ids, text)
-    cols = compare_ids(q, base, ids, bos=bos, stride=stride, chunk=chunk, progress=progress)
+    cols = compare_ids(q, base, ids, bos=bos, stride=stride, chunk=chunk, progress=progress, llama=llama)
     return Comparison(q=side(q), base=side(base), text=text, bos=bos, ids=ids, token_text=q.tokenizer.token_text,
                       **cols)

@@ -225,9 +225,9 @@ class History:
         it, so nothing is written through a symlink and no other file is truncated."""
         if self.readline is None:
             return
-        import tempfile
+        from lmhead_cli.outputs import replace_with
 
-        rl, new, tmp = self.readline, self.new_lines(), None
+        rl, new = self.readline, self.new_lines()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with _locked(self.path.with_name(self.path.name + ".lock")):
@@ -238,19 +238,9 @@ class History:
                     rl.read_history_file(self.path)
                 for line in new:
                     rl.add_history(line)
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".history.")
-                os.close(fd)
-                rl.write_history_file(tmp)
-                os.replace(tmp, self.path)
-                tmp = None
+                replace_with(self.path, rl.write_history_file)  # private, as mkstemp makes it: 0600
         except (OSError, ValueError):
             pass
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
 
 
 def _is_regular(path: Path) -> bool:

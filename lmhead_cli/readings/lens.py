@@ -14,9 +14,20 @@ import torch
 
 from lmhead_cli.errors import BadValue
 from lmhead_cli.engine.base import module_name
-from lmhead_cli.head import Distribution, TargetScore, check_finite, clamp_top_k, encode_targets
+from lmhead_cli.head import Distribution, TargetScore, check_finite, clamp_top_k, encode_targets, kl_divergence
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
+
+
+@dataclass(frozen=True)
+class TunedReading:
+    """The same layer read through its tuned-lens translator (readings/tuned_lens.py)."""
+
+    top_id: int
+    top_token: str
+    top_prob: float
+    entropy: float  # nats
+    targets: list[TargetScore]
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,9 @@ class LensLayer:
     top_prob: float
     entropy: float  # nats
     targets: list[TargetScore]
+    # KL(final ‖ this layer's reading) in nats: {"logit": ...}, and "tuned" when a tuned lens is given
+    kl_to_final: dict[str, float] = field(default_factory=dict)
+    tuned: TunedReading | None = None  # the tuned lens's reading, when one is given
 
 
 @dataclass
@@ -48,6 +62,8 @@ class Lens:
     norm: str  # the final norm every layer goes through, as the model names it ("ln_f", "model.norm")
     tied: bool  # the head is the embedding table
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, (V,) float32
+    tuned_lens: str | None = None  # the tuned lens read beside the logit lens: its file, and whose it is
+    tuned_logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, (V,) float32
 
 
 def check_position(position: int | None, T: int) -> int:
@@ -61,38 +77,66 @@ def check_position(position: int | None, T: int) -> int:
 
 
 @torch.inference_mode()
-def layer_logits(loaded: Loaded, ids: list[int], position: int = -1) -> list[torch.Tensor]:
+def layer_logits(loaded: Loaded, ids: list[int], position: int = -1, tuned=None) -> list[torch.Tensor]:
     """Logits (V,) float32 at `position` (default the last) for the residual stream after the embeddings
-    and after each block, each through ln_f recomputed for that vector, then the head."""
+    and after each block, each through ln_f recomputed for that vector, then the head. With `tuned` (a
+    readings.tuned_lens.TunedLens), each layer's vectors go through its translator first."""
+    return layer_readings(loaded, ids, position, tuned)[1 if tuned is not None else 0]
+
+
+@torch.inference_mode()
+def layer_readings(loaded: Loaded, ids: list[int], position: int = -1,
+                   tuned=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The logit lens's logits per layer and, with `tuned`, the tuned lens's (else []), from one forward:
+    each (V,) float32 at `position`."""
     eng = loaded.engine
     x = torch.tensor([ids], device=eng.device)  # (1, T)
-    out = []
-    for resid in eng.residuals(x):  # (1, T, D), raw: before ln_f
+    logit, translated = [], []
+
+    def read(resid: torch.Tensor) -> torch.Tensor:
         # ln_f on all positions then slice, as `body` does, so the last row is bit-identical to inspect's.
         h = eng.final_norm(resid)[:, position, :][:, None]  # (1, 1, D)
         logits = eng.head(h)  # (1, 1, V)
         check_finite(logits)
-        out.append(logits[0, 0].float())
-    return out
+        return logits[0, 0].float()
+
+    for layer, resid in enumerate(eng.residuals(x)):  # (1, T, D), raw: before ln_f
+        logit.append(read(resid))
+        if tuned is not None:
+            translated.append(read(tuned.translate(layer, resid)))
+    return logit, translated
 
 
 def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, columns: int = 8,
-                position: int | None = None) -> Lens:
+                position: int | None = None, tuned=None) -> Lens:
     """Run the logit lens on `prompt` at `position` (None: the last; what comes after that token);
-    `columns` of the last layer's top tokens go into the heat map."""
+    `columns` of the last layer's top tokens go into the heat map. With `tuned` (a TunedLens checked
+    against this model), each layer is also read through its translator."""
     ids, dropped = encode_prompt(loaded, prompt)
     at = check_position(position, len(ids))
     k = clamp_top_k(columns, loaded.engine.vocab_size)
     text = loaded.tokenizer.token_text
     target_ids = encode_targets(loaded.tokenizer, targets)
-    per_layer = layer_logits(loaded, ids, at)
+    per_layer, per_layer_tuned = layer_readings(loaded, ids, at, tuned)
 
     layers = []
     dists = [Distribution(z) for z in per_layer]
+    tuned_dists = [Distribution(z) for z in per_layer_tuned]
+    final = dists[-1].logprobs
     for i, dist in enumerate(dists):
         top = dist.top(1, text)[0]
+        kl = {"logit": kl_divergence(final, dist.logprobs)}
+        reading = None
+        if tuned_dists:
+            t_dist = tuned_dists[i]
+            t_top = t_dist.top(1, text)[0]
+            kl["tuned"] = kl_divergence(final, t_dist.logprobs)
+            reading = TunedReading(top_id=t_top.id, top_token=t_top.token, top_prob=t_top.prob,
+                                   entropy=t_dist.entropy,
+                                   targets=[t_dist.target(t, tid, text) for t, tid in target_ids])
         layers.append(LensLayer(layer=i, top_id=top.id, top_token=top.token, top_prob=top.prob,
-                                entropy=dist.entropy, targets=[dist.target(t, tid, text) for t, tid in target_ids]))
+                                entropy=dist.entropy, targets=[dist.target(t, tid, text) for t, tid in target_ids],
+                                kl_to_final=kl, tuned=reading))
 
     col_ids = [t.id for t in dists[-1].top(k, text)]
     n_top = len(col_ids)
@@ -105,4 +149,5 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
                 columns=[PromptToken(i, text(i)) for i in col_ids], heat=probs.tolist(), top_columns=n_top,
                 peak=float(probs.max()), norm=module_name(loaded.engine.module, loaded.engine.final_norm_module),
                 tied=loaded.tie.tied,
-                logits=per_layer)
+                logits=per_layer, tuned_lens=None if tuned is None else f"{tuned.name} (for {tuned.identity.model})",
+                tuned_logits=per_layer_tuned)

@@ -93,9 +93,11 @@ def dp_rows(s) -> list[tuple[str, str, str]]:
 def summary_lines(c) -> list[str]:
     T = len(c.ids)
     windows = "1 window" if c.windows == 1 else f"{c.windows:,} windows"
+    plan = (f"{'1 chunk' if c.windows == 1 else f'{c.windows:,} chunks'} of {c.window:,} tokens, the second half of "
+            "each scored (llama-perplexity's positions)" if c.llama_chunks
+            else f"{windows} of ≤ {c.window:,} tokens (stride {c.stride:,})")
     lines = [f"Q:    {_who(c.q)}", f"base: {_who(c.base)}",
-             f"{c.positions:,} positions scored of {T:,} tokens; {windows} of ≤ {c.window:,} tokens "
-             f"(stride {c.stride:,}); both heads {c.chunk:,} positions at a time"]
+             f"{c.positions:,} positions scored of {T:,} tokens; {plan}; both heads {c.chunk:,} positions at a time"]
     if c.positions < FEW_POSITIONS:
         lines.append(f"few positions ({c.positions:,}): the ± figures are rough (llama-perplexity prints no "
                      f"summary under {FEW_POSITIONS})")
@@ -142,7 +144,7 @@ def json_header(c) -> dict:
     random_weights, dtype), the text and the plan."""
     return {"q": provenance_json(c.q, "dtype"), "base": provenance_json(c.base, "dtype"), "text": c.text,
             "bos": c.bos, "window": c.window, "stride": c.stride, "chunk": c.chunk, "windows": c.windows,
-            "positions": c.positions}
+            "llama_chunks": c.window if c.llama_chunks else None, "positions": c.positions}
 
 
 def comparison_json(c) -> dict:

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from rich.table import Table
 
-from lmhead_cli.render import compose, elided, out, provenance_json, show_token
+from lmhead_cli.render import compact_table, compose, elided, out, provenance_json, show_token, text_cell
 from lmhead_cli.render import token_cell as tok
 from lmhead_cli.render.inspect import random_banner
 
@@ -28,7 +28,39 @@ def lens_json(lens) -> dict:
         "layers": [asdict(layer) for layer in lens.layers],
         "norm": lens.norm,
         "tied": lens.tied,
+        "tuned_lens": lens.tuned_lens,
     }
+
+
+def tuning_json(result) -> dict:
+    """The documented `tune-lens --json` document: what was trained, how long it took, the KL per layer."""
+    t = result.reading
+    return {
+        **provenance_json(result.source),
+        "out": result.out,
+        "layers": len(t.first_kl),
+        "steps": t.steps, "batch": t.batch, "seq": t.seq, "tokens": t.tokens,
+        "seconds": t.seconds, "cpu_seconds": t.cpu_seconds, "threads": t.threads,
+        "load_average": list(t.load_average), "text_bytes": t.text_bytes,
+        "kl_first_step": t.first_kl, "kl_last_steps": t.last_kl,
+    }
+
+
+def tuning_report(result) -> None:
+    """tune-lens for people: the file, the time, and each translated layer's KL before and after."""
+    t = result.reading
+    con = out()
+    random_banner(result.source.model, result.source.random_weights)
+    con.print(f"trained {t.steps:,} steps of {t.batch} × {t.seq} tokens ({t.tokens:,} positions) in "
+              f"{t.seconds:.1f} s ({t.cpu_seconds:.1f} s of CPU time, {t.threads} threads; load average "
+              f"{t.load_average[0]:.1f} at the start, {t.load_average[1]:.1f} at the end)")
+    table = compact_table("KL(final ‖ tuned reading), nats per position", ("layer", "left"),
+                          ("first step", "right"), ("last 10% of steps", "right"))
+    for layer, (a, b) in enumerate(zip(t.first_kl, t.last_kl)):
+        table.add_row(layer_name(layer), f"{a:.4f}", f"{b:.4f}")
+    con.print(table)
+    if result.out is not None:
+        con.print(compose("wrote ", text_cell(result.out), " (read it with lmhead lens PROMPT --tuned PATH)"))
 
 
 def _header(lens) -> None:
@@ -55,13 +87,27 @@ def lens_table(lens) -> None:
     for t in targets:
         table.add_column(compose(tok(t.token), " rank"), justify="right")
         table.add_column(compose(tok(t.token), " prob"), justify="right")
+    tuned = lens.tuned_lens is not None  # the KL columns come with it (--json always has kl_to_final)
+    if tuned:
+        table.add_column("KL logit", justify="right")
+        for name in ("tuned top", "prob", "KL tuned"):
+            table.add_column(name, justify="left" if name == "tuned top" else "right")
+        for t in targets:
+            table.add_column(compose(tok(t.token), " tuned"), justify="right")
     for row in lens.layers:
         cells = [layer_name(row.layer), tok(row.top_token), str(row.top_id), f"{row.top_prob:.4%}",
                  f"{row.entropy:.4f}"]
         for t in row.targets:
             cells += [f"{t.rank:,}", f"{t.prob:.4%}"]
+        if tuned:
+            cells += [f"{row.kl_to_final['logit']:.4f}", tok(row.tuned.top_token), f"{row.tuned.top_prob:.4%}", f"{row.kl_to_final['tuned']:.4f}"]
+            cells += [f"{t.prob:.4%}" for t in row.tuned.targets]
         table.add_row(*cells)
     out().print(table)
+    if tuned:
+        out().print(compose("tuned lens: ", text_cell(lens.tuned_lens), "; each layer read through its "
+                            "translator h + A·h + b before the norm and the head"))
+        out().print("KL: KL(final ‖ the layer's reading) in nats")
     if lens.position == len(lens.prompt_tokens) - 1:
         out().print("entropy in nats; the last row is what `lmhead inspect` shows")
     else:

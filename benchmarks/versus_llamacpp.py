@@ -1,0 +1,533 @@
+"""lmhead against llama.cpp on the same weights (issue 35): greedy decoding idle and beside a busy
+process, scoring against llama-perplexity, serving against llama-server, and each dtype's fraction of
+the machine's read bandwidth (benchmarks/bandwidth.py).
+
+    python benchmarks/versus_llamacpp.py                 # everything (~10-15 min on 2 cores); .cache/RESULTS-llamacpp.md
+    python benchmarks/versus_llamacpp.py --write         # the same, its section kept in benchmarks/RESULTS.md
+    python benchmarks/versus_llamacpp.py --only decode   # a subset: decode, busy, score, serve (comma-separated)
+    python benchmarks/versus_llamacpp.py --quick         # a smoke test (~3 min): 1 run each, 32 tokens, no busy rows
+
+llama.cpp is built once by benchmarks/llamacpp.py (cached in $LMHEAD_BENCH_LLAMACPP, else
+~/.cache/lmhead-bench/llamacpp; building it takes 20-40 min on 2 cores and is not counted above) and
+the benchmark's checkpoint (benchmarks/checkpoint.py) converted by its convert_hf_to_gguf.py into F32,
+then by llama-quantize into BF16 and Q8_0. Without cmake or a compiler the section says so and stops.
+
+Every figure comes from fresh processes, the two engines alternating, on the machine's cores:
+llama.cpp with -t = the core count; lmhead with its own defaults (`lmhead greedy --json`, threads
+chosen by timing). Idle: the best of N runs (neighbours on a shared machine only ever slow a run);
+busy: the median of N beside one Python spin loop that the benchmark starts and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bandwidth  # noqa: E402
+import llamacpp  # noqa: E402
+from harness import PYTHON, QUIET, Competitor, lmhead, load1, log, probe, run  # noqa: E402
+
+PROMPT = "The keys on the table"
+TARGET = 1.0  # lmhead ≥ 1.0× llama.cpp in every row
+BEGIN, END = "<!-- versus llama.cpp: begin -->", "<!-- versus llama.cpp: end -->"
+SECTIONS = ("decode", "busy", "score", "serve")
+SERVE_CLIENTS = (1, 4, 16)
+BUSY_TIMEOUT_S = 150  # a llama-bench run beside the spin loop has taken 75 s (1.7 tok/s); past this it counts as failed
+
+
+# ---- decoding -----------------------------------------------------------------------------------
+
+def lmhead_decode(folder: Path, dtype: str, n: int) -> dict:
+    """`lmhead greedy --json` in a fresh process: its own steady rate (first new token to last)."""
+    doc = json.loads(run(lmhead("greedy", PROMPT, "--model", str(folder), "--max-new-tokens", str(n), "--ignore-eos",
+                                "--dtype", dtype, "--device", "cpu", "--json"))[2])
+    return {"tps": doc["decode_tokens_per_second"]}
+
+
+def llama_decode(gguf: Path, n: int, threads: int, timeout: float | None = None) -> dict:
+    """llama-bench tg{n} in a fresh process (-p 0 -r 1: one timed run of n tokens after llama-bench's
+    one-token warm-up, so that, like lmhead's steady rate, the first token's set-up is left out)."""
+    cmd = [str(llamacpp.binary("llama-bench")), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n),
+           "-r", "1", "-o", "json"]
+    if timeout:
+        cmd = ["timeout", str(int(timeout)), *cmd]
+    try:
+        out = run(cmd)[2]
+    except RuntimeError as e:
+        return {"tps": None, "error": str(e).splitlines()[0][:200]}
+    test = next(t for t in json.loads(out) if t["n_gen"] == n)
+    return {"tps": test["avg_ts"]}
+
+
+def decode(folder: Path, ggufs: dict[str, Path], n: int, rounds: int, threads: int, busy: bool) -> dict:
+    """Every (lmhead dtype, llama.cpp type) pair, `rounds` times, alternating engine by engine."""
+    runs: dict[str, dict[str, list]] = {t: {"lmhead": [], "llama": []} for t in ggufs}
+    for i in range(rounds):
+        for t, gguf in ggufs.items():
+            runs[t]["lmhead"].append(lmhead_decode(folder, llamacpp.LMHEAD_DTYPE[t], n))
+            runs[t]["llama"].append(llama_decode(gguf, n, threads, BUSY_TIMEOUT_S if busy else None))
+            log(f"  {'busy' if busy else 'idle'} {i + 1}/{rounds} {t}: lmhead "
+                f"{runs[t]['lmhead'][-1]['tps']:.1f}, llama.cpp {runs[t]['llama'][-1]['tps'] or float('nan'):.1f}")
+    return runs
+
+
+def summary(samples: list[float | None], busy: bool) -> float | None:
+    """Idle: the best run; busy: the median (a failed llama.cpp run counts as 0 tok/s)."""
+    xs = [x or 0.0 for x in samples]
+    if not xs:
+        return None
+    return statistics.median(xs) if busy else max(xs)
+
+
+# ---- scoring ------------------------------------------------------------------------------------
+
+def windows_forwarded(T: int, n_ctx: int, stride: int) -> int:
+    """Positions lmhead's score runs through the body: windows of n_ctx beginning every `stride`
+    tokens until one reaches the end (docs/score.md)."""
+    total, begin = 0, 0
+    while True:
+        end = min(begin + n_ctx, T)
+        total += end - begin
+        if end == T:
+            return total
+        begin += stride
+
+
+def score_probe(folder: str, text_file: str) -> dict:
+    """In this (fresh) process: load through the API, warm up on a short text, then time one
+    `Model.score` over the text (default stride: n_ctx / 2, llama-perplexity's halves). The log-probs
+    of the tokens llama-perplexity scores (the second half of each n_ctx chunk, with the context from
+    the chunk's start, as lmhead's window there has it) give their perplexity too."""
+    import lmhead_cli
+
+    text = Path(text_file).read_text(encoding="utf-8")
+    model = lmhead_cli.load(folder, device="cpu", dtype="float32")
+    model.score("The keys on the table are on the table.")
+    start = time.perf_counter()
+    result = model.score(text)
+    seconds = time.perf_counter() - start
+    reading = result.reading
+    T, n_ctx = int(reading.ids.numel()), reading.window
+    # llama-perplexity's tokens: in chunk c, the logits at positions n_ctx/2 .. n_ctx-2 predict tokens
+    # n_ctx/2 + 1 .. n_ctx - 1 (tools/perplexity/perplexity.cpp: n_ctx - 1 - first a chunk)
+    halves = [p for c in range(T // n_ctx) for p in range(c * n_ctx + n_ctx // 2 + 1, (c + 1) * n_ctx)]
+    nll = -float(reading.logprob[halves].double().sum())
+    return {"s": seconds, "tokens": T, "scored": int(reading.scored.sum()), "window": n_ctx, "stride": reading.stride,
+            "forwarded": windows_forwarded(T, n_ctx, reading.stride), "halves": len(halves),
+            "halves_ppl": math.exp(nll / len(halves))}
+
+
+def llama_score(gguf: Path, text_file: Path, n_ctx: int, threads: int) -> dict:
+    """llama-perplexity over the text in chunks of n_ctx (the second half of each scored), its own timing."""
+    import re
+
+    exe = llamacpp.binary("llama-perplexity")
+    cmd = ["sh", "-c", 'exec "$0" "$@" 2>&1', str(exe), "-m", str(gguf), "-f", str(text_file), "-c", str(n_ctx),
+           "-b", str(n_ctx), "-t", str(threads)]
+    wall, _, out = run(cmd)
+    chunks = int(re.search(r"calculating perplexity over (\d+) chunks", out).group(1))
+    eval_ms, evaluated = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out).groups()
+    ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", out).group(1))
+    return {"s": float(eval_ms) / 1e3, "wall_s": wall, "forwarded": int(evaluated), "chunks": chunks,
+            "scored": chunks * (n_ctx - n_ctx // 2 - 1), "ppl": ppl}
+
+
+def score(folder: Path, gguf: Path, n_tokens: int, rounds: int, threads: int) -> dict:
+    """`lmhead score` (in-process timing, fresh process each) against llama-perplexity on the same text."""
+    import score_bench
+
+    text = score_bench.make_text(n_tokens)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
+        f.write(text)
+    try:
+        ours, theirs = [], []
+        for _ in range(rounds):
+            wall, _, out = run([PYTHON, str(Path(__file__).resolve()), "score-probe", str(folder), f.name])
+            ours.append({**json.loads(out.strip().splitlines()[-1]), "wall_s": wall})
+            theirs.append(llama_score(gguf, Path(f.name), 1024, threads))
+    finally:
+        os.unlink(f.name)
+    return {"tokens": n_tokens, "lmhead": ours, "llama": theirs}
+
+
+# ---- serving ------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on 127.0.0.1, ready (its /health answers 200) inside the block, stopped after."""
+
+    def __init__(self, cmd: list[str], port: int, timeout: float = 300.0):
+        self.cmd, self.url, self.timeout = cmd, f"http://127.0.0.1:{port}", timeout
+
+    def __enter__(self):
+        import httpx
+
+        self.log = tempfile.TemporaryFile()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"{Path(self.cmd[0]).name} exited {self.proc.returncode}: "
+                                   f"{self.log.read().decode(errors='replace')[-1500:]}")
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"{' '.join(self.cmd[:3])} did not answer /health within {self.timeout:.0f} s")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def serve_prompts(n: int) -> list[str]:
+    import score_bench
+
+    words = score_bench.WORDS
+    return [" ".join(words[(7 * i + 3 * k) % len(words)] for k in range(12)).capitalize() for i in range(n)]
+
+
+def load_clients(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """`clients` threads, each with its own connection, sending its share of the prompts one after the
+    other (/v1/completions, temperature 0): completion tokens (the servers' own usage counts) per
+    second of wall time, all clients together."""
+    import httpx
+
+    local = threading.local()
+
+    def send(prompt: str) -> int:
+        if not hasattr(local, "c"):
+            local.c = httpx.Client(base_url=url, timeout=900)
+        r = local.c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0})
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        tokens = sum(pool.map(send, prompts))
+    wall = time.perf_counter() - start
+    return {"clients": clients, "requests": len(prompts), "tokens": tokens, "s": wall, "tps": tokens / wall}
+
+
+def serve(folder: Path, gguf: Path, threads: int, max_tokens: int, per_client: dict[int, int]) -> dict:
+    """`lmhead serve` (float32) and `llama-server -np 16` (F32), one after the other, each at 1, 4 and 16
+    clients, after one warm-up request."""
+    out = {}
+    servers = {
+        "lmhead": lambda port: [PYTHON, "-m", "lmhead_cli", "serve", "--model", str(folder), "--port", str(port),
+                                "--dtype", "float32", "--device", "cpu"],
+        "llama": lambda port: [str(llamacpp.binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1",
+                               "--port", str(port), "-t", str(threads), "-np", str(max(SERVE_CLIENTS)),
+                               "-c", str(max(SERVE_CLIENTS) * 256)],
+    }
+    for name, cmd in servers.items():
+        QUIET.wait()
+        port = free_port()
+        with Server(cmd(port), port) as server:
+            load_clients(server.url, serve_prompts(1), 1, max_tokens)  # warm-up
+            out[name] = []
+            for clients in SERVE_CLIENTS:
+                prompts = serve_prompts(clients * per_client[clients])
+                out[name].append(load_clients(server.url, prompts, clients, max_tokens))
+                log(f"  serve {name}, {clients} clients: {out[name][-1]['tps']:.1f} tok/s")
+    return out
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def ratio_cell(ours: float | None, theirs: float | None) -> str:
+    if not ours or not theirs:
+        return "n/a" if ours is None or theirs is None else ("∞" if not theirs else "0.00×")
+    x = ours / theirs
+    return f"{'✅' if x >= TARGET else '❌'} {x:.2f}×"
+
+
+def report(R: dict) -> str:
+    m, args, bw = R["machine"], R["args"], R.get("bandwidth")
+    loads = ", ".join(f"{k} {v:.2f}" for k, v in R["loads"])
+    lines = [
+        BEGIN,
+        "## Against llama.cpp",
+        "",
+        f"Written by `python benchmarks/versus_llamacpp.py{' --write' if args.get('write') else ''}"
+        f"{' --only ' + args['only'] if args.get('only') else ''}{' --quick' if args.get('quick') else ''}` on "
+        f"{R['date']}, in {R['elapsed_s'] / 60:.1f} min (llama.cpp's build not counted). llama.cpp: "
+        f"{R['llamacpp']['version']}, built by benchmarks/llamacpp.py (Release, GGML_NATIVE), the checkpoint "
+        "converted by its convert_hf_to_gguf.py into F32, then by llama-quantize into BF16 and Q8_0.",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores; {m['os']}; lmhead with its defaults (threads chosen by "
+        f"timing), llama.cpp with -t {R['threads']}",
+        f"- load average (1 min) at the start of each section: {loads} (on {m['cores']} cores). Before each "
+        f"measured process the run waited for idle CPUs (it waited {R['quiet']['waited_s']:.0f} s in all) and "
+        f"took a disturbed measurement again ({R['quiet']['repeated']} taken again, {R['quiet']['noisy']} kept "
+        "although disturbed)",
+    ]
+    if bw:
+        best = f"{bw['method']}, {bw['threads']} thread{'s' if bw['threads'] > 1 else ''}"
+        lines.append(
+            f"- read bandwidth (benchmarks/bandwidth.py, {bw['buffer_mb']:.0f} MB buffer, the fastest pass of each "
+            f"method at {bw['points']} points of the run): **{bw['read_gbs']:.1f} GB/s** ({best}); 1 thread "
+            f"{bw['read_gbs_1']:.1f} GB/s ({bw['method_1']}). Every method: "
+            + ", ".join(f"{x['method']} ×{x['threads']} {x['gbs']:.1f}" for x in bw["methods"])
+            + ("" if bw["compiled"] else " (no C compiler: the compiled read was left out)"))
+    dec, busy = R.get("decode"), R.get("busy")
+    if dec:
+        lines += ["", "### Greedy decoding", "",
+                  f"{args['new_tokens']} new tokens: `lmhead greedy --json`'s steady rate (first new token to last, "
+                  f"after the {len(PROMPT.split())}-word prompt, end-of-text ignored) against `llama-bench -p 0 -n "
+                  f"{args['new_tokens']} -r 1 -t {R['threads']}` (tg{args['new_tokens']}: one timed run of "
+                  f"{args['new_tokens']} tokens after its one-token warm-up), fresh processes, alternating. Idle: the best of "
+                  f"{args['rounds']}; beside one busy process (`python -c 'while True: pass'`): the median of "
+                  f"{args['busy_rounds']} (a llama-bench run that had not ended after {BUSY_TIMEOUT_S} s counts "
+                  "as 0). The bound: the weight bytes one step reads ÷ the read bandwidth above; lmhead's bytes as "
+                  "benchmarks/probes.py weight-bytes counts them, llama.cpp's from the GGUF file (every tensor "
+                  "but position_embd; tied, token_embd is the head).",
+                  "",
+                  "| lmhead | llama.cpp | idle: lmhead | idle: llama.cpp | idle ratio | busy: lmhead | busy: "
+                  "llama.cpp | busy ratio | bytes / token (lmhead, llama.cpp) | lmhead, fraction of bound | "
+                  "llama.cpp, fraction of bound | all runs (tok/s): lmhead; llama.cpp |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for t, pair in dec.items():
+            dtype = llamacpp.LMHEAD_DTYPE[t]
+            ours = summary([r["tps"] for r in pair["lmhead"]], False)
+            theirs = summary([r["tps"] for r in pair["llama"]], False)
+            b = busy.get(t) if busy else None
+            b_ours = summary([r["tps"] for r in b["lmhead"]], True) if b else None
+            b_theirs = summary([r["tps"] for r in b["llama"]], True) if b else None
+            nb_ours, nb_theirs = R["bytes"]["lmhead"].get(dtype), R["bytes"]["llama"][t]["bytes"]
+            frac = lambda tps, nb: fmt(tps * nb / (bw["read_gbs"] * 1e9), ".2f") if bw and tps and nb else "n/a"  # noqa: E731
+            runs = "; ".join(", ".join(fmt(r["tps"]) for r in pair[k]) for k in ("lmhead", "llama"))
+            lines.append(f"| {dtype} | {t} | {fmt(ours)} | {fmt(theirs)} | {ratio_cell(ours, theirs)} | "
+                         f"{fmt(b_ours)} | {fmt(b_theirs)} | {ratio_cell(b_ours, b_theirs) if b else 'n/a'} | "
+                         f"{nb_ours / 1e6:.0f} MB, {nb_theirs / 1e6:.0f} MB | {frac(ours, nb_ours)} | "
+                         f"{frac(theirs, nb_theirs)} | {runs} |")
+        failed = [(t, r["error"]) for src in (dec, busy or {}) for t, p in src.items() for r in p["llama"]
+                  if r.get("error")]
+        if failed:
+            lines += ["", f"llama-bench runs that failed or ran past {BUSY_TIMEOUT_S} s: "
+                      + "; ".join(f"{t}: {e}" for t, e in failed)]
+        if bw:
+            top = max(((t, summary([r["tps"] for r in p["llama"]], False) or 0) for t, p in dec.items()),
+                      key=lambda x: x[1] * R["bytes"]["llama"][x[0]]["bytes"])
+            achieved = top[1] * R["bytes"]["llama"][top[0]]["bytes"] / 1e9
+            lines += ["", f"Check of the bound: llama.cpp's fastest achieved read rate here is {achieved:.1f} GB/s "
+                      f"({top[0]}: {top[1]:.1f} tok/s × {R['bytes']['llama'][top[0]]['bytes'] / 1e6:.0f} MB), "
+                      + (f"{achieved / bw['read_gbs']:.2f} of the measured {bw['read_gbs']:.1f} GB/s: ✅ the "
+                         "probe reads at least as fast as llama.cpp does." if achieved <= bw["read_gbs"] else
+                         f"above the measured {bw['read_gbs']:.1f} GB/s: ❌ the probe did not reach the machine's "
+                         "limit in this run (or llama.cpp's step hits the cache), so every fraction above is too "
+                         "high.")]
+    sc = R.get("score")
+    if sc:
+        best = lambda xs, k: min(x[k] for x in xs)  # noqa: E731 - idle: the fastest run
+        ours, theirs = sc["lmhead"], sc["llama"]
+        o, t = ours[0], theirs[0]
+        o_s, t_s = best(ours, "s"), best(theirs, "s")
+        lines += ["", "### Scoring: `lmhead score` against `llama-perplexity`", "",
+                  f"The same {sc['tokens']:,}-token English-like text (benchmarks/score_bench.py make_text), float32 / "
+                  f"F32. lmhead: `Model.score(text)` timed in a fresh process after loading and one short warm-up "
+                  f"(windows of {o['window']} every {o['stride']} tokens: each token scored once). llama.cpp: "
+                  f"`llama-perplexity -c 1024 -b 1024 -t {R['threads']}`, its own prompt-eval time (chunks of "
+                  "1,024, the second half of each scored). Fastest of "
+                  f"{len(ours)} runs each, alternating. Both run every 1,024-token window through the whole "
+                  "model; lmhead's overlapping windows score every token, llama-perplexity's half of them, so "
+                  "both rates are given. Check: the perplexity of the tokens llama-perplexity scores, from "
+                  "lmhead's own log-probs of the same positions.",
+                  "",
+                  "| | lmhead score | llama-perplexity | ratio |",
+                  "|---|---:|---:|---:|",
+                  f"| seconds (own timing; process wall) | {o_s:.2f} s ({best(ours, 'wall_s'):.1f} s) | {t_s:.2f} s "
+                  f"({best(theirs, 'wall_s'):.1f} s) | |",
+                  f"| tokens scored | {o['scored']:,} | {t['scored']:,} | |",
+                  f"| scored tokens/s | {o['scored'] / o_s:.0f} | {t['scored'] / t_s:.0f} | "
+                  f"{ratio_cell(o['scored'] / o_s, t['scored'] / t_s)} |",
+                  f"| positions through the model | {o['forwarded']:,} | {t['forwarded']:,} | |",
+                  f"| positions/s | {o['forwarded'] / o_s:.0f} | {t['forwarded'] / t_s:.0f} | "
+                  f"{ratio_cell(o['forwarded'] / o_s, t['forwarded'] / t_s)} |",
+                  f"| perplexity of the second halves ({o['halves']:,} tokens) | {o['halves_ppl']:,.2f} | "
+                  f"{t['ppl']:,.2f} | {o['halves_ppl'] / t['ppl']:.4f} |"]
+    sv = R.get("serve")
+    if sv:
+        lines += ["", "### Serving: `lmhead serve` against `llama-server`", "",
+                  f"Greedy completions of {args['serve_tokens']} tokens (`/v1/completions`, temperature 0) for "
+                  "12-word prompts, from 1, 4 and 16 client threads at once (each its own connection, its "
+                  "requests one after the other); completion tokens as each server's usage counts them, per "
+                  "second of wall time, all clients together, after one warm-up request. `lmhead serve --dtype "
+                  f"float32` with its defaults; `llama-server -np 16 -c 4096 -t {R['threads']}` (F32; continuous "
+                  "batching on, its default). One server at a time.",
+                  "",
+                  "| clients | requests | lmhead serve | llama-server | ratio | lmhead vs its 1 client | "
+                  "llama-server vs its 1 client |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for a, b in zip(sv["lmhead"], sv["llama"]):
+            lines.append(f"| {a['clients']} | {a['requests']} | {a['tps']:.1f} tok/s | {b['tps']:.1f} tok/s | "
+                         f"{ratio_cell(a['tps'], b['tps'])} | {a['tps'] / sv['lmhead'][0]['tps']:.2f}× | "
+                         f"{b['tps'] / sv['llama'][0]['tps']:.2f}× |")
+    lines += ["", f"Targets: lmhead ≥ {TARGET:.1f}× llama.cpp in every row (decode idle and busy, score, serve at "
+              "16 clients); ❌ marks a shortfall.", END]
+    return "\n".join(lines) + "\n"
+
+
+def section_in(text: str) -> str | None:
+    """The llama.cpp section held in a RESULTS.md text, markers included; None if it holds none."""
+    if BEGIN not in text or END not in text:
+        return None
+    return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+
+
+def splice(results_md: Path, section: str) -> None:
+    """Put the section into RESULTS.md in place of the previous one (or at the end)."""
+    text = results_md.read_text(encoding="utf-8") if results_md.is_file() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    results_md.write_text(text, encoding="utf-8")
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    import platform
+
+    cpu = platform.processor() or "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": f"{platform.system()} {platform.release()}"}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["score-probe"]:
+        print(json.dumps(score_probe(argv[1], argv[2])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help=f"a comma-separated subset of {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--rounds", type=int, default=5, help="idle decode runs per engine and dtype (best of)")
+    parser.add_argument("--busy-rounds", type=int, default=3, help="decode runs beside a busy process (median of)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--score-tokens", type=int, default=4096, help="the scored text's length (≥ 2,048)")
+    parser.add_argument("--score-rounds", type=int, default=3)
+    parser.add_argument("--serve-tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="a smoke test: 1 run each, 32 tokens, no busy rows")
+    parser.add_argument("--write", action="store_true", help="keep the section in benchmarks/RESULTS.md")
+    parser.add_argument("--report-from", type=Path, metavar="JSON", help="write the section again from kept figures")
+    args = parser.parse_args(argv)
+    if args.report_from:
+        R = json.loads(args.report_from.read_text(encoding="utf-8"))
+        return emit(R, args)
+    only = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if only - set(SECTIONS):
+        parser.error(f"--only takes {', '.join(SECTIONS)} (not {', '.join(sorted(only - set(SECTIONS)))})")
+    if args.quick:
+        args.rounds, args.busy_rounds, args.new_tokens, args.score_rounds = 1, 1, 32, 1
+        only.discard("busy")
+    if args.score_tokens < 2048:
+        parser.error("--score-tokens: at least 2,048 (llama-perplexity needs two chunks of 1,024)")
+    # a 15-minute run on a shared machine: shorter waits for idle CPUs than run.py's
+    QUIET.patience, QUIET.budget, QUIET.retry_budget = 10.0, 60.0, 90.0
+    needs = {"decode": "llama-bench", "busy": "llama-bench", "score": "llama-perplexity", "serve": "llama-server"}
+    try:  # only the tools this run uses (and llama-quantize, for the BF16 and Q8_0 files)
+        llamacpp.build(tools=tuple(sorted({"llama-quantize"} | {needs[s] for s in only})))
+    except llamacpp.Unavailable as e:
+        log(f"versus_llamacpp: {e}")
+        return 1
+    from checkpoint import gpt2_small
+
+    began = time.perf_counter()
+    R: dict = {"loads": [], "args": {**vars(args), "only": args.only, "report_from": None},
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "machine": machine(), "threads": os.cpu_count() or 1}
+
+    def section(name: str) -> None:
+        R["loads"].append((name, load1()))
+        log(f"{name} ... (load average {R['loads'][-1][1]:.2f}, {time.perf_counter() - began:.0f} s)")
+
+    section("start")
+    folder = gpt2_small()
+    ggufs = llamacpp.convert(folder)
+    R["llamacpp"] = {"version": llamacpp.version(), "files": {t: str(p) for t, p in ggufs.items()}}
+    R["bytes"] = {"llama": {t: llamacpp.weight_bytes(p) for t, p in ggufs.items()},
+                  "lmhead": probe("weight-bytes", str(folder), *llamacpp.LMHEAD_DTYPE.values())["bytes"]}
+    points = [bandwidth.measure(probe)]
+    if "decode" in only:
+        section("decode")
+        R["decode"] = decode(folder, ggufs, args.new_tokens, args.rounds, R["threads"], busy=False)
+        points.append(bandwidth.measure(probe))
+    if "busy" in only:
+        section("busy")
+        with Competitor():
+            R["busy"] = decode(folder, ggufs, args.new_tokens, args.busy_rounds, R["threads"], busy=True)
+    if "score" in only:
+        section("score")
+        R["score"] = score(folder, ggufs["F32"], args.score_tokens, args.score_rounds, R["threads"])
+    if "serve" in only:
+        section("serve")
+        per_client = {1: 2, 4: 2, 16: 1} if args.quick else {1: 4, 4: 2, 16: 2}
+        R["serve"] = serve(folder, ggufs["F32"], R["threads"], args.serve_tokens, per_client)
+    points.append(bandwidth.measure(probe))
+    R["bandwidth"] = bandwidth.merge(points)
+    section("end")
+    R["elapsed_s"] = time.perf_counter() - began
+    R["quiet"] = {k: v for k, v in vars(QUIET).items() if isinstance(v, (int, float))}
+    kept = HERE / ".cache" / "measured-llamacpp.json"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(R), encoding="utf-8")
+    log(f"figures kept in {kept}")
+    return emit(R, args)
+
+
+def emit(R: dict, args) -> int:
+    text = report(R)
+    print(text)
+    if args.write:
+        splice(HERE / "RESULTS.md", text)
+        log("written into benchmarks/RESULTS.md")
+    else:
+        out = HERE / ".cache" / "RESULTS-llamacpp.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+        log(f"written to {out} (--write puts it into benchmarks/RESULTS.md)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,241 @@
+"""The benchmark's own arithmetic (benchmarks/: bandwidth.py, stream_read.c, llamacpp.py,
+versus_llamacpp.py), each figure checked against an independent computation. The measurements
+themselves (timings) are never asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bandwidth  # noqa: E402
+import llamacpp  # noqa: E402
+import versus_llamacpp  # noqa: E402
+
+
+# ---- the compiled streaming read ---------------------------------------------------------------
+
+@pytest.mark.skipif(bandwidth.compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("mib, threads", [(1, 2), (3, 5)])
+def test_stream_read_reads_every_byte_once_by_every_method(tmp_path, mib, threads):
+    exe = bandwidth.build(tmp_path)
+    out = json.loads(subprocess.run([str(exe), str(mib), str(threads), "2"], capture_output=True, text=True,
+                                    check=True).stdout)
+    n = mib * 2**20 // 4  # floats in the buffer, float i holding i mod 8
+    expected = n // 8 * sum(range(8))
+    assert out["bytes"] == mib * 2**20
+    seen = {(r["method"], r["threads"]) for r in out["rates"]}
+    assert seen == {("slices", 1), ("prefetch", 1)} | {(m, t) for t in range(2, threads + 1)
+                                                      for m in ("slices", "interleaved", "prefetch")}
+    for r in out["rates"]:
+        assert r["sum"] == expected, r  # a slice read twice or left out changes the sum
+        assert r["gbs"] > 0
+
+
+@pytest.mark.skipif(bandwidth.compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("args", [["0", "2", "1"], ["1", "0", "1"], ["1", "257", "1"], ["1", "2"]])
+def test_stream_read_refuses_bad_arguments_in_one_line(tmp_path, args):
+    exe = bandwidth.build(tmp_path)
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_build_without_a_compiler_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bandwidth, "compiler", lambda: None)
+    assert bandwidth.build(tmp_path) is None
+    assert "no C compiler" in capsys.readouterr().err
+
+
+# ---- the bound: the best of the methods ---------------------------------------------------------
+
+C_PROBE = {"bytes": 536870912, "rates": [{"method": "slices", "threads": 1, "gbs": 12.0},
+                                         {"method": "slices", "threads": 2, "gbs": 30.0},
+                                         {"method": "interleaved", "threads": 2, "gbs": 31.5}]}
+TORCH_PROBE = {"buffer_mb": 629.1, "read_gbs_1": 13.5, "read_gbs_2": 25.9, "read_gbs": 25.9, "copy_gbs": 28.0}
+
+
+def test_best_of_takes_the_fastest_method_and_the_fastest_on_one_thread():
+    b = bandwidth.best_of(C_PROBE, TORCH_PROBE)
+    assert (b["read_gbs"], b["method"], b["threads"]) == (31.5, "C interleaved", 2)
+    assert (b["read_gbs_1"], b["method_1"]) == (13.5, "torch sum")  # torch's 1-thread sum beat C's here
+    assert len(b["methods"]) == 5 and b["compiled"] and b["buffer_mb"] == 536.870912
+    alone = bandwidth.best_of(None, TORCH_PROBE)
+    assert (alone["read_gbs"], alone["compiled"]) == (25.9, False)
+    with pytest.raises(ValueError, match="no bandwidth measured"):
+        bandwidth.best_of(None, None)
+
+
+def test_merge_keeps_each_methods_best_over_the_points():
+    slower = {"bytes": C_PROBE["bytes"], "rates": [{**r, "gbs": r["gbs"] / 2} for r in C_PROBE["rates"]]}
+    faster_torch = {**TORCH_PROBE, "read_gbs_2": 40.0}
+    points = [bandwidth.best_of(slower, faster_torch), bandwidth.best_of(C_PROBE, TORCH_PROBE)]
+    m = bandwidth.merge(points)
+    assert (m["read_gbs"], m["method"], m["points"]) == (40.0, "torch sum", 2)
+    by = {(x["method"], x["threads"]): x["gbs"] for x in m["methods"]}
+    assert by == {("C slices", 1): 12.0, ("C slices", 2): 30.0, ("C interleaved", 2): 31.5,
+                  ("torch sum", 1): 13.5, ("torch sum", 2): 40.0}
+
+
+# ---- llama.cpp's side: bytes of weights one step reads from a GGUF file -------------------------
+
+def _gguf(path: Path, tensors: dict) -> None:
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    for name, (shape, kind) in tensors.items():
+        data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        if kind == "Q8_0":
+            w.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_weight_bytes_tied_reads_token_embd_as_the_head_and_skips_position_embd(tmp_path):
+    V, D, P = 96, 64, 16
+    _gguf(tmp_path / "m.gguf", {"token_embd.weight": ((V, D), "F32"), "position_embd.weight": ((P, D), "F32"),
+                                "blk.0.attn_qkv.weight": ((3 * D, D), "Q8_0"), "blk.0.attn_qkv.bias": ((3 * D,), "F32"),
+                                "output_norm.weight": ((D,), "F32")})
+    got = llamacpp.weight_bytes(tmp_path / "m.gguf")
+    q8 = 3 * D * D // 32 * 34  # Q8_0: a float16 scale and 32 int8 values per block of 32
+    assert got["tied"] is True
+    assert got["by_type"] == {"F32": (V * D + 3 * D + D) * 4, "Q8_0": q8}
+    assert got["bytes"] == (V * D + 3 * D + D) * 4 + q8
+
+
+def test_weight_bytes_untied_reads_output_and_looks_token_embd_up(tmp_path):
+    V, D = 96, 64
+    _gguf(tmp_path / "m.gguf", {"token_embd.weight": ((V, D), "F32"), "output.weight": ((V, D), "F32"),
+                                "position_embd.weight": ((8, D), "F32")})
+    got = llamacpp.weight_bytes(tmp_path / "m.gguf")
+    assert (got["tied"], got["bytes"]) == (False, V * D * 4)
+
+
+def test_the_converter_stage_adds_n_ctx_and_links_the_rest(tiny, tmp_path):
+    folder, model = tiny
+    stage = llamacpp._stage(folder, tmp_path / "stage")
+    config = json.loads((stage / "config.json").read_text())
+    assert config["n_ctx"] == model.config.n_positions
+    assert (stage / "model.safetensors").resolve() == (folder / "model.safetensors").resolve()
+    assert "n_ctx" not in json.loads((folder / "config.json").read_text())  # the checkpoint itself untouched
+
+
+def test_without_cmake_the_build_says_so_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)
+    with pytest.raises(llamacpp.Unavailable) as e:
+        llamacpp.build(tmp_path)
+    assert str(e.value) == "llama.cpp is left out: no cmake and no C++ compiler (c++, g++ or clang++) here"
+
+
+# ---- scoring: the same positions as llama-perplexity --------------------------------------------
+
+@pytest.mark.parametrize("T, n_ctx, stride", [(4096, 1024, 512), (4096, 1024, 1024), (100, 32, 16), (33, 32, 7),
+                                              (10, 32, 16)])
+def test_windows_forwarded_counts_lmheads_windows(T, n_ctx, stride):
+    from lmhead_cli.readings.score import windows
+
+    assert versus_llamacpp.windows_forwarded(T, n_ctx, stride) == sum(w.end - w.begin for w in windows(T, n_ctx,
+                                                                                                       stride))
+
+
+def test_score_probe_perplexity_of_the_second_halves_matches_transformers(tmp_path):
+    from helpers import build_checkpoint
+
+    n_ctx = 32
+    folder = tmp_path / "ck"
+    model = build_checkpoint(folder, n_positions=n_ctx, seed=3)
+    text = " ".join(["the keys on the table near the door of the garden"] * 12)
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    got = versus_llamacpp.score_probe(str(folder), str(tmp_path / "t.txt"))
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    ids = torch.tensor(GPT2Tokenizer.bundled().encode(text))
+    nll, n = 0.0, 0
+    with torch.inference_mode():  # llama-perplexity's scheme: chunks of n_ctx, the second half of each scored
+        for c in range(len(ids) // n_ctx):
+            chunk = ids[c * n_ctx:(c + 1) * n_ctx]
+            logp = torch.log_softmax(model(chunk[None]).logits[0].double(), -1)  # (n_ctx, V)
+            for p in range(n_ctx // 2 + 1, n_ctx):  # logits n_ctx/2 .. n_ctx-2 predict these
+                nll -= float(logp[p - 1, chunk[p]])
+                n += 1
+    assert (got["tokens"], got["halves"], got["window"]) == (len(ids), n, n_ctx)
+    assert got["halves_ppl"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+    assert got["forwarded"] == versus_llamacpp.windows_forwarded(len(ids), n_ctx, n_ctx // 2)
+    assert got["scored"] == len(ids) - 1 and got["s"] > 0
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def test_summary_is_the_best_idle_and_the_median_busy_with_a_failed_run_as_zero():
+    assert versus_llamacpp.summary([10.0, 30.0, 20.0], busy=False) == 30.0
+    assert versus_llamacpp.summary([10.0, None, 20.0], busy=True) == 10.0
+    assert versus_llamacpp.summary([], busy=True) is None
+
+
+def _figures() -> dict:
+    run = lambda *xs: [{"tps": x} for x in xs]  # noqa: E731
+    return {
+        "machine": {"cpu": "CPU", "cores": 2, "os": "Linux"}, "threads": 2, "date": "2026-12-02 17:00 UTC",
+        "elapsed_s": 600.0, "loads": [["start", 1.0]], "quiet": {"waited_s": 3.0, "repeated": 0, "noisy": 1},
+        "args": {"new_tokens": 128, "rounds": 2, "busy_rounds": 3, "serve_tokens": 64, "write": True},
+        "llamacpp": {"version": "llama-cpp-python 0.3.36's vendored llama.cpp"},
+        "bandwidth": {"read_gbs": 50.0, "method": "C slices", "threads": 2, "read_gbs_1": 20.0, "method_1": "C slices",
+                      "compiled": True, "buffer_mb": 536.9, "points": 3, "methods": []},
+        "bytes": {"lmhead": {"float32": 500e6}, "llama": {"F32": {"bytes": 495e6}}},
+        "decode": {"F32": {"lmhead": run(30.0, 40.0), "llama": run(80.0, 60.0)}},
+        "busy": {"F32": {"lmhead": run(30.0, 31.0, 29.0), "llama": [{"tps": 20.0}, {"tps": None, "error": "timeout"},
+                                                                   {"tps": 25.0}]}},
+        "serve": {"lmhead": [{"clients": c, "requests": 4, "tps": t} for c, t in ((1, 30.0), (4, 60.0), (16, 120.0))],
+                  "llama": [{"clients": c, "requests": 4, "tps": t} for c, t in ((1, 60.0), (4, 100.0), (16, 100.0))]},
+    }
+
+
+def test_report_computes_every_ratio_and_fraction_from_the_runs():
+    text = versus_llamacpp.report(_figures())
+    f32 = next(line for line in text.splitlines() if line.startswith("| float32 | F32 |"))
+    cells = [c.strip() for c in f32.strip("|").split("|")]
+    # idle: best of (30, 40) against best of (80, 60); busy: median (30, 31, 29) against median (20, 0, 25)
+    assert cells[2:8] == ["40.0", "80.0", f"❌ {40 / 80:.2f}×", "30.0", "20.0", f"✅ {30 / 20:.2f}×"]
+    assert cells[9:11] == [f"{40 * 500e6 / 50e9:.2f}", f"{80 * 495e6 / 50e9:.2f}"]  # fractions of 50 GB/s
+    assert "timeout" in text
+    achieved = 80 * 495e6 / 1e9  # 39.6 GB/s, under the probe's 50: the bound holds
+    assert f"{achieved:.1f} GB/s" in text and "✅ the probe reads at least as fast" in text
+    serve16 = next(line for line in text.splitlines() if line.startswith("| 16 |"))
+    assert f"✅ {120 / 100:.2f}×" in serve16 and f"{120 / 30:.2f}×" in serve16
+
+
+def test_report_flags_a_bound_that_llamacpp_beat():
+    R = _figures()
+    R["bandwidth"]["read_gbs"] = 30.0
+    assert "❌ the probe did not reach the machine's limit" in versus_llamacpp.report(R)
+
+
+def test_splice_replaces_the_section_and_keeps_the_rest(tmp_path):
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# results\n\nbefore\n", encoding="utf-8")
+    one = versus_llamacpp.report(_figures())
+    versus_llamacpp.splice(md, one)
+    assert md.read_text().startswith("# results\n\nbefore\n\n" + versus_llamacpp.BEGIN)
+    R = _figures()
+    R["date"] = "2026-12-03 09:00 UTC"
+    md.write_text(md.read_text() + "\nafter\n")
+    versus_llamacpp.splice(md, versus_llamacpp.report(R))
+    text = md.read_text()
+    assert text.count(versus_llamacpp.BEGIN) == 1 and "2026-12-03 09:00" in text and "2026-12-02 17:00" not in text
+    assert text.endswith("\nafter\n")
+    kept = versus_llamacpp.section_in(text)  # what benchmarks/run.py --write carries into its new report
+    assert kept == versus_llamacpp.report(R) and versus_llamacpp.section_in("# no section\n") is None

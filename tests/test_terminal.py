@@ -1,0 +1,146 @@
+"""Terminal safety: no control byte or markup from a prompt, a file, a path, a token or generated text reaches
+the terminal, tables stay readable at any width, and JSON stays exact."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from helpers import control_byte_checkpoint, invoke
+
+HOSTILE = "\x1b]0;HACKED\x07\x1b[2J[bold]hi[/] \x9b31m\x7f"  # title, clear screen, markup, C1 CSI, DEL
+
+
+@pytest.fixture(scope="module")
+def hostile_model(tmp_path_factory):
+    """A GPT-2 checkpoint whose every prediction is a control byte (helpers.control_byte_checkpoint):
+    the top tokens, the lens and every generated token are ESC or BEL."""
+    return control_byte_checkpoint(tmp_path_factory.mktemp("hostile"))
+
+
+def control_bytes(text: str) -> list[str]:
+    """The bytes below 0x20 (but newline and tab), DEL and C1 controls in `text`."""
+    return [repr(c) for c in text if (ord(c) < 0x20 and c not in "\n\t") or 0x7f <= ord(c) <= 0x9f]
+
+
+TERMINAL_CASES = {
+    "inspect": ["inspect", HOSTILE, "-t", HOSTILE, "-t", "\x1b", "-k", "3"],
+    "inspect --stages": ["inspect", HOSTILE, "--stages", "--temperature", "0.5", "-k", "3"],
+    "inspect --explain": ["inspect", HOSTILE, "--explain", "\x1b", "-k", "3"],
+    "lens": ["lens", HOSTILE, "-t", HOSTILE],
+    "lens --heat": ["lens", HOSTILE, "--heat", "-k", "2", "-t", "[/]"],
+    "greedy --show-steps": ["greedy", HOSTILE, "-n", "4", "--show-steps", "2"],
+    "sample": ["sample", HOSTILE, "-n", "4", "--seed", "1"],
+    "beams": ["generate", HOSTILE, "-n", "3", "--beams", "2"],
+    "softcap": ["softcap", HOSTILE, "-n", "3", "--seed", "1"],
+}
+
+
+@pytest.mark.parametrize("case", list(TERMINAL_CASES))
+def test_no_control_byte_from_data_reaches_stdout(hostile_model, case):
+    got = invoke([*TERMINAL_CASES[case], "--model", hostile_model])
+    assert got.exit_code == 0, got.output
+    assert control_bytes(got.stdout) == [], got.stdout
+    assert control_bytes(got.stderr) == [], got.stderr
+    assert "\\x1b" in got.stdout  # shown, escaped
+
+
+def test_no_control_byte_in_files_explore_and_paths(hostile_model, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"{HOSTILE}\n\x1b[2Jhi\n", encoding="utf-8")
+    got = invoke(["inspect", "--file", str(prompts), "-t", HOSTILE, "--model", hostile_model])
+    assert got.exit_code == 0 and control_bytes(got.stdout + got.stderr) == [], got.output
+    got = invoke(["explore", "--model", hostile_model, "-t", "\x1b"],
+                 input=f"{HOSTILE}\n:target {HOSTILE}\n:gen 3\n:lens\n:\x1b[2J\n")
+    assert got.exit_code == 0 and control_bytes(got.stdout + got.stderr) == [], got.output
+    odd = tmp_path / "br[" / "]k [bold]x \x1b[2J"  # a path with markup and ESC: shown as it is, escaped
+    odd.parent.mkdir()
+    os.symlink(hostile_model, odd)
+    got = invoke(["tie", "--model", str(odd)])
+    assert got.exit_code == 0 and "[bold]x \\x1b[2J" in got.stdout and control_bytes(got.stdout) == []
+    got = invoke(["inspect", "x", "--model", str(tmp_path / "gone \x1b[2J")])
+    assert got.exit_code == 1 and "gone \\x1b[2J" in got.stderr and control_bytes(got.stderr) == []
+
+
+def test_json_stays_exact(hostile_model):
+    got = invoke(["inspect", HOSTILE, "-t", HOSTILE, "--model", hostile_model, "--json"])
+    doc = json.loads(got.stdout)
+    assert doc["top"][0]["token"] == "\x1b" and doc["top"][1]["token"] == "\x07"
+    assert doc["targets"][0]["token"] == HOSTILE
+    got = invoke(["greedy", HOSTILE, "-n", "2", "--model", hostile_model, "--json"])
+    assert json.loads(got.stdout)["text"] == "\x1b\x1b"
+
+
+def test_markup_in_data_is_shown_as_it_is(tiny):
+    for args in (["inspect", "[bold]x[/]", "-t", "[/]", "-t", "[", "-t", "b]"],
+                 ["greedy", "[/]", "-n", "3", "--show-steps", "3"],
+                 ["inspect", "--explain", "[/]", "[x]"]):
+        got = invoke([*args, "--model", str(tiny[0])])
+        assert got.exit_code == 0, got.output
+    got = invoke(["inspect", "[bold]x[/]", "--explain", "[/]", "--model", str(tiny[0])])
+    heading = " ".join(got.stdout.split("\n\n")[0].split())  # wrapped as the terminal's width says
+    assert heading.startswith('one logit taken apart: [/ (id 13412) after "[bold]x[/]"')
+
+
+def test_multi_token_target_notice_is_escaped_once(tiny):
+    got = invoke(["inspect", "x", "-t", "日本", "--model", str(tiny[0])])
+    assert "target '日本' is 4 tokens ('\\xe6\\x97', '\\xa5', " in got.stderr.replace("\n", " ")
+
+
+def test_a_long_prompt_shows_a_bounded_number_of_rows(tiny):
+    prompt = "The keys on the table " * 240  # 1,200 tokens, longer than... the tiny model's 1,024
+    got = invoke(["inspect", prompt, "--model", str(tiny[0]), "-k", "1"])
+    rows = [line for line in got.stdout.splitlines().__iter__() if "│" in line]
+    assert got.exit_code == 0 and "1,000 more tokens (--json lists them all)" in got.stdout
+    assert len(rows) < 40  # 24 prompt tokens, the top token, no 1,024 rows
+    assert "keeping the last 1024" in got.stderr.replace("\n", " ") or "1024" in got.stderr
+
+
+def test_a_narrow_terminal_never_cuts_figures(tiny, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    got = invoke(["params"])
+    assert "38,597,376" in got.stdout and "124,439,808" in got.stdout and "7,087,872" in got.stdout
+    doc = json.loads(invoke(["inspect", "The keys", "--model", str(tiny[0]), "-k", "3", "--json"]).stdout)
+    table = invoke(["inspect", "The keys", "--model", str(tiny[0]), "-k", "3"]).stdout
+    for t in doc["top"]:
+        assert f"{t['logit']:.4f}" in table and f"{t['prob']:.4%}" in table and f"{t['logprob']:.4f}" in table
+    steps = invoke(["greedy", "The keys", "-n", "2", "--show-steps", "3", "--model", str(tiny[0])]).stdout
+    assert not any("…" in line for line in steps.splitlines() if "│" in line)
+
+
+C1 = "a\x9b31m b\x85c\x7fd\x80"
+
+
+def _no_raw_c1(text: str) -> None:
+    assert not any("\x7f" <= c <= "\x9f" for c in text), [c for c in text if "\x7f" <= c <= "\x9f"]
+
+
+@pytest.mark.parametrize("args, get", [
+    (["score", C1, "--json"], lambda d: d["text"]),
+    (["inspect", "x", "-t", C1, "--json", "-k", "1"], lambda d: d["targets"][0]["token"]),
+    (["diff", C1, C1 + "x", "--json"], lambda d: d["a"]["prompt"] if "a" in d else d["prompts"][0]),
+    (["greedy", C1, "-n", "1", "--json"], lambda d: d["prompt"]),
+])
+def test_json_escapes_c1_controls_and_del_and_stays_exact(args, get):
+    got = invoke([*args, "--model", "random:distilgpt2"])
+    assert got.exit_code == 0, got.output
+    _no_raw_c1(got.stdout)
+    assert "\\u009b" in got.stdout and "\\u007f" in got.stdout
+    assert get(json.loads(got.stdout)) == C1
+
+
+def test_openai_format_escapes_c1_controls():
+    got = invoke(["score", C1, "--format", "openai", "--model", "random:distilgpt2"])
+    assert got.exit_code == 0, got.output
+    _no_raw_c1(got.stdout)
+    json.loads(got.stdout)
+
+
+def test_the_json_writer_escapes_every_c0_c1_and_del_and_round_trips():
+    from lmhead_cli.render import json_text
+
+    s = "".join(map(chr, range(0, 0xA0))) + "é☕"
+    text = json_text({"s": s}, lines=True)
+    assert all(c >= " " and not ("\x7f" <= c <= "\x9f") for c in text)
+    assert json.loads(text)["s"] == s

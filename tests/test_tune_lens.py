@@ -1,0 +1,276 @@
+"""The tuned lens: `lmhead tune-lens` (training), the lens file (save, load, the model's identity, a
+damaged or foreign file refused in one line), and `lens --tuned`'s readings against the translators
+applied by hand to transformers' hidden states, ln_f and lm_head. The shipped `--tuned bundled`
+against the logit lens on held-out text."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli, with_ln_f
+
+from lmhead_cli.loading.sources import load_model
+from lmhead_cli.readings.lens import lens_prompt
+from lmhead_cli.readings.tune_lens import TextSource, TuneSettings, tune_lens
+from lmhead_cli.readings.tuned_lens import (TunedLens, identity_lens, load_lens, mean_kl_to_final, read_lens,
+                                            save_lens)
+
+N_LAYER = 3
+# Ruth 1:1-3 and Jonah 1:1-3 (KJV): books that neither bundled:tiny nor its tuned lens was trained on.
+HELD_OUT = [
+    "Now it came to pass in the days when the judges ruled, that there was a famine in the land. And a certain "
+    "man of Bethlehemjudah went to sojourn in the country of Moab, he, and his wife, and his two sons. And the "
+    "name of the man was Elimelech, and the name of his wife Naomi, and the name of his two sons Mahlon and "
+    "Chilion, Ephrathites of Bethlehemjudah. And they came into the country of Moab, and continued there.",
+    "Now the word of the LORD came unto Jonah the son of Amittai, saying, Arise, go to Nineveh, that great city, "
+    "and cry against it; for their wickedness is come up before me. But Jonah rose up to flee unto Tarshish "
+    "from the presence of the LORD, and went down to Joppa; and he found a ship going to Tarshish: so he paid "
+    "the fare thereof, and went down into it, to go with them unto Tarshish from the presence of the LORD.",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return with_ln_f(tmp_path_factory.mktemp("tuned"), seed=5, n_layer=N_LAYER)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load_model(str(ckpt[0]), device="cpu")
+
+
+def random_lens(loaded, seed: int = 0, scale: float = 0.05) -> TunedLens:
+    lens = identity_lens(loaded)
+    g = torch.Generator().manual_seed(seed)
+    return TunedLens(lens.identity, torch.randn(lens.weight.shape, generator=g) * scale,
+                     torch.randn(lens.bias.shape, generator=g) * scale, name="random")
+
+
+def reference(model, lens: TunedLens | None, ids=PROMPT_IDS) -> list[torch.Tensor]:
+    """log-probabilities (V,) float64 per layer at the last position, from transformers' hidden states
+    (the last block's raw output from a hook), each through the translator by hand, ln_f and lm_head."""
+    raw = {}
+    hook = model.transformer.h[-1].register_forward_hook(lambda _m, _i, out: raw.setdefault("x", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    rows = []
+    with torch.no_grad():
+        for layer, x in enumerate(list(out.hidden_states[:-1]) + [raw["x"]]):
+            h = x[0, -1]
+            if lens is not None and layer < N_LAYER:
+                h = h + lens.weight[layer] @ h + lens.bias[layer]
+            rows.append(torch.log_softmax(model.lm_head(model.transformer.ln_f(h)).double(), -1))
+    return rows
+
+
+def kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    return float((p.exp() * (p - q)).sum())
+
+
+# ---- readings --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_tuned_readings_and_both_kls_match_the_translators_applied_by_hand(ckpt, engine):
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    lens = random_lens(loaded)
+    got = lens_prompt(loaded, PROMPT, [" are"], tuned=lens)
+    plain, tuned = reference(model, None), reference(model, lens)
+    final = plain[-1]
+    for row, p, t, z in zip(got.layers, plain, tuned, got.tuned_logits):
+        torch.testing.assert_close(torch.log_softmax(z.double(), -1), t, atol=1e-4, rtol=0)
+        assert row.kl_to_final["logit"] == pytest.approx(kl(final, p), abs=1e-5)
+        assert row.kl_to_final["tuned"] == pytest.approx(kl(final, t), abs=1e-5)
+        assert row.tuned.top_id == int(t.argmax())
+        assert row.tuned.top_prob == pytest.approx(float(t.max().exp()), abs=1e-6)
+        assert row.tuned.targets[0].prob == pytest.approx(float(t[389].exp()), abs=1e-6)
+    assert got.layers[-1].kl_to_final == {"logit": 0.0, "tuned": 0.0}  # the last layer is the final reading
+    assert got.layers[0].kl_to_final["tuned"] != got.layers[0].kl_to_final["logit"]
+
+
+def test_the_identity_translators_are_the_logit_lens_exactly(loaded):
+    got = lens_prompt(loaded, PROMPT, [" are"], tuned=identity_lens(loaded))
+    for row, z, zt in zip(got.layers, got.logits, got.tuned_logits):
+        assert torch.equal(z, zt)
+        assert row.kl_to_final["tuned"] == row.kl_to_final["logit"]
+        assert (row.tuned.top_id, row.tuned.top_prob, row.tuned.targets) == (row.top_id, row.top_prob, row.targets)
+
+
+def test_mean_kl_over_positions_is_each_positions_kl_averaged(ckpt, loaded):
+    _, model = ckpt
+    lens = random_lens(loaded, seed=2)
+    got = mean_kl_to_final(loaded, PROMPT_IDS, lens)
+    for which, use in (("logit", None), ("tuned", lens)):
+        per_position = []
+        for t in range(1, len(PROMPT_IDS) + 1):  # a prefix's last position is that position (causal)
+            rows = reference(model, use, PROMPT_IDS[:t])
+            per_position.append([kl(rows[-1], r) for r in rows])
+        want = torch.tensor(per_position).mean(0)
+        assert got[which] == pytest.approx(want.tolist(), abs=1e-5)
+
+
+# ---- training ---------------------------------------------------------------------------------------
+
+def test_the_training_loss_is_the_kl_to_the_final_distribution(loaded):
+    """The first step's loss (before any update) is the logit lens's mean KL over the window's positions,
+    computed without the loss's shortcut (Σ p z − logsumexp z)."""
+    text = "The keys on the table are mine, said the man to the woman by the door."
+    ids = loaded.tokenizer.encode(text)
+    t = tune_lens(loaded, TextSource(text=text), TuneSettings(steps=1, batch=1, seq=64, warmup=0))
+    want = mean_kl_to_final(loaded, ids)["logit"][:N_LAYER]
+    assert t.first_kl == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert t.tokens == len(ids) and t.seq == 64
+
+
+def test_training_lowers_the_kl_and_is_seeded(loaded):
+    text = " ".join(f"The {w} on the table is {c}." for w in ("key", "book", "cup", "pen") for c in ("red", "old"))
+    a = tune_lens(loaded, TextSource(text=text), TuneSettings(steps=12, batch=2, seq=16, lr=3e-2, warmup=2))
+    b = tune_lens(loaded, TextSource(text=text), TuneSettings(steps=12, batch=2, seq=16, lr=3e-2, warmup=2))
+    assert torch.equal(a.lens.weight, b.lens.weight) and torch.equal(a.lens.bias, b.lens.bias)
+    ids = loaded.tokenizer.encode(text)
+    before, after = mean_kl_to_final(loaded, ids), mean_kl_to_final(loaded, ids, a.lens)
+    assert sum(after["tuned"]) < sum(before["logit"])
+
+
+def test_a_file_is_read_a_window_at_a_time(tmp_path, loaded):
+    f = tmp_path / "book.txt"
+    f.write_text("In the beginning the keys were on the table. " * 2000)
+    source = TextSource(file=f)
+    import random
+
+    rng = random.Random(0)
+    windows = [source.window(loaded.tokenizer, 32, rng) for _ in range(20)]
+    assert all(len(w) == 32 for w in windows)
+    assert len({tuple(w) for w in windows}) > 1  # drawn from different places
+
+
+# ---- the file ------------------------------------------------------------------------------------------
+
+def test_save_and_load_round_trip_with_the_models_identity(tmp_path, loaded):
+    lens = random_lens(loaded, seed=4)
+    lens.trained = {"steps": 3}
+    path = save_lens(lens, tmp_path / "lens.safetensors")
+    back = load_lens(loaded, path)
+    assert torch.equal(back.weight, lens.weight) and torch.equal(back.bias, lens.bias)
+    assert back.identity == lens.identity and back.trained == {"steps": 3}
+    assert back.identity.n_layer == N_LAYER and back.identity.d_model == 64 and back.identity.vocab == 50257
+
+
+def test_the_fingerprint_is_the_same_in_every_float_dtype(ckpt):
+    ids = {identity_lens(load_model(str(ckpt[0]), device="cpu", dtype=d)).identity.embedding
+           for d in ("float32", "bfloat16")}
+    assert len(ids) == 1
+
+
+def test_a_lens_for_another_model_is_refused_by_name(tmp_path, loaded, tiny):
+    path = save_lens(random_lens(loaded), tmp_path / "lens.safetensors")
+    r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(tiny[0]))
+    assert r.exit_code == 1
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert f"the tuned lens {path} is for " in line and "3 layers, width 64" in line and "2 layers, width 64" in line
+    # the same shape, other weights: refused by the embedding table's fingerprint
+    other = build_checkpoint(tmp_path / "other", n_layer=N_LAYER, seed=99)
+    del other
+    r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(tmp_path / "other"))
+    assert r.exit_code == 1 and "whose embedding table is not" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def _shapes_file(path, weight_shape, bias_shape, meta) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(weight_shape), "bias": torch.zeros(bias_shape)}, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "huge header", "no identity", "wrong shape",
+                                    "not a lens", "nan", "folder", "missing"])
+def test_a_damaged_lens_file_is_one_line_naming_it(tmp_path, loaded, ckpt, damage):
+    good = save_lens(random_lens(loaded), tmp_path / "good.safetensors")
+    path = tmp_path / "bad.safetensors"
+    meta = read_lens(good)
+    ident = {k: str(v) for k, v in vars(meta.identity).items()}
+    if damage == "truncated":
+        path.write_bytes(good.read_bytes()[:-100])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00" * 8 + b"not json at all")
+    elif damage == "huge header":
+        path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    elif damage == "no identity":
+        _shapes_file(path, (N_LAYER, 64, 64), (N_LAYER, 64), {"format": "lmhead-tuned-lens/1"})
+    elif damage == "wrong shape":
+        _shapes_file(path, (N_LAYER, 64, 32), (N_LAYER, 64), {"format": "lmhead-tuned-lens/1", **ident})
+    elif damage == "not a lens":
+        _shapes_file(path, (N_LAYER, 64, 64), (N_LAYER, 64), {"format": "pt"})
+    elif damage == "nan":
+        lens = random_lens(loaded)
+        lens.bias[1, 3] = float("nan")
+        save_lens(lens, path)
+    elif damage == "folder":
+        path.mkdir()
+    r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(ckpt[0]))
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lmhead: error: the tuned lens {path} cannot be read: "), lines
+
+
+def test_the_bundled_lens_is_refused_for_another_model(tiny):
+    r = cli("lens", PROMPT, "--tuned", "bundled", "--model", str(tiny[0]))
+    assert r.exit_code == 1
+    assert "the bundled tuned lens is bundled:tiny's" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- the commands ----------------------------------------------------------------------------------------
+
+def test_tune_lens_writes_a_lens_that_lens_reads(tmp_path, ckpt):
+    folder, _ = ckpt
+    book = tmp_path / "book.txt"
+    book.write_text("The keys on the table are mine. The book on the shelf is old. " * 50)
+    out = tmp_path / "lens.safetensors"
+    r = cli("tune-lens", "--file", str(book), "--out", str(out), "--steps", "3", "--batch", "2", "--seq", "16",
+            "--model", str(folder), "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["steps"] == 3 and doc["tokens"] == 3 * 2 * 16 and doc["layers"] == N_LAYER
+    assert len(doc["kl_first_step"]) == N_LAYER and doc["out"] == str(out)
+    r = cli("lens", PROMPT, "--tuned", str(out), "--model", str(folder), "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert all(set(row["kl_to_final"]) == {"logit", "tuned"} for row in doc["layers"])
+    assert doc["tuned_lens"].startswith(str(out))
+    r = cli("lens", PROMPT, "--tuned", str(out), "--model", str(folder))
+    assert r.exit_code == 0 and "KL tuned" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "give a text or --file to train the lens on"),
+    (("some text",), "give --out PATH"),
+    (("some text", "--file", "x.txt", "--out", "l.safetensors"), "give a text or --file, not both"),
+    (("some text", "--out", "l.safetensors", "--steps", "0"), "--steps must be at least 1 (got 0)"),
+    (("some text", "--out", "l.safetensors", "--lr", "nan"), "--lr must be a positive number"),
+    (("--file", "/nonexistent/book.txt", "--out", "l.safetensors"), "cannot read /nonexistent/book.txt"),
+])
+def test_tune_lens_bad_input_is_one_line(tiny, args, message):
+    r = cli("tune-lens", *args, "--model", str(tiny[0]))
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+# ---- the shipped lens ------------------------------------------------------------------------------------
+
+def test_the_bundled_lens_beats_the_logit_lens_on_held_out_text():
+    """bundled:tiny's tuned lens, on passages of books held out from its training and the model's: a smaller
+    mean KL to the final distribution than the logit lens at every layer but the last (where both are 0)."""
+    loaded = load_model("bundled:tiny", device="cpu")
+    lens = load_lens(loaded, "bundled")
+    for text in HELD_OUT:
+        got = mean_kl_to_final(loaded, loaded.tokenizer.encode(text), lens)
+        for layer in range(len(got["logit"]) - 1):
+            assert got["tuned"][layer] < got["logit"][layer], (layer, got)
+        assert got["tuned"][-1] == got["logit"][-1] == pytest.approx(0.0, abs=1e-9)
