@@ -232,8 +232,8 @@ def test_results_render_for_notebooks_and_terminals(model):
     from rich.console import Console
 
     r = model.inspect("<b>keys</b> on the", top_k=3)
-    page = r._repr_html_()
-    assert page.startswith("<div class='lmhead-inspect'>") and "<b>keys" not in page and "&lt;" in page  # escaped
+    page = r._repr_html_()  # the notebook view (render/notebook.py): the prompt's tokens shown, escaped
+    assert page.startswith("<div class='lmhead-inspect'>") and "<b>keys" not in page and "&lt;" in page
     console = Console(record=True, width=120)
     console.print(r)
     assert "entropy" in console.export_text()

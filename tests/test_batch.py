@@ -206,3 +206,23 @@ def test_cli_bad_input_exits_2(tmp_path, monkeypatch, args, message):
     got = cli("inspect", *args, "--model", "random:gpt2")  # fails before any load
     assert got.exit_code == 2, got.output
     assert message in got.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "score"])
+def test_a_fifo_as_file_is_refused_without_waiting_for_a_writer(tmp_path, command):
+    """A named pipe with no writer would block open() for ever: refused by the one input opener
+    (readings.batch.open_input) that inspect, score and compare read --file through."""
+    import os
+
+    from helpers import launch
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = launch(command, "--file", str(fifo), "--model", "random:gpt2", timeout=120, text=True)
+    assert got.returncode == 2 and got.stderr.count("\n") == 1, got.stderr
+    assert got.stderr.startswith(f"lmhead: error: {fifo} is a FIFO (named pipe), not a regular file")
+
+
+def test_a_device_as_file_is_still_read_up_to_the_line_limit():
+    got = cli("inspect", "--file", "/dev/zero", "--model", "random:gpt2")
+    assert got.exit_code == 2 and "line 1 is longer than 1,048,576 bytes" in got.stderr

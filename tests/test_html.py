@@ -207,11 +207,12 @@ def test_score_route(client, loaded):
 
 @pytest.mark.parametrize("path,body,status,message", [
     ("/api/score", {"text": ""}, 400, "empty"),
-    ("/api/score", {"text": 3}, 400, "'text' must be a string"),
+    ("/api/score", {"text": 3}, 400, "text must be a string (got an integer)"),
     ("/api/score", {"text": "ab " * 200_000}, 413, "the page scores at most"),
-    ("/api/inspect", {"prompt": "x", "top_k": 0}, 400, "'top_k' must be a whole number from 1 to 100"),
-    ("/api/inspect", {"prompt": "x", "targets": "a"}, 400, "'targets' must be a list"),
-    ("/api/diff", {"a": "x"}, 400, "'b' must be a string"),
+    ("/api/inspect", {"prompt": "x", "top_k": 0}, 400, "top_k must be at least 1 (got 0)"),
+    ("/api/inspect", {"prompt": "x", "top_k": 101}, 400, "top_k must be at most 100 (got 101)"),
+    ("/api/inspect", {"prompt": "x", "targets": "a"}, 400, "targets must be an array of at most 100 strings"),
+    ("/api/diff", {"a": "x"}, 400, "b is required"),
 ])
 def test_route_errors(client, path, body, status, message):
     got = client.post(path, json=body)
@@ -223,12 +224,12 @@ def test_route_body_limit(client):
 
     got = client.post("/api/score", content=b'{"text": "' + b"a" * MAX_BODY_BYTES + b'"}',
                       headers={"content-type": "application/json"})
-    assert got.status_code == 413 and "over the page's limit" in got.json()["error"]["message"]
+    assert got.status_code == 413 and "over the server's limit of 8,388,608 bytes" in got.json()["error"]["message"]
 
 
 def test_route_bad_json(client):
     got = client.post("/api/score", content=b"{not json", headers={"content-type": "application/json"})
-    assert got.status_code == 400 and got.json()["error"]["message"] == "the request body is not valid JSON"
+    assert got.status_code == 400 and got.json()["error"]["message"].startswith("the body is not valid JSON: ")
 
 
 def test_model_error_is_an_answer(tiny, tmp_path):

@@ -416,7 +416,7 @@ def test_api_key(browser, tiny):
         assert "API key" in browser.find_element("id", "page-status").text
         browser.find_element("id", "key").send_keys("s3cret")
         browser.find_element("id", "key-go").click()
-        wait_for(browser, f"return document.getElementById('model-name').textContent === {json.dumps(str(tiny[0]))}",
+        wait_for(browser, f"return document.getElementById('model-name').textContent === {json.dumps(tiny[0].name)}",
                  "the model's name")
         browser.find_element("id", "next-prompt").send_keys("The keys")
         assert start(browser, "next", "next-go") == "done"

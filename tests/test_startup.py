@@ -109,9 +109,9 @@ def _imported(source: str, package: str, root) -> list[str]:
     return [m for m in found if m == "lmhead_cli" or m.startswith("lmhead_cli.")]
 
 
-def _reaching_past(source: str, root) -> list[str]:
-    allowed = sorted(CLI_MAY_IMPORT, key=len, reverse=True)
-    return [m for m in _imported(source, "lmhead_cli.cli", root)
+def _reaching_past(source: str, root, may: dict = CLI_MAY_IMPORT, package: str = "lmhead_cli.cli") -> list[str]:
+    allowed = sorted(may, key=len, reverse=True)
+    return [m for m in _imported(source, package, root)
             if not any(m == a or (a != "lmhead_cli" and m.startswith(a + ".")) for a in allowed)]
 
 
@@ -167,3 +167,38 @@ def test_load_says_the_working_directory_is_gone_before_torch_is_imported(tmp_pa
                          preexec_fn=lambda: (os.chdir(gone), os.rmdir(gone)),
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert got.stdout.endswith("(it was deleted); cd to a folder that exists and run the command again False\n"), got
+
+
+# What the server (lmhead_cli/serve/) and the page (lmhead_cli/page/) may import from lmhead_cli: the
+# same door as the command line. Their model work goes through Model methods (api/serving.py among them).
+SERVER_MAY_IMPORT = {
+    "lmhead_cli.serve": "its own modules",
+    "lmhead_cli.page": "the page's files and routes, served by the server",
+    "lmhead_cli.api": "the one door: the Model's methods, and api.serving's names for the worker's rows",
+    "lmhead_cli.render": "the documents: OpenAI's, the page's views, the one JSON encoder, terminal-safe text",
+    "lmhead_cli.errors": "the domain errors, turned into OpenAI's error shape",
+}
+
+
+def test_the_server_and_the_page_import_only_the_api_render_and_errors():
+    """Every module of lmhead_cli/serve/ and lmhead_cli/page/, parsed (imports inside functions included):
+    none imports the readings, decoding, engines or loader; each goes through lmhead_cli.api."""
+    from pathlib import Path
+
+    import lmhead_cli.page
+    import lmhead_cli.serve
+
+    root = Path(lmhead_cli.serve.__file__).parent.parent.parent
+    assert _reaching_past("from lmhead_cli.readings.completion import Row\nfrom lmhead_cli.api.serving import Row\n"
+                          "from lmhead_cli.decoding import stages\n", root, SERVER_MAY_IMPORT,
+                          "lmhead_cli.serve") == ["lmhead_cli.readings.completion", "lmhead_cli.decoding.stages"]
+    found = {}
+    for package in (lmhead_cli.serve, lmhead_cli.page):
+        folder = Path(package.__file__).parent
+        modules = sorted(folder.glob("*.py"))
+        assert modules
+        for p in modules:
+            found[f"{package.__name__}/{p.name}"] = _reaching_past(p.read_text(encoding="utf-8"), root,
+                                                                   SERVER_MAY_IMPORT, package.__name__)
+    assert {"lmhead_cli.serve/app.py", "lmhead_cli.serve/requests.py", "lmhead_cli.page/routes.py"} <= set(found)
+    assert {name: past for name, past in found.items() if past} == {}

@@ -11,6 +11,28 @@ from collections.abc import Sequence
 from lmhead_cli.api.checks import kinds
 
 
+# The reading's types the server builds and reads (Row) or reads (Echo, Token), reached through the API:
+# serve/ imports nothing from readings/ (tests/test_startup.py). Imported on first use (they import torch).
+_COMPLETION_TYPES = ("Row", "Echo", "Token")
+
+
+def __getattr__(name: str):
+    if name in _COMPLETION_TYPES:
+        from lmhead_cli.readings import completion
+
+        return getattr(completion, name)
+    raise AttributeError(f"module 'lmhead_cli.api.serving' has no attribute {name!r}")
+
+
+def knobs(values: dict):
+    """The decoding stages' settings (decoding.stages.Knobs) from {key: value or None}, each checked
+    against its stage's rule (BadValue naming the key)."""
+    from lmhead_cli.decoding import stages
+
+    stages.check(values)
+    return stages.Knobs(**values)
+
+
 class Serving:
     """Mixed into api.Model (which provides `self.loaded`)."""
 
@@ -60,6 +82,19 @@ class Serving:
         n_ctx = self.n_ctx
         return [range(w.first - bos, w.end - bos)
                 for w in windows(n_tokens + bos, n_ctx, n_ctx // 2 if stride is None else stride)]
+
+    @property
+    def chars_per_token(self) -> int | None:
+        """The most characters one token can stand for, or None where no bound is known: GPT-2's
+        byte-level BPE without a normalizer (a token is at most `max_token_bytes` bytes, a character at
+        least one), so a text of more than n × this many characters cannot fit n tokens."""
+        from tokenizers import pre_tokenizers
+
+        tok = self.tokenizer
+        inner = getattr(tok, "tok", None)
+        if inner is None or inner.normalizer is not None or not isinstance(inner.pre_tokenizer, pre_tokenizers.ByteLevel):
+            return None
+        return tok.max_token_bytes
 
     @kinds(text=str)
     def encode(self, text: str) -> list[int]:

@@ -23,14 +23,20 @@ def serve_cmd(
         "--max-logprobs", min=0, show_default="the vocabulary size",
         help="The most logprobs / top_logprobs a request may ask for per position.")] = None,
     max_entries: Annotated[int, typer.Option(
-        "--max-entries", min=1, help="The most logprob entries, positions × (logprobs + 1), in one answer.")] = 2_000_000,
+        "--max-entries", min=1, help="The most logprob entries, positions × (logprobs + 1), in the answers being "
+        "built at once (one request past it: 400; past it with others: 503); an entry takes about 0.9 KB at its "
+        "peak.")] = 500_000,
     max_queue: Annotated[int, typer.Option(
         "--max-queue", min=1, help="Choices (prompts × n) waiting at most; past it, 503 with Retry-After.")] = 1024,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Choices run together in one batch.")] = 16,
     max_body: Annotated[int, typer.Option("--max-body", min=1, help="The largest request body, bytes (else 413).")]
     = 8 * 2**20,
     cors: Annotated[Optional[list[str]], typer.Option(
-        "--cors", help="Let web pages from this origin call the API (repeatable); CORS is off without it.")] = None,
+        "--cors", help="Let web pages from this origin call the API (repeatable); CORS is off without it. "
+        "'*' needs --api-key.")] = None,
+    allow_host: Annotated[Optional[list[str]], typer.Option(
+        "--allow-host", help="Also answer requests whose Host header names this (repeatable; '*': any). Only "
+        "127.0.0.1, localhost, [::1] and --host are answered without it (DNS rebinding).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Load the model, check the settings, print what "
                                           "would be served, and exit.")] = False,
     source: ModelChoice = None,
@@ -50,7 +56,7 @@ def serve_cmd(
     options = serve.Options(model=source.model, host=host, port=port, api_key=api_key, max_logprobs=max_logprobs,
                             max_entries=max_entries, max_queue=max_queue, max_batch=max_batch, max_body=max_body,
                             cors=tuple(cors or ()), device=source.device, dtype=source.dtype, engine=source.engine,
-                            threads=source.threads)
+                            threads=source.threads, allow_hosts=tuple(allow_host or ()))
     for line in serve.check(options):
         say(f"lmhead: warning: {line}")
     model = source.load()

@@ -1,30 +1,36 @@
 """The page's routes for `lmhead serve`: `/` (the page), `/page/page.css` and `/page/page.js` (from the
-package), and the JSON routes the page calls, each a reading turned into a view document
-(render/html.py). The serve app includes them with `app.include_router(router(model))`.
+package), and the JSON routes the page calls, each a Model method's result turned into a view
+document (render/html.py). The serve app includes them with `app.include_router(router(model, ...))`.
 
-    GET  /api/info      the model's name, its context and the page's text limit
+    GET  /api/info      the model's name (a local folder's last part, never its path), its context and
+                        the page's text limit
     POST /api/score     {"text"}                        -> render.html.score_view
     POST /api/inspect   {"prompt", "top_k", "targets"}  -> render.html.inspect_view
     POST /api/diff      {"a", "b", "top_k"}             -> render.html.diff_view
 
-Errors come in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad value,
-413 for a text over the limit, 500 for a model's failure (e.g. non-finite logits); the page shows the
-message. The model runs one request at a time, in a worker thread, so the event loop never blocks.
-This module imports FastAPI: only the server imports it.
+They go through the server's door (serve/door.py): the same content-type, size (--max-body), depth and
+text checks, the bodies as pydantic models, errors in OpenAI's shape ({"error": {"message", "type",
+"param", "code"}}: 400 for a bad value, 413 for a text over the limit, 500 for a model's failure, such
+as non-finite logits), and the one JSON encoder. The work waits in the server's one queue (`run`:
+Worker.call, bounded by --max-queue) and is dropped when its client disconnects, queued or running
+(score stops at its next chunk). This module imports FastAPI: only the server imports it.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, Response
+from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from lmhead_cli.errors import LmheadError, UsageError
+from lmhead_cli.errors import LmheadError
+from lmhead_cli.serve import door
+from lmhead_cli.serve.answer import unless_gone
+from lmhead_cli.serve.requests import Body, RequestError, shaped
 
 MAX_TEXT_TOKENS = 20_000  # the page's scored text: 5,000 tokens render in well under a second
 MAX_TEXT_CHARS = 20 * MAX_TEXT_TOKENS  # checked before encoding: a token is rarely over 20 characters
@@ -33,39 +39,53 @@ MAX_TOP_K = 100
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
-
-class TooLong(UsageError):
-    """A text over the page's limit (413)."""
+TopK = Annotated[int, Field(ge=1, le=MAX_TOP_K)]
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+class ScoreRequest(Body):
+    """POST /api/score."""
+
+    text: str
 
 
-def _text(body: Any, key: str) -> str:
-    value = body.get(key) if isinstance(body, dict) else None
-    if not isinstance(value, str):
-        raise UsageError(f"'{key}' must be a string")
-    return value
+class InspectRequest(Body):
+    """POST /api/inspect."""
+
+    prompt: str
+    top_k: TopK = 10
+    targets: Annotated[list[str], Field(max_length=MAX_TOP_K),
+                       shaped(f"targets must be an array of at most {MAX_TOP_K} strings")] = []
 
 
-def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise UsageError(f"'{key}' must be a whole number from {lo} to {hi} (got {value!r})")
-    return value
+class DiffRequest(Body):
+    """POST /api/diff."""
+
+    a: str
+    b: str
+    top_k: TopK = 10
 
 
-def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, dependencies=()):
-    """The page's routes over one model (lmhead_cli.api.Model). `run(fn)`, if given, is an
-    awaitable that runs fn() where the server runs its model work; by default fn runs in a worker
+class Cancelled(LmheadError):
+    """The page's client went away: its work stops."""
+
+
+def too_long(message: str) -> RequestError:
+    return RequestError(413, message, param="text", code="text_too_long")
+
+
+def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, dependencies=(),
+           max_body: int = MAX_BODY_BYTES, name: str | None = None):
+    """The page's routes over one model (lmhead_cli.api.Model). `run(fn)`, if given, is an awaitable
+    that runs fn() where the server runs its model work (Worker.call); by default fn runs in a worker
     thread, one at a time. `dependencies` (e.g. the server's API-key check) guard the JSON routes;
-    the page's own files hold no data and are served to anyone."""
+    the page's own files hold no data and are served to anyone. `name` is the name /api/info shows
+    (by default the source's, a local folder's last part)."""
     from lmhead_cli.page import asset
     from lmhead_cli.render import html
+    from lmhead_cli.serve import model_name
 
     lock = threading.Lock()
+    shown = name or model_name(model.source)
 
     async def call(fn):
         if run is not None:
@@ -76,8 +96,23 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
                 return fn()
         return await run_in_threadpool(locked)
 
-    r = APIRouter()
-    api = APIRouter(dependencies=list(dependencies))
+    async def work(request: Request, fn: Callable[[Callable[[], None]], Any]):
+        """fn(check) on the model's thread unless the client has gone; `check()` raises once it has."""
+        gone = threading.Event()
+
+        def check() -> None:
+            if gone.is_set():
+                raise Cancelled("the client disconnected")
+
+        def task():
+            check()
+            return fn(check)
+
+        return await unless_gone(request, call(task), gone.set)
+
+    route = door.route_class(max_body)
+    r = APIRouter(route_class=route, default_response_class=door.Answer)
+    api = APIRouter(dependencies=list(dependencies), route_class=route, default_response_class=door.Answer)
     headers = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
     @r.get("/", include_in_schema=False)
@@ -94,70 +129,31 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
 
     @api.get("/api/info")
     def info():
-        from lmhead_cli.render import safe_text
+        return {"model": shown, "random_weights": model.random_weights, "n_ctx": model.n_ctx,
+                "max_text_tokens": MAX_TEXT_TOKENS}
 
-        return {"model": safe_text(model.source), "random_weights": model.random_weights,
-                "n_ctx": model.n_ctx, "max_text_tokens": MAX_TEXT_TOKENS}
-
-    async def answer(request: Request, work: Callable[[dict], Any]):
-        data = bytearray()
-        async for part in request.stream():  # read no further than the limit
-            data += part
-            if len(data) > MAX_BODY_BYTES:
-                return _error(413, f"the request body is over the page's limit of {MAX_BODY_BYTES:,} bytes",
-                              "invalid_request_error")
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        try:
-            return await call(lambda: work(body))
-        except TooLong as e:
-            return _error(413, str(e), "invalid_request_error", "text")
-        except UsageError as e:
-            return _error(400, str(e), "invalid_request_error", getattr(e, "key", None))
-        except LmheadError as e:
-            return _error(500, str(e), "model_error")
-        except MemoryError:
-            return _error(500, "the model ran out of memory on this request", "model_error")
-        except Exception as e:  # never a hang, never a traceback on the page: one line
-            return _error(500, f"the model failed: {type(e).__name__}", "server_error")
-
-    def do_score(body: dict) -> dict:
-        from lmhead_cli.readings.score import check_text
-
-        text = _text(body, "text")
+    def do_score(text: str, check) -> dict:
         if len(text) > MAX_TEXT_CHARS:
-            raise TooLong(f"the text is {len(text):,} characters; the page scores at most {MAX_TEXT_CHARS:,}")
-        n = len(model.tokenizer.encode_long(check_text(text)))
+            raise too_long(f"the text is {len(text):,} characters; the page scores at most {MAX_TEXT_CHARS:,}")
+        model.check_score(text)
+        n = len(model.encode(text))
         if n > MAX_TEXT_TOKENS:
-            raise TooLong(f"the text is {n:,} tokens; the page scores at most {MAX_TEXT_TOKENS:,}")
-        return html.score_view(model.score(text, alternatives=html.ALTERNATIVES).reading)
-
-    def do_inspect(body: dict) -> dict:
-        targets = body.get("targets", [])
-        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or len(targets) > MAX_TOP_K:
-            raise UsageError(f"'targets' must be a list of at most {MAX_TOP_K} strings")
-        return html.inspect_view(model.inspect(_text(body, "prompt"), _int(body, "top_k", 10, 1, MAX_TOP_K),
-                                               targets).reading)
-
-    def do_diff(body: dict) -> dict:
-        return html.diff_view(model.diff(_text(body, "a"), _text(body, "b"),
-                                         _int(body, "top_k", 10, 1, MAX_TOP_K)).reading)
+            raise too_long(f"the text is {n:,} tokens; the page scores at most {MAX_TEXT_TOKENS:,}")
+        result = model.score(text, alternatives=html.ALTERNATIVES, progress=lambda done, total: check())
+        return html.score_view(result.reading)
 
     @api.post("/api/score")
-    async def score(request: Request):
-        return await answer(request, do_score)
+    async def score(body: ScoreRequest, request: Request):
+        return await work(request, lambda check: do_score(body.text, check))
 
     @api.post("/api/inspect")
-    async def inspect(request: Request):
-        return await answer(request, do_inspect)
+    async def inspect(body: InspectRequest, request: Request):
+        return await work(request, lambda check: html.inspect_view(
+            model.inspect(body.prompt, body.top_k, body.targets).reading))
 
     @api.post("/api/diff")
-    async def diff(request: Request):
-        return await answer(request, do_diff)
+    async def diff(body: DiffRequest, request: Request):
+        return await work(request, lambda check: html.diff_view(model.diff(body.a, body.b, body.top_k).reading))
 
     r.include_router(api)
     return r

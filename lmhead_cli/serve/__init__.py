@@ -2,7 +2,9 @@
 
 serve/requests.py checks a request, serve/worker.py batches the work on the model's one thread
 (readings/completion.py computes it), serve/answer.py builds the answer with render/openai.py, and
-serve/app.py holds the routes. Nothing heavy is imported here: `lmhead --help` stays fast.
+serve/app.py holds the routes, serve/door.py is the one door every request comes through (Host, body,
+JSON), serve/connections.py bounds the connections. Nothing heavy is imported here: `lmhead --help`
+stays fast.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Options:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     max_logprobs: int | None = None
-    max_entries: int = 2_000_000
+    max_entries: int = 500_000
     max_body: int = 8 * 2**20
     max_queue: int = 1024
     max_batch: int = 16
@@ -35,6 +37,7 @@ class Options:
     engine: str = "auto"
     threads: int | None = None
     name: str | None = None
+    allow_hosts: tuple[str, ...] = ()
 
 
 def is_loopback(host: str) -> bool:
@@ -57,6 +60,19 @@ def check(options: Options) -> list[str]:
             raise BadValue(key, f"must be at least 1 (got {getattr(options, key)})")
     if options.max_logprobs is not None and options.max_logprobs < 0:
         raise BadValue("max_logprobs", f"must be 0 or more (got {options.max_logprobs})")
+    if options.api_key is not None:
+        if not options.api_key.strip():
+            raise BadValue("api_key", "is empty (an unset variable in --api-key \"$KEY\"?): every request would "
+                                      "need an empty key; give a key, or leave --api-key out")
+        if not all("\x21" <= c <= "\x7e" for c in options.api_key):
+            raise BadValue("api_key", "must be printable ASCII without spaces: HTTP headers carry no other "
+                                      "characters, so no request could ever send it")
+    if "*" in options.cors and not options.api_key:
+        raise BadValue("cors", "'*' without --api-key would let every web site a browser visits use the model "
+                               "and read its answers; give --api-key, or name the origins")
+    for name in options.allow_hosts:
+        if not name or any(c in name for c in "/ \t\r\n") or not name.isascii():
+            raise BadValue("allow_host", f"must be a host name, an address or * (got {name!r})")
     warnings = []
     if not is_loopback(options.host) and not options.api_key:
         warnings.append(f"serving on {options.host}, which other machines can reach, without --api-key: anyone "
@@ -82,15 +98,15 @@ def build(options: Options, model):
     limits = Limits(max_logprobs=options.max_logprobs, max_entries=options.max_entries,
                     max_choices=min(options.max_queue, 1024), max_body=options.max_body)
     served = Served(model=model, worker=worker, name=options.name or model_name(options.model), limits=limits,
-                    api_key=options.api_key, cors=options.cors)
+                    api_key=options.api_key, cors=options.cors, host=options.host, allow_hosts=options.allow_hosts)
     return build_app(served)
 
 
 def serve(options: Options, model, say=lambda line: print(line, file=sys.stderr, flush=True)) -> None:
     """Serve until interrupted (uvicorn, one process; the model's work on its own thread)."""
-    import uvicorn
+    from lmhead_cli.serve.connections import run
 
     app = build(options, model)
     say(f"lmhead serve: {app.state.served.name} at http://{options.host}:{options.port}/v1 "
         f"(OpenAI API; Ctrl-C stops)")
-    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False)
+    run(app, options.host, options.port)

@@ -10,15 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from lmhead_cli.readings.completion import Echo, Token
+from lmhead_cli.api.serving import Echo, Token
 from lmhead_cli.render import dumps
 from lmhead_cli.render import openai as doc
+from lmhead_cli.serve.door import Disconnected
 from lmhead_cli.serve.requests import Plan, RequestError
 from lmhead_cli.serve.worker import Job
-
-
-class Disconnected(Exception):
-    """The client went away; its job is cancelled."""
 
 
 class Choice:
@@ -90,6 +87,23 @@ async def _events(job: Job, request=None):
             if event[0] == "finish":
                 left -= 1
             yield event
+    finally:
+        watcher.cancel()
+
+
+async def unless_gone(request, work, cancel) -> object:
+    """`work`'s result (a coroutine), unless the client disconnects first: then cancel() and Disconnected.
+    The one cancel rule, for the page's work as for a completion's rows (`_events`): work no client
+    waits for is dropped, queued or running."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            cancel()
+            task.cancel()
+            raise Disconnected()
+        return task.result()
     finally:
         watcher.cancel()
 

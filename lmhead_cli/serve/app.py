@@ -1,32 +1,33 @@
-"""The FastAPI app: routes, errors in OpenAI's shape, the API key, the body limit.
+"""The FastAPI app: routes, errors in OpenAI's shape, the API key, the memory budget.
 
     GET  /health                 {"status": "ok", ...}            (no key needed)
     GET  /v1/models              the one model served
     POST /v1/completions         text_completion: prompts scored (echo) and continued
     POST /v1/chat/completions    chat.completion
     POST /tokenize, /detokenize, GET /tokenizer_info   as lm-evaluation-harness's remote tokenizer probes them
+    GET  /openapi.json           the request models (serve/requests.py), extension fields included
     /                            the page (lmhead_cli/page/routes.py, issue 18)
 
-A route reads like a CLI command: parse and check the body (serve/requests.py), queue the work
-(serve/worker.py), build the answer (serve/answer.py with render/openai.py's builders).
+A route reads like a CLI command: its body comes through the door (serve/door.py: Host, content type,
+size, depth) as a pydantic model (serve/requests.py), is converted once to the worker's rows, queued
+(serve/worker.py), and answered (serve/answer.py with render/openai.py's builders). Prompts are
+tokenized off the event loop, after a refusal of any text whose characters alone cannot fit.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmhead_cli.errors import LmheadError, UsageError
-from lmhead_cli.render import openai as doc
-from lmhead_cli.serve import answer
-from lmhead_cli.serve.requests import (Limits, ModelInfo, RequestError, bad, chat_plan, check_ids, completion_plan,
-                                       messages)
+from lmhead_cli.serve import answer, door
+from lmhead_cli.serve.requests import (ChatRequest, CompletionRequest, DetokenizeRequest, Limits, ModelInfo,
+                                       RequestError, TokenizeRequest, check_chars, check_ids)
 from lmhead_cli.serve.worker import Busy, Job, Worker
 
 RETRY_AFTER_S = 1
@@ -42,101 +43,95 @@ class Served:
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
     cors: tuple[str, ...] = ()
+    host: str = "127.0.0.1"  # the address bound: its name is one the Host check accepts
+    allow_hosts: tuple[str, ...] = ()  # more names the Host check accepts ("*": any)
     created: int = field(default_factory=lambda: int(time.time()))
+    entries: int = 0  # logprob entries in the answers being built now (the memory budget, limits.max_entries)
 
-    @property
-    def info(self) -> ModelInfo:
+    def __post_init__(self):
         m = self.model
-        return ModelInfo(name=self.name, vocab=m.vocab_size, n_ctx=m.n_ctx, eos=m.eos_token_id)
+        self.info = ModelInfo(name=self.name, vocab=m.vocab_size, n_ctx=m.n_ctx, eos=m.eos_token_id,
+                              chars_per_token=m.chars_per_token)
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
 
+    def reserve(self, entries: int) -> None:
+        """Count an answer's logprob entries against the server-wide budget, or 503 when the answers being
+        built already hold so many that this one would go past it (alone it fits: --max-entries is checked
+        per request first)."""
+        if entries and self.entries and self.entries + entries > self.limits.max_entries:
+            raise RequestError(503, f"the server is building answers of {self.entries:,} logprob entries; this one "
+                                    f"adds {entries:,}, past its budget of {self.limits.max_entries:,} "
+                                    "(--max-entries); retry shortly", type="server_error", code="overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.entries += entries
 
-def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(doc.error(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+    def release(self, entries: int) -> None:
+        self.entries -= entries
 
+    async def encode(self, texts: list[str], room: int, param: str) -> list[list[int]]:
+        """Texts to ids on a worker thread, never on the event loop; refused first when their characters
+        alone cannot fit `room` tokens."""
+        check_chars(texts, room, self.info, param)
+        return await run_in_threadpool(lambda: [self.model.encode(t) for t in texts])
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object: 413 past `limit` bytes (read no further), 400 if it is not JSON."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise _too_large(limit)
-
-    def no_constants(name):
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        body = json.loads(data, parse_constant=no_constants)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "the body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _too_large(limit: int) -> RequestError:
-    return RequestError(413, f"the request body is over the server's limit of {limit:,} bytes (--max-body)",
-                        code="request_too_large")
+    async def chat_prompt(self, messages: list[dict], room: int) -> list[int]:
+        check_chars(["".join(m["content"] for m in messages)], room, self.info, "messages", "the messages")
+        return await run_in_threadpool(lambda: self.model.encode(self.model.chat_prompt(messages)))
 
 
 def _page(served: Served, dependencies) -> APIRouter | None:
-    """The page's routes (lmhead_cli/page, issue 18), their model work on the model's thread and behind
-    the API key; None where the page is not part of this build."""
+    """The page's routes (lmhead_cli/page), their model work in the worker's queue and behind the API
+    key; None where the page is not part of this build."""
     try:
         from lmhead_cli.page.routes import router
     except ImportError:
         return None
-    return router(served.model, run=served.worker.call, dependencies=dependencies)
+    return router(served.model, run=served.worker.call, dependencies=dependencies, max_body=served.limits.max_body,
+                  name=served.name)
 
 
 def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     """The app for one served model; `page` (lmhead_cli/page's routes by default) is mounted at /."""
-    app = FastAPI(title="lmhead", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="lmhead", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  default_response_class=door.Answer)
     app.state.served = served
+    route = door.route_class(served.limits.max_body)
 
     async def check_key(request: Request) -> None:
         if served.api_key is None:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), served.api_key.encode()):
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token or not hmac.compare_digest(token.encode("latin-1", "replace"),
+                                                                             served.api_key.encode()):
             raise RequestError(401, "a missing or wrong API key: send Authorization: Bearer <key>", type="invalid_request_error",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(RequestError)
     async def on_request_error(_request, e: RequestError):
-        return error_response(e)
+        return door.error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request, e: StarletteHTTPException):
         message = f"no such path: {request.url.path}" if e.status_code == 404 else str(e.detail)
-        return error_response(RequestError(e.status_code, message, code=str(e.status_code)))
-
-    @app.exception_handler(UsageError)
-    async def on_usage_error(_request, e: UsageError):
-        return error_response(RequestError(400, str(e), param=getattr(e, "key", None), code="invalid_value"))
-
-    @app.exception_handler(LmheadError)
-    async def on_lmhead_error(_request, e: LmheadError):
-        return error_response(RequestError(500, str(e), type="server_error", code="model_error"))
+        return door.error_response(RequestError(e.status_code, message, code=str(e.status_code)))
 
     @app.exception_handler(Exception)
-    async def on_other(_request, e: Exception):
-        return error_response(RequestError(500, f"internal error: {type(e).__name__}", type="server_error"))
+    async def on_other(request, e: Exception):
+        return door.error_response(door.as_request_error(e))
 
-    @app.get("/health")
+    open_routes = APIRouter(route_class=route, default_response_class=door.Answer)
+
+    @open_routes.get("/health")
     async def health():
-        return {"status": "ok", "model": served.name, "queued": served.worker.queued,
+        return {"status": "ok", "model": served.name, "queued": served.worker.queued, "busy": served.worker.busy,
                 "batches": served.worker.batches, "generated": served.worker.generated}
 
-    api = APIRouter(dependencies=[Depends(check_key)])
+    api = APIRouter(dependencies=[Depends(check_key)], route_class=route, default_response_class=door.Answer)
 
     @api.get("/v1/models")
     async def models():
@@ -144,37 +139,33 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
                                             "owned_by": "lmhead"}]}
 
     @api.post("/v1/completions")
-    async def completions(request: Request):
-        body = await read_json(request, served.limits.max_body)
-        return await _answer(served, completion_plan(body, served.tokenizer, served.info, served.limits), request)
+    async def completions(body: CompletionRequest, request: Request):
+        texts = body.texts
+        prompts = body.ids if texts is None else await served.encode(texts, served.info.n_ctx - body.max_tokens,
+                                                                     "prompt")
+        return await _answer(served, body.plan(prompts, served.info, served.limits), request)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_json(request, served.limits.max_body)
-        prompt = served.model.encode(served.model.chat_prompt(messages(body)))
-        return await _answer(served, chat_plan(body, prompt, served.info, served.limits), request)
+    async def chat_completions(body: ChatRequest, request: Request):
+        room = served.info.n_ctx - (body.max_tokens or body.max_completion_tokens or 1)
+        prompt = await served.chat_prompt(body.message_list, room)
+        return await _answer(served, body.plan(prompt, served.info, served.limits), request)
 
     @api.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await read_json(request, served.limits.max_body)
-        if "messages" in body:
-            text = served.model.chat_prompt(messages(body))
+    async def tokenize(body: TokenizeRequest):
+        body.check()
+        if body.messages is not None:
+            text = await run_in_threadpool(served.model.chat_prompt, body.message_list)
         else:
-            text = body.get("prompt")
-            if not isinstance(text, str):
-                raise bad("prompt", "prompt must be a string")
-        tokens = served.model.encode(text)
+            text = body.prompt
+        tokens = await run_in_threadpool(served.model.encode, text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": served.info.n_ctx}
 
     @api.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await read_json(request, served.limits.max_body)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise bad("tokens", "tokens must be an array of token ids")
-        if tokens:
-            check_ids(tokens, served.info, "tokens", "tokens")
-        return {"prompt": served.model.decode(tokens)}
+    async def detokenize(body: DetokenizeRequest):
+        if body.tokens:
+            check_ids(body.tokens, served.info, "tokens", "tokens")
+        return {"prompt": await run_in_threadpool(served.model.decode, body.tokens)}
 
     @api.get("/tokenizer_info")
     async def tokenizer_info():
@@ -185,6 +176,7 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
                 "pad_token": None, "chat_template": served.model.chat_template, "model_max_length": served.info.n_ctx,
                 "vocab_size": served.info.vocab}
 
+    app.include_router(open_routes)
     app.include_router(api)
     if page is None:
         page = _page(served, [Depends(check_key)])
@@ -195,23 +187,39 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=list(served.cors), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(door.Head)
+    app.add_middleware(door.HostCheck, bound=served.host, allowed=served.allow_hosts)
     return app
 
 
-
 async def _answer(served: Served, plan, request: Request):
+    """Queue the plan's rows and answer: a document, or server-sent events. Its logprob entries count
+    against the server's budget until the document is written (or the stream ends)."""
     import asyncio
 
-    job = Job(plan.rows, asyncio.get_running_loop())
+    served.reserve(plan.entries)
+    streaming = False
     try:
-        served.worker.submit(job)
-    except Busy:
-        raise RequestError(503, f"the server's queue is full ({served.worker.max_queue:,} choices); retry shortly",
-                           type="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    if plan.stream:
-        return StreamingResponse(answer.stream(job, plan, served.tokenizer, request, served.name),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        job = Job(plan.rows, asyncio.get_running_loop())
+        try:
+            served.worker.submit(job)
+        except Busy:
+            raise RequestError(503, f"the server's queue is full ({served.worker.max_queue:,} choices); retry shortly",
+                               type="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        if plan.stream:
+            events = answer.stream(job, plan, served.tokenizer, request, served.name)
+            streaming = True
+            return StreamingResponse(_released(events, served, plan.entries), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return door.Answer(await answer.collect(job, plan, served.tokenizer, request, served.name))
+    finally:
+        if not streaming:
+            served.release(plan.entries)
+
+
+async def _released(events, served: Served, entries: int):
     try:
-        return await answer.collect(job, plan, served.tokenizer, request, served.name)
-    except answer.Disconnected:
-        return JSONResponse(doc.error("the client disconnected", "invalid_request_error"), status_code=499)
+        async for event in events:
+            yield event
+    finally:
+        served.release(entries)

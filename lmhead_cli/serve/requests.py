@@ -1,22 +1,27 @@
-"""Request bodies to work: each field checked (type, range) and turned into rows to compute.
+"""Request bodies as pydantic models, and the one conversion of a checked request to the rows the
+worker computes.
 
-Everything a client can send is checked here, before any work starts, and a bad value is a
-`RequestError` naming the field (OpenAI's `param`) and the accepted range: a prompt's token ids
-against the vocabulary, a prompt plus max_tokens against the context, and the cost of the
-logprobs asked for (positions × (logprobs + 1), summed over the choices) against the server's
-limit. Unknown fields are ignored, as OpenAI-compatible servers do; `model` is a label only: no
-request can name a file or make the server load another model.
+As vLLM's entrypoints/openai/protocol.py does: each endpoint's body is a model whose fields carry
+their types and ranges (lmhead's extension fields declared beside OpenAI's, so /openapi.json shows
+them), FastAPI validates the body against it after the door (serve/door.py) has read it, and a bad
+value is a 400 naming the field (OpenAI's `param`) and the accepted range (`validation_error`).
+What depends on the model or the server's limits (token ids against the vocabulary, a prompt plus
+max_tokens against the context, the logprobs asked for against the server's budget) is checked by
+the one conversion, `Sampled.rows`, before any work starts.
+
+Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the answer in a
+way lmhead does not do (penalties, logit_bias, best_of, suffix; chat's tools, tool_choice and a JSON
+response_format) are refused, never ignored. `model` is a label only: no request can name a file or
+make the server load another model.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Optional, Union
 
-from lmhead_cli.decoding import stages
-from lmhead_cli.errors import BadValue
-from lmhead_cli.readings.completion import Row
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_STOPS = 16
@@ -38,10 +43,10 @@ def bad(param: str, message: str) -> RequestError:
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for (see docs/serve.md, Limits)."""
+    """What requests may ask for (see docs/serve.md, Limits)."""
 
     max_logprobs: int | None = None  # per position; None: up to the vocabulary
-    max_entries: int = 2_000_000  # logprob entries in one response: positions × (logprobs + 1)
+    max_entries: int = 500_000  # logprob entries, positions × (logprobs + 1), in all answers being built
     max_choices: int = 256  # prompts × n in one request
     max_body: int = 8 * 2**20  # bytes
 
@@ -54,13 +59,14 @@ class ModelInfo:
     vocab: int
     n_ctx: int
     eos: int | None
+    chars_per_token: int | None = None  # the most characters a token stands for (None: unknown)
 
 
 @dataclass
 class Plan:
     """A checked request: one row per choice (prompt-major, n per prompt), and how to answer."""
 
-    rows: list[Row]
+    rows: list  # api.serving.Row
     prompts: list[list[int]]  # each prompt's ids
     n: int
     echo: bool
@@ -68,114 +74,365 @@ class Plan:
     stream: bool
     include_usage: bool
     chat: bool = False
+    entries: int = 0  # logprob entries the answer holds (the server's memory budget counts them)
     extra: dict = field(default_factory=dict)
     uncertainty: bool = False  # entropy, varentropy and margin beside each position's logprob
 
 
-# ---- one field at a time ------------------------------------------------------------------------
+# ---- pydantic's errors as OpenAI's ----------------------------------------------------------------
 
 def _kind(value) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def boolean(body: dict, key: str, default: bool = False) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(key, f"{key} must be a boolean (got {_kind(value)})")
-    return value
+_WANTS = {"int_type": "an integer", "bool_type": "a boolean", "float_type": "a number", "string_type": "a string",
+          "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+          "model_attributes_type": "an object", "finite_number": "a finite number", "none_required": "null"}
 
 
-def integer(body: dict, key: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(key, f"{key} must be an integer (got {_kind(value)})")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise bad(key, f"{key} must be between {lo} and {hi} (got {value})" if hi is not None
-                  else f"{key} must be at least {lo} (got {value})")
-    return value
-
-
-def number(body: dict, key: str, default: float | None) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(key, f"{key} must be a number (got {_kind(value)})")
-    if not math.isfinite(value):
-        raise bad(key, f"{key} must be finite (got {value})")
-    return float(value)
-
-
-def string(body: dict, key: str, default: str | None, choices: tuple[str, ...] = ()) -> str | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise bad(key, f"{key} must be a string (got {_kind(value)})")
-    if choices and value not in choices:
-        raise bad(key, f"{key} must be one of {', '.join(choices)} (got {value!r})")
-    return value
-
-
-def stops(body: dict) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise bad("stop", "stop must be a string or an array of strings")
-    if len(items) > MAX_STOPS:
-        raise bad("stop", f"stop holds at most {MAX_STOPS} strings (got {len(items)})")
-    if any(s == "" for s in items):
-        raise bad("stop", "stop strings must not be empty")
-    return tuple(items)
-
-
-def unsupported(body: dict) -> None:
-    """Fields that would change the answer in ways lmhead does not do: refused, never ignored."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise bad(key, f"{key} is not supported (only 0)")
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "logit_bias is not supported")
-    if body.get("best_of") not in (None, 1):
-        raise bad("best_of", "best_of is not supported (only 1)")
-    if body.get("suffix") not in (None, ""):
-        raise bad("suffix", "suffix is not supported")
-
-
-# ---- prompts ------------------------------------------------------------------------------------
-
-def prompt_ids(body: dict, tokenizer, info: ModelInfo) -> list[list[int]]:
-    """`prompt` as a string, a list of strings, a list of token ids or a list of lists of ids."""
-    value = body.get("prompt")
-    shape = "prompt must be a string, an array of strings, an array of token ids or an array of arrays of token ids"
-    if isinstance(value, str):
-        texts = [value]
-    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-        texts = value
-    elif isinstance(value, list) and value and all(_is_id(t) for t in value):
-        return [check_ids(value, info, "prompt")]
-    elif isinstance(value, list) and value and all(isinstance(p, list) and all(_is_id(t) for t in p) for p in value):
-        return [check_ids(p, info, f"prompt[{i}]") for i, p in enumerate(value)]
+def validation_error(errors: list[dict]) -> RequestError:
+    """The first of pydantic's errors (FastAPI's RequestValidationError) as a 400 naming the field."""
+    if not errors:
+        return RequestError(400, "the body is not valid", code="invalid_value")
+    e = errors[0]
+    loc = [p for p in e.get("loc", ()) if p != "body"]
+    param = str(loc[0]) if loc else None
+    where = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc)) or "the body"
+    kind, ctx, got = e.get("type", ""), e.get("ctx") or {}, e.get("input")
+    if kind == "value_error":
+        message = str(ctx.get("error", e.get("msg", "")))
+    elif kind in _WANTS:
+        message = f"{where} must be {_WANTS[kind]} (got {_kind(got)})"
+    elif kind == "literal_error":
+        message = f"{where} must be {ctx.get('expected')} (got {got!r})"
+    elif kind == "missing":
+        message = f"{where} is required"
+    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        bound = {"greater_than_equal": f"at least {ctx.get('ge')}", "greater_than": f"more than {ctx.get('gt')}",
+                 "less_than_equal": f"at most {ctx.get('le')}", "less_than": f"less than {ctx.get('lt')}"}[kind]
+        message = f"{where} must be {bound} (got {got!r})"
+    elif kind in ("too_long", "too_short"):
+        message = f"{where} must hold {'at most' if kind == 'too_long' else 'at least'} " \
+                  f"{ctx.get('max_length', ctx.get('min_length'))} items"
     else:
-        raise bad("prompt", shape + (" (got an empty array)" if value == [] else f" (got {_kind(value)})"))
-    out = []
-    for i, text in enumerate(texts):
-        if text == "":
-            raise bad("prompt", "prompt must not be empty" if len(texts) == 1 else f"prompt[{i}] is empty")
-        out.append(list(tokenizer.encode_long(text)))
-    return out
+        message = f"{where}: {e.get('msg', 'not valid')}"
+    return RequestError(400, message, param=param, code="invalid_value")
 
 
-def _is_id(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+def shaped(message: str):
+    """A field whose shape errors (a union's, a list's) are one message: `message (got <kind>)`."""
 
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"{message} (got {_kind(value)})") from None
+
+    return WrapValidator(check)
+
+
+class Body(BaseModel):
+    """A request body: strict types (no "5" for 5, no true for 1), finite numbers, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _refuse_unless(value, default_ok, key: str, message: str):
+    if value not in default_ok:
+        raise ValueError(f"{key} {message}")
+    return value
+
+
+# ---- the fields completions and chat share ------------------------------------------------------
+
+Stop = Annotated[Union[str, list[str], None], shaped("stop must be a string or an array of strings")]
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class Sampled(Body):
+    """The sampling fields both endpoints share, OpenAI's and lmhead's extension fields."""
+
+    model: Optional[str] = Field(None, description="A label only: the server serves its one model.")
+    temperature: float = Field(1.0, description="0 is greedy.")
+    top_p: Optional[float] = None
+    top_k: Optional[int] = Field(None, description="lmhead's top-k stage; -1 or 0: off (vLLM's).")
+    min_p: Optional[float] = Field(None, description="lmhead's min-p stage.")
+    softcap: Optional[float] = Field(None, description="lmhead's soft-cap stage, c·tanh(z/c), run first.")
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="Choice j draws with seed + j.")
+    stop: Stop = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw", description="raw: the softmax of the logits; processed: after the stages.")
+    presence_penalty: Optional[float] = Field(None, description="Refused unless 0.")
+    frequency_penalty: Optional[float] = Field(None, description="Refused unless 0.")
+    logit_bias: Optional[dict[str, Any]] = Field(None, description="Refused unless empty.")
+    uncertainty: bool = Field(False, description="lmhead: entropy, varentropy and margin per position of the "
+                                                 "logprobs, raw or processed as logprobs_mode says (needs logprobs).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError(f"temperature must be at least 0 (got {v:g}); 0 is greedy")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {v:g})")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is not None and v < -1:
+            raise ValueError(f"top_k must be at least -1 (got {v}); -1 and 0 are off")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOPS:
+            raise ValueError(f"stop holds at most {MAX_STOPS} strings (got {len(items)})")
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v, info):
+        return _refuse_unless(v, (None, 0, 0.0), info.field_name, "is not supported (only 0)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        return _refuse_unless(v or None, (None,), "logit_bias", "is not supported")
+
+    def needs_logprobs(self, wanted: bool, how: str) -> None:
+        """lmhead's `uncertainty` adds to the logprobs: refused where none are asked for (`how` says how)."""
+        if self.uncertainty and not wanted:
+            raise bad("uncertainty", f"uncertainty adds to the logprobs: it needs {how}")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def rows(self, prompts: list[list[int]], info: ModelInfo, limits: Limits, *, echo: bool, max_tokens: int,
+             top: int | None) -> tuple[list, int]:
+        """THE conversion: the checked request to one api.serving.Row per choice, the values the worker
+        consumes (prompt i's choices are rows i·n … i·n + n - 1; choice j draws with seed + j), and the
+        logprob entries the answer will hold. Whatever depends on the model or the server's limits is
+        checked here: token ids, the context, the stages' ranges, choices and entries."""
+        from lmhead_cli.api.serving import Row, knobs
+        from lmhead_cli.errors import BadValue
+
+        for i, ids in enumerate(prompts):
+            check_ids(ids, info, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            check_context(ids, max_tokens, info, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        check_top(top, "logprobs", info, limits)
+        t, top_k = self.temperature, self.top_k
+        values = {"softcap": self.softcap, "temperature": None if t in (0.0, 1.0) else t,
+                  "top_k": top_k if top_k and top_k > 0 else None,
+                  "top_p": None if self.top_p in (None, 1.0) else self.top_p, "min_p": self.min_p or None}
+        try:
+            stage_knobs = knobs(values)
+        except BadValue as e:
+            raise bad(e.key, str(e)) from None
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(prompts) * self.n > limits.max_choices:
+            raise bad("n", f"prompts × n is {len(prompts) * self.n:,} choices; the server answers at most "
+                           f"{limits.max_choices:,} in one request")
+        rows = []
+        for ids in prompts:
+            base = self.seed if self.seed is not None else secrets.randbelow(2**32)
+            for j in range(self.n):
+                rows.append(Row(ids=tuple(ids), echo=echo and top is not None, max_tokens=max_tokens, top=top or 0,
+                                mode=self.logprobs_mode, knobs=stage_knobs, greedy=t == 0.0, seed=(base + j) % 2**63,
+                                stop=stop, eos=info.eos, uncertainty=self.uncertainty))
+        return rows, check_cost(rows, top, limits)
+
+
+# ---- the endpoints' bodies ----------------------------------------------------------------------
+
+PROMPT_SHAPE = "prompt must be a string, an array of strings, an array of token ids or an array of arrays of token ids"
+Prompt = Annotated[Union[str, list[str], list[int], list[list[int]]], shaped(PROMPT_SHAPE)]
+
+
+class CompletionRequest(Sampled):
+    """POST /v1/completions."""
+
+    prompt: Prompt = Field(description="A string, strings, token ids, or arrays of token ids: a choice each (× n).")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0, description="0 with echo scores without generating.")
+    echo: bool = Field(False, description="The prompt's own tokens first, with their logprobs.")
+    logprobs: Optional[int] = Field(None, ge=0, description="Top tokens per position, 0 to the vocabulary.")
+    best_of: Optional[int] = Field(None, description="Refused unless 1.")
+    suffix: Optional[str] = Field(None, description="Refused.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if v == []:
+            raise ValueError(PROMPT_SHAPE + " (got an empty array)")
+        if v == "":
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and "" in v:
+            raise ValueError(f"prompt[{v.index('')}] is empty")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        return _refuse_unless(v, (None, 1), "best_of", "is not supported (only 1)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        return _refuse_unless(v, (None, ""), "suffix", "is not supported")
+
+    @property
+    def texts(self) -> list[str] | None:
+        """The prompts to encode, or None when they are token ids already."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        return self.prompt if self.prompt and isinstance(self.prompt[0], str) else None
+
+    @property
+    def ids(self) -> list[list[int]]:
+        return [self.prompt] if self.prompt and isinstance(self.prompt[0], int) else self.prompt
+
+    def plan(self, prompts: list[list[int]], info: ModelInfo, limits: Limits) -> Plan:
+        self.needs_logprobs(self.logprobs is not None, "logprobs (0 or more)")
+        rows, entries = self.rows(prompts, info, limits, echo=self.echo, max_tokens=self.max_tokens, top=self.logprobs)
+        return Plan(rows=rows, prompts=prompts, n=self.n, echo=self.echo, logprobs=self.logprobs, stream=self.stream,
+                    include_usage=self.include_usage, entries=entries, uncertainty=self.uncertainty)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    role: str
+    content: Annotated[Union[str, list[TextPart], None],
+                       shaped("content must be a string or an array of text parts")] = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class ChatRequest(Sampled):
+    """POST /v1/chat/completions."""
+
+    messages: Messages = Field(description="[{role, content}], rendered with the checkpoint's chat template.")
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    tools: Optional[list[Any]] = Field(None, description="Refused: lmhead does not call tools.")
+    tool_choice: Optional[Any] = Field(None, description="Refused unless \"none\".")
+    functions: Optional[list[Any]] = Field(None, description="Refused.")
+    function_call: Optional[Any] = Field(None, description="Refused unless \"none\".")
+    response_format: Optional[dict[str, Any]] = Field(None, description="Only {\"type\": \"text\"}.")
+
+    @field_validator("messages", mode="wrap")
+    @classmethod
+    def _messages(cls, v, handler):
+        if not isinstance(v, list) or not v:
+            raise ValueError("messages must be a non-empty array of {role, content} objects")
+        for i, m in enumerate(v):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string role")
+            try:
+                ChatMessage.model_validate(m)
+            except ValidationError:
+                raise ValueError(f"messages[{i}].content must be a string or an array of text parts") from None
+        return handler(v)
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _tools(cls, v, info):
+        return _refuse_unless(v or None, (None,), info.field_name, "is not supported: lmhead does not call tools; "
+                              "the model's text would be answered as if it had")
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _tool_choice(cls, v, info):
+        return _refuse_unless(v, (None, "none"), info.field_name, "is not supported (only \"none\"): lmhead does "
+                              "not call tools")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"response_format {v.get('type')!r} is not supported (only \"text\"): lmhead does not "
+                             "constrain the text to JSON")
+        return v
+
+    @property
+    def message_list(self) -> list[dict]:
+        """[{"role", "content"}] with the content as text (OpenAI's array of text parts joined)."""
+        return [{"role": m.role, "content": m.text} for m in self.messages]
+
+    def plan(self, prompt: list[int], info: ModelInfo, limits: Limits) -> Plan:
+        """A chat request whose messages the caller rendered to `prompt`."""
+        if not prompt:
+            raise bad("messages", "the messages render to no tokens")
+        check_ids(prompt, info, "the rendered messages", "messages")
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        if max_tokens is None:
+            if info.n_ctx - len(prompt) < 1:
+                raise bad("messages", f"the messages are {len(prompt):,} tokens, which leaves no room in the "
+                                      f"model's context of {info.n_ctx:,}")
+            max_tokens = info.n_ctx - len(prompt)
+        check_context(prompt, max_tokens, info, "the rendered messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        check_top(self.top_logprobs, "top_logprobs", info, limits)
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        self.needs_logprobs(self.logprobs, "logprobs: true")
+        rows, entries = self.rows([prompt], info, limits, echo=False, max_tokens=max_tokens, top=top)
+        return Plan(rows=rows, prompts=[prompt], n=self.n, echo=False, logprobs=top, stream=self.stream,
+                    include_usage=self.include_usage, chat=True, entries=entries, uncertainty=self.uncertainty)
+
+
+class TokenizeRequest(Body):
+    """POST /tokenize: a prompt, or chat messages through the template (vLLM's shape)."""
+
+    prompt: Optional[str] = None
+    messages: Optional[Messages] = None
+    add_special_tokens: bool = True
+
+    @property
+    def message_list(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text} for m in self.messages or ()]
+
+    def check(self) -> None:
+        if self.prompt is None and self.messages is None:
+            raise bad("prompt", "prompt must be a string (or give messages)")
+
+
+class DetokenizeRequest(Body):
+    """POST /detokenize."""
+
+    tokens: Annotated[list[int], shaped("tokens must be an array of token ids")]
+
+
+# ---- what depends on the model and the limits ---------------------------------------------------
 
 def check_ids(ids: list[int], info: ModelInfo, where: str, param: str = "prompt") -> list[int]:
     if not ids:
@@ -192,66 +449,30 @@ def check_context(ids: list[int], max_tokens: int, info: ModelInfo, where: str) 
                                 f"{len(ids) + max_tokens:,} tokens, beyond the model's context of {info.n_ctx:,}")
 
 
-# ---- the sampling settings both endpoints share -------------------------------------------------
-
-@dataclass(frozen=True)
-class Sampling:
-    knobs: stages.Knobs
-    greedy: bool
-    seed: int | None
-    stop: tuple[str, ...]
-    n: int
-    mode: str
-
-
-def sampling(body: dict, limits: Limits) -> Sampling:
-    temperature = number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad("temperature", f"temperature must be at least 0 (got {temperature:g}); 0 is greedy")
-    top_p = number(body, "top_p", None)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise bad("top_p", f"top_p must be in (0, 1] (got {top_p:g})")
-    top_k = integer(body, "top_k", None, lo=-1)  # vLLM's -1 (and 0) mean off
-    min_p = number(body, "min_p", None)
-    softcap = number(body, "softcap", None)
-    values = {"softcap": softcap, "temperature": None if temperature in (0.0, 1.0) else temperature,
-              "top_k": top_k if top_k and top_k > 0 else None, "top_p": None if top_p in (None, 1.0) else top_p,
-              "min_p": min_p or None}
-    try:
-        stages.check(values)
-    except BadValue as e:
-        raise bad(e.key, str(e)) from None
-    seed = integer(body, "seed", None, lo=0, hi=2**63 - 1)
-    return Sampling(knobs=stages.Knobs(**values), greedy=temperature == 0.0, seed=seed, stop=stops(body),
-                    n=integer(body, "n", 1, lo=1, hi=limits.max_choices),
-                    mode=string(body, "logprobs_mode", "raw", ("raw", "processed")))
-
-
-def rows_for(prompts: list[list[int]], s: Sampling, *, echo: bool, max_tokens: int, top: int,
-             eos: int | None, uncertainty: bool = False) -> list[Row]:
-    """One row per choice: prompt i's choices are rows i·n … i·n + n - 1; choice j draws with seed + j."""
-    rows = []
-    for ids in prompts:
-        base = s.seed if s.seed is not None else secrets.randbelow(2**32)
-        for j in range(s.n):
-            rows.append(Row(ids=tuple(ids), echo=echo, max_tokens=max_tokens, top=top, mode=s.mode, knobs=s.knobs,
-                            greedy=s.greedy, seed=(base + j) % 2**63, stop=s.stop, eos=eos,
-                            uncertainty=uncertainty))
-    return rows
-
-
-def check_cost(rows: list[Row], top: int | None, limits: Limits) -> None:
-    """The answer's size before any work: choices, and logprob entries (positions × (top + 1))."""
-    if len(rows) > limits.max_choices:
-        raise bad("n", f"prompts × n is {len(rows):,} choices; the server answers at most {limits.max_choices:,} "
-                       "in one request")
-    if top is None:
+def check_chars(texts: list[str], room: int, info: ModelInfo, param: str, where: str = "the prompt") -> None:
+    """Before encoding: a text with more characters than `room` tokens can hold cannot fit, whatever
+    its tokens (a token stands for at most info.chars_per_token characters), so it is refused without
+    tokenizing it."""
+    if info.chars_per_token is None:
         return
+    most = max(room, 0) * info.chars_per_token
+    for i, text in enumerate(texts):
+        if len(text) > most:
+            name = where if len(texts) == 1 else f"{param}[{i}]"
+            raise bad(param, f"{name} is {len(text):,} characters, more than the {max(room, 0):,} tokens left in the "
+                             f"model's context of {info.n_ctx:,} can hold (at most {most:,} characters)")
+
+
+def check_cost(rows: list, top: int | None, limits: Limits) -> int:
+    """The answer's logprob entries (positions × (top + 1)) before any work, against --max-entries."""
+    if top is None:
+        return 0
     positions = sum((len(r.ids) if r.echo else 0) + r.max_tokens for r in rows)
     entries = positions * (top + 1)
     if entries > limits.max_entries:
         raise bad("logprobs", f"{positions:,} positions × ({top:,} logprobs + 1) is {entries:,} entries; the "
-                              f"server answers at most {limits.max_entries:,} in one request")
+                              f"server answers at most {limits.max_entries:,} at once (--max-entries)")
+    return entries
 
 
 def check_top(value: int | None, key: str, info: ModelInfo, limits: Limits) -> int | None:
@@ -260,97 +481,3 @@ def check_top(value: int | None, key: str, info: ModelInfo, limits: Limits) -> i
         raise bad(key, f"{key} must be between 0 and {hi:,} (got {value})"
                   + (" (--max-logprobs)" if limits.max_logprobs is not None and value <= info.vocab else ""))
     return value
-
-
-# ---- the two endpoints --------------------------------------------------------------------------
-
-def uncertainty(body: dict, wanted: bool, needs: str) -> bool:
-    """lmhead's extension field `uncertainty`: entropy, varentropy and margin per position of the
-    logprobs, which it needs (`needs` says how to ask for them)."""
-    value = boolean(body, "uncertainty")
-    if value and not wanted:
-        raise bad("uncertainty", f"uncertainty adds to the logprobs: it needs {needs}")
-    return value
-
-
-def completion_plan(body: dict, tokenizer, info: ModelInfo, limits: Limits) -> Plan:
-    unsupported(body)
-    string(body, "model", None)
-    prompts = prompt_ids(body, tokenizer, info)
-    max_tokens = integer(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=0)
-    echo = boolean(body, "echo")
-    top = integer(body, "logprobs", None)
-    check_top(top, "logprobs", info, limits)
-    s = sampling(body, limits)
-    for i, ids in enumerate(prompts):
-        check_context(ids, max_tokens, info, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
-    spread = uncertainty(body, top is not None, "logprobs (0 or more)")
-    rows = rows_for(prompts, s, echo=echo and top is not None, max_tokens=max_tokens, top=top or 0, eos=info.eos,
-                    uncertainty=spread)
-    check_cost(rows, top, limits)
-    stream = boolean(body, "stream")
-    return Plan(rows=rows, prompts=prompts, n=s.n, echo=echo, logprobs=top, stream=stream,
-                include_usage=stream and _include_usage(body), uncertainty=spread)
-
-
-def _include_usage(body: dict) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict):
-        raise bad("stream_options", "stream_options must be an object")
-    return boolean(options, "include_usage")
-
-
-def messages(body: dict) -> list[dict]:
-    """[{"role", "content"}] with the content as text (OpenAI's array of text parts is joined)."""
-    value = body.get("messages")
-    if not isinstance(value, list) or not value:
-        raise bad("messages", "messages must be a non-empty array of {role, content} objects")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad("messages", f"messages[{i}] must be an object with a string role")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise bad("messages", f"messages[{i}].content may hold text parts only")
-            content = "".join(p["text"] for p in content)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise bad("messages", f"messages[{i}].content must be a string or an array of text parts")
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def chat_plan(body: dict, prompt: list[int], info: ModelInfo, limits: Limits) -> Plan:
-    """A chat request whose messages the caller rendered to `prompt` (see `messages`)."""
-    unsupported(body)
-    string(body, "model", None)
-    if not prompt:
-        raise bad("messages", "the messages render to no tokens")
-    check_ids(prompt, info, "the rendered messages")
-    room = info.n_ctx - len(prompt)
-    max_tokens = integer(body, "max_completion_tokens", None, lo=1)
-    max_tokens = integer(body, "max_tokens", max_tokens, lo=1)
-    if max_tokens is None:
-        if room < 1:
-            raise bad("messages", f"the messages are {len(prompt):,} tokens, which leaves no room in the "
-                                  f"model's context of {info.n_ctx:,}")
-        max_tokens = room
-    check_context(prompt, max_tokens, info, "the rendered messages")
-    want = boolean(body, "logprobs")
-    top = integer(body, "top_logprobs", None)
-    if top is not None and not want:
-        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
-    check_top(top, "top_logprobs", info, limits)
-    top = (top or 0) if want else None
-    s = sampling(body, limits)
-    spread = uncertainty(body, want, "logprobs: true")
-    rows = rows_for([prompt], s, echo=False, max_tokens=max_tokens, top=top or 0, eos=info.eos, uncertainty=spread)
-    check_cost(rows, top, limits)
-    stream = boolean(body, "stream")
-    return Plan(rows=rows, prompts=[prompt], n=s.n, echo=False, logprobs=top, stream=stream,
-                include_usage=stream and _include_usage(body), chat=True, uncertainty=spread)

@@ -19,7 +19,7 @@ import asyncio
 import threading
 from collections import deque
 
-from lmhead_cli.readings.completion import Echo, Row, Token
+from lmhead_cli.api.serving import Echo, Row, Token
 
 
 # A batch's padded prompt tokens stay within this many times its real ones: on a CPU a padded position
@@ -87,19 +87,21 @@ class Worker:
         self.batches = 0  # how many batches have run, and tokens generated (/health shows both)
         self.generated = 0
         self.stopping = False
+        self.busy = False  # the model's thread is running a batch or a call
         self.thread = threading.Thread(target=self._loop, name="lmhead-model", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
         """Queue the job's rows, or raise Busy when they would not all fit."""
         with self.cond:
-            if len(self.pending) + len(job.rows) > self.max_queue:
+            if len(self.pending) + len(self.calls) + len(job.rows) > self.max_queue:
                 raise Busy()
             self.pending.extend((job, i) for i in range(len(job.rows)))
             self.cond.notify()
 
     async def call(self, fn):
-        """fn() on the model's thread, between batches (the page's readings); its result or its exception."""
+        """fn() on the model's thread, between batches (the page's readings); its result or its exception.
+        It waits in the same queue as the rows, and counts against max_queue (Busy past it)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -115,13 +117,15 @@ class Worker:
             loop.call_soon_threadsafe(done, ok, value)
 
         with self.cond:
+            if len(self.pending) + len(self.calls) >= self.max_queue:
+                raise Busy()
             self.calls.append(task)
             self.cond.notify()
         return await future
 
     @property
     def queued(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self.calls)
 
     def stop(self) -> None:
         with self.cond:
@@ -155,7 +159,9 @@ class Worker:
 
     def _loop(self) -> None:
         while not self.stopping:
+            self.busy = False
             batch = self._take()
+            self.busy = True  # /health shows it: work no client waits for must not keep it so
             if callable(batch):
                 batch()
                 continue
