@@ -390,9 +390,9 @@ def imports(args: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    from lmhead_cli.engine.threads import prepare
+    from lmhead_cli.engine.execution import own_process
 
-    prepare()  # OpenMP's wait policy as lmhead sets it, before torch's import: every probe runs as lmhead runs
+    own_process()  # OpenMP's wait policy as the lmhead command sets it, before torch's import: every probe runs as lmhead runs
     what, rest = argv[0], argv[1:]
     if what == "bandwidth":
         result = bandwidth()

@@ -14,6 +14,19 @@ class Param(str):
     `error.spelled_with(spell)` (the CLI: `--device`; explore: `:top-k`)."""
 
 
+class Notice(str):
+    """A notice (not an error) given in parts, as an error's message: str is the API's spelling,
+    `spelled_with(spell)` a front end's (the CLI: `--model`)."""
+
+    def __new__(cls, *parts: str):
+        line = super().__new__(cls, "".join(parts))
+        line.parts = parts
+        return line
+
+    def spelled_with(self, spell) -> str:
+        return "".join(spell(p) if isinstance(p, Param) else p for p in self.parts)
+
+
 class LmheadError(Exception):
     """Base class: a failure the user can act on. ``exit_code`` 1 = runtime, 2 = usage.
 
@@ -90,6 +103,11 @@ class OneToken(UsageError):
 
 class ModelNotFound(LmheadError):
     """A model source that is neither a cached/reachable hub id, a local folder nor a random: name."""
+
+
+class HubUnreachable(ModelNotFound):
+    """A hub id that is not in the local cache while the hub is offline (HF_HUB_OFFLINE) or cannot be
+    reached: the one case in which the default model gives way to the bundled one."""
 
 
 class UnknownConfig(UsageError):

@@ -261,7 +261,7 @@ class RowScores:
     top_logprobs: torch.Tensor | None = None  # (N, K) their log-probabilities, float32
 
 
-def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScores:
+def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0, kernel=None) -> RowScores:
     """Score token ids (N,) under logits (N, V): log-probability, rank, entropy, varentropy, margin and the
     top-1 of each row, and with `top` = K the K most probable of each row too.
 
@@ -274,10 +274,11 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0) -> RowScor
     is the gap between the two highest logits (the log-probabilities' gap: log S cancels). A caller bounds
     the memory by how many rows it passes (`lmhead score --chunk`).
 
-    On the CPU the seven figures come from lmhead's compiled kernel where it loads (engine/kernels.c:
-    the same sums in two passes over the rows and no temporaries)."""
+    `kernel`: the engine's compiled row kernel where it has one (engine/execution.py `row_kernel`: the
+    seven figures from the same sums in two passes over the rows and no temporaries, on the CPU), else
+    torch's."""
     z = logits.float()
-    fast = _compiled_rows(z, ids, top)
+    fast = _compiled_rows(kernel, z, ids, top) if kernel is not None else None
     if fast is not None:
         return fast
     picked = z.gather(-1, ids.unsqueeze(-1))  # (N, 1)
@@ -316,19 +317,14 @@ def _row_scores(logprob, rank, entropy, top_id, top_logprob, top_z, best, varent
                      top_logprobs=(best.values - top_z[:, None]) + top_logprob[:, None] if best else None)
 
 
-def _compiled_rows(z: torch.Tensor, ids: torch.Tensor, top: int) -> RowScores | None:
-    """score_rows on the compiled kernel; None where it does not take these rows (not on the CPU, not
-    loaded, or an id outside the vocabulary, which the torch path then reports)."""
+def _compiled_rows(kernel, z: torch.Tensor, ids: torch.Tensor, top: int) -> RowScores | None:
+    """score_rows on the compiled `kernel`; None where it does not take these rows (not on the CPU, or
+    an id outside the vocabulary, which the torch path then reports)."""
     if z.device.type != "cpu" or ids.device.type != "cpu" or z.dim() != 2 or ids.shape != z.shape[:1]:
-        return None
-    from lmhead_cli.engine import kernels
-
-    k = kernels.load()
-    if k is None:
         return None
     z = z.contiguous()
     try:
-        logprob, rank, h, top_id, top_logprob, var, gap, bad = k.score_rows(z, ids)
+        logprob, rank, h, top_id, top_logprob, var, gap, bad = kernel(z, ids)
     except ValueError:
         return None
     if bad:

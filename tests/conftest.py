@@ -63,3 +63,16 @@ def loud(tmp_path_factory):
     """(folder, transformers model) of loud_checkpoint: peaked distributions, MLPs in gelu's curved range."""
     folder = tmp_path_factory.mktemp("loud")
     return folder, loud_checkpoint(folder)
+
+
+# The heavy tiers, by the files that hold them: `-m "not browser and not lmeval and not torchrun"`
+# leaves them out of a quick run (the README's test command runs everything, as CI does). A test that
+# calls a C compiler carries @pytest.mark.compile itself.
+TIERS = {"test_page.py": "browser", "test_lmeval.py": "lmeval", "test_distributed.py": "torchrun"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = TIERS.get(item.path.name)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))

@@ -51,6 +51,21 @@ def with_ln_f(folder, *, seed: int, n_layer: int = 2):
     return folder, model
 
 
+def perturbed(folder, *, tied: bool, seed: int, n_layer: int = 3):
+    """A tiny GPT-2 (n_layer layers, 4 heads) whose biases and layer-norm gains are random, not 0 and 1, so the
+    attention output bias, ln_f's β and γ all carry real weight in the decomposition."""
+    model = build_checkpoint(folder, tied=tied, n_layer=n_layer, n_head=4, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    model.save_pretrained(folder)
+    return folder, model
+
+
 def nan_checkpoint(folder: Path, into: Path) -> Path:
     """A copy of the checkpoint in `folder`, saved in `into`, with one NaN in ln_f's weight: safetensors
     loads it, and every logit comes out NaN."""

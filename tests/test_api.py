@@ -303,7 +303,7 @@ def _public_functions():
 CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines", "lines"),
                        ("inspect_lines", "lines"), ("api.toy", "hidden"), ("explore_reading", "settings"),
                        ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
-                       ("calibrate", "knobs")}
+                       ("calibrate", "knobs"), ("neurons", "neurons")}
 SERVERS_OWN = {"complete", "chat_prompt", "decode"}
 
 

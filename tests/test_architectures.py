@@ -315,6 +315,39 @@ def test_attribute_llama_through_its_rmsnorm(llama):
     assert "the final RMSNorm's scale" in table and "centre(part)" not in table
 
 
+def test_neurons_read_llamas_down_proj_columns_through_its_rmsnorm(llama):
+    """Llama's value vectors are the columns of down_proj (D, N); RMSNorm has no centring. Each neuron's
+    readout against the weights, and the shares (activation: down_proj's input) against attribute."""
+    _, model = llama
+    norm, W = model.model.norm, model.lm_head.weight.detach().double()
+    v = model.model.layers[1].mlp.down_proj.weight.detach().double().T  # (N, D)
+    r = (norm.weight.detach().double() * v) @ W.T  # (N, V): no centring
+    d = doc(llama, "neurons", "--layer", "1", "--neuron", "3", "--top", "4")
+    assert [t["id"] for t in d["neurons"][0]["promotes"]] == r[3].topk(4).indices.tolist()
+    assert [t["value"] for t in d["neurons"][0]["promotes"]] == pytest.approx(r[3].topk(4).values.tolist(), abs=1e-4)
+    d = doc(llama, "neurons", "--token", " are", "--top", "3")
+    every = torch.stack([(norm.weight.detach().double() * layer.mlp.down_proj.weight.detach().double().T) @ W[389]
+                         for layer in model.model.layers])  # (L, N)
+    assert [n["value"] for n in d["neurons"]] == pytest.approx(every.flatten().topk(3).values.tolist(), abs=1e-5)
+    d = doc(llama, "neurons", PROMPT, "--target", " are")
+    attribution = doc(llama, "attribute", PROMPT, "-t", " are")
+    mlp = [p["value"] for p in attribution["parts"] if p["kind"] == "mlp"]
+    assert d["mlp_parts"] == mlp and d["bias_parts"] == [0.0, 0.0]  # Llama's down_proj has no bias
+    assert d["neuron_sums"] == pytest.approx(mlp, abs=1e-5) and abs(d["error"]) < 1e-5
+
+
+def test_a_tuned_lens_reads_through_llamas_rmsnorm(llama, tmp_path):
+    """tune-lens trains and lens --tuned reads on a model with an RMSNorm and an untied head: the
+    identity lens is the logit lens, and a trained one has its own KL per layer."""
+    out = tmp_path / "llama-lens.safetensors"
+    got = run(llama, "tune-lens", "The keys on the table are mine. " * 20, "--out", str(out), "--steps", "2",
+              "--batch", "1", "--seq", "16")
+    assert got.exit_code == 0, got.output
+    d = doc(llama, "lens", PROMPT, "--tuned", str(out))
+    assert [set(row["kl_to_final"]) for row in d["layers"]] == [{"logit", "tuned"}] * 3
+    assert d["layers"][-1]["kl_to_final"] == {"logit": 0.0, "tuned": 0.0}
+
+
 def test_attribute_refuses_gemma2_in_one_line(gemma2):
     """Gemma-2 normalises each attention and MLP output before adding it: no plain sum to split."""
     got = run(gemma2, "attribute", PROMPT, "-t", " are")
@@ -398,7 +431,7 @@ def test_a_model_without_a_findable_piece_refuses_the_reading_that_needs_it(llam
     assert inspect_prompt(loaded, PROMPT, 1).top[0].id == top
 
 
-def _with_rope(llama, tmp_path, rope) -> "Path":
+def _with_rope(llama, tmp_path, rope):
     folder, _ = llama
     config = json.loads((folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"rope_scaling": rope}))

@@ -8,27 +8,12 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli
+from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli, perturbed
 
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings.attribute import attribute_logit
 
 ARE, IS = 389, 318
-
-
-def perturbed(folder, *, tied: bool, seed: int):
-    """A tiny GPT-2 (3 layers, 4 heads) whose biases and layer-norm gains are random, not 0 and 1, so the
-    attention output bias, ln_f's β and γ all carry real weight in the decomposition."""
-    model = build_checkpoint(folder, tied=tied, n_layer=3, n_head=4, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif ".ln_" in name or name.startswith("transformer.ln_f"):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-    model.save_pretrained(folder)
-    return folder, model
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])

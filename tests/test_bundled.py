@@ -222,3 +222,66 @@ def test_the_intact_copy_loads(broken):
     r = run("inspect", "And God said", "--model", "bundled:tiny", "--json")
     assert r.exit_code == 0, r.output
     assert math.isfinite(json.loads(r.stdout)["entropy"])
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}])
+def test_the_readme_s_first_command_runs_on_a_fresh_offline_machine(tmp_path, env):
+    """`lmhead inspect "The keys on the table"` with no model named, an empty HF cache and no hub: runs on
+    bundled:tiny, its first line saying why and how to insist; JSON names the model that answered.
+    `--model gpt2` and LMHEAD_MODEL=gpt2 still fail in one line, as before."""
+    from helpers import launch
+
+    base = {**env, "HF_HOME": str(tmp_path / "hf")}  # LMHEAD_MODEL is unset for every test (conftest)
+    r = launch("inspect", "The keys on the table", "--json", env=base, text=True)
+    assert r.returncode == 0, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("gpt2 (the default model) is not in the Hugging Face cache and ")
+    assert first.endswith("running on bundled:tiny instead, a small GPT-2 that ships with lmhead; --model gpt2 insists")
+    assert json.loads(r.stdout)["model"] == "bundled:tiny"
+    for named in (["--model", "gpt2"], []):
+        r = launch("inspect", "The keys on the table", *named, env={**base, **({} if named else {"LMHEAD_MODEL": "gpt2"})},
+                   text=True)
+        assert r.returncode == 1 and r.stderr.startswith("lmhead: error: 'gpt2' is not in the Hugging Face cache")
+        assert "bundled:tiny instead" not in r.stderr
+
+
+def test_the_training_recipe_trains_the_class_the_engine_loads(tmp_path):
+    """training/train_bundled.py builds engine/lean.py's GPT2 (no GPT-2 of its own), trains it a few steps
+    (the held-out loss falls), and what it saves loads with --model: the logits lmhead computes from the
+    file are the trained module's own (its weights rounded to float16, as saved)."""
+    import importlib.util
+
+    from lmhead_cli.engine.lean import GPT2
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    spec = importlib.util.spec_from_file_location("train_bundled", Path(__file__).parents[1] / "training" /
+                                                  "train_bundled.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert not [name for name, obj in vars(recipe).items()
+                if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__module__ == recipe.__name__]
+    tok = GPT2Tokenizer.bundled()
+    ids = torch.tensor(tok.encode("In the beginning God created the heaven and the earth. " * 40))
+    cfg = {"vocab_size": 50257, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2}
+    torch.manual_seed(0)
+    model = recipe.build_model(cfg)
+    assert type(model) is GPT2 and model.lm_head.weight is model.wte.weight
+    rows = recipe.train(model, ids[:400], ids[400:], steps=12, batch=4, seq=32, ctx=32, lr=1e-2, eval_every=6,
+                        sampled=64)
+    assert [r["step"] for r in rows] == [0, 6, 12] and rows[-1]["held_out_loss"] < rows[0]["held_out_loss"] - 1
+    out = tmp_path / "trained"
+    recipe.save(model, cfg, out)
+    recipe.write_sums(out)
+
+    prompt = "In the beginning God"
+    r = cli("inspect", prompt, "--model", str(out), "--json", "-k", "3")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+        model.eval()
+        want = model.lm_head(model(torch.tensor([tok.encode(prompt)])))[0, -1].log_softmax(-1)  # (V,)
+    top = want.topk(3)
+    assert [t["id"] for t in doc["top"]] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([t["logprob"] for t in doc["top"]]), top.values, atol=1e-4, rtol=0)

@@ -48,7 +48,6 @@ def lmhead(*args: str, torchrun: int = 0):
 
 
 @pytest.mark.parametrize("output", [["--json"], []], ids=["json", "table"])
-@pytest.mark.torchrun
 def test_two_processes_write_what_one_writes(tiny, tmp_path, output):
     """7 batches of 3 (the last short) over 2 ranks: rank 0 computes 4, rank 1 computes 3."""
     f = tmp_path / "prompts.txt"
@@ -77,7 +76,6 @@ def test_counts_from_every_rank_add_up():
     assert got.truncated_lines == [2, 4, 9] and got.best == [5, 6] and got.top1 == [1, 2]
 
 
-@pytest.mark.torchrun
 def test_score_file_under_two_processes_writes_what_one_writes(tiny, tmp_path):
     """score --file: 8 lines a round per rank; the corpus summary counts every rank's lines."""
     f = tmp_path / "texts.txt"

@@ -186,16 +186,16 @@ def test_decoding_times_the_forms_and_keeps_one(tiny):
     of every other form (the forms differ in float rounding only). float32 runs one form; two are
     offered here, as bfloat16 offers three without the compiled kernels."""
     loaded = load_model(str(tiny[0]), device="cpu", engine="lean")
-    assert loaded.engine.forms == ("gemv",) and not loaded.threads.forms
+    assert loaded.engine.forms == ("gemv",) and not loaded.execution.chooser.forms
     loaded.engine.products.forms = ("linear", "gemv")
-    loaded.threads.offer(loaded.engine)
+    loaded.execution.offer(loaded.engine)
     ids = []
     for form in loaded.engine.forms:
         loaded.engine.use_form(form)
         got, _ = lean_decode(loaded.engine, prompt(5), 8, lambda z: int(z.argmax()))
         ids.append(got)
     assert ids[0] == ids[1]
-    chooser = loaded.threads
+    chooser = loaded.execution.chooser
     for _ in range(1 + len(chooser._settings)):  # a warm-up call, then one call per setting
         chooser.run(lambda: lean_decode(loaded.engine, prompt(3), 2, lambda z: int(z.argmax())))
     assert chooser.form_choices and chooser.form_choices[-1] in loaded.engine.forms

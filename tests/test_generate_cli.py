@@ -280,3 +280,19 @@ def test_done_when_generate_on_random_gpt2():
     assert got.stdout.startswith("random weights (random:gpt2, seeded)")  # every random-weights output says so
     text = got.stdout.split("the predictions are not.\n", 1)[1]
     assert text.startswith(PROMPT) and "5 tokens in" in got.stdout and "seed 1" in got.stdout
+
+
+def test_the_speed_says_what_it_ran_on(tiny, monkeypatch):
+    """generate's speed is reported with what the products ran on: the compiled kernels' variant, or
+    torch's products where they are unavailable, said once, in the summary line and the JSON."""
+    from lmhead_cli.engine import kernels
+
+    k = kernels.load()
+    args = ("greedy", "The keys", "-n", "3", "--model", str(tiny[0]))
+    doc = json.loads(cli(*args, "--json").stdout)
+    assert doc["products"] == (f"compiled kernels ({k.variant})" if k is not None else "torch's products")
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    assert json.loads(cli(*args, "--json").stdout)["products"] == "torch's products"
+    said = cli(*args).stdout
+    lines = [line for line in said.splitlines() if "tokens/s" in line]
+    assert len(lines) == 1 and "tokens/s (torch's products) ·" in lines[0] and said.count("torch's products") == 1

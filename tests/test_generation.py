@@ -168,12 +168,12 @@ def test_a_drawn_seed_spans_32_bits_and_its_generator_is_made_on_the_model_s_dev
 
 def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
     """The first step (the prompt's prefill) runs as it is; each later step, one position, goes through
-    loaded.threads.run, which times those steps to choose the thread count. Mutants: every step, or none."""
+    loaded.execution.run, which times those steps to choose the thread count. Mutants: every step, or none."""
     from dataclasses import replace
 
     loaded = load(tiny[0])
     calls = []
-    timed = replace(loaded, threads=SimpleNamespace(run=lambda f: calls.append(1) or f()))
+    timed = replace(loaded, execution=SimpleNamespace(run=lambda f: calls.append(1) or f()))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
     assert len(g.steps) == 5 and len(calls) == 4 + 1  # the 4 later steps, and the call that ends the loop
 
@@ -453,7 +453,7 @@ def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
     tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
                                 decode=lambda ids: "".join(map(text, ids)))
-    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, threads=SimpleNamespace(run=lambda f: f()))
+    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=SimpleNamespace(run=lambda f: f()))
 
 
 def transformers_bigram_beams(table: torch.Tensor, beams: int, new: int):

@@ -1,13 +1,15 @@
-"""The compiled CPU kernels (engine/kernels.c, built and loaded by engine/kernels.py): int8 and bfloat16
-weights times a few float rows, against float64 sums done here; the build, its cache and its refusals."""
+"""The compiled CPU kernels (engine/csrc, an extension module built by pip, opened by engine/kernels.py):
+int8 and bfloat16 weights times a few float rows, against float64 sums done here, in every variant this
+CPU runs; the module's refusals (not built, damaged, foreign) and that nothing is compiled at run time."""
 
 from __future__ import annotations
 
+import ctypes
 import os
-import platform
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,31 +20,28 @@ from lmhead_cli.loading.sources import load_model
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"the compiled kernels did not load: {kernels.unavailable()}")
-# Besides the build for this CPU: kernels.c's AVX2 path and its plain C path, built for older x86-64 CPUs
-# (this one would take the AVX-512 VNNI and BF16 paths).
-BUILDS = ["native", "x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
+# Every variant of the module that this CPU runs (an AVX-512 BF16 machine runs all five: the VNNI and BF16
+# paths, AVX-512 and AVX2 widening, and the portable C), each checked like the one load() picks.
+VARIANTS = kernels.variants(ctypes.CDLL(str(kernels.module_path()))) if K is not None else ["none"]
 
 
-@pytest.fixture(scope="module", params=BUILDS)
-def build(request, tmp_path_factory):
-    """The kernels as loaded for this CPU, or kernels.c built here for an older x86-64 level."""
+@pytest.fixture(scope="module", params=VARIANTS)
+def build(request):
+    """The kernels in one variant this CPU runs."""
     if K is None:
         pytest.skip(f"the compiled kernels did not load: {kernels.unavailable()}")
-    if request.param == "native":
-        return K
-    cc = shutil.which(os.environ.get("CC") or "cc")
-    target = tmp_path_factory.mktemp("kernels") / f"kernels-{request.param}.so"
-    flags = [f"-march={request.param}" if f == "-march=native" else f for f in kernels.FLAGS]
-    subprocess.run([cc, *flags, "-o", str(target), str(kernels.SOURCE)], check=True, capture_output=True)
-    return kernels._open(target)
+    return kernels._open(kernels.module_path(), request.param)
 
 
-def test_the_kernels_build_wherever_there_is_a_c_compiler():
-    """CI's machine has gcc: a kernel that silently fell back to torch there would leave them untested."""
+def test_pip_built_the_kernels_wherever_there_is_a_c_compiler():
+    """CI's machine has gcc and installs with pip: a kernel that silently fell back to torch there would
+    leave them untested. load() picks the best variant this CPU runs."""
     if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler here")
     assert K is not None, kernels.unavailable()
     assert kernels.unavailable() is None
+    assert kernels.module_path().parent == Path(kernels.__file__).parent
+    assert K.variant == VARIANTS[0] and VARIANTS[-1] == "base"
 
 
 def sums(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -190,48 +189,128 @@ def test_lmhead_kernels_0_turns_them_off():
     assert run_load({"LMHEAD_KERNELS": "0"}) == "none: LMHEAD_KERNELS=0"
 
 
-def test_no_compiler_or_a_failing_one_falls_back_and_says_why(tmp_path):
-    assert run_load({"CC": "no-such-compiler-here", "XDG_CACHE_HOME": str(tmp_path)}) == \
-        "none: no C compiler (no-such-compiler-here) on PATH"
-    said = run_load({"CC": "false", "XDG_CACHE_HOME": str(tmp_path)})
-    assert said.startswith("none: false failed") and not list((tmp_path / "lmhead" / "kernels").glob("*.so*"))
+def test_lmhead_kernels_picks_a_variant_this_cpu_runs():
+    assert run_load({"LMHEAD_KERNELS": "base"}) == "loaded"
+    said = run_load({"LMHEAD_KERNELS": "no-such-variant"})
+    assert said.startswith("none: ") and "no variant 'no-such-variant'" in said and "\n" not in said
+
+
+@pytest.fixture
+def module_at(monkeypatch):
+    """Point kernels.load() at another file for one test (then back: the next load() opens the real one)."""
+
+    def point(path: Path | None) -> None:
+        monkeypatch.setattr(kernels, "module_path", lambda: path)
+        monkeypatch.setattr(kernels, "_told", [])
+        kernels.load.cache_clear()
+
+    yield point
+    kernels.load.cache_clear()
+
+
+def test_not_built_falls_back_to_torch_and_says_why(module_at):
+    module_at(None)
+    assert kernels.load() is None
+    assert kernels.unavailable() == "they were not built when lmhead was installed (no C compiler then?)"
+    assert kernels.fallback_notice("float32") is None  # BLAS's products either way: nothing to say
+    assert kernels.fallback_notice("int8").startswith("int8 weights on the CPU: lmhead's compiled kernels are "
+                                                      "unavailable (they were not built")
+    assert kernels.fallback_notice("bfloat16") is None  # once per process
+
+
+@pytest.mark.parametrize("content", [b"not a shared library", b"\x7fELF\x02\x01\x01" + bytes(100)])
+def test_a_damaged_module_is_one_line_naming_the_file_once_and_never_retried(module_at, tmp_path, monkeypatch,
+                                                                             content):
+    path = tmp_path / "_kernels.cpython-311-x86_64-linux-gnu.so"
+    path.write_bytes(content)
+    module_at(path)
+    opened = []
+    real = kernels._import
+    monkeypatch.setattr(kernels, "_import", lambda p: opened.append(p) or real(p))
+    assert kernels.load() is None and kernels.load() is None
+    assert opened == [path]  # once per process
+    why = kernels.unavailable()
+    assert why.startswith(f"{path}: it cannot be imported (") and "\n" not in why
+    line = kernels.fallback_notice("float32")  # a damaged file is said for every dtype
+    assert line == (f"float32 weights on the CPU: lmhead's compiled kernels are unavailable ({why}); torch's "
+                    "products run instead (the same figures, slower)")
+    assert kernels.fallback_notice("int8") is None
+
+
+def test_a_foreign_extension_module_is_refused_in_one_line(module_at):
+    """A real extension module of another name (the standard library's _json): it defines no PyInit__kernels."""
+    import _json
+
+    module_at(Path(_json.__file__))
+    assert kernels.load() is None
+    assert kernels.unavailable().startswith(f"{_json.__file__}: it cannot be imported (")
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build a module without the kernels")
+def test_a_module_without_the_kernels_symbols_is_refused(module_at, tmp_path):
+    """The right module name and init, but no lmhead_* functions: one line, torch's products."""
+    import sysconfig
+
+    src = tmp_path / "m.c"
+    src.write_text("#include <Python.h>\nstatic struct PyModuleDef d = {PyModuleDef_HEAD_INIT, \"_kernels\", 0, -1, 0};\n"
+                   "PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&d); }\n")
+    path = tmp_path / "_kernels.so"
+    subprocess.run(["cc", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o", str(path), str(src)],
+                   check=True, capture_output=True)
+    module_at(path)
+    assert kernels.load() is None
+    assert kernels.unavailable().startswith(f"{path}: it lacks the kernels (")
 
 
 @needs_kernels
-def test_a_build_is_cached_by_digest_and_reused(tmp_path):
-    """The first load builds into the cache folder; the next process loads that file without a compiler."""
-    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
-    built = list((tmp_path / "lmhead" / "kernels").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("kernels-") and built[0].suffix == ".so"
-    stamp = built[0].stat().st_mtime_ns
-    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
-    assert built[0].stat().st_mtime_ns == stamp
-
-
-@needs_kernels
-def test_a_damaged_cached_library_is_built_afresh(tmp_path):
-    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
-    (built,) = (tmp_path / "lmhead" / "kernels").iterdir()
-    built.write_bytes(b"not a shared library")
-    assert run_load({"XDG_CACHE_HOME": str(tmp_path)}) == "loaded"
-    assert built.read_bytes()[:4] == b"\x7fELF"
-
-
-@needs_kernels
-def test_a_cache_folder_that_cannot_be_written_falls_back_in_one_line(tmp_path):
-    (tmp_path / "lmhead").write_text("a file where the folder would be")
-    said = run_load({"XDG_CACHE_HOME": str(tmp_path)})
-    assert said.startswith("none: ") and "\n" not in said
+def test_no_command_compiles_or_opens_code_under_the_cache_folders(tmp_path):
+    """In a fresh process with HOME and XDG_CACHE_HOME in a temporary folder and a `cc` on PATH that
+    records being called: int8, bfloat16 and float32 commands (whose kernels load) start no compiler,
+    write nothing executable under either cache folder and map no file from them."""
+    home, cache, bin_dir = tmp_path / "home", tmp_path / "xdg", tmp_path / "bin"
+    for d in (home, cache, bin_dir):
+        d.mkdir()
+    marker = tmp_path / "cc-was-called"
+    for name in ("cc", "gcc", "clang"):
+        (bin_dir / name).write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "from lmhead_cli.cli import app\n"
+            "from lmhead_cli.engine import kernels\n"
+            "r = CliRunner()\n"
+            "for dtype in ('int8', 'bfloat16', 'float32'):\n"
+            "    out = r.invoke(app, ['greedy', 'The keys', '--model', 'bundled:tiny', '--dtype', dtype,"
+            " '--max-new-tokens', '3', '--json'])\n"
+            "    assert out.exit_code == 0, out.output\n"
+            "out = r.invoke(app, ['score', '--model', 'bundled:tiny', '--json', 'The keys on the table.'])\n"
+            "assert out.exit_code == 0, out.output\n"
+            "assert kernels.load() is not None\n"
+            "print(open('/proc/self/maps').read())\n")
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(cache), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "CC": "cc", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not marker.exists()
+    mapped = {line.split()[-1] for line in done.stdout.splitlines() if "/" in line}
+    assert str(kernels.module_path()) in mapped
+    assert not [p for p in mapped if p.startswith((str(home), str(cache)))]
+    written = [p for p in (*home.rglob("*"), *cache.rglob("*")) if p.is_file() and (p.suffix == ".so" or
+                                                                                   os.access(p, os.X_OK))]
+    assert written == []
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float32"])
 def test_loading_names_the_fallback_unless_the_user_turned_the_kernels_off(tiny, monkeypatch, dtype):
-    """Without the kernels, int8 and bfloat16 weights say in one line why and what runs instead; float32
-    (whose products are BLAS's either way) and LMHEAD_KERNELS=0 (the user's own choice) say nothing."""
+    """Without the kernels (not built), int8 and bfloat16 weights say in one line why and what runs instead;
+    float32 (whose products are BLAS's either way) and LMHEAD_KERNELS=0 (the user's own choice) say nothing."""
     from lmhead_cli.loading.sources import load_model
 
     monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(kernels, "module_path", lambda: None)
     monkeypatch.setattr(kernels, "unavailable", lambda: "no C compiler (cc) on PATH")
+    monkeypatch.setattr(kernels, "_told", [])
     said = []
     load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean", announce=said.append)
     notices = [line for line in said if "compiled kernels" in line]
@@ -249,15 +328,10 @@ def test_loading_names_the_fallback_unless_the_user_turned_the_kernels_off(tiny,
 # ---- score's rows ---------------------------------------------------------------------------------
 
 def torch_rows(z: torch.Tensor, ids: torch.Tensor, top: int = 0):
-    """head.score_rows on torch alone (the compiled kernel turned off), the reference here."""
+    """head.score_rows on torch alone (no kernel given), the reference here."""
     from lmhead_cli import head
 
-    real = kernels.load
-    kernels.load = lambda: None
-    try:
-        return head.score_rows(z.clone(), ids, top)
-    finally:
-        kernels.load = real
+    return head.score_rows(z.clone(), ids, top)
 
 
 FIELDS = ("logprob", "rank", "entropy", "top_id", "top_logprob")
@@ -305,35 +379,33 @@ def test_score_rows_refuse_an_id_outside_the_vocabulary(build):
 
 
 @needs_kernels
+@needs_kernels
 def test_head_score_rows_uses_the_kernel_and_keeps_torch_s_errors_and_top_lists():
-    """head.score_rows on the CPU: the kernel's figures, torch's top-k lists beside them, the same
-    NonFiniteLogits line, and an id outside the vocabulary left to torch's own error."""
+    """head.score_rows on the CPU with the engine's row kernel (engine/execution.py `row_kernel`): the
+    kernel's figures, torch's top-k lists beside them, the same NonFiniteLogits line, and an id outside
+    the vocabulary left to torch's own error."""
     from lmhead_cli import head
     from lmhead_cli.errors import NonFiniteLogits
 
     g = torch.Generator().manual_seed(1)
     z, ids = torch.randn(6, 300, generator=g), torch.randint(0, 300, (6,), generator=g)
-    got, want = head.score_rows(z.clone(), ids, top=4), torch_rows(z, ids, top=4)
+    got, want = head.score_rows(z.clone(), ids, top=4, kernel=K.score_rows), torch_rows(z, ids, top=4)
     assert torch.equal(got.top_ids, want.top_ids)
     torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=2e-6, rtol=2e-6)
     calls = []
-    real = K.score_rows
-    K.score_rows = lambda *a: calls.append(1) or real(*a)
-    try:
-        head.score_rows(z.clone(), ids)
-        head.score_rows(z.t().contiguous().t().clone(), ids)  # a strided view is made contiguous first
-    finally:
-        K.score_rows = real
+    counted = lambda *a: calls.append(1) or K.score_rows(*a)  # noqa: E731
+    head.score_rows(z.clone(), ids, kernel=counted)
+    head.score_rows(z.t().contiguous().t().clone(), ids, kernel=counted)  # a strided view is made contiguous first
     assert calls == [1, 1]
     bad = z.clone()
     bad[2, 0] = float("nan")
     with pytest.raises(NonFiniteLogits) as fast:
-        head.score_rows(bad.clone(), ids)
+        head.score_rows(bad.clone(), ids, kernel=K.score_rows)
     with pytest.raises(NonFiniteLogits) as slow:
         torch_rows(bad, ids)
     assert str(fast.value) == str(slow.value)
     with pytest.raises(RuntimeError):
-        head.score_rows(z.clone(), torch.tensor([0, 1, 2, 3, 4, 300]))
+        head.score_rows(z.clone(), torch.tensor([0, 1, 2, 3, 4, 300]), kernel=K.score_rows)
 
 
 @needs_kernels
@@ -344,20 +416,15 @@ def test_head_never_hands_the_kernel_a_tensor_off_the_cpu():
 
     cpu_z, cpu_ids = torch.zeros(3, 10), torch.zeros(3, dtype=torch.long)
     calls = []
-    real = K.score_rows
 
     def spy(z, ids):  # fails here, rather than crashing the process on a pointer that is not the CPU's
         calls.append(1)
         assert z.is_cpu and ids.is_cpu, "the kernel was handed a tensor off the CPU"
-        return real(z, ids)
+        return K.score_rows(z, ids)
 
-    K.score_rows = spy
-    try:
-        for z, ids in ((cpu_z.to("meta"), cpu_ids), (cpu_z, cpu_ids.to("meta"))):
-            assert head._compiled_rows(z, ids, 0) is None
-        assert head._compiled_rows(cpu_z, cpu_ids, 0) is not None and calls == [1]
-    finally:
-        K.score_rows = real
+    for z, ids in ((cpu_z.to("meta"), cpu_ids), (cpu_z, cpu_ids.to("meta"))):
+        assert head._compiled_rows(spy, z, ids, 0) is None
+    assert head._compiled_rows(spy, cpu_z, cpu_ids, 0) is not None and calls == [1]
 
 
 def test_head_score_rows_refuses_ids_that_do_not_match_the_rows():
@@ -367,7 +434,7 @@ def test_head_score_rows_refuses_ids_that_do_not_match_the_rows():
 
     for ids in (torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1])):
         with pytest.raises(RuntimeError):
-            head.score_rows(torch.zeros(3, 10), ids)
+            head.score_rows(torch.zeros(3, 10), ids, kernel=K.score_rows if K is not None else None)
 
 
 def cache_views(B: int, H: int, T: int, hd: int, T_max: int, g: torch.Generator):

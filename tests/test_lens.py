@@ -57,6 +57,19 @@ def test_every_layer_matches_transformers(ckpt, engine):
             assert t.prob == pytest.approx(float(logprobs[t.id].exp()), abs=1e-7)
 
 
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_every_rows_kl_to_final_is_the_kl_from_transformers_last_row(ckpt, engine):
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    lens = lens_prompt(loaded, PROMPT)
+    ref = [torch.log_softmax(z.double(), -1) for z in reference_rows(model)]
+    for row, logq in zip(lens.layers, ref):
+        want = float((ref[-1].exp() * (ref[-1] - logq)).sum())
+        assert set(row.kl_to_final) == {"logit"} and row.tuned is None
+        assert row.kl_to_final["logit"] == pytest.approx(want, abs=1e-5)
+    assert lens.layers[-1].kl_to_final["logit"] == 0.0 and lens.tuned_lens is None
+
+
 def test_each_layer_is_normalised_with_its_own_statistics(ckpt):
     """Reusing the last layer's mean and scale for an earlier vector gives other logits: the lens must not."""
     folder, model = ckpt
@@ -105,7 +118,7 @@ def test_cli_json_layers_and_last_row_equal_inspect(ckpt):
     doc = json.loads(got.stdout)
     layers = doc["layers"]
     assert [layer["layer"] for layer in layers] == list(range(N_LAYER + 1))
-    assert set(layers[0]) == {"layer", "top_id", "top_token", "top_prob", "entropy", "targets"}
+    assert set(layers[0]) == {"layer", "top_id", "top_token", "top_prob", "entropy", "targets", "kl_to_final", "tuned"}
     assert layers[0]["targets"][0]["token"] == " are"
     ins = json.loads(cli("inspect", *args).stdout)
     assert layers[-1]["top_id"] == ins["top"][0]["id"]

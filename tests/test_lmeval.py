@@ -52,7 +52,6 @@ def lm_eval(cwd: Path, out: Path, model: str, model_args: str, *extra: str) -> d
     return {row["doc_id"]: [(float(ll), flag == "True") for ((ll, flag),) in row["resps"]] for row in rows}
 
 
-@pytest.mark.lmeval
 def test_local_completions_through_lmhead_serve_equals_hf_backend(tiny, tmp_path):
     folder, model = tiny
     for name in ("lmhead_mc.yaml", "lmhead_mc.jsonl"):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli
+from helpers import PROMPT, PROMPT_IDS, cli, perturbed
 
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings.attribute import attribute_logit
@@ -19,23 +19,10 @@ ARE = 389
 N_LAYER = 3
 
 
-def perturbed(folder, *, tied: bool, seed: int):
-    """A tiny GPT-2 whose biases and layer-norm gains are random, so γ, β and the MLP biases all count."""
-    model = build_checkpoint(folder, tied=tied, n_layer=N_LAYER, n_head=4, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif ".ln_" in name or name.startswith("transformer.ln_f"):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-    model.save_pretrained(folder)
-    return folder, model
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def ckpt(request, tmp_path_factory):
-    return perturbed(tmp_path_factory.mktemp("neurons"), tied=request.param, seed=11 if request.param else 12)
+    return perturbed(tmp_path_factory.mktemp("neurons"), tied=request.param, seed=11 if request.param else 12,
+                     n_layer=N_LAYER)
 
 
 def readouts(model, layer: int) -> torch.Tensor:
@@ -202,3 +189,16 @@ def test_bad_input_is_one_line(tiny, args, message):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+@pytest.mark.parametrize("value", [[1.5], [True], "12", None, [0, "3"]])
+def test_the_api_refuses_neuron_indices_that_are_not_integers(tiny, value):
+    import lmhead_cli
+    from lmhead_cli.errors import BadValue
+
+    m = lmhead_cli.load(str(tiny[0]), device="cpu")
+    with pytest.raises(BadValue) as e:
+        m.neurons(layer=0, neurons=value)
+    assert e.value.key == "neurons" and str(e.value).startswith("neurons must be a list of integers")
+    assert [n.index for n in m.neurons(layer=0, neurons=(3, 1), top=2).neurons] == [3, 1]
+

@@ -27,9 +27,9 @@ from lmhead_cli.render import safe_text, show_token
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
-pytestmark = [pytest.mark.browser, pytest.mark.skipif(not (CHROMIUM and DRIVER),
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
                                 reason="needs Debian's chromium and chromium-driver (apt-get install chromium "
-                                       "chromium-driver; .ci/run installs them)")]
+                                       "chromium-driver; .ci/run installs them)")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--window-size=1200,900")

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from helpers import PROMPT, PROMPT_IDS, cli, free_port, serving
+from helpers import PROMPT, cli, free_port, serving
 
 KEY = "s3cret-key"
 

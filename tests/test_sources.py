@@ -143,6 +143,47 @@ def test_uncached_hub_id_unreachable_fails_without_downloading(monkeypatch):
     assert probed, "the hub must be probed quickly before any download is tried"
 
 
+@pytest.mark.parametrize("offline", [True, False])
+def test_the_default_model_falls_back_to_bundled_tiny_offline_saying_why_first(monkeypatch, offline):
+    """source None (no model named): gpt2 not cached and the hub offline (HF_HUB_OFFLINE) or unreachable
+    -> bundled:tiny, after one line that says why and how to insist; a named gpt2 never falls back."""
+    from lmhead_cli.errors import Notice
+
+    if not offline:
+        import huggingface_hub.constants
+
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.setattr(sources, "_reachable", lambda endpoint, timeout=3.0: False)
+    said = []
+    loaded = load_model(None, device="cpu", announce=said.append)
+    assert loaded.source == "bundled:tiny" and loaded.kind == "bundled"
+    why = "HF_HUB_OFFLINE is set" if offline else "the hub can't be reached"
+    assert said[0] == (f"gpt2 (the default model) is not in the Hugging Face cache and {why}: running on "
+                       "bundled:tiny instead, a small GPT-2 that ships with lmhead; source gpt2 insists")
+    assert isinstance(said[0], Notice) and said[0].spelled_with(lambda p: "--model").endswith("; --model gpt2 insists")
+    with pytest.raises(ModelNotFound, match=why):
+        load_model("gpt2", device="cpu")
+
+
+def test_the_default_model_does_not_fall_back_from_other_failures(monkeypatch):
+    """Only 'not cached and the hub offline or unreachable' gives way: a download that fails is gpt2's error."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(sources, "_reachable", lambda endpoint, timeout=3.0: True)
+
+    def refused(*args, **kwargs):
+        if kwargs.get("local_files_only"):
+            raise FileNotFoundError("not cached")
+        raise OSError("connection reset")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", refused)
+    with pytest.raises(ModelNotFound, match="could not download 'gpt2'"):
+        load_model(None, device="cpu")
+
+
 def test_bad_device_dtype_engine():
     """The core names the parameter (device=), the CLI its flag (--device): one message, two spellings."""
     for key, value in (("device", "tpu"), ("dtype", "float8"), ("engine", "jax")):

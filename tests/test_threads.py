@@ -87,11 +87,21 @@ def test_units_normalise_the_work(monkeypatch, restore_threads):
     assert chooser.choices == [2]
 
 
-def test_fixed_count_is_set_and_nothing_is_timed(monkeypatch, restore_threads):
+def test_fixed_count_is_set_inside_the_model_s_calls_only_and_nothing_is_timed(monkeypatch, restore_threads):
+    from lmhead_cli.engine.execution import Execution
+
     monkeypatch.setattr(threads.time, "perf_counter", lambda: pytest.fail("timed although fixed"))
-    chooser = ThreadChooser(fixed=1)
-    assert torch.get_num_threads() == 1 and chooser.candidates == [] and chooser.run(lambda: 7) == 7
-    assert chooser.settle(lambda: None) == 1
+    torch.set_num_threads(2)
+    ex = Execution(threads=1)
+    assert torch.get_num_threads() == 2 and ex.chooser.candidates == []
+    assert ex.run(lambda: torch.get_num_threads()) == 1 and torch.get_num_threads() == 2
+    assert ex.settle(lambda: None) == 1 and torch.get_num_threads() == 2
+    with pytest.raises(ZeroDivisionError):  # restored however the call ends
+        with ex.scope():
+            assert torch.get_num_threads() == 1
+            1 / 0
+    assert torch.get_num_threads() == 2
+    assert list(ex.iterate(torch.get_num_threads() for _ in range(2))) == [1, 1] and torch.get_num_threads() == 2
 
 
 def test_gpu_work_is_not_timed(restore_threads):
@@ -101,31 +111,71 @@ def test_gpu_work_is_not_timed(restore_threads):
 
 @pytest.mark.parametrize("user", [None, ("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "0"),
                                   ("KMP_BLOCKTIME", "200")])
-def test_threads_spin_a_millisecond_unless_the_user_set_how_they_wait(monkeypatch, user):
+def test_the_command_line_s_threads_spin_a_millisecond_unless_the_user_set_how_they_wait(monkeypatch, user):
+    from lmhead_cli.engine import execution
+
     for name in threads.WAIT_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded as it was, so own_process's writes are undone after the test
+        monkeypatch.delenv(name)
     if user:
         monkeypatch.setenv(*user)
-    assert threads.prepare(3) == 3
-    wait = {name: threads.os.environ.get(name) for name in threads.WAIT_SETTINGS}
+    monkeypatch.setattr(execution, "_owned", [])
+    execution.own_process()
+    assert execution.process_owned()
+    wait = {name: os.environ.get(name) for name in threads.WAIT_SETTINGS}
     if user is None:
         assert wait == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "100000", "KMP_BLOCKTIME": "1"}
     else:
         assert wait == {name: user[1] if name == user[0] else None for name in threads.WAIT_SETTINGS}
 
 
-def test_loading_sets_the_spin_before_torch_is_imported(tiny):
-    """OpenMP reads its wait settings once, when torch's import starts it: lmhead.load in a fresh
-    process sets them first."""
+def test_the_command_sets_the_spin_before_torch_is_imported(tiny):
+    """OpenMP reads its wait settings once, when torch's import starts it: `lmhead`'s entry point sets
+    them first (the process is the command's own)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_SETTINGS}
-    code = ("import os, sys, lmhead_cli; assert 'torch' not in sys.modules; "
-            f"lmhead_cli.load({str(tiny[0])!r}); print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+    code = ("import os, sys, lmhead_cli.cli as cli\n"
+            "assert 'torch' not in sys.modules\n"
+            "sys.argv = ['lmhead', 'inspect', '--model', " + repr(str(tiny[0])) + ", '--json', 'The keys']\n"
+            "try:\n    cli.main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules, file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["100000", "True"]
+    assert out.stderr.split()[-2:] == ["100000", "True"]
+
+
+def test_the_api_leaves_the_host_process_as_it_found_it(tiny):
+    """In a fresh interpreter: load() (a chosen and a fixed thread count, float32 and int8) plus score,
+    generate, inspect, lens and a file of prompts leave os.environ, torch's thread count and glibc's
+    mmap threshold (never pinned: engine/heap.py not even called) as they were."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_SETTINGS}
+    code = f"""
+import os, sys, torch
+torch.set_num_threads(2)
+env, n = dict(os.environ), torch.get_num_threads()
+import lmhead_cli
+from lmhead_cli.engine import heap
+for kw in ({{}}, {{"threads": 1}}, {{"dtype": "int8"}}):
+    m = lmhead_cli.load({str(tiny[0])!r}, announce=lambda line: None, **kw)
+    assert torch.get_num_threads() == n
+    m.score("The keys on the table are on the floor, and the door is open.")
+    m.generate("The keys", max_new_tokens=12, greedy=True)
+    m.generate("The keys", max_new_tokens=6, seed=1)
+    m.inspect("The keys on the table")
+    m.lens("The keys on the table")
+    list(m.inspect_lines(["The keys", "A door"], batch_size=1))
+    assert torch.get_num_threads() == n, torch.get_num_threads()
+print(dict(os.environ) == env, torch.get_num_threads() == n, heap.fix_mmap_threshold.cache_info().currsize)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True", "0"]
+
 
 
 @pytest.mark.parametrize("args", [["inspect", "x"], ["greedy", "x"], ["lens", "x"], ["tie"], ["explore"]])
@@ -136,13 +186,16 @@ def test_every_model_command_refuses_zero_threads_before_loading(args):
 
 
 def test_lmhead_threads_sets_the_count(tiny, monkeypatch, restore_threads):
+    torch.set_num_threads(2)
     calls = []
     real = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
     monkeypatch.setenv("LMHEAD_THREADS", "1")
     got = cli("greedy", "The keys", "-n", "3", "--model", str(tiny[0]), "--json")
     assert got.exit_code == 0, got.output
-    assert calls == [1]  # fixed before the load, and never changed by a trial
+    # 1 for each of the model's calls (the load, the generation), the caller's 2 after each: never a trial
+    assert calls and calls[::2] == [1] * (len(calls) // 2) and calls[1::2] == [2] * (len(calls) // 2)
+    assert torch.get_num_threads() == 2
 
 
 class FormsEngine:
@@ -178,12 +231,15 @@ def test_offered_forms_are_timed_on_one_thread_then_the_count_with_the_fastest(m
 
 
 def test_forms_are_timed_even_with_a_fixed_count(monkeypatch, restore_threads):
+    from lmhead_cli.engine.execution import Execution
+
+    torch.set_num_threads(2)
     eng = FormsEngine()
-    chooser = ThreadChooser(fixed=1)
-    chooser.offer(eng)
+    ex = Execution(threads=1)
+    ex.offer(eng)
     clock(monkeypatch, [1, 3, 1])  # (1, gemv), (1, linear), then the chosen one watched
     seen = []
     for _ in range(1 + 2 + 1):
-        chooser.run(lambda: seen.append((torch.get_num_threads(), eng.form)))
+        ex.run(lambda: seen.append((torch.get_num_threads(), eng.form)))
     assert seen == [(1, "gemv")] * 2 + [(1, "linear"), (1, "gemv")]
-    assert chooser.choices == [] and chooser.form_choices == ["gemv"] and torch.get_num_threads() == 1
+    assert ex.chooser.choices == [] and ex.chooser.form_choices == ["gemv"] and torch.get_num_threads() == 2

@@ -254,6 +254,8 @@ def test_tune_lens_writes_a_lens_that_lens_reads(tmp_path, ckpt):
     (("some text", "--out", "l.safetensors", "--steps", "0"), "--steps must be at least 1 (got 0)"),
     (("some text", "--out", "l.safetensors", "--lr", "nan"), "--lr must be a positive number"),
     (("--file", "/nonexistent/book.txt", "--out", "l.safetensors"), "cannot read /nonexistent/book.txt"),
+    (("--file", "/tmp", "--out", "l.safetensors"), "/tmp is not a regular file"),
+    (("--file", "/dev/zero", "--out", "l.safetensors"), "/dev/zero is not a regular file"),
 ])
 def test_tune_lens_bad_input_is_one_line(tiny, args, message):
     r = cli("tune-lens", *args, "--model", str(tiny[0]))
@@ -274,3 +276,16 @@ def test_the_bundled_lens_beats_the_logit_lens_on_held_out_text():
         for layer in range(len(got["logit"]) - 1):
             assert got["tuned"][layer] < got["logit"][layer], (layer, got)
         assert got["tuned"][-1] == got["logit"][-1] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_api_takes_a_trained_lens_without_a_file(ckpt, tiny):
+    import lmhead_cli
+    from lmhead_cli.errors import WrongLens
+
+    m = lmhead_cli.load(str(ckpt[0]), device="cpu")
+    trained = m.tune_lens("The keys on the table are mine. " * 5, steps=1, batch=1, seq=8)
+    assert trained.out is None and trained.to_dict()["steps"] == 1
+    doc = m.lens(PROMPT, tuned=trained.lens).to_dict()
+    assert all("tuned" in row["kl_to_final"] for row in doc["layers"])
+    with pytest.raises(WrongLens, match="is for .* 3 layers"):
+        lmhead_cli.load(str(tiny[0]), device="cpu").lens(PROMPT, tuned=trained.lens)

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lmhead_cli.engine.lean import GPT2, init_random_  # noqa: E402
 from lmhead_cli.loading.tokenizer import GPT2Tokenizer  # noqa: E402
 
 HELD_OUT = ("Ruth", "Esther", "Jonah", "Philippians", "James")  # narratives, prophecy, two epistles
@@ -79,62 +79,16 @@ def token_streams(chapters, tok) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long)
 
 
-# --------------------------------------------------------------------------- model (nanoGPT, GPT-2's names)
+# --------------------------------------------------------------------------- model: lmhead's own GPT-2
 
-class Conv1D(nn.Module):
-    """GPT-2's linear layer: weight stored [in, out], as in the released checkpoints."""
-
-    def __init__(self, n_in: int, n_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out))
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, n_head: int):
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.Module()
-        self.attn.c_attn, self.attn.c_proj = Conv1D(d, 3 * d), Conv1D(d, d)
-        self.mlp = nn.Module()
-        self.mlp.c_fc, self.mlp.c_proj = Conv1D(d, 4 * d), Conv1D(4 * d, d)
-
-    def forward(self, x):  # (B, T, D)
-        B, T, D = x.shape
-        q, k, v = self.attn.c_attn(self.ln_1(x)).split(D, dim=-1)
-        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D/H)
-        x = x + self.attn.c_proj(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        d = cfg["n_embd"]
-        self.wte = nn.Embedding(cfg["vocab_size"], d)
-        self.wpe = nn.Embedding(cfg["n_positions"], d)
-        self.h = nn.ModuleList(Block(d, cfg["n_head"]) for _ in range(cfg["n_layer"]))
-        self.ln_f = nn.LayerNorm(d)
-        # the head is wte itself (tied): logits = ln_f(h) @ wte.weight.T
-        for name, p in self.named_parameters():
-            if name.endswith(".bias") or ".ln_" in name or name.startswith("ln_f"):
-                continue
-            std = 0.02 / math.sqrt(2 * cfg["n_layer"]) if name.endswith("c_proj.weight") else 0.02
-            nn.init.normal_(p, 0.0, std)
-
-    def hidden(self, ids):  # (B, T) -> (B, T, D): the head's input
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
-        for block in self.h:
-            x = block(x)
-        return self.ln_f(x)
-
-    def forward(self, ids):  # (B, T) -> (B, T, V)
-        return F.linear(self.hidden(ids), self.wte.weight)
+def build_model(cfg: dict, seed: int = SEED) -> GPT2:
+    """The very class `bundled:tiny` is loaded into (engine/lean.py's GPT2: GPT-2's key names, the head
+    tied to wte), with GPT-2's initialisation (lean.init_random_), so that the recipe and the shipped
+    model cannot drift apart. model(ids) is the head's input (B, T, D); model.lm_head of it the logits."""
+    model = GPT2(cfg, tied=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # the tie: wte's, once
+    init_random_(state, cfg["n_layer"], seed)
+    return model.train()
 
 
 class SampledHead:
@@ -154,7 +108,7 @@ class SampledHead:
         self.k, self.gen = min(k, len(self.other)), generator
         self.shift = math.log(len(self.other) / self.k) if self.k else 0.0
 
-    def loss(self, model: TinyGPT, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: GPT2, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """h (N, D), targets (N,) token ids, all among the seen ones -> mean cross-entropy."""
         drawn = self.other[torch.randperm(len(self.other), generator=self.gen)[:self.k]]
         rows = model.wte.weight[torch.cat([self.seen, drawn])]  # (S + k, D)
@@ -175,7 +129,7 @@ def held_out_loss(model, held: torch.Tensor, ctx: int, limit: int | None = None)
     for s in range(0, n, ctx * 8):
         e = min(s + ctx * 8, n)
         x = held[s:e].view(-1, ctx)
-        logits = model(x)[:, :-1]
+        logits = model.lm_head(model(x))[:, :-1]  # (B, ctx - 1, V)
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
         count += x[:, 1:].numel()
     model.train()
@@ -218,6 +172,58 @@ def write_svg(rows: list[dict], path: Path, title: str) -> None:
     path.write_text("\n".join(out) + "\n")
 
 
+# --------------------------------------------------------------------------- training
+
+def train(model: GPT2, train: torch.Tensor, held: torch.Tensor, *, steps: int, batch: int, seq: int, ctx: int,
+          lr: float, eval_every: int, sampled: int) -> list[dict]:
+    """`steps` AdamW steps of `batch` windows of `seq` tokens drawn from `train` (seeded), the loss the
+    sampled softmax's; the held-out loss every `eval_every` steps (all of `held` at the end). The rows
+    of the training curve."""
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "wpe.weight"]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n != "wpe.weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), foreach=False)
+    warmup = max(1, steps // 20)
+    lr_at = lambda s: lr * min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))  # noqa: E731
+    order = torch.Generator().manual_seed(SEED)
+    head = SampledHead(train, model.wte.weight.shape[0], sampled, order)
+    print(f"classes: {len(head.seen):,} tokens of the training text + {head.k:,} of the other "
+          f"{len(head.other):,} drawn per step", flush=True)
+    eval_tokens = 32 * ctx  # a fixed held-out sample for the curve; the full split at the end
+
+    rows, running, n_running = [], 0.0, 0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for step in range(steps + 1):
+        if step % eval_every == 0 or step == steps:
+            loss = held_out_loss(model, held, ctx, None if step == steps else eval_tokens)
+            rows.append({"step": step, "tokens": step * batch * seq,
+                         "train_loss": running / n_running if n_running else float("nan"),
+                         "held_out_loss": loss, "held_out_ppl": math.exp(loss),
+                         "seconds": round(time.perf_counter() - start, 1),
+                         "cpu_seconds": round(time.process_time() - cpu_start, 1)})
+            running, n_running = 0.0, 0
+            r = rows[-1]
+            print(f"step {step:5d}  tokens {r['tokens']:>9,}  train {r['train_loss']:.3f}  held-out {loss:.3f} "
+                  f"(ppl {math.exp(loss):.1f})  {r['seconds']:.0f}s "
+                  f"(cpu {r['cpu_seconds']:.0f}s)", flush=True)
+        if step == steps:
+            break
+        starts = torch.randint(0, len(train) - seq - 1, (batch,), generator=order)
+        x = torch.stack([train[s:s + seq + 1] for s in starts.tolist()])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        h = model(x[:, :-1])  # (batch, seq, D)
+        loss = head.loss(model, h.reshape(-1, h.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        running += loss.item()
+        n_running += 1
+    return rows
+
+
+
 # --------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -243,54 +249,16 @@ def main() -> None:
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
     tok = GPT2Tokenizer.bundled()
-    train, held = token_streams(read_bible(args.text), tok)
-    print(f"tokens: train {len(train):,}, held out {len(held):,} ({', '.join(HELD_OUT)})", flush=True)
+    train_ids, held = token_streams(read_bible(args.text), tok)
+    print(f"tokens: train {len(train_ids):,}, held out {len(held):,} ({', '.join(HELD_OUT)})", flush=True)
 
     cfg = {"vocab_size": 50257, "n_positions": args.ctx, "n_embd": args.width, "n_layer": args.layers,
            "n_head": args.heads}
-    model = TinyGPT(cfg)
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "wpe.weight"]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n != "wpe.weight")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), foreach=False)
-    warmup = max(1, args.steps // 20)
-    lr_at = lambda s: args.lr * min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))  # noqa: E731
-    order = torch.Generator().manual_seed(SEED)
-    head = SampledHead(train, cfg["vocab_size"], args.sampled, order)
-    print(f"classes: {len(head.seen):,} tokens of the training text + {head.k:,} of the other "
-          f"{len(head.other):,} drawn per step", flush=True)
-    eval_tokens = 32 * args.ctx  # a fixed held-out sample for the curve; the full split at the end
-
-    rows, running, n_running = [], 0.0, 0
+    model = build_model(cfg)
     start, cpu_start = time.perf_counter(), time.process_time()
     print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0 or step == args.steps:
-            loss = held_out_loss(model, held, args.ctx, None if step == args.steps else eval_tokens)
-            rows.append({"step": step, "tokens": step * args.batch * args.seq,
-                         "train_loss": running / n_running if n_running else float("nan"),
-                         "held_out_loss": loss, "held_out_ppl": math.exp(loss),
-                         "seconds": round(time.perf_counter() - start, 1),
-                         "cpu_seconds": round(time.process_time() - cpu_start, 1)})
-            running, n_running = 0.0, 0
-            r = rows[-1]
-            print(f"step {step:5d}  tokens {r['tokens']:>9,}  train {r['train_loss']:.3f}  held-out {loss:.3f} "
-                  f"(ppl {math.exp(loss):.1f})  {r['seconds']:.0f}s "
-                  f"(cpu {r['cpu_seconds']:.0f}s)", flush=True)
-        if step == args.steps:
-            break
-        starts = torch.randint(0, len(train) - args.seq - 1, (args.batch,), generator=order)
-        x = torch.stack([train[s:s + args.seq + 1] for s in starts.tolist()])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        h = model.hidden(x[:, :-1])
-        loss = head.loss(model, h.reshape(-1, h.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        running += loss.item()
-        n_running += 1
+    rows = train(model, train_ids, held, steps=args.steps, batch=args.batch, seq=args.seq, ctx=args.ctx,
+                 lr=args.lr, eval_every=args.eval_every, sampled=args.sampled)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 
     ppl = rows[-1]["held_out_ppl"]
@@ -310,12 +278,13 @@ def main() -> None:
     print(write_sums(Path(args.out)), end="", flush=True)
 
 
-def save(model: TinyGPT, cfg: dict, out: Path) -> None:
+def save(model: GPT2, cfg: dict, out: Path) -> None:
     """model.safetensors (float16, GPT-2's key names, no lm_head: it is wte) and config.json."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; package data is world-readable
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",

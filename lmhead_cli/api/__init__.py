@@ -10,9 +10,9 @@ that a front end's start-up can read the light modules (api.choices: the stage r
 its options offer) without the Model's.
 """
 
-__all__ = ["Model", "Result", "load", "model_params", "params", "toy"]
+__all__ = ["Model", "Result", "load", "model_params", "own_process", "params", "toy"]
 
-_FROM = {"Model": "model", "load": "model", "model_params": "model", "params": "model", "toy": "model",
+_FROM = {"Model": "model", "load": "model", "model_params": "model", "params": "model", "toy": "model", "own_process": "model",
          "Result": "results"}
 
 

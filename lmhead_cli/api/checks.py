@@ -167,6 +167,18 @@ def attribution(prompt: str | None, target: str | None, vs: str | None) -> None:
     check_attribute(prompt, target, vs)
 
 
+def indices(key: str, values) -> list[int]:
+    """A list of whole numbers (neuron indices): an iterable of integers, materialised once; BadType for a
+    string, a bool, a float or anything else."""
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes, bytearray, Mapping)):
+        values = list(values)
+        wrong = next((v for v in values if not isinstance(v, numbers.Integral) or isinstance(v, bool)), values)
+        if wrong is values:
+            return [int(v) for v in values]
+        raise BadType(key, f"must be a list of integers (got {_shown(wrong)} in it)")
+    raise BadType(key, f"must be a list of integers (got {_shown(values)})")
+
+
 def neurons(prompt: str | None, layer: int | None, token: str | None, target: str | None,
             top: int | None) -> None:
     """`neurons`' values: a prompt needs a target (and then no token); without one, a layer or a token."""

@@ -11,7 +11,8 @@ torch is imported by load(), not by importing this module.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+import functools
+from typing import Callable, Iterable
 
 from lmhead_cli.api import checks, results
 from lmhead_cli.api.checks import kinds
@@ -31,27 +32,53 @@ COUNTS = {"batch": int, "seq": int, "vocab": int}
 
 @kinds(source=str, device=str, dtype=str, engine=str, threads=int, allow_pickle=bool, ignore_memory=bool,
        announce=callable)
-def load(source: str = "gpt2", *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
+def load(source: str | None = None, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
          threads: int | None = None, allow_pickle: bool = False, ignore_memory: bool = False,
          announce: Callable[[str], None] | None = None) -> Model:
     """Load `source` (a hub id, a local folder, a GGUF file, random:NAME or bundled:NAME) and return a Model.
 
+    source None: gpt2, or bundled:tiny (saying why, through `announce`) when gpt2 is not in the Hugging
+    Face cache and the hub is offline or cannot be reached. A source named, "gpt2" included, never
+    falls back: offline it fails with ModelNotFound.
     device: auto, cpu, cuda or mps; dtype: float32, bfloat16, float16 or int8 (weights only, quantised at
     load; the lean engine's); engine: auto, lean or transformers; threads: torch's CPU threads (None: chosen by timing the work); allow_pickle: accept
     pytorch_model.bin checkpoints; ignore_memory: load even when the estimate exceeds what is free.
     `announce(line)` hears the loader's notices (a large model; default: one dim line on stderr).
+
+    Neither load() nor any Model method changes the calling process: torch's thread count is the
+    model's during a call and the caller's after it; os.environ and the allocator are left alone
+    (engine/execution.py). Only the command line, which owns its process, tunes it (`own_process`).
     """
-    from lmhead_cli.engine.threads import prepare
     from lmhead_cli.inputs import check_working_directory
 
     check_working_directory()  # torch's import dies in a deleted working directory: say so before it
-    threads = prepare(threads)  # OpenMP's wait policy is read when torch is imported: before that
-    from lmhead_cli.loading.sources import load_model
+    from lmhead_cli.loading.sources import load_model  # noqa: E402 - after the check: it imports torch
 
     if announce is None:
         from lmhead_cli.render import notice as announce
     return Model(load_model(source, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle,
                             threads=threads, ignore_memory=ignore_memory, announce=announce))
+
+
+def own_process() -> None:
+    """For a front end that owns its process (the `lmhead` command), before anything imports torch:
+    OpenMP's threads spin briefly between parallel regions and glibc's mmap threshold is pinned for
+    long loops (engine/execution.py). A program that imports lmhead as a library never calls this."""
+    from lmhead_cli.engine.execution import own_process as own
+
+    own()
+
+
+def scoped(method):
+    """A Model method run inside the model's execution scope (engine/execution.py): torch's thread
+    count is the model's during the call and the caller's again after it."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.loaded.execution.scope():
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class Model(Serving):
@@ -93,12 +120,13 @@ class Model(Serving):
         ld, eng = self.loaded, self.loaded.engine
         return results.Provenance(model=ld.source, random_weights=ld.random_weights, engine=eng.name,
                                   device=str(eng.device), dtype=eng.weight_format,
-                                  kind=ld.kind, path=ld.path, seed=ld.seed)
+                                  kind=ld.kind, path=ld.path, seed=ld.seed, products=ld.execution.products)
 
     def __repr__(self) -> str:
         return f"<lmhead Model {self.source!r} engine={self.loaded.engine.name} n_ctx={self.n_ctx}>"
 
     # ---- one prompt -------------------------------------------------------------------------------
+    @scoped
     @kinds(**ONE_PROMPT)
     def inspect(self, prompt: str, top_k: int = 10, targets: Iterable[str] = (), *,
                 stages=None) -> results.InspectResult:
@@ -117,6 +145,7 @@ class Model(Serving):
             table = stage_table(reading.logits, stages, top_k, self.tokenizer.token_text)
         return results.InspectResult(reading, self.loaded.tie, table, self.own_softcap)
 
+    @scoped
     @kinds(**ONE_PROMPT, token=str)
     def explain(self, prompt: str, token: str, top_k: int = 10, targets: Iterable[str] = ()) -> results.ExplainResult:
         """One token's logit taken apart: z = e·h = |e|·|h|·cos θ (`inspect --explain`)."""
@@ -125,6 +154,7 @@ class Model(Serving):
         checks.one_prompt(prompt, targets, top_k)
         return results.ExplainResult(explain_logit(self.loaded, prompt, token, top_k, list(targets)))
 
+    @scoped
     @kinds(a=str, b=str, top_k=int, targets=list, movers=int)
     def diff(self, a: str, b: str, top_k: int = 10, targets: Iterable[str] = (), movers: int = 5) -> results.DiffResult:
         """Two prompts' next-token distributions side by side: KL, JS, total variation, movers."""
@@ -136,6 +166,7 @@ class Model(Serving):
             raise BadValue("movers", f"must be at least 0 (got {movers})")
         return results.DiffResult(diff_prompts(self.loaded, a, b, top_k, list(targets), movers))
 
+    @scoped
     @kinds(prompt=str, target=str, vs=str, heads=bool)
     def attribute(self, prompt: str, target: str, vs: str | None = None, heads: bool = False) -> results.AttributeResult:
         """Direct logit attribution of `target`'s logit (or z(target) - z(vs)) over the model's parts.
@@ -145,6 +176,7 @@ class Model(Serving):
         checks.attribution(prompt, target, vs)
         return results.AttributeResult(attribute_logit(self.loaded, prompt, target, vs))
 
+    @scoped
     @kinds(**ONE_PROMPT, position=int | None)
     def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8, *,
              tuned=None) -> results.LensResult:
@@ -165,16 +197,10 @@ class Model(Serving):
         from lmhead_cli.readings import tuned_lens
 
         if isinstance(where, tuned_lens.TunedLens):
-            tuned_lens.check_readable(self.loaded)
-            mine = tuned_lens.identity_of(self.loaded)
-            if where.identity != mine:
-                from lmhead_cli.errors import WrongLens
-
-                raise WrongLens(f"the tuned lens {where.name} is for {where.identity.describe()}; "
-                                f"this model is {mine.describe()}")
-            return where
+            return tuned_lens.check_lens(self.loaded, where)
         return tuned_lens.load_lens(self.loaded, where)
 
+    @scoped
     @kinds(text=str, file=str, out=str, steps=int, batch=int, seq=int, lr=float, warmup=int, seed=int,
            progress=callable)
     def tune_lens(self, text: str | None = None, *, file: str | None = None, out: str | None = None,
@@ -197,7 +223,8 @@ class Model(Serving):
             tuning.lens.name = str(out)
         return results.TuneResult(tuning, self.provenance, out)
 
-    @kinds(prompt=str, layer=int, token=str, target=str, top=int, neurons=list)
+    @scoped
+    @kinds(prompt=str, layer=int, token=str, target=str, top=int)
     def neurons(self, prompt: str | None = None, *, layer: int | None = None, token: str | None = None,
                 target: str | None = None, top: int | None = None,
                 neurons: Iterable[int] = ()) -> results.NeuronsResult:
@@ -209,6 +236,7 @@ class Model(Serving):
           logit at the last position, with the check that they add up to attribute's MLP parts."""
         from lmhead_cli.readings import neurons as reading
 
+        neurons = checks.indices("neurons", neurons)
         checks.neurons(prompt, layer, token, target, top)
         if prompt is not None:
             result = reading.neuron_shares(self.loaded, prompt, target, top or 10, layer)
@@ -219,6 +247,7 @@ class Model(Serving):
         return results.NeuronsResult(result)
 
     # ---- explore's session: one prompt at a time, with the session's settings -------------------------
+    @scoped
     @kinds(prompt=str)
     def explore_reading(self, prompt: str, settings):
         """The top-k table (and targets) after the stages `settings` (readings.explore.Settings) turn on:
@@ -227,6 +256,7 @@ class Model(Serving):
 
         return read(self.loaded, prompt, settings)
 
+    @scoped
     @kinds(prompt=str, n=int, on_text=callable)
     def explore_generate(self, prompt: str, n: int, settings, on_text: Callable[[str], None]):
         """`n` tokens after `prompt`, sampled with the session's stages and seed (decoding.generate.Generation)."""
@@ -234,6 +264,7 @@ class Model(Serving):
 
         return generate_after(self.loaded, prompt, n, settings, on_text)
 
+    @scoped
     def warm_up(self) -> int:
         """A few forwards, so the first prompt is answered as fast as the rest; torch's thread count kept."""
         from lmhead_cli.readings.explore import warm_up
@@ -257,6 +288,7 @@ class Model(Serving):
         return params_result(self.source, "tensors", acc, batch, seq, vocab)
 
     # ---- text ------------------------------------------------------------------------------------
+    @scoped
     @kinds(**SCORING, bos=bool, progress=callable, on_rows=callable)
     def score(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
               top_logprobs: int = 0, progress: Callable[[int, int], None] | None = None,
@@ -286,6 +318,7 @@ class Model(Serving):
         checks.chunk(chunk)
         checks.stride(stride, self.n_ctx)
 
+    @scoped
     @kinds(text=str, **WINDOWS, bos=bool, progress=callable, generations=int, max_new_tokens=int, seed=int,
            preset=str, greedy=bool)
     def calibrate(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
@@ -327,6 +360,7 @@ class Model(Serving):
                                               texts=[g.text for g in made])
         return results.CalibrateResult(reading)
 
+    @scoped
     @kinds(text=str, **WINDOWS, base_dtype=str, llama_chunks=int, bos=bool, progress=callable)
     def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
                 stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,
@@ -354,8 +388,8 @@ class Model(Serving):
         numbered = (line if isinstance(line, Line) else Line(n, line if line.strip() else None)
                     for n, line in enumerate(lines, 1))
         totals = Corpus()
-        return results.LineResults(score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk),
-                                   totals)
+        lines = score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk)
+        return results.LineResults(self.loaded.execution.iterate(lines), totals)
 
     @kinds(top_k=int, targets=list, batch_size=int)
     def inspect_lines(self, lines: Iterable, top_k: int = 10, targets: Iterable[str] = (),
@@ -369,10 +403,11 @@ class Model(Serving):
         targets = checks.prompt_file(top_k, batch_size, targets)
         numbered = (line if isinstance(line, PromptLine) else PromptLine(n, line) for n, line in enumerate(lines, 1))
         tie, stats = self.loaded.tie, BatchStats(batch_size, targets)
-        return results.LineResults(([(line, results.InspectResult(r, tie)) for line, r in batch]
-                                    for batch in inspect_stream(self.loaded, numbered, top_k, targets, batch_size,
-                                                                stats)), stats)
+        batches = inspect_stream(self.loaded, numbered, top_k, targets, batch_size, stats)
+        return results.LineResults(self.loaded.execution.iterate(
+            [(line, results.InspectResult(r, tie)) for line, r in batch] for batch in batches), stats)
 
+    @scoped
     @kinds(prompt=str, **DECODING)
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,

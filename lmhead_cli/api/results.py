@@ -119,6 +119,7 @@ class Provenance:
     kind: str = ""  # hub, local or random
     path: str | None = None
     seed: int | None = None  # the random weights' seed
+    products: str = ""  # how the products ran: "compiled kernels (VARIANT)" or "torch's products" (engine/execution.py)
 
 
 @dataclass(eq=False)

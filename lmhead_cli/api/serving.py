@@ -43,7 +43,7 @@ class Serving:
         from lmhead_cli.readings.completion import run
 
         rows = list(rows)
-        self.loaded.threads.run(lambda: run(self.loaded, rows, sink, chunk),
+        self.loaded.execution.run(lambda: run(self.loaded, rows, sink, chunk),
                                 units=sum(len(r.ids) + r.max_tokens for r in rows))
 
     @property

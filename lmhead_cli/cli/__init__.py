@@ -15,5 +15,9 @@ __all__ = ["app", "main", "message"]
 
 
 def main() -> None:
-    """Console-script entry point (pyproject's `lmhead`)."""
+    """Console-script entry point (pyproject's `lmhead`, and `python -m lmhead_cli`): the command owns
+    its process, so it may tune it (before torch is imported), unlike a program using the API."""
+    from lmhead_cli.api import own_process
+
+    own_process()
     run(app)

@@ -73,7 +73,7 @@ def compare_cmd(
     model = source.load()
     base_model = None
     if base not in (None, SAME) or base_dtype != source.dtype:  # else: the model against itself, loaded once
-        base_model = dataclasses.replace(source, model=source.model if base in (None, SAME) else base,
+        base_model = dataclasses.replace(source, model=model.source if base in (None, SAME) else base,
                                          dtype=base_dtype).load()
     with Progress("comparing") as progress:
         result = model.compare(text, base=base_model or model, bos=bos, stride=stride, chunk=chunk,

@@ -118,4 +118,4 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, seed, s
         show.steps_table(g)
     if g.beams:
         show.beams_table(g)
-    show.summary(g)
+    show.summary(g, result.source)

@@ -21,7 +21,8 @@ app = typer.Typer(
     name="lmhead",
     cls=Group,
     help="Make the last step of GPT-2 visible: hidden vector -> logits -> probabilities -> next token.\n\n"
-    "--model defaults to gpt2 (from the Hugging Face hub or its cache); the environment variable LMHEAD_MODEL "
+    "--model defaults to gpt2 (from the Hugging Face hub or its cache; bundled:tiny, said in one line, on a "
+    "machine that has neither); the environment variable LMHEAD_MODEL "
     "sets another default, e.g. LMHEAD_MODEL=random:gpt2 (seeded random weights, offline) or "
     "LMHEAD_MODEL=bundled:tiny (a small trained model that ships with lmhead, offline). The examples in "
     "each command's --help use --model random:gpt2, so they run offline as written.",
@@ -85,7 +86,7 @@ def chunk_option(per_pass: str, command: str):
 class ModelChoice:
     """What --model, --device, --dtype, --engine, --allow-pickle and --threads asked for."""
 
-    model: str = DEFAULT_MODEL
+    model: str | None = None  # None: not named (DEFAULT_MODEL, or bundled:tiny offline: api.load)
     device: str = "auto"
     dtype: str = "float32"
     engine: str = "auto"
@@ -98,7 +99,17 @@ class ModelChoice:
         from lmhead_cli.api import load
 
         return load(self.model, device=device or self.device, dtype=self.dtype, engine=self.engine,
-                    allow_pickle=self.allow_pickle, threads=self.threads, ignore_memory=self.ignore_memory)
+                    allow_pickle=self.allow_pickle, threads=self.threads, ignore_memory=self.ignore_memory,
+                    announce=_notice)
+
+
+def _notice(line: str) -> None:
+    """The loader's notices, with an API parameter spelled as the flag (source -> --model)."""
+    from lmhead_cli.cli.boundary import flag
+    from lmhead_cli.errors import Notice
+    from lmhead_cli.render import notice
+
+    notice(line.spelled_with(flag) if isinstance(line, Notice) else line)
 
 
 def _param(name: str, annotation, default) -> pyinspect.Parameter:
@@ -108,12 +119,13 @@ def _param(name: str, annotation, default) -> pyinspect.Parameter:
 
 # The options of every command that loads a model; the command receives them as one ModelChoice.
 MODEL_OPTIONS = [
-    _param("model", Annotated[str, typer.Option(
+    _param("model", Annotated[Optional[str], typer.Option(
         "--model", "-m", envvar="LMHEAD_MODEL", autocompletion=complete.models,
+        show_default=f"{DEFAULT_MODEL}; bundled:tiny when {DEFAULT_MODEL} is neither cached nor reachable",
         help="Hub id (gpt2, distilgpt2, ...), a local folder, a GGUF file (FILE.gguf: GPT-2 or Llama), "
              "random:NAME (seeded random weights, offline), or bundled:tiny (a small GPT-2 trained on the King "
              "James Bible that ships with lmhead).")],
-        DEFAULT_MODEL),
+        None),
     _param("device", Annotated[str, typer.Option("--device", help="auto, cpu, cuda or mps.",
                                                                 autocompletion=complete.devices)], "auto"),
     _param("dtype", Annotated[str, typer.Option(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import ModelChoice, command
+from lmhead_cli.cli.options import DEFAULT_MODEL, ModelChoice, command
 
 ROUTES = ("GET  /v1/models", "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
           "POST /detokenize", "GET  /tokenizer_info", "GET  /health")
@@ -53,13 +54,15 @@ def serve_cmd(
     def say(line: str) -> None:  # the served name is a folder's: ESC, BEL or a C1 byte would drive the terminal
         say_raw(safe_text(line))
 
-    options = serve.Options(model=source.model, host=host, port=port, api_key=api_key, max_logprobs=max_logprobs,
+    options = serve.Options(model=source.model or DEFAULT_MODEL, host=host, port=port, api_key=api_key, max_logprobs=max_logprobs,
                             max_entries=max_entries, max_queue=max_queue, max_batch=max_batch, max_body=max_body,
                             cors=tuple(cors or ()), device=source.device, dtype=source.dtype, engine=source.engine,
                             threads=source.threads, allow_hosts=tuple(allow_host or ()))
     for line in serve.check(options):
         say(f"lmhead: warning: {line}")
     model = source.load()
+    if source.model is None:  # not named (gpt2, or bundled:tiny offline): served under the name of the one that ran
+        options = dataclasses.replace(options, model=model.source)
     if dry_run:
         app = serve.build(options, model)
         access = f"{'an API key' if api_key else 'no API key'}; CORS {'for ' + ', '.join(cors) if cors else 'off'}"

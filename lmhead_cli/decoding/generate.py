@@ -233,7 +233,7 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     while True:
         try:
             # One position per step after the first (the prefill): those steps choose the thread count.
-            step = next(loop) if first is None else loaded.threads.run(lambda: next(loop))
+            step = next(loop) if first is None else loaded.execution.run(lambda: next(loop))
         except StopIteration as done:
             stop, beams = done.value
             break

@@ -168,7 +168,7 @@ def quantise_gpt2_(gpt: nn.Module, tied: bool, device: torch.device, announce=la
 
     kernel = kernel_for(device)
     if not kernel:
-        announce(f"--dtype int8 on {device.type}: torch has no int8 product kernel there; each product "
+        announce(f"int8 weights on {device.type}: torch has no int8 product kernel there; each product "
                  "dequantises its weights to float32 instead (the same figures, none of the speed)")
 
     for block in gpt.h:

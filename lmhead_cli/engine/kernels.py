@@ -1,56 +1,62 @@
-"""The compiled CPU kernels (engine/kernels.c): built once on the user's machine, loaded with ctypes.
+"""The compiled CPU kernels (engine/csrc): an extension module built by `pip install`, opened with ctypes.
 
 torch's own products read int8 weights at about half of float32 BLAS's speed (the activations must
 be split into int8 digits for torch._int_mm) and bfloat16 rows at 11-14 GB/s against float32's 20, so
-a decoding step in a cheaper dtype saved less than its bytes promised. kernels.c streams the weights
-at their own width in one pass, no activation rounded; it also computes score's per-row figures
-(head.score_rows) in two passes where torch takes eight, and each decoding step's attention of one
-query over the KV cache in one call per layer where torch dispatches five ops (every dtype: the
-cache is float32 on the CPU).
+a decoding step in a cheaper dtype saved less than its bytes promised. csrc/kernels.c streams the
+weights at their own width in one pass, no activation rounded; it also computes score's per-row
+figures (head.score_rows) in two passes where torch takes eight, and each decoding step's attention
+of one query over the KV cache in one call per layer where torch dispatches five ops (every dtype:
+the cache is float32 on the CPU).
 
-The first use compiles kernels.c with the C compiler ($CC, else cc) into
-~/.cache/lmhead/kernels/ (under $XDG_CACHE_HOME when set), named by a digest of the source, the
-flags, the compiler and the CPU, so a later run, another process and a torchrun worker load it
-without compiling. -march=native: it is built for the CPU it runs on. It links to the OpenMP runtime
-torch has loaded (libgomp.so.1 by soname), so its threads are torch's threads, counted by
-torch.get_num_threads() (engine/threads.py chooses the count).
+`pip install` compiles them (setup.py) into lmhead_cli/engine/_kernels*.so, beside this file, with a
+variant per x86-64 level (AVX-512 with BF16, with VNNI, plain; AVX2; portable C), and `load()` binds
+the best variant this CPU runs. Nothing is compiled, and nothing is loaded from a cache folder, while
+lmhead runs. The module links to the OpenMP runtime torch has loaded (libgomp.so.1 by soname), so its
+threads are torch's threads, counted by torch.get_num_threads().
 
-Where there is no compiler, the build fails, or the loaded library fails its self-check, `load()`
-returns None and `unavailable()` says why; the engine then runs torch's products, the same figures
-slower. LMHEAD_KERNELS=0 turns the kernels off (to compare, or to rule them out).
+Where the module was not built (no C compiler at install time), cannot be imported (built for another
+Python, damaged), lacks a symbol or fails its self-check, `load()` returns None once per process and
+`unavailable()` says why, naming the file; the engine then runs torch's products, the same figures
+slower. LMHEAD_KERNELS=0 turns the kernels off (to compare, or to rule them out); LMHEAD_KERNELS=NAME
+(avx2, base, ...) picks a variant this CPU runs, to compare them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import importlib.machinery
+import importlib.util
 import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 ENV = "LMHEAD_KERNELS"
-SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-LIBS = ("-lm",)
-ABI = 5
+MODULE = "lmhead_cli.engine._kernels"
+ABI = 6
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
+FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_score_rows", "lmhead_attend")
+
+
+class _Variant:
+    """One variant's four functions (ctypes function pointers), under their unsuffixed names."""
+
+    def __init__(self, **functions):
+        self.__dict__.update(functions)
 
 
 class Kernels:
     """The loaded library: products of a few float32 or bfloat16 rows with int8 or bfloat16 weights."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, variant: str = "base"):
+        self.variant = variant
         self.max_rows = lib.lmhead_kernels_max_rows()
+        # The chosen variant's functions under their plain names: self.lib.lmhead_int8_matvec, ...
+        self.lib = lib = _Variant(**{name: getattr(lib, f"{name}_{variant}") for name in FUNCTIONS})
         lib.lmhead_int8_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
         lib.lmhead_int8_matvec.restype = _int
         lib.lmhead_bf16_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
@@ -137,48 +143,19 @@ class Kernels:
         return logprob, rank, entropy, top_id, top_logprob, varentropy, margin, bad
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lmhead" / "kernels"
-
-
-def _compiler_name() -> str:
-    return os.environ.get("CC") or "cc"
+def module_path() -> Path | None:
+    """The extension module's file beside this one (the first name this Python's import system would
+    take), or None when `pip install` did not build it."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_kernels{suffix}"
+        if path.exists():
+            return path
+    return None
 
 
 def _turned_off() -> bool:
     return os.environ.get(ENV, "1").strip().lower() in OFF
-
-
-def _digest(cc: str) -> str:
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    try:
-        cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    except OSError:
-        cpu = ""
-    text = "\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, version, platform.machine(), cpu])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _build(cc: str, target: Path) -> None:
-    """Compile kernels.c to `target`, atomically: a concurrent build elsewhere writes its own temporary
-    file, and the last rename wins with the same bytes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            raise RuntimeError(f"{Path(cc).name} failed: {lines[0] if lines else f'exit {done.returncode}'}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _self_check(k: Kernels) -> bool:
@@ -205,13 +182,39 @@ def _openmp_runtimes() -> set[str]:
     return {p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))}
 
 
-def _open(path: Path) -> Kernels:
+def variants(lib: ctypes.CDLL) -> list[str]:
+    """The variants built into `lib` that this CPU runs, best first."""
+    lib.lmhead_kernels_supports.argtypes = [ctypes.c_char_p]
+    lib.lmhead_kernels_variants.restype = ctypes.c_char_p
+    built = lib.lmhead_kernels_variants().decode().split()
+    return [v for v in built if lib.lmhead_kernels_supports(v.encode())]
+
+
+def _import(path: Path) -> ctypes.CDLL:
+    """The extension module at `path`, imported (the interpreter checks its ABI: a module built for
+    another Python, or not a module at all, fails here), then opened with ctypes (the same mapping)."""
+    spec = importlib.util.spec_from_file_location(MODULE, path)
     try:
-        k = Kernels(ctypes.CDLL(str(path)))
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except ImportError as e:
+        raise RuntimeError(f"it cannot be imported ({' '.join(str(e).split())})") from None
+    return ctypes.CDLL(str(path))
+
+
+def _open(path: Path, variant: str | None = None) -> Kernels:
+    """The kernels in the module at `path`: `variant`, or the best this CPU runs. RuntimeError says
+    what is wrong with the file."""
+    lib = _import(path)
+    try:
+        if lib.lmhead_kernels_abi() != ABI:
+            raise RuntimeError(f"it is of another version (ABI {lib.lmhead_kernels_abi()}, not {ABI})")
+        runs = variants(lib)
+        variant = variant or runs[0]
+        if variant not in runs:
+            raise RuntimeError(f"it has no variant {variant!r} that this CPU runs (it runs: {', '.join(runs)})")
+        k = Kernels(lib, variant)
     except AttributeError as e:  # a library without the kernels' symbols
-        raise RuntimeError(f"{path.name} lacks the kernels ({e})") from None
-    if k.lib.lmhead_kernels_abi() != ABI:
-        raise RuntimeError(f"{path.name} is of another version")
+        raise RuntimeError(f"it lacks the kernels ({e})") from None
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:
         raise RuntimeError("they would run a second OpenMP runtime beside torch's: " + ", ".join(sorted(runtimes)))
@@ -222,42 +225,41 @@ def _open(path: Path) -> Kernels:
 
 @functools.cache
 def load() -> Kernels | None:
-    """The kernels, built on first use; None where they cannot be (`unavailable()` says why)."""
+    """The kernels, opened once per process; None where they cannot be (`unavailable()` says why, once
+    and for good: a damaged module is not retried)."""
+    _why.clear()
     if _turned_off():
         _why.append(f"{ENV}={os.environ[ENV]}")
         return None
-    cc = shutil.which(_compiler_name())
-    if cc is None:
-        _why.append(f"no C compiler ({_compiler_name()}) on PATH")
+    path = module_path()
+    if path is None:
+        _why.append("they were not built when lmhead was installed (no C compiler then?)")
         return None
+    asked = os.environ.get(ENV, "").strip().lower()
     try:
-        target = cache_dir() / f"kernels-{_digest(cc)}.so"
-        built = not target.exists()
-        if built:
-            _build(cc, target)
-        try:
-            k = _open(target)
-        except (OSError, RuntimeError):
-            if built:
-                raise
-            target.unlink(missing_ok=True)  # a damaged or stale file in the cache: build it afresh, once
-            _build(cc, target)
-            k = _open(target)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _why.append(" ".join(str(e).split()) or type(e).__name__)
+        return _open(path, asked if asked not in ("", "1", "on", "yes", "true") else None)
+    except (OSError, RuntimeError) as e:
+        _why.append(f"{path}: " + (" ".join(str(e).split()) or type(e).__name__))
         return None
-    return k
+
+
+_told: list[bool] = []  # whether fallback_notice has given its line in this process
 
 
 def fallback_notice(weights: str) -> str | None:
-    """One line for a user whose `weights` ("int8", "bfloat16") run without the kernels, unless they
-    turned them off themselves (None then, and when the kernels load)."""
-    if load() is not None or _turned_off():
+    """One line, once per process, for a user whose `weights` ("int8", "bfloat16", "float32") run
+    without the kernels: always when the module is there but damaged or foreign (the line names the
+    file), and for int8 and bfloat16 (whose products they speed most) when it was not built. None when
+    the kernels load, when the user turned them off, and after the first line."""
+    if load() is not None or _turned_off() or _told:
         return None
+    if module_path() is None and weights not in ("int8", "bfloat16"):
+        return None
+    _told.append(True)
     return (f"{weights} weights on the CPU: lmhead's compiled kernels are unavailable ({unavailable()}); "
             "torch's products run instead (the same figures, slower)")
 
 
 def unavailable() -> str | None:
     """Why the kernels are not in use (None when they are, or were not asked for yet)."""
-    return _why[-1] if _why else None
+    return _why[-1] if _why and load.cache_info().currsize and load() is None else None

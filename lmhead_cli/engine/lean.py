@@ -192,6 +192,14 @@ class GPT2(nn.Module):
         if tied:
             self.lm_head.weight = self.wte.weight  # weight tying: W_out is E, the very same tensor
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states after ln_f, (B, T) -> (B, T, D), with autograd and no cache: what
+        training/train_bundled.py trains (the engine's `LeanGPT2.body` is the inference path)."""
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))[None]  # (B, T, D)
+        for i, block in enumerate(self.h):
+            x = block(x, i, None, None)
+        return self.ln_f(x)
+
 
 def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [B, 1, T_new, T_all] from a padding mask [B, T_all]: causal and no padded keys."""

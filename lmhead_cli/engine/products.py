@@ -10,7 +10,7 @@ fastest on the decoding steps themselves, as it does for the thread count:
 - "gemv": one position as addmv (BLAS's gemv for float32, torch's bfloat16 gemv; several positions run
   addmm).
 - "blocked" (bfloat16): the rows in 2·threads blocks as one batched matmul over views (`rows_times`).
-- "kernel" (bfloat16): the compiled kernel of engine/kernels.c, where it builds (then bfloat16's only
+- "kernel" (bfloat16): the compiled kernel of engine/csrc/kernels.c, where it was built (then bfloat16's only
   form): bfloat16 pairs multiplied into float32 sums, the output rounded once.
 
 Every form reads the weights where they are: no form needs a copy of its own, so choosing one costs
@@ -35,7 +35,7 @@ BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not s
 # float32 runs one form: BLAS's gemm and gemv over the same memory measured alike idle and beside a busy
 # process (docs/performance.md), so timing both only cost steps.
 FORMS = {torch.float32: ("gemv",), torch.bfloat16: ("gemv", "linear", "blocked")}
-KERNEL_DTYPES = (torch.bfloat16,)  # dtypes with a compiled "kernel" form (engine/kernels.c)
+KERNEL_DTYPES = (torch.bfloat16,)  # dtypes with a compiled "kernel" form (engine/csrc/kernels.c)
 
 
 @dataclass

@@ -17,17 +17,18 @@ Three things follow (figures in README, Performance):
   the count: on a busy machine the call on the slower count can take many times longer).
   A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
 * `--threads N` / LMHEAD_THREADS fix the count, and it is not timed.
+* The count is set for the model's own calls only (engine/execution.py scopes it and restores the
+  caller's after); OpenMP's wait is set only where the command line owns the process (`own_process`).
 * The same trials choose the engine's product form where it offers several (engine/products.py:
   bfloat16 without the compiled kernels: gemv, gemm or blocked rows), which differs from CPU to CPU
   and between a quiet and a busy machine.
 
-No torch import at module top: `prepare` must run before torch is first imported.
+No torch import at module top: engine/execution.py's `own_process` must run before torch is first imported.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -57,14 +58,6 @@ def check(threads: int | None) -> int | None:
     return threads
 
 
-def prepare(threads: int | None = None) -> int | None:
-    """Before torch is imported: how OpenMP's threads wait (read once, when OpenMP starts with torch's
-    import; any wait setting the user made is kept as it is), and the checked thread count."""
-    if not any(name in os.environ for name in WAIT_SETTINGS):
-        os.environ.update(SPIN)
-    return check(threads)
-
-
 class ThreadChooser:
     """Keeps torch's thread count at whichever of (torch's count, 1) runs the work faster, and the
     engine's product form (`offer`: e.g. bfloat16 without the compiled kernels "gemv", "linear" or
@@ -91,9 +84,8 @@ class ThreadChooser:
         import torch
 
         check(fixed)
-        if fixed is not None:
-            torch.set_num_threads(fixed)
         self.fixed = fixed
+        self.count = fixed  # the count the model's calls run on (None: torch's, as the caller has it)
         most = torch.get_num_threads()
         self.candidates = [most, 1] if fixed is None and device_type == "cpu" and most > 1 else []
         self.trials, self.slack, self.recheck, self.max_recheck = trials, slack, recheck, max_recheck
@@ -146,13 +138,18 @@ class ThreadChooser:
         return setting[0], min(self._timed, key=self._timed.get)[1]
 
     def _apply(self, setting: tuple[int | None, str | None]) -> None:
-        import torch
 
         n, form = setting
         if n is not None:
-            torch.set_num_threads(n)
+            self._set(n)
         if form is not None:
             self._engine.use_form(form)
+
+    def _set(self, n: int) -> None:
+        import torch
+
+        self.count = n
+        torch.set_num_threads(n)
 
     def _choose(self) -> None:
         best = min(self._timed, key=self._timed.get)
@@ -175,12 +172,11 @@ class ThreadChooser:
         """fn(), timed per unit when the setting is being chosen or watched."""
         if not self._settings:
             return fn()
-        import torch
 
         if self._warm_up:  # on one thread: on a busy machine the other count can take many times longer
             self._warm_up -= 1
             if self.candidates:
-                torch.set_num_threads(1)
+                self._set(1)
             return fn()
 
         if self._pending:

@@ -21,8 +21,9 @@ import torch
 from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
-from lmhead_cli.engine.threads import ThreadChooser
-from lmhead_cli.errors import CorruptCheckpoint, LmheadError, ModelNotFound, Param, UnsupportedModel, UsageError
+from lmhead_cli.engine.execution import Execution
+from lmhead_cli.errors import (CorruptCheckpoint, HubUnreachable, LmheadError, ModelNotFound, Notice, Param,
+                               UnsupportedModel, UsageError)
 from lmhead_cli.loading import bundled, checks, gguf, validate
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tie import TieReport, file_tie, tie_report  # noqa: F401 - the tie's own module
@@ -30,6 +31,8 @@ from lmhead_cli.loading.tokenizer import GPT2Tokenizer
 from lmhead_cli.loading.weights import NOT_WEIGHTS as _NOT_WEIGHTS
 from lmhead_cli.loading.weights import read_weights, weight_files
 
+DEFAULT_SOURCE = "gpt2"  # what runs when no model is named ...
+OFFLINE_SOURCE = "bundled:tiny"  # ... unless gpt2 is neither cached nor reachable: then this, which ships
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -53,7 +56,7 @@ class Loaded:
     engine: Engine
     tokenizer: GPT2Tokenizer
     tie: TieReport
-    threads: ThreadChooser  # torch's CPU thread count for this model's work, fixed or chosen by timing it
+    execution: Execution  # how its work runs: threads, product forms, compiled kernels, memory (engine/execution.py)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -82,7 +85,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(source: str, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
+def load_model(source: str | None, *, device: str = "auto", dtype: str = "float32", engine: str = "auto",
                allow_pickle: bool = False, threads: int | None = None, ignore_memory: bool = False,
                announce=lambda line: None) -> Loaded:
     """Load `source` (hub id, local folder, random:NAME or bundled:NAME) onto `device` in `dtype`, on `threads` CPU
@@ -91,7 +94,12 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     Before any tensor is allocated the config is checked (types, ranges), a checkpoint's tensor
     header against it, and the memory the model needs against the memory there is (loading/checks.py):
     a large model is announced with `announce(line)`, one that cannot fit is refused unless
-    `ignore_memory`."""
+    `ignore_memory`. The load runs on the model's thread count, and the caller's is restored after it
+    (engine/execution.py).
+
+    `source` None is the default model, DEFAULT_SOURCE (gpt2); when it is not in the Hugging Face cache
+    and the hub is offline or cannot be reached, OFFLINE_SOURCE (bundled:tiny) runs instead, and
+    `announce` hears why first. A source named, gpt2 included, never falls back."""
     if engine not in ENGINES:
         raise UsageError("unknown ", Param("engine"), f" {engine!r}; choose one of: {', '.join(ENGINES)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -100,7 +108,23 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
     if int8 and engine == "transformers":
         raise UsageError(Param("dtype"), " int8 is the lean engine's (GPT-2 checkpoints); with ", Param("engine"),
                          " transformers use float32, bfloat16 or float16")
-    pace = ThreadChooser(threads, dev.type)  # a fixed count is set before the load, which uses it too
+    execution = Execution(threads, dev.type)
+    with execution.scope():
+        if source is not None:
+            return _load(source, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory, announce)
+        try:
+            return _load(DEFAULT_SOURCE, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory,
+                         announce)
+        except HubUnreachable as e:
+            announce(Notice(f"{DEFAULT_SOURCE} (the default model) {e.why}: running on {OFFLINE_SOURCE} instead, a "
+                            "small GPT-2 that ships with lmhead; ", Param("source"), f" {DEFAULT_SOURCE} insists"))
+            return _load(OFFLINE_SOURCE, execution, dev, dt, dtype, int8, engine, allow_pickle, ignore_memory,
+                         announce)
+
+
+def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype, dtype: str, int8: bool, engine: str,
+          allow_pickle: bool, ignore_memory: bool, announce) -> Loaded:
+    """load_model's work, inside the model's execution scope."""
     if not source or not source.strip():
         raise UsageError(Param("source"), " is empty; pass a hub id (gpt2), a local folder, bundled:tiny or random:gpt2")
 
@@ -172,13 +196,16 @@ def load_model(source: str, *, device: str = "auto", dtype: str = "float32", eng
         stored = file_tie(state, eng.tie_names) if files else None
     state.clear()  # the model holds what it needs
     tie = tie_report(eng, stored, config_tied)
-    pace.offer(eng)  # the product forms the engine can run in are timed with the thread counts
+    execution.offer(eng)  # the product forms the engine can run in are timed with the thread counts
+    line = execution.kernels_notice(eng.weight_format) if eng.name == "lean" else None
+    if line:
+        announce(line)
     # After the build, whose own checks name an unsupported model first; before any prompt is read.
     checks.check_vocabularies(tokenizer.vocab_size, eng.vocab_size, tokenizer.origin,
                               (folder / "config.json") if folder else source)
     return Loaded(source=source, kind=kind, path=str(folder) if folder else str(files[0]) if kind == "gguf" else None,
                   random_weights=kind == "random", seed=RANDOM_SEED if kind == "random" else None,
-                  config=config, engine=eng, tokenizer=tokenizer, tie=tie, threads=pace)
+                  config=config, engine=eng, tokenizer=tokenizer, tie=tie, execution=execution)
 
 
 def model_type(source: str, allow_pickle: bool = False) -> str | None:
@@ -225,14 +252,24 @@ def _hub_folder(repo_id: str, allow_pickle: bool) -> Path:
         raise ModelNotFound(f"{repo_id!r} is neither a local folder nor a valid hub id") from None
     except Exception:  # noqa: BLE001 - not cached: fall through to the network
         pass
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; ", *advice)
-    if not _reachable(constants.ENDPOINT):
-        raise ModelNotFound(f"{repo_id!r} is not in the Hugging Face cache and the hub can't be reached; ", *advice)
+    for why, offline in (("is not in the Hugging Face cache and HF_HUB_OFFLINE is set", _offline),
+                         ("is not in the Hugging Face cache and the hub can't be reached",
+                          lambda: not _reachable(constants.ENDPOINT))):
+        if offline():
+            e = HubUnreachable(f"{repo_id!r} {why}; ", *advice)
+            e.why = why
+            raise e
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
     except Exception as e:  # noqa: BLE001 - RepositoryNotFound, gated, network drop: one line
         raise ModelNotFound(f"could not download {repo_id!r} ({type(e).__name__}); ", *advice) from None
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE, as huggingface_hub read it at import or as the environment says now."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _hub_cache() -> str:
@@ -320,12 +357,6 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
         from lmhead_cli.engine.int8 import quantise_gpt2_
 
         quantise_gpt2_(model, tied, device, announce)
-    if device.type == "cpu" and (int8 or dtype == torch.bfloat16):
-        from lmhead_cli.engine import kernels
-
-        line = kernels.fallback_notice("int8" if int8 else "bfloat16")
-        if line:
-            announce(line)
     return model.to(device).eval()
 
 

@@ -15,7 +15,6 @@ from typing import Iterable, Iterator
 
 import torch
 
-from lmhead_cli.engine.heap import fix_mmap_threshold
 from lmhead_cli.errors import BadValue, LmheadError, Param, UsageError
 from lmhead_cli.head import check_finite, clamp_top_k, encode_targets
 from lmhead_cli.inputs import MAX_LINE_BYTES, bounded_lines
@@ -231,7 +230,7 @@ def inspect_stream(loaded: Loaded, lines: Iterable[PromptLine], top_k: int = 10,
     `run(loaded, rows) -> (B, V)` is the forward (a parameter so tests can make memory run out).
     Memory: one batch of token ids (<= batch_size x n_ctx) and its (B, V) logits, whatever the file.
     batch_size in 1 to MAX_BATCH_SIZE is the API's check (api.checks.prompt_file), made before the model loads."""
-    fix_mmap_threshold()  # each batch's (B, V) buffers go back to the OS, not into a growing heap (engine/heap.py)
+    loaded.execution.bound_heap()  # each batch's (B, V) buffers go back to the OS, not into a growing heap (engine/heap.py)
     k = clamp_top_k(top_k, loaded.engine.vocab_size)
     targets = check_targets(targets)
     stats = stats if stats is not None else BatchStats(batch_size, targets)
@@ -253,7 +252,7 @@ def _forward(loaded, encoded, indices: list[int], logits: dict, stats: BatchStat
     """Logits for rows `indices` into `logits`, halving the rows while memory runs out."""
     try:
         rows = [encoded[i][0] for i in indices]
-        z = loaded.threads.run(lambda: run(loaded, rows), sum(map(len, rows)))  # (B, V)
+        z = loaded.execution.run(lambda: run(loaded, rows), sum(map(len, rows)))  # (B, V)
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError too
         if not _out_of_memory(e):
             raise

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmhead_cli.engine.heap import fix_mmap_threshold
 from lmhead_cli.errors import BadValue, NonFiniteLogits, OneToken, UsageError
 from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax
 from lmhead_cli.loading.sources import Loaded
@@ -222,7 +221,7 @@ def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False
     `llama` = n: llama-perplexity's positions instead of score's windows (`llama_chunks`); with `bos`
     each chunk begins with BOS in place of its first token, as llama-perplexity does when the
     tokenizer adds one."""
-    fix_mmap_threshold()  # as score: freed chunk buffers go back to the OS (engine/heap.py)
+    q.execution.bound_heap()  # as score: freed chunk buffers go back to the OS (engine/heap.py)
     n_ctx = min(q.engine.n_ctx, base.engine.n_ctx)
     if llama is not None:
         if stride is not None:

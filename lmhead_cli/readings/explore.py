@@ -152,7 +152,7 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
     start = time.perf_counter()
     ids, dropped = encode_prompt(loaded, prompt)
     target_ids = encode_targets(loaded.tokenizer, list(settings.targets))
-    logits, _ = loaded.threads.run(lambda: last_logits(loaded, ids), len(ids))  # (V,) float32, the last position
+    logits, _ = loaded.execution.run(lambda: last_logits(loaded, ids), len(ids))  # (V,) float32, the last position
     knobs = settings.knobs
     scaled = stages.process(logits, knobs.pipeline())  # (V,)
     dist = Distribution(scaled)  # the distribution after the stages
@@ -410,4 +410,4 @@ def warm_up(loaded) -> int:
 
     ids = [loaded.engine.eos_token_id or 0] * 10
     last_logits(loaded, ids)
-    return loaded.threads.settle(lambda: last_logits(loaded, ids), len(ids))
+    return loaded.execution.settle(lambda: last_logits(loaded, ids), len(ids))

@@ -34,7 +34,6 @@ from lmhead_cli.head import check_top_logprobs, nats_to_bits, perplexity, score_
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.readings.inspect import check_prompt
 from lmhead_cli.loading.sources import Loaded
-from lmhead_cli.engine.heap import fix_mmap_threshold
 from lmhead_cli.readings.chunks import SCORE_BUFFERS
 from lmhead_cli.readings.chunks import default_chunk as _chunk
 
@@ -292,7 +291,7 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     With `alternatives` = K (≤ MAX_ALTERNATIVES), the K most probable tokens of every position are
     kept, as the columns alt_ids and alt_logprob (T, K). `on_hidden` hears each window's hidden states."""
     check_alternatives(alternatives)
-    fix_mmap_threshold()  # the chunks' buffers go back to the OS, not into a growing heap (engine/heap.py)
+    loaded.execution.bound_heap()  # the chunks' buffers go back to the OS, not into a growing heap (engine/heap.py)
     eng = loaded.engine
     n_ctx = eng.n_ctx
     if n_ctx < 2:  # not the user's stride: a window of one position predicts nothing
@@ -312,13 +311,14 @@ def score_ids(loaded: Loaded, ids: torch.Tensor, *, bos: bool = False, stride: i
     alt_logprob = torch.full((T, alternatives), math.nan)
     top = max(top_logprobs, alternatives)
     total, done = sum(w.end - w.first for w in plan), 0
+    kernel = loaded.execution.row_kernel()
     for w in plan:
         pred = eng.body(seq[None, w.begin:w.end].to(eng.device))[0][w.predictors]  # (n, D), after the final norm
         if on_hidden is not None:
             on_hidden(pred, seq[w.first:w.end])
         for lo, hi in w.chunks(chunk):
             # (chunk, V) logits, dropped here
-            rows = score_rows(eng.head(pred[lo - w.first:hi - w.first]), seq[lo:hi].to(eng.device), top)
+            rows = score_rows(eng.head(pred[lo - w.first:hi - w.first]), seq[lo:hi].to(eng.device), top, kernel)
             logprob[lo:hi], rank[lo:hi], entropy[lo:hi] = rows.logprob.cpu(), rows.rank.cpu(), rows.entropy.cpu()
             top_id[lo:hi], top_logprob[lo:hi] = rows.top_id.cpu(), rows.top_logprob.cpu()
             varentropy[lo:hi], margin[lo:hi] = rows.varentropy.cpu(), rows.margin.cpu()

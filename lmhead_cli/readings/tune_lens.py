@@ -16,6 +16,7 @@ import io
 import math
 import os
 import random
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,14 +81,16 @@ class TextSource:
         if file is not None:
             self.name = str(file)
             try:
-                self.size = os.stat(file).st_size
-                self._open = lambda: open(file, "rb")
-                with self._open():
-                    pass
+                info = os.stat(file)
+                if stat.S_ISREG(info.st_mode):  # a folder, a FIFO, a device: no size to draw windows from
+                    with open(file, "rb"):
+                        pass
             except OSError as e:
                 raise UsageError(f"cannot read {file}: {e.strerror or type(e).__name__}") from None
-            if Path(file).is_dir():
-                raise UsageError(f"{file} is a folder, not a text file")
+            if not stat.S_ISREG(info.st_mode):
+                raise UsageError(f"{file} is not a regular file; give a text file to train the lens on")
+            self.size = info.st_size
+            self._open = lambda: open(file, "rb")
         else:
             data = text.encode("utf-8", "surrogatepass")
             self.name, self.size = "the text", len(data)
@@ -115,18 +118,14 @@ def _norm_and_head(loaded: Loaded):
 
     eng = loaded.engine
     lin = linearise_norm(eng.final_norm_module)
-    gamma = lin.gamma.detach().float()
-    beta = lin.beta.detach().float() if lin.beta is not None else None
+    beta = lin.beta.detach().float() if lin.beta is not None else 0.0
     W = eng.head_rows(torch.arange(eng.vocab_size, device=eng.device)).detach().float()  # (V, D)
     bias = getattr(eng.head_module, "bias", None)
     bias = bias.detach().float() if bias is not None else None
     cap = eng.own_stages.get("softcap")
 
-    def norm(x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
-        if lin.centred:
-            x = x - x.mean(-1, keepdim=True)
-        y = gamma * x / (x.pow(2).mean(-1, keepdim=True) + lin.eps).sqrt()  # centred: the mean square is var
-        return y + beta if beta is not None else y
+    def norm(x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D): the norm is its linearisation at σ(x)
+        return lin.apply(x, lin.sigma(x)) + beta
 
     def head(h: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, V)
         z = h @ W.T
@@ -171,7 +170,8 @@ def tune_lens(loaded: Loaded, source: TextSource, settings: TuneSettings = TuneS
         T = min(len(r) for r in rows)
         ids = torch.tensor([r[:T] for r in rows], device=eng.device)  # (B, T)
         with torch.no_grad():
-            resid = [x.float().reshape(-1, D) for x in eng.residuals(ids)]  # L + 1 × (B·T, D)
+            # cloned: an engine may run under inference mode, whose tensors autograd cannot save
+            resid = [x.float().reshape(-1, D).clone() for x in eng.residuals(ids)]  # L + 1 × (B·T, D)
             final = torch.log_softmax(head(norm(resid[-1])), -1)  # (B·T, V)
             p = final.exp()
             neg_entropy = (p * final).sum(-1).mean()  # Σ p log p

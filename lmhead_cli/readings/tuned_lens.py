@@ -195,6 +195,21 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
     return TunedLens(ident, weight, bias, name=name, trained=trained)
 
 
+def check_lens(loaded: Loaded, lens: TunedLens) -> TunedLens:
+    """`lens`, if it was trained for the loaded model; WrongLens naming both otherwise."""
+    check_readable(loaded)
+    mine = identity_of(loaded)
+    theirs = lens.identity
+    same_shape = (theirs.architecture, theirs.n_layer, theirs.d_model, theirs.vocab) == \
+        (mine.architecture, mine.n_layer, mine.d_model, mine.vocab)
+    if not same_shape:
+        raise WrongLens(f"the tuned lens {lens.name} is for {theirs.describe()}; this model is {mine.describe()}")
+    if theirs.embedding != mine.embedding:
+        raise WrongLens(f"the tuned lens {lens.name} is for {theirs.model}, whose embedding table is not "
+                        f"{mine.model}'s (same shape, other weights)")
+    return lens
+
+
 def load_lens(loaded: Loaded, where: str | Path) -> TunedLens:
     """The lens at `where` (a path, or "bundled": the one that ships for bundled:tiny), checked against
     the loaded model: WrongLens, naming both, if it was trained for another one."""
@@ -206,16 +221,7 @@ def load_lens(loaded: Loaded, where: str | Path) -> TunedLens:
         lens = read_lens(bundled_path(), name=BUNDLED)
     else:
         lens = read_lens(where)
-    mine = identity_of(loaded)
-    theirs = lens.identity
-    same_shape = (theirs.architecture, theirs.n_layer, theirs.d_model, theirs.vocab) == \
-        (mine.architecture, mine.n_layer, mine.d_model, mine.vocab)
-    if not same_shape:
-        raise WrongLens(f"the tuned lens {lens.name} is for {theirs.describe()}; this model is {mine.describe()}")
-    if theirs.embedding != mine.embedding:
-        raise WrongLens(f"the tuned lens {lens.name} is for {theirs.model}, whose embedding table is not "
-                        f"{mine.model}'s (same shape, other weights)")
-    return lens
+    return check_lens(loaded, lens)
 
 
 @torch.inference_mode()

@@ -59,11 +59,14 @@ def end_text() -> None:
     sys.stdout.flush()
 
 
-def summary(g) -> None:
-    """After the text: how many tokens, how fast, how uncertain, and how to replay."""
+def summary(g, source=None) -> None:
+    """After the text: how many tokens, how fast (on torch's products, where the compiled kernels are
+    not in use on the CPU: `source`, an api.results.Provenance, says), how uncertain, how to replay."""
     con = out()
     ent = [s.entropy for s in g.steps]
-    con.print(f"[dim]──[/] {len(g.generated_ids)} tokens in {g.elapsed_s:.2f} s · {g.tokens_per_second:.1f} tokens/s "
+    on = " (torch's products)" if source is not None and source.device == "cpu" and \
+        source.products == "torch's products" else ""
+    con.print(f"[dim]──[/] {len(g.generated_ids)} tokens in {g.elapsed_s:.2f} s · {g.tokens_per_second:.1f} tokens/s{on} "
               f"· mean entropy {g.mean_entropy:.2f} nats · stop: {STOP[g.stop]}", soft_wrap=True)
     if ent:
         con.print(f"[dim]entropy per step[/] [cyan]{sparkline(ent)}[/] ({min(ent):.2f}–{max(ent):.2f} nats)",
@@ -132,6 +135,7 @@ def generation_json(result) -> dict:
         "first_token_s": g.first_token_s,
         "tokens_per_second": g.tokens_per_second,
         "decode_tokens_per_second": g.decode_tokens_per_second,
+        "products": src.products,
         "mean_entropy": g.mean_entropy,
         "beam_score": g.beam_score,
         "length_penalty": _length_penalty() if g.mode == "beam" else None,

@@ -8,11 +8,17 @@
    AVX-512 VNNI, bfloat16 ones multiply bfloat16 pairs exactly into float32 sums with AVX512-BF16, and
    elsewhere each weight is widened to float32 in registers. The weights are read once at their own
    width (a quarter or a half of float32's bytes), and the output rows are split among OpenMP threads
-   (the same OpenMP runtime torch runs on: engine/kernels.py links to it).
+   (the same OpenMP runtime torch runs on: the extension links to it by soname).
 
-   Built on the user's machine by engine/kernels.py with -O3 -march=native: the AVX-512 or AVX2 paths
-   below where the CPU has them, plain C elsewhere. No Python or torch headers: called through ctypes
-   with the tensors' data pointers. */
+   Built by `pip install` (setup.py) as part of the extension module lmhead_cli.engine._kernels: each
+   variant_*.c file compiles this file once for one x86-64 instruction-set level (GCC's target
+   pragma), with its public names suffixed by LMHEAD_VARIANT, and engine/kernels.py picks the best
+   variant the CPU runs (module.c asks cpuid). Never -march=native: the same build runs on any x86-64
+   CPU. No Python or torch headers: called through ctypes with the tensors' data pointers. */
+
+#ifndef LMHEAD_VARIANT
+#define LMHEAD_VARIANT(name) name##_base
+#endif
 
 #include <math.h>
 #include <stdint.h>
@@ -32,8 +38,10 @@
 #define PREFETCH_BYTES 8192
 #endif
 
-int lmhead_kernels_abi(void) { return 5; }
-int lmhead_kernels_max_rows(void) { return MAX_ROWS; }
+#include "kernels.h" /* MAX_ROWS, checked against it here */
+#if LMHEAD_MAX_ROWS != MAX_ROWS
+#error "kernels.h and kernels.c disagree on MAX_ROWS"
+#endif
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -231,7 +239,7 @@ VNNI_INSTANCE(4, 2)
 
 /* x (M, K) float32, q (N, K) int8, s (N) float32, bias (N) float32 or NULL -> y (M, N) float32.
    Returns -1 if it could not allocate its buffer (nothing written then). */
-int lmhead_int8_matvec(const int8_t *q, const float *s, const float *x, const float *bias, float *y,
+int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const float *x, const float *bias, float *y,
                        int64_t N, int64_t K, int64_t M, int threads) {
     int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #if VNNI
@@ -314,7 +322,7 @@ DPBF16_INSTANCE(4, 4)
 /* x (M, K) bfloat16 bits, w (N, K) bfloat16 bits, bias (N) bfloat16 bits or NULL -> y (M, N) bfloat16
    bits: float32 sums plus the bias, rounded once, as torch's bfloat16 addmv. Without AVX512-BF16 each
    thread widens x to float32 once and each weight is widened in registers. */
-int lmhead_bf16_matvec(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
+int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                        int64_t N, int64_t K, int64_t M, int threads) {
 #if DPBF16
     void (*run[])(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int) =
@@ -468,7 +476,7 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
 /* z (N, V) float32 rows, ids (N) int64 -> logprob, entropy, top_logprob, varentropy, margin (N) float32,
    rank, top_id (N) int64. Returns how many rows are not finite (their figures NaN), or -1 for an id
    outside [0, V). */
-int64_t lmhead_score_rows(const float *z, const int64_t *ids, int64_t N, int64_t V, float *logprob,
+int64_t LMHEAD_VARIANT(lmhead_score_rows)(const float *z, const int64_t *ids, int64_t N, int64_t V, float *logprob,
                           int64_t *rank, float *entropy, int64_t *top_id, float *top_logprob, float *varentropy,
                           float *margin, int threads) {
     for (int64_t n = 0; n < N; n++)
@@ -492,7 +500,7 @@ int64_t lmhead_score_rows(const float *z, const int64_t *ids, int64_t N, int64_t
    q + b*qsb + h*qsh, the cache's rows of (b, h) at k + b*ksb + h*ksh (hd floats apart), mask[b] at
    mask + b*msb. out (B, H*hd), the (B, 1, D) layout the output projection takes. A NaN stays NaN
    (a max that skips it, then exp(NaN) in the sum). Returns -1 if the scores' buffer cannot be had. */
-int lmhead_attend(const float *q, int64_t qsb, int64_t qsh, const float *k, const float *v, int64_t ksb,
+int LMHEAD_VARIANT(lmhead_attend)(const float *q, int64_t qsb, int64_t qsh, const float *k, const float *v, int64_t ksb,
                   int64_t ksh, const float *mask, int64_t msb, float *out, int64_t B, int64_t H, int64_t T,
                   int64_t hd, float scale, int threads) {
     int failed = 0;

@@ -1,0 +1,48 @@
+/* lmhead_cli.engine._kernels: the compiled kernels as a CPython extension module, built by
+   `pip install` (setup.py). The module itself holds nothing: engine/kernels.py imports it (so the
+   interpreter checks that it was built for this Python), then opens the same file with ctypes and
+   calls the functions below and the kernels of the variant it picks. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define LMHEAD_KERNELS_ABI 6 /* engine/kernels.py's ABI: raised when a signature or a name changes */
+
+int lmhead_kernels_abi(void) { return LMHEAD_KERNELS_ABI; }
+int lmhead_kernels_max_rows(void) { return LMHEAD_MAX_ROWS; }
+
+/* The variants built into this module, best first, separated by spaces. */
+const char *lmhead_kernels_variants(void) {
+#if LMHEAD_X86_VARIANTS
+    return "avx512bf16 avx512vnni avx512 avx2 base";
+#else
+    return "base";
+#endif
+}
+
+/* 1 if this CPU (and its operating system, which must save the wider registers) runs `variant`. */
+int lmhead_kernels_supports(const char *variant) {
+    if (strcmp(variant, "base") == 0) return 1;
+#if LMHEAD_X86_VARIANTS
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    int vnni = avx512 && __builtin_cpu_supports("avx512vnni");
+    if (strcmp(variant, "avx2") == 0) return avx2;
+    if (strcmp(variant, "avx512") == 0) return avx512;
+    if (strcmp(variant, "avx512vnni") == 0) return vnni;
+    if (strcmp(variant, "avx512bf16") == 0) return vnni && __builtin_cpu_supports("avx512bf16");
+#endif
+    return 0;
+}
+
+static struct PyModuleDef kernels_module = {
+    PyModuleDef_HEAD_INIT, "_kernels",
+    "lmhead's compiled CPU kernels, called through ctypes by lmhead_cli.engine.kernels.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
