@@ -263,6 +263,30 @@ def test_tooltip_on_hover_and_keyboard_and_the_strip(browser, served, tiny, tmp_
     assert browser.execute_script("return document.activeElement.getAttribute('data-i')") == str(len(doc["tokens"]) - 1)
 
 
+def test_the_text_can_be_coloured_by_entropy_as_well_as_by_rank(browser, tmp_path):
+    """The button re-colours each scored token by the entropy bucket of its prediction (score --json's
+    `entropy`), swaps the legend, and a second press brings the rank colours back."""
+    text = "And God said, Let there be light: and there was light. And God saw the light, that it was good."
+    doc = cli_json(["score", text, "--model", "bundled:tiny", "--json"])
+    page = tmp_path / "entropy.html"
+    export("bundled:tiny", text, page)
+    browser.get(page.as_uri())
+    wait_for(browser, "return document.querySelector('[data-rendered]')", "the view")
+    classes = "return Array.from(document.querySelectorAll('.text [data-rank]')).map(e => e.className)"
+    edges = [1.0, 2.0, 4.0, 6.0]
+    by_entropy = [f"tok b{sum(t['entropy'] > e for e in edges)}" for t in doc["tokens"] if t["scored"]]
+    by_rank = [f"tok b{sum(t['rank'] > e for e in (1, 10, 100, 1000))}" for t in doc["tokens"] if t["scored"]]
+    assert len(set(by_entropy)) >= 3 and by_entropy != by_rank  # a text whose two colourings differ
+    assert browser.execute_script(classes) == by_rank
+    button = browser.find_element("css selector", ".colour-by")
+    button.click()
+    assert browser.execute_script(classes) == by_entropy and button.get_attribute("aria-pressed") == "true"
+    assert browser.execute_script("return document.querySelector('.legend').getAttribute('aria-label')") == \
+        "entropy buckets"
+    button.click()
+    assert browser.execute_script(classes) == by_rank and button.text == "colour by entropy"
+
+
 def test_html_export_hostile(browser, control_model, tmp_path):
     page = tmp_path / "hostile.html"
     export(control_model, HOSTILE_TEXT, page)

@@ -46,7 +46,7 @@ def calibrate_cmd(
 
     The positions are score's: windows of n_ctx tokens every --stride tokens, --bos to score the first.
 
-    Example: lmhead calibrate --file book.txt --model bundled:tiny --generations 4 --top-k 40
+    Example: lmhead calibrate "In the beginning God created the heaven and the earth." --model bundled:tiny --generations 2 --top-k 40
     """
     from lmhead_cli.api import checks
     from lmhead_cli.api.files import read_text_file

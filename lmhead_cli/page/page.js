@@ -41,9 +41,9 @@
     }
   }
 
-  function legend(buckets, scored) {
+  function legend(buckets, scored, label) {
     var ul = el("ul", "legend");
-    ul.setAttribute("aria-label", "rank buckets");
+    ul.setAttribute("aria-label", label || "rank buckets");
     buckets.forEach(function (b, i) {
       var li = el("li");
       var sw = el("span", "sw tok b" + i, MARKS[i]);
@@ -73,7 +73,13 @@
       " bits per byte \u00b7 scored " + group(s.scored_tokens) + " of " + group(s.tokens) + " tokens \u00b7 NLL " +
       fixed(s.nll, 4) + " nats (mean " + fixed(s.mean_nll, 4) + ") \u00b7 " + data.model;
     root.appendChild(sum);
-    root.appendChild(legend(buckets, s.scored_tokens));
+    var key = legend(buckets, s.scored_tokens);
+    root.appendChild(key);
+    var byEntropy = false, ebuckets = data.entropy_buckets;
+    var colourBy = el("button", "colour-by", "colour by entropy");
+    colourBy.type = "button";
+    colourBy.setAttribute("aria-pressed", "false");
+    if (ebuckets) root.appendChild(colourBy);
 
     var strip = el("canvas", "strip");
     strip.setAttribute("role", "img");
@@ -104,6 +110,21 @@
     box.appendChild(frag);
     if (box.firstChild) box.firstChild.tabIndex = 0;
     root.appendChild(box);
+
+    // the other colouring: each scored token by the entropy of its prediction (how unsure the model was)
+    colourBy.addEventListener("click", function () {
+      byEntropy = !byEntropy;
+      colourBy.setAttribute("aria-pressed", byEntropy ? "true" : "false");
+      colourBy.textContent = byEntropy ? "colour by rank" : "colour by entropy";
+      var spans = box.querySelectorAll(".tok[data-rank]");
+      for (var j = 0; j < spans.length; j++) {
+        var row = toks[+spans[j].getAttribute("data-i")];
+        spans[j].className = "tok b" + (byEntropy ? bucketOf(row[5], ebuckets) : bucketOf(row[3], buckets));
+      }
+      var fresh = byEntropy ? legend(ebuckets, s.scored_tokens, "entropy buckets") : legend(buckets, s.scored_tokens);
+      root.replaceChild(fresh, key);
+      key = fresh;
+    });
 
     var tip = el("div", "tip");
     tip.hidden = true;

@@ -29,7 +29,7 @@ import torch
 
 from lmhead_cli.errors import BadValue, OneToken, UnsupportedModel, UsageError
 from lmhead_cli import inputs
-from lmhead_cli.readings.ranks import BUCKETS
+from lmhead_cli.readings.ranks import BUCKETS, ENTROPY_BUCKETS
 from lmhead_cli.head import check_top_logprobs, nats_to_bits, perplexity, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.readings.inspect import check_prompt
@@ -195,6 +195,12 @@ class Score:
         edges = torch.tensor([b for b, _ in BUCKETS[:-1]])
         ranks = self.rank[self.scored]
         return torch.bincount(torch.bucketize(ranks, edges), minlength=len(BUCKETS)).tolist()
+
+    def entropy_counts(self) -> list[int]:
+        """How many scored tokens fall in each of ENTROPY_BUCKETS (the entropy of their prediction)."""
+        edges = torch.tensor([b for b, _ in ENTROPY_BUCKETS[:-1]])
+        return torch.bincount(torch.bucketize(self.entropy[self.scored], edges),
+                              minlength=len(ENTROPY_BUCKETS)).tolist()
 
     def spans(self) -> Iterator[tuple[str, int | None]]:
         """The text as (piece, rank) in order: each piece one token, or the few tokens that share one

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 
-from lmhead_cli.readings.ranks import BUCKETS
+from lmhead_cli.readings.ranks import BUCKETS, ENTROPY_BUCKETS
 from lmhead_cli.render import _plain, safe_text, show_token
 
 ALTERNATIVES = 5  # the model's top-k in each token's tooltip (`score --html`, the page): Score(alternatives=5)
@@ -46,7 +46,7 @@ def token_pieces(score) -> list[str]:
 def score_view(score) -> dict:
     """What the page draws for a Score: per token [id, piece, token, rank, logprob, entropy, alternatives]
     (rank, logprob and entropy null where unscored; alternatives [[id, token, logprob], …] most probable
-    first), the bucket legend with counts and the summary. Texts are made visible; figures are exact."""
+    first), the rank buckets' legend with counts, the entropy buckets' (the other colouring) and the summary. Texts are made visible; figures are exact."""
     pieces = token_pieces(score)
     ids, scored, rank = score.ids.tolist(), score.scored.tolist(), score.rank.tolist()
     logprob, entropy = score.logprob.tolist(), score.entropy.tolist()
@@ -74,6 +74,8 @@ def score_view(score) -> dict:
         "tokens": rows,
         "buckets": [{"name": name, "max": None if math.isinf(top) else top, "count": c}
                     for (top, name), c in zip(BUCKETS, counts)],
+        "entropy_buckets": [{"name": name, "max": None if math.isinf(top) else top, "count": c}
+                            for (top, name), c in zip(ENTROPY_BUCKETS, score.entropy_counts())],
         "summary": {"tokens": len(score.ids), "scored_tokens": score.scored_tokens, "nll": score.nll,
                     "mean_nll": score.mean_nll, "perplexity": score.perplexity, "bytes": score.bytes,
                     "bits_per_byte": score.bits_per_byte, "windows": score.windows, "window": score.window,
