@@ -2,10 +2,10 @@
 process, scoring against llama-perplexity, serving against llama-server, and each dtype's fraction of
 the machine's read bandwidth (benchmarks/bandwidth.py).
 
-    python benchmarks/versus_llamacpp.py                 # everything (~10-15 min on 2 cores); .cache/RESULTS-llamacpp.md
+    python benchmarks/versus_llamacpp.py                 # everything (about 10-15 min idle on 2 cores, estimated); .cache/RESULTS-llamacpp.md
     python benchmarks/versus_llamacpp.py --write         # the same, its section kept in benchmarks/RESULTS.md
     python benchmarks/versus_llamacpp.py --only decode   # a subset: decode, busy, score, serve (comma-separated)
-    python benchmarks/versus_llamacpp.py --quick         # a smoke test (~3 min): 1 run each, 32 tokens, no busy rows
+    python benchmarks/versus_llamacpp.py --quick         # a smoke test: 1 run each, 32 tokens, no busy rows
 
 llama.cpp is built once by benchmarks/llamacpp.py (cached in $LMHEAD_BENCH_LLAMACPP, else
 ~/.cache/lmhead-bench/llamacpp; building it takes 20-40 min on 2 cores and is not counted above) and
