@@ -2,13 +2,13 @@
 process, scoring against llama-perplexity, serving against llama-server, and each dtype's fraction of
 the machine's read bandwidth (benchmarks/bandwidth.py).
 
-    python benchmarks/versus_llamacpp.py                 # everything (about 10-15 min idle on 2 cores, estimated); .cache/RESULTS-llamacpp.md
+    python benchmarks/versus_llamacpp.py                 # everything (10-15 min idle on 2 cores, estimated)
     python benchmarks/versus_llamacpp.py --write         # the same, its section kept in benchmarks/RESULTS.md
     python benchmarks/versus_llamacpp.py --only decode   # a subset: decode, busy, score, serve (comma-separated)
     python benchmarks/versus_llamacpp.py --quick         # a smoke test: 1 run each, 32 tokens, no busy rows
 
 llama.cpp is built once by benchmarks/llamacpp.py (cached in $LMHEAD_BENCH_LLAMACPP, else
-~/.cache/lmhead-bench/llamacpp; building it takes 20-40 min on 2 cores and is not counted above) and
+~/.cache/lmhead-bench/llamacpp; building it took over an hour on a loaded 2-core machine and is not counted above) and
 the benchmark's checkpoint (benchmarks/checkpoint.py) converted by its convert_hf_to_gguf.py into F32,
 then by llama-quantize into BF16 and Q8_0. Without cmake or a compiler the section says so and stops.
 
@@ -312,7 +312,8 @@ def report(R: dict) -> str:
                   f"{args['new_tokens']} new tokens: `lmhead greedy --json`'s steady rate (first new token to last, "
                   f"after the {len(PROMPT.split())}-word prompt, end-of-text ignored) against `llama-bench -p 0 -n "
                   f"{args['new_tokens']} -r 1 -t {R['threads']}` (tg{args['new_tokens']}: one timed run of "
-                  f"{args['new_tokens']} tokens after its one-token warm-up), fresh processes, alternating. Idle: the best of "
+                  f"{args['new_tokens']} tokens after its one-token warm-up), fresh processes, alternating. "
+                  "Idle: the best of "
                   f"{args['rounds']}; beside one busy process (`python -c 'while True: pass'`): the median of "
                   f"{args['busy_rounds']} (a llama-bench run that had not ended after {BUSY_TIMEOUT_S} s counts "
                   "as 0). The bound: the weight bytes one step reads ÷ the read bandwidth above; lmhead's bytes as "
@@ -331,7 +332,9 @@ def report(R: dict) -> str:
             b_ours = summary([r["tps"] for r in b["lmhead"]], True) if b else None
             b_theirs = summary([r["tps"] for r in b["llama"]], True) if b else None
             nb_ours, nb_theirs = R["bytes"]["lmhead"].get(dtype), R["bytes"]["llama"][t]["bytes"]
-            frac = lambda tps, nb: fmt(tps * nb / (bw["read_gbs"] * 1e9), ".2f") if bw and tps and nb else "n/a"  # noqa: E731
+            def frac(tps, nb):
+                return fmt(tps * nb / (bw["read_gbs"] * 1e9), ".2f") if bw and tps and nb else "n/a"
+
             runs = "; ".join(", ".join(fmt(r["tps"]) for r in pair[k]) for k in ("lmhead", "llama"))
             lines.append(f"| {dtype} | {t} | {fmt(ours)} | {fmt(theirs)} | {ratio_cell(ours, theirs)} | "
                          f"{fmt(b_ours)} | {fmt(b_theirs)} | {ratio_cell(b_ours, b_theirs) if b else 'n/a'} | "
