@@ -308,7 +308,7 @@ def report(R: dict) -> str:
         best = f"{bw['method']}, {bw['threads']} thread{'s' if bw['threads'] > 1 else ''}"
         lines.append(
             f"- read bandwidth (benchmarks/bandwidth.py, {bw['buffer_mb']:.0f} MB buffer, the fastest pass of each "
-            f"method at {bw['points']} points of the run): **{bw['read_gbs']:.1f} GB/s** ({best}); 1 thread "
+            f"method at {bw['points']} point{'s' if bw['points'] > 1 else ''} of the run): **{bw['read_gbs']:.1f} GB/s** ({best}); 1 thread "
             f"{bw['read_gbs_1']:.1f} GB/s ({bw['method_1']}). Every method: "
             + ", ".join(f"{x['method']} ×{x['threads']} {x['gbs']:.1f}" for x in bw["methods"])
             + ("" if bw["compiled"] else " (no C compiler: the compiled read was left out)"))
