@@ -1,7 +1,7 @@
 """llama.cpp for the benchmark: built from llama-cpp-python's source distribution (its vendored
 llama.cpp), cached, and the benchmark's GPT-2 checkpoint converted by llama.cpp's own converter.
 
-    python benchmarks/llamacpp.py build      # download, configure, build (~20-40 min on 2 cores, once)
+    python benchmarks/llamacpp.py build      # download, configure, build, once (over an hour on a loaded 2-core machine)
     python benchmarks/llamacpp.py convert    # the checkpoint as GGUF F32, BF16 and Q8_0 (~1 min, once)
     python benchmarks/llamacpp.py where      # what is cached, one line each
 

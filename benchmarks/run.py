@@ -367,8 +367,9 @@ def report(R: dict, args) -> str:
         f"{' --device ' + args.device if args.device != 'cpu' else ''}` on "
         f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, in {R['elapsed_s'] / 60:.1f} min. "
         "Every comparison is a ratio of two figures measured in this same run. The comparison with llama.cpp "
-        "is a run of its own, `python benchmarks/versus_llamacpp.py --write` (10-15 min on 2 cores once "
-        "llama.cpp is built; `--only decode,busy,score,serve` for a subset), which writes the section "
+        "is a run of its own, `python benchmarks/versus_llamacpp.py --write` (about 10-15 min on an idle "
+        "2-core machine, estimated from its parts, once llama.cpp is built; `--only decode,busy,score,serve` for "
+        "a subset), which writes the section "
         "\"Against llama.cpp\" at the end and which a run of this script keeps.",
         "",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "

@@ -2,13 +2,13 @@
 process, scoring against llama-perplexity, serving against llama-server, and each dtype's fraction of
 the machine's read bandwidth (benchmarks/bandwidth.py).
 
-    python benchmarks/versus_llamacpp.py                 # everything (~10-15 min on 2 cores); .cache/RESULTS-llamacpp.md
+    python benchmarks/versus_llamacpp.py                 # everything (10-15 min idle on 2 cores, estimated)
     python benchmarks/versus_llamacpp.py --write         # the same, its section kept in benchmarks/RESULTS.md
     python benchmarks/versus_llamacpp.py --only decode   # a subset: decode, busy, score, serve (comma-separated)
-    python benchmarks/versus_llamacpp.py --quick         # a smoke test (~3 min): 1 run each, 32 tokens, no busy rows
+    python benchmarks/versus_llamacpp.py --quick         # a smoke test: 1 run each, 32 tokens, no busy rows
 
 llama.cpp is built once by benchmarks/llamacpp.py (cached in $LMHEAD_BENCH_LLAMACPP, else
-~/.cache/lmhead-bench/llamacpp; building it takes 20-40 min on 2 cores and is not counted above) and
+~/.cache/lmhead-bench/llamacpp; building it took over an hour on a loaded 2-core machine and is not counted above) and
 the benchmark's checkpoint (benchmarks/checkpoint.py) converted by its convert_hf_to_gguf.py into F32,
 then by llama-quantize into BF16 and Q8_0. Without cmake or a compiler the section says so and stops.
 
@@ -133,18 +133,24 @@ def score_probe(folder: str, text_file: str) -> dict:
 
 
 def llama_score(gguf: Path, text_file: Path, n_ctx: int, threads: int) -> dict:
-    """llama-perplexity over the text in chunks of n_ctx (the second half of each scored), its own timing."""
+    """llama-perplexity over the text in chunks of n_ctx (the second half of each scored), timed by its
+    own log's clock from "calculating perplexity" to "Final estimate" (every chunk's forward and
+    scoring; its perf summary is not printed at the default verbosity)."""
     import re
 
     exe = llamacpp.binary("llama-perplexity")
     cmd = ["sh", "-c", 'exec "$0" "$@" 2>&1', str(exe), "-m", str(gguf), "-f", str(text_file), "-c", str(n_ctx),
            "-b", str(n_ctx), "-t", str(threads)]
     wall, _, out = run(cmd)
-    chunks = int(re.search(r"calculating perplexity over (\d+) chunks", out).group(1))
-    eval_ms, evaluated = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out).groups()
-    ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", out).group(1))
-    return {"s": float(eval_ms) / 1e3, "wall_s": wall, "forwarded": int(evaluated), "chunks": chunks,
-            "scored": chunks * (n_ctx - n_ctx // 2 - 1), "ppl": ppl}
+    stamp = r"(\d+)\.(\d+)\.(\d+)\.(\d+) \w "  # its log's clock: minutes.seconds.ms.µs, then the level
+    first = re.search(stamp + r"perplexity: calculating perplexity over (\d+) chunks", out)
+    last = re.search(stamp + r"Final estimate: PPL = ([\d.]+)", out)
+    if not (first and last):
+        raise RuntimeError(f"llama-perplexity's output lacks its chunk count or final estimate:\n{out[-1500:]}")
+    clock = lambda m: int(m[1]) * 60 + int(m[2]) + int(m[3]) / 1e3 + int(m[4]) / 1e6  # noqa: E731
+    chunks = int(first[5])
+    return {"s": clock(last) - clock(first), "wall_s": wall, "forwarded": chunks * n_ctx, "chunks": chunks,
+            "scored": chunks * (n_ctx - n_ctx // 2 - 1), "ppl": float(last[5])}
 
 
 def score(folder: Path, gguf: Path, n_tokens: int, rounds: int, threads: int) -> dict:
@@ -302,7 +308,7 @@ def report(R: dict) -> str:
         best = f"{bw['method']}, {bw['threads']} thread{'s' if bw['threads'] > 1 else ''}"
         lines.append(
             f"- read bandwidth (benchmarks/bandwidth.py, {bw['buffer_mb']:.0f} MB buffer, the fastest pass of each "
-            f"method at {bw['points']} points of the run): **{bw['read_gbs']:.1f} GB/s** ({best}); 1 thread "
+            f"method at {bw['points']} point{'s' if bw['points'] > 1 else ''} of the run): **{bw['read_gbs']:.1f} GB/s** ({best}); 1 thread "
             f"{bw['read_gbs_1']:.1f} GB/s ({bw['method_1']}). Every method: "
             + ", ".join(f"{x['method']} ×{x['threads']} {x['gbs']:.1f}" for x in bw["methods"])
             + ("" if bw["compiled"] else " (no C compiler: the compiled read was left out)"))
@@ -312,7 +318,8 @@ def report(R: dict) -> str:
                   f"{args['new_tokens']} new tokens: `lmhead greedy --json`'s steady rate (first new token to last, "
                   f"after the {len(PROMPT.split())}-word prompt, end-of-text ignored) against `llama-bench -p 0 -n "
                   f"{args['new_tokens']} -r 1 -t {R['threads']}` (tg{args['new_tokens']}: one timed run of "
-                  f"{args['new_tokens']} tokens after its one-token warm-up), fresh processes, alternating. Idle: the best of "
+                  f"{args['new_tokens']} tokens after its one-token warm-up), fresh processes, alternating. "
+                  "Idle: the best of "
                   f"{args['rounds']}; beside one busy process (`python -c 'while True: pass'`): the median of "
                   f"{args['busy_rounds']} (a llama-bench run that had not ended after {BUSY_TIMEOUT_S} s counts "
                   "as 0). The bound: the weight bytes one step reads ÷ the read bandwidth above; lmhead's bytes as "
@@ -331,7 +338,9 @@ def report(R: dict) -> str:
             b_ours = summary([r["tps"] for r in b["lmhead"]], True) if b else None
             b_theirs = summary([r["tps"] for r in b["llama"]], True) if b else None
             nb_ours, nb_theirs = R["bytes"]["lmhead"].get(dtype), R["bytes"]["llama"][t]["bytes"]
-            frac = lambda tps, nb: fmt(tps * nb / (bw["read_gbs"] * 1e9), ".2f") if bw and tps and nb else "n/a"  # noqa: E731
+            def frac(tps, nb):
+                return fmt(tps * nb / (bw["read_gbs"] * 1e9), ".2f") if bw and tps and nb else "n/a"
+
             runs = "; ".join(", ".join(fmt(r["tps"]) for r in pair[k]) for k in ("lmhead", "llama"))
             lines.append(f"| {dtype} | {t} | {fmt(ours)} | {fmt(theirs)} | {ratio_cell(ours, theirs)} | "
                          f"{fmt(b_ours)} | {fmt(b_theirs)} | {ratio_cell(b_ours, b_theirs) if b else 'n/a'} | "
@@ -363,8 +372,8 @@ def report(R: dict) -> str:
                   f"The same {sc['tokens']:,}-token English-like text (benchmarks/score_bench.py make_text), float32 / "
                   f"F32. lmhead: `Model.score(text)` timed in a fresh process after loading and one short warm-up "
                   f"(windows of {o['window']} every {o['stride']} tokens: each token scored once). llama.cpp: "
-                  f"`llama-perplexity -c 1024 -b 1024 -t {R['threads']}`, its own prompt-eval time (chunks of "
-                  "1,024, the second half of each scored). Fastest of "
+                  f"`llama-perplexity -c 1024 -b 1024 -t {R['threads']}`, timed by its own log's clock from the "
+                  "first chunk to the final estimate (chunks of 1,024, the second half of each scored). Fastest of "
                   f"{len(ours)} runs each, alternating. Both run every 1,024-token window through the whole "
                   "model; lmhead's overlapping windows score every token, llama-perplexity's half of them, so "
                   "both rates are given. Check: the perplexity of the tokens llama-perplexity scores, from "
@@ -447,7 +456,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--score-tokens", type=int, default=4096, help="the scored text's length (≥ 2,048)")
     parser.add_argument("--score-rounds", type=int, default=3)
     parser.add_argument("--serve-tokens", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="a smoke test: 1 run each, 32 tokens, no busy rows")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: 1 run each, 32 tokens, no busy rows, the bound measured once")
     parser.add_argument("--write", action="store_true", help="keep the section in benchmarks/RESULTS.md")
     parser.add_argument("--report-from", type=Path, metavar="JSON", help="write the section again from kept figures")
     args = parser.parse_args(argv)
@@ -491,7 +501,8 @@ def main(argv: list[str]) -> int:
     if "decode" in only:
         section("decode")
         R["decode"] = decode(folder, ggufs, args.new_tokens, args.rounds, R["threads"], busy=False)
-        points.append(bandwidth.measure(probe))
+        if not args.quick:  # a smoke test measures the bound once
+            points.append(bandwidth.measure(probe))
     if "busy" in only:
         section("busy")
         with Competitor():
@@ -503,7 +514,8 @@ def main(argv: list[str]) -> int:
         section("serve")
         per_client = {1: 2, 4: 2, 16: 1} if args.quick else {1: 4, 4: 2, 16: 2}
         R["serve"] = serve(folder, ggufs["F32"], R["threads"], args.serve_tokens, per_client)
-    points.append(bandwidth.measure(probe))
+    if not args.quick:
+        points.append(bandwidth.measure(probe))
     R["bandwidth"] = bandwidth.merge(points)
     section("end")
     R["elapsed_s"] = time.perf_counter() - began

@@ -238,3 +238,17 @@ def test_splice_replaces_the_section_and_keeps_the_rest(tmp_path):
     assert text.endswith("\nafter\n")
     kept = versus_llamacpp.section_in(text)  # what benchmarks/run.py --write carries into its new report
     assert kept == versus_llamacpp.report(R) and versus_llamacpp.section_in("# no section\n") is None
+
+
+def test_llama_score_reads_llama_perplexitys_own_clock(monkeypatch):
+    log = ("0.02.685.618 I perplexity: tokenizing the input ..\n"
+           "0.02.703.620 I perplexity: calculating perplexity over 2 chunks, n_ctx=1024, batch_size=1024, n_seq=1\n"
+           "0.23.813.168 I perplexity: 21.11 seconds per pass - ETA 0.70 minutes\n[1]51447.7748,[2]51896.6609,\n"
+           "1.03.235.726 I Final estimate: PPL = 51896.6609 +/- 1051.26197\n")  # as llama-perplexity writes it
+    monkeypatch.setattr(versus_llamacpp, "run", lambda cmd: (70.0, 0.0, log))
+    got = versus_llamacpp.llama_score(Path("m.gguf"), Path("t.txt"), 1024, 2)
+    assert got["s"] == pytest.approx((60 + 3.235726) - (2.703620))
+    assert (got["chunks"], got["forwarded"], got["scored"], got["ppl"]) == (2, 2048, 2 * 511, 51896.6609)
+    monkeypatch.setattr(versus_llamacpp, "run", lambda cmd: (1.0, 0.0, "error: failed to load model\n"))
+    with pytest.raises(RuntimeError, match="lacks its chunk count"):
+        versus_llamacpp.llama_score(Path("m.gguf"), Path("t.txt"), 1024, 2)
