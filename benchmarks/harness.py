@@ -139,7 +139,3 @@ class Competitor:
         QUIET.expected = 0.0
         self.proc.kill()
         self.proc.wait()
-
-
-def load1() -> float:
-    return os.getloadavg()[0]

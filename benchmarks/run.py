@@ -21,8 +21,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time

@@ -134,7 +134,8 @@ def test_threads_and_start_settings(tiny, monkeypatch):
     calls = []
     got = session(tiny, f"{PROMPT}\n", "--threads", "1", "--temperature", "0.7", "-k", "2", "-t", " are", "--json")
     assert got.exit_code == 0, got.output
-    assert calls and set(calls) == {1}  # each of the model's calls runs on 1 (the count is never timed)
+    # each of the model's calls runs on 1 (the count is never timed): set to 1, or already 1 in this process
+    assert set(calls) <= {1} and (calls or torch.get_num_threads() == 1)
     [answer] = answers(got.stdout)
     assert answer["knobs"] == {"temperature": 0.7} and len(answer["rows"]) == 2 and len(answer["targets"]) == 1
 

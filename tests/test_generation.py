@@ -231,8 +231,7 @@ def test_non_finite_logits_are_caught_before_sampling(tmp_path, how):
     loaded = load(folder)
     with torch.no_grad():
         loaded.engine.module.ln_f.weight[0] = float("nan")
-    with pytest.raises(NonFiniteLogits, match=r"non-finite logits \(NaN or inf\) in 1 of 1 rows, so there is no "
-                                              "distribution to sample from"):
+    with pytest.raises(NonFiniteLogits, match=r"non-finite logits \(NaN or inf\)"):
         generate(loaded, PROMPT_IDS, make_settings(max_new_tokens=3, **how))
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, assert_rank, build_checkpoint, cli, with_ln_f
+from helpers import PROMPT, PROMPT_IDS, assert_rank, cli, with_ln_f
 
 from lmhead_cli.head import log_softmax
 from lmhead_cli.readings.inspect import inspect_prompt

@@ -537,12 +537,13 @@ def test_the_start_up_line_shows_a_hostile_folder_name_escaped(tiny, tmp_path, m
     --dry-run's) shows them escaped, so the name cannot retitle or recolour the terminal."""
     import shutil
 
-    import uvicorn
     from helpers import cli
+
+    from lmhead_cli.serve import connections
 
     folder = tmp_path / HOSTILE_NAME
     shutil.copytree(tiny[0], folder)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)  # the line is printed before the server runs
+    monkeypatch.setattr(connections, "run", lambda app, host, port: None)  # the line is printed before it runs
     got = cli("serve", "--model", str(folder), "--port", "0", *(["--dry-run"] if dry_run else []))
     assert got.exit_code == 0, got.output
     line = (got.stdout if dry_run else got.stderr).splitlines()[0]

@@ -221,7 +221,9 @@ def test_a_long_tokenization_does_not_block_other_clients(server):
         last = now
     t.join()
     took = done["tokenize"] - start
-    assert len(gaps) > 3 and max(gaps) < took / 3, (max(gaps), took, len(gaps))
+    # tokenized on the event loop, /health waits the whole time (one gap of about `took`); off it, /health
+    # answers all along (a busy machine may still stall one answer for a while: a share of `took`, not all)
+    assert len(gaps) > 3 and max(gaps) < took * 0.6, (max(gaps), took, len(gaps))
 
 
 # ---- 3. connections, memory, Content-Length ----------------------------------------------------------

@@ -204,9 +204,23 @@ def check(values: dict) -> None:
     """Raise BadValue for the first value outside its setting's range (None = unset, and a setting's `off`
     values pass; unknown keys pass)."""
     for key, value in values.items():
-        if value is not None and key in SETTINGS and not any(value == o and type(value) is not bool
-                                                             for o in SETTINGS[key].off):
+        if value is None or key not in SETTINGS:
+            continue
+        _check_type(key, value, SETTINGS[key].type)
+        if not any(value == o and type(value) is not bool for o in SETTINGS[key].off):
             SETTINGS[key].rule.check(key, value)
+
+
+def _check_type(key: str, value, kind) -> None:
+    """BadType (a BadValue and a TypeError) unless `value` is of the setting's type: an int (never a bool or
+    a float, even 2.0), or for a float any real number but a bool (NaN is left to the range)."""
+    import numbers
+
+    from lmhead_cli.errors import BadType
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if kind is int else numbers.Real):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
+        raise BadType(key, f"must be {'an integer' if kind is int else 'a number'} (got {shown})")
 
 
 # ---- the knobs: one optional field per stage, in order ----------------------------------------
