@@ -396,7 +396,7 @@ def test_every_parameter_refuses_a_wrong_value_naming_itself(model, name, param,
     (lambda m: m.compare("The keys are", base=3), "base"),
     (lambda m: m.lens(PROMPT, position="-1"), "position"),
     (lambda m: lmhead_cli.load("random:gpt2", threads=1.5), "threads"),
-    (lambda m: lmhead_cli.load(None), "source"),
+    (lambda m: lmhead_cli.load(123), "source"),  # None is the default: gpt2, or bundled:tiny offline
     (lambda m: lmhead_cli.load("random:gpt2", device=0), "device"),
     (lambda m: lmhead_cli.api.toy(hidden=["a", 1, 2]), "hidden"),
     (lambda m: lmhead_cli.api.toy(hidden=5), "hidden"),
