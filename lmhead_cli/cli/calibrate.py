@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, command, stage_options
+from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, command, one_text, stage_options
 from lmhead_cli.cli.score import ChunkOpt
 from lmhead_cli.errors import UsageError
 
@@ -49,21 +49,11 @@ def calibrate_cmd(
     Example: lmhead calibrate "In the beginning God created the heaven and the earth." --model bundled:tiny --generations 2 --top-k 40
     """
     from lmhead_cli.api import checks
-    from lmhead_cli.api.files import read_text_file
     from lmhead_cli.cli.score import html_target, write_html
-    from lmhead_cli.inputs import read_text
     from lmhead_cli.render import calibrate as show, print_json
     from lmhead_cli.render.score import Progress
 
-    if file is not None:
-        checks.prompt_or_file(text, file, "a text")
-        text = read_text_file(file)
-    elif text is None:
-        raise UsageError('give a text, e.g. lmhead calibrate "The keys on the table are here." '
-                         "(- reads stdin; --file PATH reads a file as one text)")
-    elif text == "-":
-        text = read_text("the text on stdin")
-    text = checks.text(text)
+    text = one_text(text, file, 'lmhead calibrate "The keys on the table are here."')
     checks.chunk(chunk)
     if generations:
         checks.generation(ignore_eos=True, seed=seed, max_new_tokens=max_new_tokens, **knobs)

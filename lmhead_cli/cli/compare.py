@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, chunk_option, command
+from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, chunk_option, command, one_text
 from lmhead_cli.api.choices import COMPARE_BUFFERS, FLOAT32_BYTES
 from lmhead_cli.errors import UsageError
 
@@ -51,21 +51,10 @@ def compare_cmd(
     """
     from lmhead_cli.api import checks
     from lmhead_cli.api.compare import SAME, check_base
-    from lmhead_cli.api.files import read_text_file
-    from lmhead_cli.inputs import read_text
     from lmhead_cli.render import compare as show
     from lmhead_cli.render.score import Progress
 
-    if file is not None:
-        if text is not None:
-            raise UsageError("give a text or --file, not both")
-        text = read_text_file(file)
-    elif text is None:
-        raise UsageError('give a text, e.g. lmhead compare "The keys on the table are here." --dtype bfloat16 '
-                         "(- reads stdin; --file PATH reads a file as one text)")
-    elif text == "-":
-        text = read_text("the text on stdin")
-    text = checks.text(text)
+    text = one_text(text, file, 'lmhead compare "The keys on the table are here." --dtype bfloat16')
     checks.chunk(chunk)
     check_base(base, base_dtype)
     if llama_chunks is not None and stride is not None:

@@ -238,3 +238,22 @@ def _root(
     ] = None,
 ) -> None:
     """lmhead: how GPT-2's final hidden vector becomes logits, probabilities and the next word."""
+
+
+def one_text(text: str | None, file: str | None, example: str) -> str:
+    """The one text of a command that reads a whole text (compare, calibrate): TEXT, - (stdin) or
+    --file PATH (read whole, as one text), checked once; `example` is the command line the usage error
+    shows."""
+    from lmhead_cli.api import checks
+    from lmhead_cli.api.files import read_text_file
+    from lmhead_cli.errors import UsageError
+    from lmhead_cli.inputs import read_text
+
+    if file is not None:
+        checks.prompt_or_file(text, file, "a text")
+        text = read_text_file(file)
+    elif text is None:
+        raise UsageError(f"give a text, e.g. {example} (- reads stdin; --file PATH reads a file as one text)")
+    elif text == "-":
+        text = read_text("the text on stdin")
+    return checks.text(text)
