@@ -131,13 +131,13 @@ class Worker:
             self.cond.notify()
 
     def _admit(self, free: int) -> tuple[list, list]:
-        """Up to `free` queued rows, one per job in turn (round-robin), and the calls waiting; waits while
-        there is nothing to do and no row runs."""
+        """Up to `free` queued rows, one per job in turn (round-robin), and the next call waiting; waits
+        while there is nothing to do and no row runs."""
         with self.cond:
             while not self.jobs and not self.calls and not self.stopping and not self.running:
                 self.cond.wait()
-            calls = list(self.calls)
-            self.calls.clear()
+            # one call a round: the others stay in the queue, counted against max_queue until they start
+            calls = [self.calls.popleft()] if self.calls else []
             rows = []
             while self.jobs and len(rows) < free:
                 entry = self.jobs.popleft()
