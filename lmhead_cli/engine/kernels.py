@@ -35,15 +35,16 @@ import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 6
+ABI = 7
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
-FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_score_rows", "lmhead_attend")
+FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_f32_matvec", "lmhead_score_rows", "lmhead_attend",
+             "lmhead_step")
 
 
 class _Variant:
-    """One variant's four functions (ctypes function pointers), under their unsuffixed names."""
+    """One variant's functions (ctypes function pointers), under their unsuffixed names."""
 
     def __init__(self, **functions):
         self.__dict__.update(functions)
@@ -66,6 +67,12 @@ class Kernels:
         lib.lmhead_attend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
                                       _i64, ctypes.c_float, _int]
         lib.lmhead_attend.restype = _int
+        lib.lmhead_f32_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+        lib.lmhead_f32_matvec.restype = _int
+        # engine/step.py's plan (an array of lmhead_layer), then csrc/step.c's arguments in order
+        lib.lmhead_step.argtypes = [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
+                                    _i64, _i64, _i64, _i64, _ptr, _i64, _int]
+        lib.lmhead_step.restype = _int
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether x (M, K), weight rows w (N, K) and bias (N,) are a product these kernels take: on the
@@ -105,6 +112,19 @@ class Kernels:
         if self.lib.lmhead_bf16_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                                        y.data_ptr(), N, K, M, torch.get_num_threads()):
             raise MemoryError("the bfloat16 kernel could not allocate its activation buffer")
+        return y
+
+    def f32_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x (M, K) float32 times w (N, K) float32 rows, plus bias (N,) float32: (M, N) float32 (the head's
+        product over E's rows); None for a product the kernel does not take (other dtypes, a transposed
+        view, or not `fits`), left to the caller."""
+        if not (x.dtype == w.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+                and self.fits(x, w, bias)):
+            return None
+        (M, K), N = x.shape, w.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        self.lib.lmhead_f32_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                   y.data_ptr(), N, K, M, torch.get_num_threads())
         return y
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -169,7 +189,8 @@ def _self_check(k: Kernels) -> bool:
     xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
     want16 = (xb.float() @ wb.float().t() + bb.float())
     return (torch.allclose(k.int8_times(x, q, s, b), want8, rtol=1e-4, atol=1e-4)
-            and torch.allclose(k.bf16_times(xb, wb, bb).float(), want16, rtol=1e-2, atol=1e-2))
+            and torch.allclose(k.bf16_times(xb, wb, bb).float(), want16, rtol=1e-2, atol=1e-2)
+            and torch.allclose(k.f32_times(x, w, b), x @ w.t() + b, rtol=1e-4, atol=1e-4))
 
 
 def _openmp_runtimes() -> set[str]:

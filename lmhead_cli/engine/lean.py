@@ -21,6 +21,7 @@ from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, cap
                                     position_ids)
 from lmhead_cli.engine import kernels
 from lmhead_cli.engine.int8 import Int8Head
+from lmhead_cli.engine.step import StepPlan
 
 from lmhead_cli.engine.products import Products, few_cpu_rows, few_rows_product, products_for
 
@@ -227,6 +228,8 @@ class LeanGPT2(Engine):
         for m in module.modules():
             if isinstance(m, (Conv1D, LMHead)):
                 m.products = self.products
+        # A decoding step's blocks in one compiled call where nothing needs the modules (engine/step.py)
+        self.step = StepPlan.for_engine(module, config, self.int8, self.dtype)
 
     @property
     def embedding_weight(self) -> torch.Tensor:
@@ -321,8 +324,12 @@ class LeanGPT2(Engine):
             raise ValueError(f"{past + ids.shape[1]} positions exceed the context of {self.n_ctx}")
         mask = None if attention_mask is None else _mask(attention_mask, ids.shape[1], self.attention_dtype)
         x = self.embed(ids, past, attention_mask)
-        for i, block in enumerate(self.gpt.h):
-            x = block(x, i, cache, mask)
+        stepped = self.step.run(x, cache, mask) if self.step is not None and ids.shape[1] == 1 else None
+        if stepped is not None:  # the compiled step ran every block
+            x = stepped
+        else:
+            for i, block in enumerate(self.gpt.h):
+                x = block(x, i, cache, mask)
         if cache is not None:
             cache.length += ids.shape[1]
         return self.gpt.ln_f(x)

@@ -35,7 +35,7 @@ BLOCKED_MAX_ROWS = 4  # more positions than this are a GEMM that computes, not s
 # float32 runs one form: BLAS's gemm and gemv over the same memory measured alike idle and beside a busy
 # process (docs/performance.md), so timing both only cost steps.
 FORMS = {torch.float32: ("gemv",), torch.bfloat16: ("gemv", "linear", "blocked")}
-KERNEL_DTYPES = (torch.bfloat16,)  # dtypes with a compiled "kernel" form (engine/csrc/kernels.c)
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # dtypes with a compiled "kernel" form (engine/csrc/kernels.c)
 
 
 @dataclass
@@ -92,7 +92,8 @@ def few_rows_product(form: str, x2: torch.Tensor, rows: torch.Tensor, bias: torc
     `form`: (R, N)."""
     if form == "kernel":
         fast = kernels.load()
-        y = fast.bf16_times(x2, rows, bias) if fast is not None else None
+        times = None if fast is None else fast.f32_times if x2.dtype == torch.float32 else fast.bf16_times
+        y = times(x2, rows, bias) if times is not None else None
         if y is not None:
             return y
         form = "gemv"  # a product the kernel does not take (a strided view, say): torch's own

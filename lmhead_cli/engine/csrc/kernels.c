@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -63,6 +66,8 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest, ties to even
 typedef __m512 vf;
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vbroadcast(float a) { return _mm512_set1_ps(a); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline vf vi8(const int8_t *p) {
@@ -77,6 +82,8 @@ static inline vf vbf16(const uint16_t *p) {
 typedef __m256 vf;
 static inline vf vzero(void) { return _mm256_setzero_ps(); }
 static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vbroadcast(float a) { return _mm256_set1_ps(a); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float vsum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -120,6 +127,12 @@ static inline vf vbf16(const uint16_t *p) {
     const W_T *w0 = w + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                           \
     for (; k + LANES <= K; k += LANES) {                                                           \
         vf a0 = LOAD_W(w0 + k), a1 = LOAD_W(w1 + k), a2 = LOAD_W(w2 + k), a3 = LOAD_W(w3 + k);     \
+        if (sizeof(W_T) == 4) { /* a cache line a load: each of the four rows asked for ahead */    \
+            _mm_prefetch((const char *)(w0 + k) + PREFETCH_BYTES, _MM_HINT_T0);                     \
+            _mm_prefetch((const char *)(w1 + k) + PREFETCH_BYTES, _MM_HINT_T0);                     \
+            _mm_prefetch((const char *)(w2 + k) + PREFETCH_BYTES, _MM_HINT_T0);                     \
+            _mm_prefetch((const char *)(w3 + k) + PREFETCH_BYTES, _MM_HINT_T0);                     \
+        }                                                                                          \
         for (int64_t m = 0; m < M; m++) {                                                          \
             vf xv = vload(x + m * K + k);                                                          \
             s[m][0] = vfma(a0, xv, s[m][0]);                                                       \
@@ -135,8 +148,26 @@ static inline vf vbf16(const uint16_t *p) {
 #endif
 
 #define I8(v) ((float)(v))
+#define F32(v) (v)
 DEFINE_MATVEC(i8, int8_t, vi8, I8)
 DEFINE_MATVEC(bf16, uint16_t, vbf16, bf16_to_f32)
+DEFINE_MATVEC(f32, float, vload, F32)
+
+/* x (M, K) float32, w (N, K) float32 rows, bias (N) float32 or NULL -> y (M, N) float32: the head's
+   product over its rows (E's, when tied), four rows a step, each asked for PREFETCH_BYTES ahead. */
+int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,
+                                      int64_t K, int64_t M, int threads) {
+    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float acc[MAX_ROWS * ROW_BLOCK];
+        int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
+        f32_rows(w, x, acc, K, M, r, rows);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < rows; j++) y[m * N + r + j] = acc[m * ROW_BLOCK + j] + (bias ? bias[r + j] : 0.0f);
+    }
+    return 0;
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* int8 x int8 dot products with VNNI (vpdpbusd: 64 unsigned bytes times 64 signed bytes, four at a time,
@@ -543,3 +574,5 @@ int LMHEAD_VARIANT(lmhead_attend)(const float *q, int64_t qsb, int64_t qsh, cons
     }
     return failed ? -1 : 0;
 }
+
+#include "step.c" /* the decoding step, compiled in each variant with the kernels above */

@@ -1,0 +1,239 @@
+/* ---- the decoding step: every block of GPT-2 for a few rows of one new position, in one call ----
+
+   Included at the end of kernels.c, so each variant compiles it with its own vector width. For B rows
+   (B <= STEP_MAX_ROWS) of one new position each, block by block:
+
+       h = ln_1(x);  qkv = h · c_attn;  k, v -> the KV cache at position `past`;
+       a = attention(q, cache[0 .. past], mask);  x = x + a · attn.c_proj;
+       h = ln_2(x);  f = gelu_tanh(h · c_fc);  x = x + f · mlp.c_proj
+
+   What the lean engine's torch path does in ~85 dispatched ops a block (engine/lean.py Block), here in
+   plain loops and the products below, over the weights where the engine keeps them (nothing copied):
+   float32 Conv1D matrices (in, out) as the checkpoint stores them, bfloat16 (out, in) rows, int8 rows
+   with a float32 scale per row (engine/int8.py). Each product splits its output among the threads (an
+   OpenMP region over torch's thread pool, as every kernel in this file); the norms, the GELU and the
+   residual adds are a few thousand floats, done by the calling thread.
+
+   Rounding: float32 and int8 run float32 throughout, as the torch path does. bfloat16 rounds to
+   bfloat16 where the torch path holds a bfloat16 tensor (the norms' outputs, each product's output, the
+   GELU's, the residual after each add, the attention's output), and runs attention in float32 over the
+   float32 cache, as engine/lean.py's `attention_dtype` does: the same figures up to the order of sums. */
+
+#define STEP_MAX_ROWS 16
+
+enum { STEP_F32 = 0, STEP_BF16 = 1, STEP_INT8 = 2 };
+
+/* One block's weights, as engine/step.py lays them out (ctypes.Structure lmhead_layer). For STEP_F32
+   w[i] is float32 (K, N) and the biases and norm parameters float32; for STEP_BF16 w[i] is bfloat16
+   (N, K) rows and the biases and norm parameters bfloat16; for STEP_INT8 w[i] is int8 (N, K) rows with
+   s[i] (N) float32 scales, and everything else float32. Products in order: c_attn, attn.c_proj, c_fc,
+   mlp.c_proj. */
+typedef struct {
+    const void *w[4];
+    const float *s[4];
+    const void *b[4];
+    const void *ln1_w, *ln1_b, *ln2_w, *ln2_b;
+} lmhead_layer;
+
+static inline float step_param(const void *p, int64_t i, int kind) {
+    return kind == STEP_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* y[m] = layer_norm(x[m]) * w + b for B rows of D, in float32 with the statistics in double (torch's
+   CPU layer norm: mean and biased variance, rstd = 1 / sqrt(var + eps)). */
+static void step_norm(const float *x, float *y, int64_t B, int64_t D, const void *w, const void *b, float eps,
+                      int kind) {
+    for (int64_t m = 0; m < B; m++) {
+        const float *xm = x + m * D;
+        float *ym = y + m * D;
+        double mean = 0.0, var = 0.0;
+        for (int64_t d = 0; d < D; d++) mean += xm[d];
+        mean /= (double)D;
+        for (int64_t d = 0; d < D; d++) var += ((double)xm[d] - mean) * ((double)xm[d] - mean);
+        float rstd = (float)(1.0 / sqrt(var / (double)D + (double)eps)), mu = (float)mean;
+        for (int64_t d = 0; d < D; d++) {
+            float v = (xm[d] - mu) * rstd * step_param(w, d, kind) + step_param(b, d, kind);
+            ym[d] = kind == STEP_BF16 ? round_bf16(v) : v;
+        }
+    }
+}
+
+/* GELU, tanh form (GPT-2's gelu_new, torch's approximate="tanh"), in place over n floats. */
+static void step_gelu(float *x, int64_t n, int kind) {
+    const float c = 0.7978845608028654f, a = 0.044715f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    /* tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): scoring's exp_le0, within a few ulp */
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __m512 u = _mm512_mul_ps(_mm512_set1_ps(c), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a), v),
+                                                                     _mm512_mul_ps(v, v), v));
+        __m512 au = _mm512_abs_ps(u);
+        __m512 e = exp_le0(_mm512_mul_ps(au, _mm512_set1_ps(-2.0f)));
+        __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(
+            _mm512_castps_si512(u), _mm512_set1_epi32((int)0x80000000u))));
+        __m512 g = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), _mm512_add_ps(_mm512_set1_ps(1.0f), t));
+        _mm512_storeu_ps(x + i, g);
+    }
+#endif
+    for (; i < n; i++) {
+        float v = x[i];
+        x[i] = 0.5f * v * (1.0f + tanhf(c * (v + a * v * v * v)));
+    }
+    if (kind == STEP_BF16)
+        for (i = 0; i < n; i++) x[i] = round_bf16(x[i]);
+}
+
+/* y (M, N) = x (M, K) · W (K, N) + bias (N) or 0, float32, W as GPT-2's Conv1D stores it (in, out):
+   each thread takes a contiguous range of output columns and reads its part of four rows of W at a
+   time, forward (one thread: the whole matrix in order), adding their contributions to its sums (M ×
+   a chunk of columns, in L1: one load and one store of a sum per four weights). The chunk is the
+   whole range for one row of x, narrower for more (the sums of every row must stay in L1). M and the
+   rows of a step are constants in each instance, so that the compiler keeps x's values in registers. */
+#define KN_SUMS_FLOATS 4096 /* 16 KB of sums per thread */
+#define KN_STEP 4           /* rows of W a pass over the sums takes */
+static inline __attribute__((always_inline)) void kn_rows(const float *W, const float *x, float *sums,
+                                                          int64_t K, int64_t N, const int64_t M, int64_t k,
+                                                          int64_t c0, int64_t w, const int R) {
+    /* sums[m * w + j] += sum_{i < R} W[(k + i) * N + c0 + j] * x[m * K + k + i], j < w */
+    const float *wk = W + k * N + c0;
+    float xs[MAX_ROWS][KN_STEP];
+    for (int64_t m = 0; m < M; m++)
+        for (int i = 0; i < R; i++) xs[m][i] = x[m * K + k + i];
+    int64_t j = 0;
+#if LANES
+    vf xv[MAX_ROWS][KN_STEP];
+    for (int64_t m = 0; m < M; m++)
+        for (int i = 0; i < R; i++) xv[m][i] = vbroadcast(xs[m][i]);
+    for (; j + LANES <= w; j += LANES) {
+        vf a[KN_STEP];
+        for (int i = 0; i < R; i++) {
+            a[i] = vload(wk + i * N + j);
+            _mm_prefetch((const char *)(wk + (i + 2 * KN_STEP) * N + j), _MM_HINT_T0);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            float *s = sums + m * w + j;
+            vf t = vload(s);
+            for (int i = 0; i < R; i++) t = vfma(a[i], xv[m][i], t);
+            vstore(s, t);
+        }
+    }
+#endif
+    for (; j < w; j++)
+        for (int64_t m = 0; m < M; m++)
+            for (int i = 0; i < R; i++) sums[m * w + j] += wk[i * N + j] * xs[m][i];
+}
+
+static inline __attribute__((always_inline)) void kn_matvec(const float *W, const float *x, const float *bias,
+                                                            float *y, int64_t K, int64_t N, const int64_t M,
+                                                            int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num(), T = omp_get_num_threads();
+#endif
+        int64_t lanes = LANES ? LANES : 1;
+        int64_t n0 = N * t / T / lanes * lanes, n1 = t + 1 == T ? N : N * (t + 1) / T / lanes * lanes;
+        int64_t width = KN_SUMS_FLOATS / M / lanes * lanes;
+        float sums[KN_SUMS_FLOATS];
+        for (int64_t c0 = n0; c0 < n1; c0 += width) {
+            int64_t c1 = c0 + width < n1 ? c0 + width : n1, w = c1 - c0, k = 0;
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < w; j++) sums[m * w + j] = bias ? bias[c0 + j] : 0.0f;
+            for (; k + KN_STEP <= K; k += KN_STEP) kn_rows(W, x, sums, K, N, M, k, c0, w, KN_STEP);
+            for (; k < K; k++) kn_rows(W, x, sums, K, N, M, k, c0, w, 1);
+            for (int64_t m = 0; m < M; m++)
+                memcpy(y + m * N + c0, sums + m * w, (size_t)w * sizeof(float));
+        }
+    }
+}
+
+#define KN_INSTANCE(MM) \
+    static void kn_matvec_##MM(const float *W, const float *x, const float *bias, float *y, int64_t K, int64_t N, \
+                               int threads) { kn_matvec(W, x, bias, y, K, N, MM, threads); }
+KN_INSTANCE(1)
+KN_INSTANCE(2)
+KN_INSTANCE(3)
+KN_INSTANCE(4)
+
+static void f32_kn_matvec(const float *W, const float *x, const float *bias, float *y, int64_t K, int64_t N,
+                          int64_t M, int threads) {
+    void (*run[])(const float *, const float *, const float *, float *, int64_t, int64_t, int) =
+        {kn_matvec_1, kn_matvec_2, kn_matvec_3, kn_matvec_4};
+    run[M - 1](W, x, bias, y, K, N, threads);
+}
+
+/* Product i of a block: x (B, K) float32 -> y (B, N) float32, in the block's weight kind; `xb` and `yb`
+   are bfloat16 scratch rows for STEP_BF16 (whose kernel takes and gives bfloat16). Rows in groups of
+   MAX_ROWS for the row kernels. Returns -1 where a kernel could not allocate its buffer. */
+static int step_product(const lmhead_layer *l, int i, int kind, const float *x, float *y, int64_t B, int64_t K,
+                        int64_t N, uint16_t *xb, uint16_t *yb, int threads) {
+    if (kind == STEP_F32) {
+        for (int64_t m0 = 0; m0 < B; m0 += MAX_ROWS) {
+            int64_t M = B - m0 < MAX_ROWS ? B - m0 : MAX_ROWS;
+            f32_kn_matvec((const float *)l->w[i], x + m0 * K, (const float *)l->b[i], y + m0 * N, K, N, M, threads);
+        }
+        return 0;
+    }
+    for (int64_t m0 = 0; m0 < B; m0 += MAX_ROWS) {
+        int64_t M = B - m0 < MAX_ROWS ? B - m0 : MAX_ROWS;
+        if (kind == STEP_INT8) {
+            if (LMHEAD_VARIANT(lmhead_int8_matvec)((const int8_t *)l->w[i], l->s[i], x + m0 * K, (const float *)l->b[i],
+                                                   y + m0 * N, N, K, M, threads))
+                return -1;
+            continue;
+        }
+        for (int64_t j = 0; j < M * K; j++) xb[j] = f32_to_bf16(x[m0 * K + j]); /* x holds bfloat16 values */
+        if (LMHEAD_VARIANT(lmhead_bf16_matvec)((const uint16_t *)l->w[i], xb, (const uint16_t *)l->b[i], yb, N, K, M,
+                                               threads))
+            return -1;
+        for (int64_t j = 0; j < M * N; j++) y[m0 * N + j] = bf16_to_f32(yb[j]);
+    }
+    return 0;
+}
+
+/* x (B, D) float32, the residual stream of B rows at their new position (bfloat16 values for
+   STEP_BF16), through the L blocks `layers`, in place. The KV cache: k, v float32 at
+   k + l * csl + b * csb + h * csh + t * hd (t < past filled; position `past` written here). mask: an
+   additive (B, past + 1) float32 row per b, msb apart, or NULL. Returns 0, or -1 where a buffer could
+   not be allocated (x then partly updated: the caller raises). */
+int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind, float *x, int64_t B, int64_t D,
+                                int64_t H, int64_t inner, float eps, float *kc, float *vc, int64_t csl, int64_t csb,
+                                int64_t csh, int64_t past, const float *mask, int64_t msb, int threads) {
+    if (B < 1 || B > STEP_MAX_ROWS || D % H) return -2;
+    int64_t hd = D / H, widest = inner > 3 * D ? inner : 3 * D;
+    float *h = malloc(sizeof(float) * (size_t)(B * D)), *big = malloc(sizeof(float) * (size_t)(B * widest)),
+          *a = malloc(sizeof(float) * (size_t)(B * D));
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest)),
+             *yb = malloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest));
+    int failed = !(h && big && a && xb && yb);
+    for (int64_t li = 0; li < L && !failed; li++) {
+        const lmhead_layer *l = layers + li;
+        float *kl = kc + li * csl, *vl = vc + li * csl;
+        step_norm(x, h, B, D, l->ln1_w, l->ln1_b, eps, kind);
+        if (step_product(l, 0, kind, h, big, B, D, 3 * D, xb, yb, threads)) { failed = 1; break; }
+        for (int64_t b = 0; b < B; b++) /* k and v of each head into the cache at `past` */
+            for (int64_t hh = 0; hh < H; hh++) {
+                const float *qkv = big + b * 3 * D + hh * hd;
+                memcpy(kl + b * csb + hh * csh + past * hd, qkv + D, (size_t)hd * sizeof(float));
+                memcpy(vl + b * csb + hh * csh + past * hd, qkv + 2 * D, (size_t)hd * sizeof(float));
+            }
+        if (LMHEAD_VARIANT(lmhead_attend)(big, 3 * D, hd, kl, vl, csb, csh, mask, msb, a, B, H, past + 1, hd,
+                                          (float)(1.0 / sqrt((double)hd)), threads)) { failed = 1; break; }
+        if (kind == STEP_BF16)
+            for (int64_t j = 0; j < B * D; j++) a[j] = round_bf16(a[j]);
+        if (step_product(l, 1, kind, a, h, B, D, D, xb, yb, threads)) { failed = 1; break; }
+        for (int64_t j = 0; j < B * D; j++) x[j] = kind == STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
+        step_norm(x, h, B, D, l->ln2_w, l->ln2_b, eps, kind);
+        if (step_product(l, 2, kind, h, big, B, D, inner, xb, yb, threads)) { failed = 1; break; }
+        step_gelu(big, B * inner, kind);
+        if (step_product(l, 3, kind, big, h, B, inner, D, xb, yb, threads)) { failed = 1; break; }
+        for (int64_t j = 0; j < B * D; j++) x[j] = kind == STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
+    }
+    free(h), free(big), free(a), free(xb), free(yb);
+    return failed ? -1 : 0;
+}
