@@ -491,9 +491,13 @@ def test_attention_carries_nan_and_hands_back_what_it_does_not_take(build):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_decoding_steps_attend_through_the_kernel_as_torch_does(tiny, monkeypatch, dtype):
     """Each decoding step's attention takes the kernel on the CPU (once per layer per step), and the
-    hidden states equal those of torch's three products (kernels off) over left-padded rows."""
+    hidden states equal those of torch's three products (kernels off) over left-padded rows. The torch
+    path's attention: the compiled step (engine/step.py, tests/test_step.py) turned off, as a reading's
+    hooks turn it off."""
     from lmhead_cli.engine import lean
     from lmhead_cli.loading.sources import load_model
+
+    monkeypatch.setenv("LMHEAD_STEP", "0")
 
     eng = load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine
     ids = torch.tensor([[50256, 50256, 464, 8251], [464, 8251, 319, 262]])

@@ -1,0 +1,235 @@
+"""The compiled decoding step (engine/step.py, engine/csrc/step.c): every block of one new position in one
+C call, against transformers (the oracle) and against the engine's own torch path, in float32, bfloat16
+and int8, for one row and for left-padded rows, on models whose sizes leave every loop a tail."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import build_checkpoint
+
+from lmhead_cli.engine import kernels, step
+from lmhead_cli.loading.sources import load_model
+
+needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the compiled kernels are not built")
+DTYPES = ["float32", "bfloat16", "int8"]
+# (logits atol against transformers, against the engine's torch path): bfloat16 rounds its activations
+# where transformers' float32 reference does not
+ATOL = {"float32": (1e-4, 1e-5), "bfloat16": (6e-2, 2e-2), "int8": (1e-4, 1e-5)}
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory):
+    """(folder, transformers model): a tied GPT-2 whose sizes no vector width divides (D = 66, two heads
+    of 33, 264 inner: each product's column and row loops and the attention's dot products end in a
+    tail), three layers."""
+    folder = tmp_path_factory.mktemp("ragged")
+    model = build_checkpoint(folder, n_embd=66, n_head=2, n_layer=3, seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # non-trivial biases and norm parameters, so that each one is really read
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif ".ln_" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """(folder, transformers model): D = 384 (1536 inner), wider than one chunk of a product's sums for
+    several rows, so that the float32 product's column chunks are crossed."""
+    folder = tmp_path_factory.mktemp("wide")
+    return folder, build_checkpoint(folder, n_embd=384, n_head=4, n_layer=2, seed=6)
+
+
+def reference_for(eng, model, dtype: str):
+    """transformers' GPT-2 (float32) holding exactly the weights the engine runs: its own for float32, the
+    engine's bfloat16 values, or the engine's dequantised int8 tables (the head tied to the embedding)."""
+    if dtype == "float32":
+        return model
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for mine, theirs in zip(eng.gpt.h, ref.transformer.h):
+            for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+                a, b = mine.get_submodule(name), theirs.get_submodule(name)
+                b.weight.copy_(a.weight.float())
+                b.bias.copy_(a.bias.float())
+            for name in ("ln_1", "ln_2"):
+                a, b = mine.get_submodule(name), theirs.get_submodule(name)
+                b.weight.copy_(a.weight.float())
+                b.bias.copy_(a.bias.float())
+        ref.transformer.wte.weight.copy_(eng.head_rows(torch.arange(eng.vocab_size)).float())
+        ref.transformer.wpe.weight.copy_(eng.gpt.wpe.weight.float())
+        ref.transformer.ln_f.weight.copy_(eng.gpt.ln_f.weight.float())
+        ref.transformer.ln_f.bias.copy_(eng.gpt.ln_f.bias.float())
+    return ref
+
+
+def decode(eng, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Left-padded rows prefilled, then n greedy one-position steps: each step's logits (n, B, V) and
+    each row's new ids."""
+    S, B = max(map(len, prompts)), len(prompts)
+    ids = torch.tensor([[50256] * (S - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts])
+    padded = bool((mask == 0).any())
+    cache = eng.new_cache(B, S + n)
+    z = eng.head(eng.body(ids, cache, mask if padded else None)[:, -1:])[:, 0].float()  # (B, V)
+    steps, new = [], [[] for _ in prompts]
+    for _ in range(n):
+        steps.append(z)
+        chosen = z.argmax(-1)
+        for row, t in zip(new, chosen.tolist()):
+            row.append(t)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
+        z = eng.head(eng.body(chosen[:, None], cache, mask if padded else None))[:, 0].float()
+    return torch.stack(steps), new
+
+
+def count_steps(monkeypatch) -> list[int]:
+    """How many decoding steps the compiled step took (StepPlan.run returned a result)."""
+    taken = [0]
+    real = step.StepPlan.run
+
+    def counted(self, *args):
+        out = real(self, *args)
+        taken[0] += out is not None
+        return out
+
+    monkeypatch.setattr(step.StepPlan, "run", counted)
+    return taken
+
+
+PROMPTS = {1: [[464, 8251, 319, 262, 3084]], 5: [[464], [8251, 319, 262, 3084, 13, 198, 40], [11, 13],
+                                                 list(range(100, 121)), [318, 257, 1332]]}
+NEW = 12
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_steps_give_transformers_logits_and_greedy_ids(ragged, dtype, rows, monkeypatch):
+    """Every step's logits equal transformers' forward over the row alone (no cache, no padding) at that
+    position, and the greedy ids equal transformers' generate(): one row, and five left-padded rows of
+    lengths 1 to 21 (more rows than a product's kernels take at once). The compiled step ran every step."""
+    folder, model = ragged
+    eng = load_model(str(folder), device="cpu", dtype=dtype, engine="lean").engine
+    assert eng.step is not None
+    ref = reference_for(eng, model, dtype)
+    taken = count_steps(monkeypatch)
+    steps, new = decode(eng, PROMPTS[rows], NEW)
+    assert taken[0] == NEW
+    for b, p in enumerate(PROMPTS[rows]):
+        with torch.inference_mode():
+            expected = ref(torch.tensor([p + new[b]])).logits[0, len(p) - 1:len(p) - 1 + NEW]  # (NEW, V)
+            torch.testing.assert_close(steps[:, b], expected, atol=ATOL[dtype][0], rtol=0)
+            if dtype != "bfloat16":  # bfloat16's ids are its own rounding's: checked against its torch path below
+                generated = ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW,
+                                         min_new_tokens=NEW, pad_token_id=50256)[0, len(p):].tolist()
+                assert new[b] == generated
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_steps_equal_the_torch_path(ragged, dtype, rows, monkeypatch):
+    """The same steps with the compiled step turned off (LMHEAD_STEP=0: the engine's modules, its
+    products and attention kernels): the same greedy ids, the logits within float rounding (bfloat16:
+    within its rounding, the sums being in another order)."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype=dtype, engine="lean").engine
+    taken = count_steps(monkeypatch)
+    compiled, ids = decode(eng, PROMPTS[rows], NEW)
+    assert taken[0] == NEW
+    monkeypatch.setenv(step.ENV, "0")
+    plain, plain_ids = decode(eng, PROMPTS[rows], NEW)
+    assert taken[0] == NEW  # none more
+    assert ids == plain_ids
+    torch.testing.assert_close(compiled, plain, atol=ATOL[dtype][1], rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_columns_cross_their_chunks(wide, threads, monkeypatch):
+    """D = 384: on one thread the product's sums for four rows take its 1536 columns in two chunks; the
+    logits are transformers' on one and on two threads, for 1 and 4 rows."""
+    folder, model = wide
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean", threads=threads).engine
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for prompts in (PROMPTS[1], PROMPTS[5][:4]):
+            steps, new = decode(eng, prompts, 4)
+            for b, p in enumerate(prompts):
+                with torch.inference_mode():
+                    expected = model(torch.tensor([p + new[b]])).logits[0, len(p) - 1:len(p) + 3]
+                torch.testing.assert_close(steps[:, b], expected, atol=1e-4, rtol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
+def test_the_thread_count_does_not_change_float32_figures(ragged):
+    """Threads split a product's output columns, never a sum: one thread and two give the same bits
+    (prompts of one token, so that the prefill is a compiled step too, not BLAS's products)."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype="float32", engine="lean").engine
+    before, got = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got.append(decode(eng, [[464], [8251], [11]], 6)[0])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], got[1])
+
+
+@needs_kernels
+def test_a_hook_sends_the_step_back_to_the_modules(ragged, monkeypatch):
+    """A reading's hook on any module of the body (here the MLP of the last block) sees every step: the
+    compiled step stands aside while it is registered, and takes the steps again once it is removed.
+    torch's global forward hooks do the same."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype="float32", engine="lean").engine
+    taken = count_steps(monkeypatch)
+    seen = []
+    handle = eng.gpt.h[-1].mlp.register_forward_hook(lambda _m, _i, out: seen.append(out.shape[1]))
+    try:
+        hooked, ids = decode(eng, PROMPTS[1], 4)
+    finally:
+        handle.remove()
+    assert taken[0] == 0 and seen == [5, 1, 1, 1, 1]  # the prefill's five positions, then each step
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda _m, _i, _o: None)
+    try:
+        decode(eng, PROMPTS[1], 2)
+    finally:
+        handle.remove()
+    assert taken[0] == 0
+    free, free_ids = decode(eng, PROMPTS[1], 4)
+    assert taken[0] == 4 and free_ids == ids
+    torch.testing.assert_close(free, hooked, atol=1e-5, rtol=0)
+
+
+@needs_kernels
+def test_what_the_step_does_not_take_runs_the_modules(ragged, monkeypatch):
+    """More rows than MAX_ROWS, no cache, and the kernels turned off: the torch path, the same figures."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype="float32", engine="lean").engine
+    taken = count_steps(monkeypatch)
+    many = [[464 + i, 8251] for i in range(step.MAX_ROWS + 1)]
+    steps, _ = decode(eng, many, 2)
+    assert taken[0] == 0
+    expected, _ = decode(eng, many[:step.MAX_ROWS], 2)
+    assert taken[0] == 2
+    torch.testing.assert_close(steps[:, :step.MAX_ROWS], expected, atol=1e-5, rtol=0)
+    with torch.inference_mode():
+        eng.body(torch.tensor([[464]]))  # no cache: a one-position forward
+    assert taken[0] == 2
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    decode(eng, PROMPTS[1], 2)
+    assert taken[0] == 2
+
+
+def test_no_plan_off_the_cpu_or_for_other_dtypes(ragged):
+    """float16 weights have no step (csrc/step.c reads float32, bfloat16 and int8): the engine holds no plan."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype="float16", engine="lean").engine
+    assert eng.step is None
