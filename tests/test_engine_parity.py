@@ -354,14 +354,21 @@ def test_a_few_positions_run_the_head_in_the_engine_s_product_form(tiny, dtype, 
     if eng.products.form == "kernel":
         from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
 
-        calls = []
-        real = kernels.Kernels.bf16_times
-        monkeypatch.setattr(kernels.Kernels, "bf16_times", lambda self, *a: calls.append(1) or real(self, *a))
+        calls = []  # the products the kernel computed (it hands back None for those it does not take)
+        name = "f32_times" if dtype == "float32" else "bf16_times"
+        real = getattr(kernels.Kernels, name)
+
+        def counted(self, *args):
+            y = real(self, *args)
+            calls.extend([1] if y is not None else [])
+            return y
+
+        monkeypatch.setattr(kernels.Kernels, name, counted)
         head(h[:1])
         assert calls == [1]
-        calls.clear()  # a one-position body: each layer's 4 Conv1D products in the kernel too
-        eng.body(torch.tensor([[464]]))
-        assert len(calls) == 4 * eng.config["n_layer"]
+        calls.clear()  # a one-position body: each layer's 4 Conv1D products in the kernel too for bfloat16's
+        eng.body(torch.tensor([[464]]))  # rows; float32's (in, out) matrices are BLAS's (the compiled step's in steps)
+        assert len(calls) == (4 * eng.config["n_layer"] if dtype == "bfloat16" else 0)
         calls.clear()  # more positions than a few: torch's plain products, the kernel never called
         eng.body(torch.zeros(1, BLOCKED_MAX_ROWS + 1, dtype=torch.long))
         assert calls == []

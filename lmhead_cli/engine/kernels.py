@@ -6,7 +6,8 @@ a decoding step in a cheaper dtype saved less than its bytes promised. csrc/kern
 weights at their own width in one pass, no activation rounded; it also computes score's per-row
 figures (head.score_rows) in two passes where torch takes eight, and each decoding step's attention
 of one query over the KV cache in one call per layer where torch dispatches five ops (every dtype:
-the cache is float32 on the CPU).
+the cache is float32 on the CPU). csrc/step.c runs a whole decoding step's blocks in one call
+(engine/step.py), and float32's head streams E's rows through `f32_times`.
 
 `pip install` compiles them (setup.py) into lmhead_cli/engine/_kernels*.so, beside this file, with a
 variant per x86-64 level (AVX-512 with BF16, with VNNI, plain; AVX2; portable C), and `load()` binds

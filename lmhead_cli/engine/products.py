@@ -10,8 +10,11 @@ fastest on the decoding steps themselves, as it does for the thread count:
 - "gemv": one position as addmv (BLAS's gemv for float32, torch's bfloat16 gemv; several positions run
   addmm).
 - "blocked" (bfloat16): the rows in 2·threads blocks as one batched matmul over views (`rows_times`).
-- "kernel" (bfloat16): the compiled kernel of engine/csrc/kernels.c, where it was built (then bfloat16's only
-  form): bfloat16 pairs multiplied into float32 sums, the output rounded once.
+- "kernel" (bfloat16, float32): the compiled kernel of engine/csrc/kernels.c, where it was built (then the
+  dtype's only form): bfloat16 pairs multiplied into float32 sums, the output rounded once; float32 rows
+  (the head's W_out) streamed four at a time. A product it does not take (float32's Conv1D (in, out)
+  matrices, a transposed view) runs gemv; a decoding step's products are the compiled step's
+  (engine/step.py).
 
 Every form reads the weights where they are: no form needs a copy of its own, so choosing one costs
 no lay-out step and no memory. GPT-2's float32 matrices stay in the checkpoint's (in, out) layout,
