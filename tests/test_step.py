@@ -233,3 +233,40 @@ def test_no_plan_off_the_cpu_or_for_other_dtypes(ragged):
     """float16 weights have no step (csrc/step.c reads float32, bfloat16 and int8): the engine holds no plan."""
     eng = load_model(str(ragged[0]), device="cpu", dtype="float16", engine="lean").engine
     assert eng.step is None
+
+
+@needs_kernels
+def test_every_variant_passes_the_step_check_and_a_wrong_step_fails_it(monkeypatch):
+    """kernels.load() checks the compiled step against torch on one ragged float32 block before use, in
+    every variant this CPU runs; a step that adds a bias twice (the check's own mutant) fails it."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(kernels.module_path()))
+    for variant in kernels.variants(lib):
+        assert kernels._step_check(kernels.Kernels(lib, variant)), variant
+    k = kernels.Kernels(lib, "base")
+    real = k.lib.lmhead_step
+
+    def doubled_bias(layers, *args):  # the MLP's output bias added twice, through a copy of the plan
+        layer = kernels.Layer.from_address(layers)
+        b = torch.tensor(ctypes.cast(layer.b[3], ctypes.POINTER(ctypes.c_float))[:args[4]]) * 2
+        layer.b[3] = b.data_ptr()
+        return real(layers, *args)
+
+    k.lib = kernels._Variant(**{**k.lib.__dict__, "lmhead_step": doubled_bias})
+    assert not kernels._step_check(k)
+
+
+@needs_kernels
+def test_a_failing_step_check_falls_back_to_torch_once_in_one_line(monkeypatch):
+    """A step that fails its check takes the kernels with it, as any failing self-check: load() is None
+    for the process, unavailable() names the file in one line, and the engine runs its modules."""
+    monkeypatch.setattr(kernels, "_step_check", lambda k: False)
+    monkeypatch.setattr(kernels, "_told", [])
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load() is None
+        why = kernels.unavailable()
+        assert why == f"{kernels.module_path()}: the compiled kernels failed their self-check against torch"
+    finally:
+        kernels.load.cache_clear()

@@ -44,6 +44,13 @@ FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_f32_matvec", "l
              "lmhead_step")
 
 
+class Layer(ctypes.Structure):
+    """csrc/step.c's lmhead_layer: one block's weight pointers (engine/step.py fills them)."""
+
+    _fields_ = [("w", _ptr * 4), ("s", _ptr * 4), ("b", _ptr * 4), ("ln1_w", _ptr), ("ln1_b", _ptr),
+                ("ln2_w", _ptr), ("ln2_b", _ptr)]
+
+
 class _Variant:
     """One variant's functions (ctypes function pointers), under their unsuffixed names."""
 
@@ -194,6 +201,42 @@ def _self_check(k: Kernels) -> bool:
             and torch.allclose(k.f32_times(x, w, b), x @ w.t() + b, rtol=1e-4, atol=1e-4))
 
 
+def _step_check(k: Kernels) -> bool:
+    """The compiled decoding step (csrc/step.c) against torch on one float32 block with ragged sizes (D 36,
+    two heads of 18, 72 inner), two rows, three cached positions and a mask that hides one of them."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    D, H, inner, B, past = 36, 2, 72, 2, 3
+    shapes = [(D, 3 * D), (D, D), (D, inner), (inner, D)]
+    w = [torch.randn(s, generator=g) * 0.3 for s in shapes]  # Conv1D (in, out)
+    b = [torch.randn(s[1], generator=g) * 0.1 for s in shapes]
+    ln = [torch.rand(D, generator=g) + 0.5 for _ in range(4)]  # ln_1 w, b, ln_2 w, b
+    layer = Layer()
+    for i in range(4):
+        layer.w[i], layer.b[i] = w[i].data_ptr(), b[i].data_ptr()
+    layer.ln1_w, layer.ln1_b, layer.ln2_w, layer.ln2_b = (t.data_ptr() for t in ln)
+    cache_k, cache_v = (torch.randn(1, B, H, past + 1, D // H, generator=g) for _ in range(2))
+    mask = torch.zeros(B, past + 1)
+    mask[0, 1] = float("-inf")
+    x = torch.randn(B, D, generator=g)
+    k_want, v_want = cache_k.clone(), cache_v.clone()
+    h = F.layer_norm(x, (D,), ln[0], ln[1])
+    q, kn, vn = (h @ w[0] + b[0]).split(D, -1)
+    k_want[0, :, :, past], v_want[0, :, :, past] = kn.view(B, H, -1), vn.view(B, H, -1)
+    att = (q.view(B, H, 1, -1) @ k_want[0].transpose(-1, -2)) / math.sqrt(D // H) + mask[:, None, None]
+    a = (att.softmax(-1) @ v_want[0]).view(B, D)
+    want = x + a @ w[1] + b[1]
+    want = want + F.gelu(F.layer_norm(want, (D,), ln[2], ln[3]) @ w[2] + b[2], approximate="tanh") @ w[3] + b[3]
+    got = x.clone()
+    status = k.lib.lmhead_step(ctypes.addressof(layer), 1, 0, got.data_ptr(), B, D, H, inner, 1e-5,
+                               cache_k.data_ptr(), cache_v.data_ptr(), *cache_k.stride()[:3], past,
+                               mask.data_ptr(), mask.stride(0), 2)
+    return (status == 0 and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+            and torch.allclose(cache_k, k_want, rtol=1e-4, atol=1e-4)
+            and torch.allclose(cache_v, v_want, rtol=1e-4, atol=1e-4))
+
+
 def _openmp_runtimes() -> set[str]:
     """The OpenMP runtimes mapped into this process (Linux; elsewhere none are seen)."""
     try:
@@ -240,7 +283,7 @@ def _open(path: Path, variant: str | None = None) -> Kernels:
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:
         raise RuntimeError("they would run a second OpenMP runtime beside torch's: " + ", ".join(sorted(runtimes)))
-    if not _self_check(k):
+    if not (_self_check(k) and _step_check(k)):
         raise RuntimeError("the compiled kernels failed their self-check against torch")
     return k
 

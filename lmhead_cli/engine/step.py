@@ -25,18 +25,11 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from lmhead_cli.engine import kernels
+from lmhead_cli.engine.kernels import Layer
 
 ENV = "LMHEAD_STEP"
 MAX_ROWS = 16  # csrc/step.c's STEP_MAX_ROWS
 KINDS = {torch.float32: 0, torch.bfloat16: 1, "int8": 2}  # csrc/step.c's STEP_F32, STEP_BF16, STEP_INT8
-
-
-class Layer(ctypes.Structure):
-    """csrc/step.c's lmhead_layer: one block's weight pointers."""
-
-    _fields_ = [("w", ctypes.c_void_p * 4), ("s", ctypes.c_void_p * 4), ("b", ctypes.c_void_p * 4),
-                ("ln1_w", ctypes.c_void_p), ("ln1_b", ctypes.c_void_p),
-                ("ln2_w", ctypes.c_void_p), ("ln2_b", ctypes.c_void_p)]
 
 
 def turned_off() -> bool:

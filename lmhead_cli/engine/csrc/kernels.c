@@ -153,19 +153,31 @@ DEFINE_MATVEC(i8, int8_t, vi8, I8)
 DEFINE_MATVEC(bf16, uint16_t, vbf16, bf16_to_f32)
 DEFINE_MATVEC(f32, float, vload, F32)
 
-/* x (M, K) float32, w (N, K) float32 rows, bias (N) float32 or NULL -> y (M, N) float32: the head's
-   product over its rows (E's, when tied), four rows a step, each asked for PREFETCH_BYTES ahead. */
-int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,
-                                      int64_t K, int64_t M, int threads) {
+/* y (M, N) = (x (M, K) · w (N, K) rows ᵀ) * s (N, or NULL: 1) + bias (N, or NULL: 0), float32 out, for
+   int8 rows (`int8`) or float32 rows: the rows in blocks of ROW_BLOCK split among the threads. */
+static inline __attribute__((always_inline)) void rows_matvec(const void *w, const int int8, const float *s,
+                                                              const float *x, const float *bias, float *y,
+                                                              int64_t N, int64_t K, int64_t M, int threads) {
     int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         float acc[MAX_ROWS * ROW_BLOCK];
         int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
-        f32_rows(w, x, acc, K, M, r, rows);
+        if (int8)
+            i8_rows((const int8_t *)w, x, acc, K, M, r, rows);
+        else
+            f32_rows((const float *)w, x, acc, K, M, r, rows);
         for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < rows; j++) y[m * N + r + j] = acc[m * ROW_BLOCK + j] + (bias ? bias[r + j] : 0.0f);
+            for (int64_t j = 0; j < rows; j++)
+                y[m * N + r + j] = acc[m * ROW_BLOCK + j] * (s ? s[r + j] : 1.0f) + (bias ? bias[r + j] : 0.0f);
     }
+}
+
+/* x (M, K) float32, w (N, K) float32 rows, bias (N) float32 or NULL -> y (M, N) float32: the head's
+   product over its rows (E's, when tied), four rows a step, each asked for PREFETCH_BYTES ahead. */
+int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,
+                                      int64_t K, int64_t M, int threads) {
+    rows_matvec(w, 0, NULL, x, bias, y, N, K, M, threads);
     return 0;
 }
 
@@ -272,7 +284,6 @@ VNNI_INSTANCE(4, 2)
    Returns -1 if it could not allocate its buffer (nothing written then). */
 int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const float *x, const float *bias, float *y,
                        int64_t N, int64_t K, int64_t M, int threads) {
-    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #if VNNI
     if (K <= VNNI_MAX_K) {
         int64_t Kp = (K + 63) / 64 * 64;
@@ -289,15 +300,7 @@ int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const fl
         free(d);
     }
 #endif
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        float acc[MAX_ROWS * ROW_BLOCK];
-        int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
-        i8_rows(q, x, acc, K, M, r, rows);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < rows; j++)
-                y[m * N + r + j] = acc[m * ROW_BLOCK + j] * s[r + j] + (bias ? bias[r + j] : 0.0f);
-    }
+    rows_matvec(q, 1, s, x, bias, y, N, K, M, threads);
     return 0;
 }
 
