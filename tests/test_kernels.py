@@ -101,6 +101,24 @@ def test_bfloat16_rows_are_float32_sums_rounded_once(build, k, n, m):
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2 * float(ref.abs().max()), rtol=2e-2)
 
 
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_float32_rows_are_float32_sums(build, k, n, m):
+    """float32's head product (f32_times: x · wᵀ + bias over (N, K) rows): each output within float32's
+    bound of the exact sum; a transposed view, another dtype or too many rows are handed back (None)."""
+    g = torch.Generator().manual_seed(3 * k + n + m)
+    w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    for b in (bias, None):
+        got = build.f32_times(x, w, b)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        magnitude = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+        within_float32_sums(got, sums(x, w, b), magnitude, k + 1)
+    if n > 1 and k > 1:  # (N, K) as the view of a (K, N) matrix: not rows
+        assert build.f32_times(x, w.t().contiguous().t(), None) is None
+    assert build.f32_times(x.double(), w.double(), None) is None
+    assert build.f32_times(torch.randn(build.max_rows + 1, k), w, None) is None
+
+
 def test_bfloat16_rounds_to_nearest_even_and_carries_nan_and_infinity(build):
     """One weight of 1 picks one activation out: the output is that bfloat16 value itself; a sum exactly
     between two bfloat16 values rounds to the even one; an infinity or a NaN in a row reaches its
