@@ -318,7 +318,9 @@ class LeanGPT2(Engine):
     @torch.inference_mode()
     def body(self, ids: torch.Tensor, cache: KVCache | None = None,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states after ln_f for the new positions `ids` (B, T) -> (B, T, D); fills `cache`."""
+        """Hidden states after ln_f for the new positions `ids` (B, T) -> (B, T, D); fills `cache`. One new
+        position of a few rows with a cache runs every block in one compiled call where nothing needs
+        the modules (engine/step.py); everything else runs the blocks."""
         past = cache.length if cache is not None else 0
         if past + ids.shape[1] > self.n_ctx:
             raise ValueError(f"{past + ids.shape[1]} positions exceed the context of {self.n_ctx}")
