@@ -151,13 +151,18 @@ def room(n_ctx: int, n_prompt: int) -> int:
     return n_ctx - n_prompt + 1
 
 
-def check_fits(eng, n_prompt: int, s: Settings) -> None:
-    """The checks of `s` that need the model: top_logprobs within its vocabulary, and the beams'
-    memory for the prompt and the tokens that fit after it. BadValue before any work; api.checks
-    runs them before a front end prints anything."""
+def check_fits(eng, n_prompt: int, s: Settings, prompts: int = 1) -> None:
+    """The checks of `s` that need the model: top_logprobs within its vocabulary, and the memory of the
+    rows (the beams of one prompt, or `prompts` × s.n choices) for the longest prompt (`n_prompt` tokens)
+    and the tokens that fit after it. BadValue before any work; api.checks runs them before a front end
+    prints anything."""
     check_top_logprobs(s.top_logprobs, eng.vocab_size)
+    positions = n_prompt + min(s.max_new_tokens, room(eng.n_ctx, n_prompt))
     if s.mode == "beam":
-        check_beam_memory(eng, s.beams, n_prompt + min(s.max_new_tokens, room(eng.n_ctx, n_prompt)))
+        check_beam_memory(eng, s.beams, positions)
+    elif prompts * s.n > 1:
+        check_rows_memory(eng, "n" if s.n > 1 else "prompt", prompts * s.n,
+                          f"{prompts:,} prompts × {s.n:,} choices" if prompts > 1 else f"{s.n:,} choices", positions)
 
 
 def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str], None] | None = None,
@@ -167,57 +172,76 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     Each piece is what became printable with the latest token: a character split across tokens
     (Chinese, emoji) arrives once all its bytes are there. A final end-of-text is not text.
     """
+    return generate_many(loaded, [ids], s, on_text, eos_token_id)[0]
+
+
+def generate_many(loaded: Loaded, prompts: list[list[int]], s: Settings,
+                  on_text: Callable[[str], None] | None = None, eos_token_id: int | None = None) -> list[Generation]:
+    """Every prompt's s.n choices, one row each, as one batch (decoding.loop.Batch): prompt i's choices
+    are generations i·n … i·n + n - 1, and choice j draws with seed + j (the server's rule), so each
+    is what the same settings with its own seed give alone. Beam search runs one prompt's beams at a
+    time. `on_text` hears the text of a single generation (one prompt, n = 1) as it is made."""
     eng = loaded.engine
-    check_fits(eng, len(ids), s)
+    check_fits(eng, max(len(ids) for ids in prompts), s, len(prompts))
     eos = eng.eos_token_id if eos_token_id is None else eos_token_id
-    stop_at = None if s.ignore_eos else eos
-    max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))
-    seed = s.seed if s.seed is not None or s.mode != "sample" else secrets.randbelow(2**32)
+    rooms = [min(s.max_new_tokens, room(eng.n_ctx, len(ids))) for ids in prompts]
     if s.mode == "beam":
-        return _beams(loaded, ids, s, max_new, stop_at, on_text)
+        return [_beams(loaded, ids, s, max_new, None if s.ignore_eos else eos, on_text)
+                for ids, max_new in zip(prompts, rooms)]
     from lmhead_cli.decoding.loop import Batch
 
-    row = s.row(ids, max_tokens=max_new, eos=eos, seed=seed)
-    sink = _Collect(on_text)
-    start = time.perf_counter()
+    base = s.seed if s.seed is not None or s.mode != "sample" else secrets.randbelow(2**32)
+    seeds = [None if base is None else (base + j) % 2**63 for j in range(s.n)]
+    keys = [(ids, max_new, seed) for ids, max_new in zip(prompts, rooms) for seed in seeds]
+    sink = _Collect(on_text if len(keys) == 1 else None, len(keys))
     batch = Batch(loaded)
-    batch.add(0, row)
-    batch.round(sink)  # the prefill and the first token
-    first = time.perf_counter() - start
-    while batch.live:  # one position per step: these steps choose the thread count
-        loaded.execution.run(lambda: batch.step(sink))
-    elapsed = time.perf_counter() - start
-    stop = {"eos": "eos", "stop": "stop"}.get(sink.reason, "max_new_tokens")
-    if stop == "max_new_tokens" and max_new < s.max_new_tokens:
-        stop = "context"
-    return Generation(mode=s.mode, settings=s, seed=seed, prompt_ids=list(ids),
-                      generated_ids=[st.id for st in sink.steps], text=sink.text, steps=sink.steps, stop=stop,
-                      elapsed_s=elapsed, first_token_s=first)
+    for k, (ids, max_new, seed) in enumerate(keys):
+        batch.add(k, s.row(ids, max_tokens=max_new, eos=eos, seed=seed))
+    batch.round(sink)  # the prefills and each row's first token
+    while batch.live:  # one position per row and step: these steps choose the thread count
+        loaded.execution.run(lambda: batch.step(sink), units=len(batch.live))
+    elapsed = time.perf_counter() - sink.start
+    out = []
+    for k, (ids, max_new, seed) in enumerate(keys):
+        stop = {"eos": "eos", "stop": "stop"}.get(sink.reason[k], "max_new_tokens")
+        if stop == "max_new_tokens" and max_new < s.max_new_tokens:
+            stop = "context"
+        steps = sink.steps[k]
+        out.append(Generation(mode=s.mode, settings=s, seed=seed, prompt_ids=list(ids),
+                              generated_ids=[st.id for st in steps], text=sink.text[k], steps=steps, stop=stop,
+                              elapsed_s=elapsed, first_token_s=sink.first[k] or elapsed))
+    return out
 
 
 class _Collect:
-    """decoding.loop's Sink for one row: its Steps, its text, why it ended; `on_text` hears each piece."""
+    """decoding.loop's Sink for rows 0 … rows - 1: their Steps, texts, why each ended and when its first
+    token came (seconds from `start`); `on_text` hears each piece."""
 
-    def __init__(self, on_text: Callable[[str], None] | None):
-        self.on_text, self.steps, self.text, self.reason = on_text, [], "", None
+    def __init__(self, on_text: Callable[[str], None] | None, rows: int = 1):
+        self.on_text, self.start = on_text, time.perf_counter()
+        self.steps: list[list[Step]] = [[] for _ in range(rows)]
+        self.text, self.reason = [""] * rows, [None] * rows
+        self.first: list[float | None] = [None] * rows
 
     def echo(self, key, echo) -> None:
         pass
 
     def token(self, key, token) -> None:
-        self.steps.append(token.step)
-        self._piece(token.text)
+        if self.first[key] is None:
+            self.first[key] = time.perf_counter() - self.start
+        self.steps[key].append(token.step)
+        self._piece(key, token.text)
 
     def finish(self, key, reason: str, tail: str) -> None:
-        self.reason = reason
-        self._piece(tail)
+        self.reason[key] = reason
+        self._piece(key, tail)
 
     def cancelled(self, key) -> bool:
         return False
 
-    def _piece(self, piece: str) -> None:
+    def _piece(self, key, piece: str) -> None:
         if piece:
-            self.text += piece
+            self.text[key] += piece
             if self.on_text is not None:
                 self.on_text(piece)
 
@@ -234,13 +258,13 @@ def _beams(loaded: Loaded, ids: list[int], s: Settings, max_new: int, stop_at: i
     for st in steps:
         if st.id != stop_at:  # a final end-of-text is not text
             text.add(st.id)
-            sink._piece(text.piece())
-    sink._piece(text.piece(final=True, flush=True))
+            sink._piece(0, text.piece())
+    sink._piece(0, text.piece(final=True, flush=True))
     elapsed = time.perf_counter() - start
     if stop == "max_new_tokens" and max_new < s.max_new_tokens:
         stop = "context"
     return Generation(mode=s.mode, settings=s, seed=None, prompt_ids=list(ids),
-                      generated_ids=[st.id for st in steps], text=sink.text, steps=steps, stop=stop,
+                      generated_ids=[st.id for st in steps], text=sink.text[0], steps=steps, stop=stop,
                       elapsed_s=elapsed, first_token_s=first - start, beam_score=beams[0].score, beams=beams)
 
 
@@ -259,13 +283,19 @@ def beam_memory(eng, beams: int, positions: int) -> tuple[int, int]:
 
 def check_beam_memory(eng, beams: int, positions: int) -> None:
     """BadValue for more beams than the memory there is can hold, with the figures."""
+    check_rows_memory(eng, "beams", beams, f"{beams:,}", positions, "beam")
+
+
+def check_rows_memory(eng, key: str, rows: int, what: str, positions: int, row: str = "row") -> None:
+    """BadValue(key) when `rows` rows of `positions` positions (beam_memory's arithmetic: each row's
+    KV cache and BEAM_ROWS rows of the vocabulary) need more memory than there is, with the figures."""
     from lmhead_cli.loading.checks import available_memory, gb
 
-    need, per_beam = beam_memory(eng, beams, positions)
+    need, per_row = beam_memory(eng, rows, positions)
     free = available_memory(eng.device.type)
     if free is not None and need > free:
-        raise BadValue("beams", f"of {beams:,} need about {gb(need)} ({gb(per_beam)} of cache and logits per beam), "
-                                f"but {gb(free)} is available; at most {max(1, free // per_beam):,} beams fit")
+        raise BadValue(key, f"of {what} need about {gb(need)} ({gb(per_row)} of cache and logits per {row}), "
+                            f"but {gb(free)} is available; at most {max(1, free // per_row):,} {row}s fit")
 
 
 # ---- one step's figures, in one transfer ---------------------------------------------------------

@@ -33,6 +33,7 @@ class Settings:
     knobs: Knobs = field(default_factory=Knobs)  # the stages, one field per entry of STAGES
     greedy: bool = False
     beams: int = 1
+    n: int = 1  # choices per prompt, one row each (choice j draws with seed + j)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     ignore_eos: bool = False
     seed: int | None = None  # drawn when sampling without one
@@ -68,7 +69,7 @@ def _is_off(s, v) -> bool:
     return any(v == off and type(v) is not bool for off in s.off)
 
 
-def make(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
          ignore_eos: bool = False, seed: int | None = None, stop=(), show_steps: int = 0, top_logprobs: int = 0,
          logprobs: str = "raw", draws: bool = False, **knobs) -> Settings:
     """The one place decoding settings are checked: BadValue names the first value out of range, with
@@ -86,14 +87,17 @@ def make(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_
     if draws and (greedy or beams > 1):
         raise ModeConflict({"temperature": 0} if zero else {"greedy": True} if greedy else {"beams": beams})
     values = stage_values(knobs)
-    stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
+    stages.check({"beams": beams, "n": n, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
                   "top_logprobs": top_logprobs, **values})
     if logprobs not in DISTRIBUTIONS:
         raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
     stop = check_stop(stop)
     if stop and beams > 1:
         raise BadValue("stop", "strings end greedy and sampled text; beam search runs to end-of-text or max_new_tokens")
-    return Settings(knobs=Knobs(**values), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
+    if n > 1 and beams > 1:
+        raise BadValue("n", f"must be 1 with beam search (got {n}): beams give one answer per prompt, the best "
+                            "of the finished beams, which the result lists")
+    return Settings(knobs=Knobs(**values), greedy=greedy, beams=beams, n=n, max_new_tokens=max_new_tokens,
                     ignore_eos=ignore_eos, seed=seed, stop=stop, show_steps=show_steps,
                     top_logprobs=top_logprobs, logprobs=logprobs, zero_temperature=zero)
 
@@ -115,7 +119,7 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
     preset < the values given (None = not given), then `make`."""
     from lmhead_cli.decoding.presets import merge
 
-    loop = {k: given.pop(k) for k in ("greedy", "beams", "ignore_eos", "seed", "stop", "show_steps", "top_logprobs",
+    loop = {k: given.pop(k) for k in ("greedy", "beams", "n", "ignore_eos", "seed", "stop", "show_steps", "top_logprobs",
                                       "logprobs") if k in given}
     values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, given)
     return make(draws=draws, **{k: v for k, v in loop.items() if v is not None}, **values)
