@@ -211,7 +211,7 @@ def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
 
     loaded = load(tiny[0])
     calls = []
-    timed = replace(loaded, execution=SimpleNamespace(run=lambda f: calls.append(1) or f()))
+    timed = replace(loaded, execution=SimpleNamespace(run=lambda f, units=1: calls.append(1) or f()))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
     assert len(g.steps) == 5 and len(calls) == 4  # the 4 later steps
 
@@ -492,7 +492,7 @@ def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
     tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
                                 decode=lambda ids: "".join(map(text, ids)))
-    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=SimpleNamespace(run=lambda f: f()))
+    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=SimpleNamespace(run=lambda f, units=1: f()))
 
 
 def transformers_bigram_beams(table: torch.Tensor, beams: int, new: int):
