@@ -23,7 +23,6 @@ With no stage active the two are the same distribution.
 from __future__ import annotations
 
 import math
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -190,8 +189,7 @@ def generate_many(loaded: Loaded, prompts: list[list[int]], s: Settings,
                 for ids, max_new in zip(prompts, rooms)]
     from lmhead_cli.decoding.loop import Batch
 
-    base = s.seed if s.seed is not None or s.mode != "sample" else secrets.randbelow(2**32)
-    seeds = [None if base is None else (base + j) % 2**63 for j in range(s.n)]
+    seeds = s.choice_seeds()  # one draw for the whole call: prompt i's choice j draws with seed + j
     keys = [(ids, max_new, seed) for ids, max_new in zip(prompts, rooms) for seed in seeds]
     sink = _Collect(on_text if len(keys) == 1 else None, len(keys))
     batch = Batch(loaded)

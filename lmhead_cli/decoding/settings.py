@@ -47,6 +47,14 @@ class Settings:
     def mode(self) -> str:
         return "beam" if self.beams > 1 else "greedy" if self.greedy else "sample"
 
+    def choice_seeds(self) -> list[int | None]:
+        """The seed of each of the n choices of one prompt: choice j draws with seed + j (modulo 2**63), from
+        a drawn seed when sampling without one; greedy and beams draw nothing (None, or the seed given)."""
+        import secrets
+
+        base = self.seed if self.seed is not None or self.mode != "sample" else secrets.randbelow(2**32)
+        return [None if base is None else (base + j) % 2**63 for j in range(self.n)]
+
     def row(self, ids, *, max_tokens: int, eos: int | None, seed: int | None = None, echo: bool = False):
         """The loop's Row (decoding.loop) for these settings after the prompt `ids`."""
         from lmhead_cli.decoding.loop import Row
@@ -128,7 +136,7 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
 def from_openai(values: dict) -> Settings:
     """An OpenAI request body's decoding fields (each already of its JSON type: serve/requests.py) as
     Settings: every stage by its key (temperature, top_p, top_k, min_p, softcap and any stage added to
-    the registry), seed, stop, logprobs_mode. An absent temperature is 1 (the stage off) and 0 is greedy, as
-    OpenAI's; max_tokens is the server's to check (0 scores without generating)."""
-    return make(seed=values.get("seed"), stop=values.get("stop") or (), logprobs=values.get("logprobs_mode") or "raw",
-                **{s.key: values.get(s.key) for s in STAGES})
+    the registry), seed, n, stop, logprobs_mode. An absent temperature is 1 (the stage off) and 0 is greedy,
+    as OpenAI's; max_tokens is the server's to check (0 scores without generating)."""
+    return make(seed=values.get("seed"), n=values.get("n") or 1, stop=values.get("stop") or (),
+                logprobs=values.get("logprobs_mode") or "raw", **{s.key: values.get(s.key) for s in STAGES})
