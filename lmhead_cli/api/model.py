@@ -351,8 +351,9 @@ class Model(Serving):
         if generations:
             prompt = self.decode([self.bos_token_id])
             base = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
-            made = [self.generate(prompt, max_new_tokens=max_new_tokens, seed=base + i, preset=preset, greedy=greedy,
-                                  ignore_eos=True, **knobs).reading for i in range(generations)]
+            # one batch of `generations` choices: choice i draws with seed base + i, as it would alone
+            made = [r.reading for r in self.generate([prompt], n=generations, max_new_tokens=max_new_tokens, seed=base,
+                                                     preset=preset, greedy=greedy, ignore_eos=True, **knobs)]
             tokens, rate = entropy_rate(made)
             on = {k: v for k, v in asdict(settings.knobs).items() if v is not None}
             reading.generations = Generations(count=generations, prompt=prompt, max_new_tokens=max_new_tokens,

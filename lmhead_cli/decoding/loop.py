@@ -1,8 +1,10 @@
 """The one batched step loop: rows join and leave a running batch between two decoding steps.
 
-Everything that continues a prompt runs here: `Model.generate` (one row), explore's generation,
-and the server's rows (continuous batching, serve/worker.py). A `Row` is one choice to compute;
-a `Batch` holds the rows that are running, with one KV cache, and between two steps:
+Everything that continues a prompt runs here: `Model.generate` (one row, or n choices and many
+prompts as one batch: decoding.generate.generate_many), explore's generation, the server's rows
+(continuous batching, serve/worker.py) and beam search (a group of rows that `regroup` copies to the
+surviving beams and `advance` steps: decoding/beams.py). A `Row` is one choice to compute; a
+`Batch` holds the rows that are running, with one KV cache, and between two steps:
 
 * **Rows join.** `add` queues a row; `prefill` runs the queued prompts through the body, each
   prompt alone (rows with the same prompt, a request's `n` choices, share one prefill and copy its
