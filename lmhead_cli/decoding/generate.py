@@ -201,7 +201,8 @@ def generate_many(loaded: Loaded, prompts: list[list[int]], s: Settings,
     elapsed = time.perf_counter() - sink.start
     out = []
     for k, (ids, max_new, seed) in enumerate(keys):
-        stop = {"eos": "eos", "stop": "stop"}.get(sink.reason[k], "max_new_tokens")
+        reason = sink.reason[k]
+        stop = reason if reason in ("eos", "stop") else "max_new_tokens"
         if stop == "max_new_tokens" and max_new < s.max_new_tokens:
             stop = "context"
         steps = sink.steps[k]
@@ -218,7 +219,8 @@ class _Collect:
     def __init__(self, on_text: Callable[[str], None] | None, rows: int = 1):
         self.on_text, self.start = on_text, time.perf_counter()
         self.steps: list[list[Step]] = [[] for _ in range(rows)]
-        self.text, self.reason = [""] * rows, [None] * rows
+        self.text: list[str] = [""] * rows
+        self.reason: list[str | None] = [None] * rows  # "eos", "stop" or "length" once the row ends
         self.first: list[float | None] = [None] * rows
 
     def echo(self, key, echo) -> None:
