@@ -306,7 +306,7 @@ CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines
                        ("inspect_lines", "lines"), ("api.toy", "hidden"), ("explore_reading", "settings"),
                        ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
                        ("calibrate", "knobs"), ("neurons", "neurons"),
-                       ("generate", "stop"), ("generate", "stages")}
+                       ("generate", "stop"), ("generate", "stages"), ("generate", "prompt")}
 SERVERS_OWN = {"complete", "chat_prompt", "decode", "decoding_batch", "advance"}
 
 

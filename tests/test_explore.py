@@ -323,3 +323,40 @@ def test_two_explore_sessions_sharing_a_history_keep_both(tmp_path):
     assert all(p.wait(timeout=60) == 0 for p in procs)
     lines = path.read_text().splitlines()
     assert lines[0] == "from before" and sorted(lines[1:]) == ["one", "two"]
+
+
+def test_every_explore_setting_goes_through_the_one_settings_conversion(monkeypatch):
+    """:temp, :softcap and :seed, :gen's count and the start-up settings are checked by
+    decoding.settings.make, the function every door converts through, with the session's values.
+    Mutant: a command checking its value against the stage registry directly (make never called)."""
+    from lmhead_cli.api import explore as api_explore
+    from lmhead_cli.decoding import settings as decoding
+
+    seen = []
+    real = decoding.make
+    monkeypatch.setattr(decoding, "make", lambda **values: seen.append(values) or real(**values))
+    s = apply(Settings(), Command("temp", ["0.5"]))
+    s = apply(s, Command("softcap", ["20"]))
+    s = apply(s, Command("seed", ["9"]))
+    assert [(v["temperature"], v["softcap"], v["seed"]) for v in seen] == [(0.5, None, 0), (0.5, 20.0, 0),
+                                                                              (0.5, 20.0, 9)]
+    assert s.decoding(max_new_tokens=3).max_new_tokens == 3 and seen[-1]["max_new_tokens"] == 3
+    seen.clear()
+    start = api_explore.settings(5, temperature=0.7, softcap=30.0)
+    assert seen and (seen[0]["temperature"], seen[0]["softcap"]) == (0.7, 30.0) and start.top_k == 5
+
+
+def test_explore_refuses_and_accepts_what_generate_does():
+    """The same values, the same answers: temperature 0 is greedy in :gen's settings (the table shows the
+    greedy distribution), a temperature below 1e-6 is refused with generate's words and advice."""
+    from lmhead_cli.decoding.settings import make
+    from lmhead_cli.errors import BadValue
+
+    s = apply(Settings(), Command("temp", ["0"]))
+    assert s.temperature == 0 and s.decoding().greedy and s.decoding().zero_temperature
+    for value in ("1e-7", "inf", "-1"):
+        with pytest.raises(BadValue) as e:
+            apply(Settings(), Command("temp", [value]))
+        with pytest.raises(BadValue) as want:
+            make(temperature=float(value))
+        assert str(e.value) == str(want.value) and "0 is greedy" in str(e.value)

@@ -82,6 +82,44 @@ def test_beams_that_finish_at_end_of_text_match_transformers(eos_model, prompt):
     assert max(lengths) > 1  # not all trivially one token long
 
 
+def test_beams_after_a_prompt_longer_than_one_prefill_chunk_match_transformers(tiny):
+    """Beams run on the batch's prefill, which reads a long prompt in chunks (decoding.loop.PREFILL_CHUNK):
+    a 700-token prompt is read in two forwards, and the beams are still transformers'."""
+    from lmhead_cli.decoding.loop import PREFILL_CHUNK
+
+    folder, model = tiny
+    ids = list(range(1000, 1700))
+    assert len(ids) > PREFILL_CHUNK  # the case is live
+    g = generate(load(folder), ids, make_settings(beams=3, max_new_tokens=5))
+    assert g.generated_ids == reference(model, ids, num_beams=3, max_new_tokens=5)
+
+
+def test_beams_are_a_group_of_rows_of_the_step_loop(tiny):
+    """Beam search over decoding.loop's step function: one prefill of the prompt, then every step one
+    position for each of the n beams in one forward, the head on those positions only, and the cache
+    reordered to the surviving beams between steps. Mutant: a loop of its own that re-reads the prompt."""
+    from lmhead_cli.decoding.loop import Batch
+
+    folder, _ = tiny
+    loaded = load(folder)
+    eng = loaded.engine
+    bodies, heads, reorders, steps = [], [], [], []
+    body, head, reorder, distributions = eng.body, eng.head, eng.reorder_cache, Batch.distributions
+    eng.body = lambda ids, cache=None, attention_mask=None: bodies.append(tuple(ids.shape)) or body(ids, cache)
+    eng.head = lambda h: heads.append(tuple(h.shape)) or head(h)
+    eng.reorder_cache = lambda cache, rows: reorders.append(rows.tolist()) or reorder(cache, rows)
+    Batch.distributions = lambda self: steps.append(len(self.live)) or distributions(self)
+    try:
+        g = generate(loaded, PROMPT_IDS, make_settings(beams=3, max_new_tokens=6, ignore_eos=True))
+    finally:
+        Batch.distributions = distributions
+    assert len(g.generated_ids) == 6
+    assert bodies == [(1, len(PROMPT_IDS))] + [(3, 1)] * 5
+    assert heads == [(1, 64)] + [(3, 1, 64)] * 5
+    assert steps == [1] + [3] * 5  # the prompt's one row, then the three beams
+    assert len(reorders) == 5 and reorders[0] == [0, 0, 0] and all(len(r) == 3 for r in reorders)
+
+
 def test_beam_score_is_the_mean_log_probability(tiny):
     folder, model = tiny
     g = generate(load(folder), PROMPT_IDS, make_settings(beams=3, max_new_tokens=6))
@@ -173,7 +211,7 @@ def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
 
     loaded = load(tiny[0])
     calls = []
-    timed = replace(loaded, execution=SimpleNamespace(run=lambda f: calls.append(1) or f()))
+    timed = replace(loaded, execution=SimpleNamespace(run=lambda f, units=1: calls.append(1) or f()))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
     assert len(g.steps) == 5 and len(calls) == 4  # the 4 later steps
 
@@ -454,7 +492,7 @@ def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
     tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
                                 decode=lambda ids: "".join(map(text, ids)))
-    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=SimpleNamespace(run=lambda f: f()))
+    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=SimpleNamespace(run=lambda f, units=1: f()))
 
 
 def transformers_bigram_beams(table: torch.Tensor, beams: int, new: int):
@@ -756,7 +794,7 @@ def test_f32_rounds_to_float32_whatever_torch_s_default_dtype():
     Mutant: torch.tensor(v) in the default dtype."""
     import numpy as np
 
-    from lmhead_cli.decoding.generate import _f32
+    from lmhead_cli.decoding.beams import _f32
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)

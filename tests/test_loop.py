@@ -146,3 +146,24 @@ def test_a_row_at_the_end_of_the_context_leaves_room_for_the_others(model):
     batch.run(sink)
     same(alone(model, long), sink.got["long"])
     same(alone(model, short), sink.got["short"])
+
+
+def test_a_row_regrouped_twice_goes_on_as_two_copies_of_itself(model):
+    """Batch.regroup([0, 0]) (beam search's survivors) copies a row with its cache, generator and text:
+    after two steps alone, the two copies draw the same tokens and show the same text as the row does
+    alone. Mutants: the copies share one generator (the second draws the next number) or one text."""
+    row = Row((40, 1101, 257), max_tokens=6, greedy=False, seed=3, knobs=Knobs(temperature=1.5))
+    want = alone(model, row)
+    sink = Sink()
+    batch = Batch(model.loaded)
+    batch.add(0, row)
+    batch.round(sink)
+    batch.step(sink)
+    batch.regroup([0, 0])
+    assert len(batch.live) == 2 and batch.live[0] is not batch.live[1]
+    batch.run(sink)
+    tokens = [e for e in sink.got[0] if e[0] == "token"]
+    assert [e[1] for e in tokens[:2]] == [e[1] for e in want[:2]]
+    first, second = tokens[2::2], tokens[3::2]  # both copies carry key 0: their events interleave
+    assert [e[1] for e in first] == [e[1] for e in second] == [e[1] for e in want[2:] if e[0] == "token"]
+    assert [e[2] for e in first] == [e[2] for e in second] == [e[2] for e in want[2:] if e[0] == "token"]

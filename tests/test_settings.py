@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +120,67 @@ def test_the_settings_class_follows_the_registry():
 
     assert [f for f in Knobs.__dataclass_fields__] == [s.key for s in STAGES]
     assert decoding_settings.Settings.__dataclass_fields__["knobs"].type in ("Knobs", Knobs)
+
+
+def typed_declaration() -> list[tuple[str, str, object]]:
+    """(name, annotation, default) of each field of the Knobs that type checkers read: the class declared
+    under `if TYPE_CHECKING:` in decoding/stages.py, read from the source as a type checker reads it."""
+    import ast
+
+    from lmhead_cli.decoding import stages
+
+    tree = ast.parse(open(stages.__file__, encoding="utf-8").read())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+                and any(isinstance(c, ast.ClassDef) and c.name == "Knobs" for c in n.body)]
+    (cls,) = [c for c in block.body if isinstance(c, ast.ClassDef) and c.name == "Knobs"]
+    assert [ast.unparse(d) for d in cls.decorator_list] == ["dataclass(frozen=True)"]
+    return [(f.target.id, ast.unparse(f.annotation), ast.literal_eval(f.value) if f.value else ...)
+            for f in cls.body if isinstance(f, ast.AnnAssign)]
+
+
+def test_the_typed_declaration_of_knobs_is_the_registry_field_for_field():
+    """Type checkers and IDEs read the Knobs declared under TYPE_CHECKING; the program runs the one built
+    from STAGES. They hold the same fields in the same order, each `<the stage's type> | None = None`, and
+    the declared methods are the runtime class's. A stage added to the registry alone fails here until
+    its line is declared too. Mutants: a field renamed, retyped, reordered or given another default."""
+    import dataclasses
+    import typing
+
+    from lmhead_cli.decoding.stages import STAGES, Knobs
+
+    declared = typed_declaration()
+    assert declared == [(s.key, f"{s.type.__name__} | None", None) for s in STAGES]
+    runtime = dataclasses.fields(Knobs)
+    assert [(f.name, f.type, f.default) for f in runtime] == [(s.key, typing.Optional[s.type], None) for s in STAGES]
+    assert Knobs.__dataclass_params__.frozen
+    assert callable(Knobs.pipeline) and callable(Knobs.active)
+
+
+@pytest.mark.slow
+def test_a_type_checker_sees_the_stage_fields(tmp_path, monkeypatch):
+    """mypy reads Knobs' fields and their types, through Settings.knobs too, and refuses a misspelt stage
+    or a value of the wrong type (about 40 s: mypy reads torch)."""
+    pytest.importorskip("mypy")
+    from mypy import api
+
+    from lmhead_cli.decoding.stages import STAGES
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("from lmhead_cli.decoding.settings import make\n"
+                     "from lmhead_cli.decoding.stages import Knobs\n"
+                     "k = Knobs(temperature=0.5)\n"
+                     + "".join(f"reveal_type(k.{s.key})\n" for s in STAGES)
+                     + "reveal_type(make(temperature=0.7).knobs.top_p)\n"
+                       "Knobs(top_kk=3)\n"
+                       "x: str = k.temperature\n")
+    # the package is installed editable (an import hook mypy cannot follow): mypy reads it from the repo
+    monkeypatch.setenv("MYPYPATH", str(Path(__file__).resolve().parents[1]))
+    out, _, _ = api.run([str(probe), "--follow-imports=silent", "--ignore-missing-imports", "--no-incremental",
+                         "--cache-dir", str(tmp_path / "cache")])
+    revealed = [line.split('Revealed type is "')[1].rstrip('"') for line in out.splitlines() if "Revealed type" in line]
+    assert revealed == [f"{s.type.__name__} | None" for s in STAGES] + ["float | None"], out
+    assert 'Unexpected keyword argument "top_kk" for "Knobs"' in out
+    assert 'expression has type "float | None", variable has type "str"' in out
 
 
 # A sixth stage, added to the registry's source and nowhere else: `ban` sets one token id to -inf.

@@ -280,12 +280,32 @@ def generation(*, mode: str = "generate", preset: str | None = None, **values):
     return resolve(defaults=fixed.get("defaults"), draws=fixed.get("draws", False), preset=preset, **values)
 
 
-def generation_fits(loaded, n_prompt: int, settings) -> None:
+def generation_fits(loaded, n_prompt: int, settings, prompts: int = 1) -> None:
     """The checks of generate's Settings that need the loaded model (top_logprobs <= its vocabulary,
-    the beams' memory for a prompt of `n_prompt` tokens): run before anything is printed."""
+    the memory of the beams, or of `prompts` × n rows, for prompts of up to `n_prompt` tokens): run
+    before anything is printed."""
     from lmhead_cli.decoding.generate import check_fits
 
-    check_fits(loaded.engine, n_prompt, settings)
+    check_fits(loaded.engine, n_prompt, settings, prompts)
+
+
+def prompts(value) -> tuple[list[str], bool]:
+    """generate's `prompt`: one prompt (a string) or several (a list, tuple or other iterable of strings,
+    materialised once, at least one); returns (the prompts, whether one string was given). Each must
+    hold more than white space (NoPrompt)."""
+    from lmhead_cli.readings.inspect import check_prompt
+
+    if isinstance(value, str):
+        return [check_prompt(value)], True
+    if isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, Mapping)):
+        value = list(value)
+        wrong = next((v for v in value if not isinstance(v, str)), value)
+        if wrong is not value:
+            raise BadType("prompt", f"must be a string or a list of strings (got {_shown(wrong)} in it)")
+        if not value:
+            raise BadValue("prompt", "must be a string or a list of at least one string (got an empty list)")
+        return [check_prompt(v) for v in value], False
+    raise BadType("prompt", f"must be a string or a list of strings (got {_shown(value)})")
 
 
 def _modes() -> dict[str, dict]:

@@ -20,9 +20,10 @@ def settings(top_k: int = 10, *, temperature: float | None = None, softcap: floa
     from lmhead_cli.api import checks
 
     checks.at_least_one("top_k", top_k)
-    checks.settings({"temperature": temperature, "softcap": softcap})
+    start = Settings(top_k=top_k, temperature=temperature, softcap=softcap, targets=tuple(checks.targets(targets)))
+    start.decoding()  # the stages checked as every door's are: decoding.settings.make
     checks.threads(threads)
-    return Settings(top_k=top_k, temperature=temperature, softcap=softcap, targets=tuple(checks.targets(targets)))
+    return start
 
 
 def session(model, start: Settings, view: View) -> Session:

@@ -351,8 +351,9 @@ class Model(Serving):
         if generations:
             prompt = self.decode([self.bos_token_id])
             base = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
-            made = [self.generate(prompt, max_new_tokens=max_new_tokens, seed=base + i, preset=preset, greedy=greedy,
-                                  ignore_eos=True, **knobs).reading for i in range(generations)]
+            # one batch of `generations` choices: choice i draws with seed base + i, as it would alone
+            made = [r.reading for r in self.generate([prompt], n=generations, max_new_tokens=max_new_tokens, seed=base,
+                                                     preset=preset, greedy=greedy, ignore_eos=True, **knobs)]
             tokens, rate = entropy_rate(made)
             on = {k: v for k, v in asdict(settings.knobs).items() if v is not None}
             reading.generations = Generations(count=generations, prompt=prompt, max_new_tokens=max_new_tokens,
@@ -409,33 +410,47 @@ class Model(Serving):
             [(line, results.InspectResult(r, tie)) for line, r in batch] for batch in batches), stats)
 
     @scoped
-    @kinds(prompt=str, **DECODING)
-    def generate(self, prompt: str, *, max_new_tokens: int | None = None, beams: int = 1, seed: int | None = None,
-                 greedy: bool = False, ignore_eos: bool = False, stop=(), show_steps: int = 0, top_logprobs: int = 0,
-                 logprobs: str = "raw", preset: str | None = None, mode: str = "generate",
+    @kinds(n=int, **DECODING)
+    def generate(self, prompt: str | Iterable[str], *, n: int = 1, max_new_tokens: int | None = None, beams: int = 1,
+                 seed: int | None = None, greedy: bool = False, ignore_eos: bool = False, stop=(), show_steps: int = 0,
+                 top_logprobs: int = 0, logprobs: str = "raw", preset: str | None = None, mode: str = "generate",
                  on_start: Callable[[list[int], int, object], None] | None = None,
-                 on_text: Callable[[str], None] | None = None, **stages) -> results.GenerateResult:
+                 on_text: Callable[[str], None] | None = None,
+                 **stages) -> results.GenerateResult | list[results.GenerateResult]:
         """Continue `prompt` token by token through the stages (softcap -> temperature -> top-k -> top-p
         -> min-p -> softmax -> choose; `stages` takes each stage of the registry by its key, e.g.
         temperature=0.8, top_p=0.95). Samples (seeded by `seed`, or a drawn seed that is reported) unless
         greedy, temperature=0 or beams > 1. None = not given (a preset's value, or the stage off). `stop`:
         strings that end the text (not included). `mode`: generate, greedy, sample or softcap, as the CLI's
         commands. `on_start(prompt_ids, tokens_dropped, settings)` runs before the first token (the
-        prompt's ids as read: its last n_ctx); `on_text(piece)` sees the text as made."""
-        from lmhead_cli.decoding.generate import generate
-        from lmhead_cli.readings.inspect import check_prompt, encode_prompt
+        prompt's ids as read: its last n_ctx); `on_text(piece)` sees the text as made.
 
-        settings = checks.generation(mode=mode, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos,
+        One prompt and n = 1 return one GenerateResult. `n` choices, or a list of prompts, run as one
+        batch and return a list, prompt i's choices at i·n … i·n + n - 1; choice j draws with seed + j, so
+        each is what generate(that prompt, seed=seed + j) returns alone. on_start and on_text follow a
+        single generation only."""
+        from lmhead_cli.decoding.generate import generate_many
+        from lmhead_cli.readings.inspect import encode_prompt
+
+        texts, one = checks.prompts(prompt)
+        settings = checks.generation(mode=mode, preset=preset, greedy=greedy, beams=beams, n=n, ignore_eos=ignore_eos,
                                      seed=seed, stop=stop, show_steps=show_steps, max_new_tokens=max_new_tokens,
                                      top_logprobs=top_logprobs, logprobs=logprobs, **stages)
-        text = check_prompt(prompt)
-        ids, dropped = encode_prompt(self.loaded, text)
-        checks.generation_fits(self.loaded, len(ids), settings)  # before on_start prints anything
+        single = one and settings.n == 1
+        for key, given in (("on_start", on_start), ("on_text", on_text)):
+            if given is not None and not single:
+                raise BadValue(key, "must be None for a batch: it follows a single generation (one prompt, a "
+                                    "string, and n = 1); a batch's results hold each text")
+        encoded = [encode_prompt(self.loaded, text) for text in texts]
+        # before on_start prints anything
+        checks.generation_fits(self.loaded, max(len(ids) for ids, _ in encoded), settings, len(texts))
         if on_start is not None:
-            on_start(ids, dropped, settings)
-        g = generate(self.loaded, ids, settings, on_text=on_text)
+            on_start(*encoded[0], settings)
+        made = generate_many(self.loaded, [ids for ids, _ in encoded], settings, on_text=on_text)
         tok = self.tokenizer
-        return results.GenerateResult(g, self.provenance, text, preset, tok.token_text, tok.token_bytes)
+        out = [results.GenerateResult(g, self.provenance, texts[i // settings.n], preset, tok.token_text,
+                                      tok.token_bytes) for i, g in enumerate(made)]
+        return out[0] if single else out
 
 
 def many(key: str, values: Iterable) -> Iterable:

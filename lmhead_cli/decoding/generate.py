@@ -5,9 +5,12 @@ one new position through the model, and the head only ever sees the last positio
 (engine.last_logits). Per step there is one device-to-host transfer, holding the chosen token and
 its figures, so the loop stays close to transformers' generate() in speed.
 
-Greedy and sampled decoding follow one sequence; beam search (beams > 1) follows the N best by
-summed log-probability exactly as transformers' `generate(num_beams=N, do_sample=False)` does
-(length penalty 1, early_stopping=False). Nothing here prints: text goes to an `on_text` callback.
+Greedy and sampled decoding follow one sequence, one row of decoding.loop's Batch; beam search
+(beams > 1, decoding/beams.py) runs the N best by summed log-probability as a group of rows of the
+same batch, exactly as transformers' `generate(num_beams=N, do_sample=False)` does (length penalty 1,
+early_stopping=False). This module holds what both report: the Generation, its Steps and the
+finished beams, and each step's record (`_record`, `_step`, `_top`). Nothing here prints: text goes
+to an `on_text` callback.
 
 Every step records the chosen token under two distributions, because they answer different
 questions (transformers #17424, llama.cpp #7498, vLLM's --logprobs-mode):
@@ -20,25 +23,22 @@ With no stage active the two are the same distribution.
 from __future__ import annotations
 
 import math
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, DISTRIBUTIONS, Settings, make, resolve  # noqa: F401
 from lmhead_cli.engine.base import config_value
 from lmhead_cli.errors import BadValue
-from lmhead_cli.head import check_finite, check_top_logprobs, entropy, log_softmax, ranks
+from lmhead_cli.head import check_finite, check_top_logprobs, entropy, ranks
 from lmhead_cli.loading.sources import Loaded
 
 LENGTH_PENALTY = 1.0  # transformers' default: a finished beam scores sum(log p) / length
 LENGTH_PENALTY_RULE = ("score = sum(log p) / length ** 1.0, with log p the processed log-probability of each "
                        "token and length the number of generated tokens (end-of-text included): "
                        "transformers' length_penalty = 1.0")
-FINISHED = -1.0e9  # transformers' penalty that keeps a finished candidate from running on
 # columns of a step record, then K alternative ids and K alternative log-probabilities
 ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE, RAW_LOGPROB, RAW_ENTROPY, REMOVED = range(9)
 FIXED = 9
@@ -150,13 +150,18 @@ def room(n_ctx: int, n_prompt: int) -> int:
     return n_ctx - n_prompt + 1
 
 
-def check_fits(eng, n_prompt: int, s: Settings) -> None:
-    """The checks of `s` that need the model: top_logprobs within its vocabulary, and the beams'
-    memory for the prompt and the tokens that fit after it. BadValue before any work; api.checks
-    runs them before a front end prints anything."""
+def check_fits(eng, n_prompt: int, s: Settings, prompts: int = 1) -> None:
+    """The checks of `s` that need the model: top_logprobs within its vocabulary, and the memory of the
+    rows (the beams of one prompt, or `prompts` × s.n choices) for the longest prompt (`n_prompt` tokens)
+    and the tokens that fit after it. BadValue before any work; api.checks runs them before a front end
+    prints anything."""
     check_top_logprobs(s.top_logprobs, eng.vocab_size)
+    positions = n_prompt + min(s.max_new_tokens, room(eng.n_ctx, n_prompt))
     if s.mode == "beam":
-        check_beam_memory(eng, s.beams, n_prompt + min(s.max_new_tokens, room(eng.n_ctx, n_prompt)))
+        check_beam_memory(eng, s.beams, positions)
+    elif prompts * s.n > 1:
+        check_rows_memory(eng, "n" if s.n > 1 else "prompt", prompts * s.n,
+                          f"{prompts:,} prompts × {s.n:,} choices" if prompts > 1 else f"{s.n:,} choices", positions)
 
 
 def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str], None] | None = None,
@@ -166,95 +171,101 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
     Each piece is what became printable with the latest token: a character split across tokens
     (Chinese, emoji) arrives once all its bytes are there. A final end-of-text is not text.
     """
+    return generate_many(loaded, [ids], s, on_text, eos_token_id)[0]
+
+
+def generate_many(loaded: Loaded, prompts: list[list[int]], s: Settings,
+                  on_text: Callable[[str], None] | None = None, eos_token_id: int | None = None) -> list[Generation]:
+    """Every prompt's s.n choices, one row each, as one batch (decoding.loop.Batch): prompt i's choices
+    are generations i·n … i·n + n - 1, and choice j draws with seed + j (the server's rule), so each
+    is what the same settings with its own seed give alone. Beam search runs one prompt's beams at a
+    time. `on_text` hears the text of a single generation (one prompt, n = 1) as it is made."""
     eng = loaded.engine
-    check_fits(eng, len(ids), s)
+    check_fits(eng, max(len(ids) for ids in prompts), s, len(prompts))
     eos = eng.eos_token_id if eos_token_id is None else eos_token_id
-    stop_at = None if s.ignore_eos else eos
-    max_new = min(s.max_new_tokens, room(eng.n_ctx, len(ids)))
-    seed = s.seed if s.seed is not None or s.mode != "sample" else secrets.randbelow(2**32)
+    rooms = [min(s.max_new_tokens, room(eng.n_ctx, len(ids))) for ids in prompts]
     if s.mode == "beam":
-        return _beams(loaded, ids, s, max_new, stop_at, on_text)
+        return [_beams(loaded, ids, s, max_new, None if s.ignore_eos else eos, on_text)
+                for ids, max_new in zip(prompts, rooms)]
     from lmhead_cli.decoding.loop import Batch
 
-    row = s.row(ids, max_tokens=max_new, eos=eos, seed=seed)
-    sink = _Collect(on_text)
-    start = time.perf_counter()
+    seeds = s.choice_seeds()  # one draw for the whole call: prompt i's choice j draws with seed + j
+    keys = [(ids, max_new, seed) for ids, max_new in zip(prompts, rooms) for seed in seeds]
+    sink = _Collect(on_text if len(keys) == 1 else None, len(keys))
     batch = Batch(loaded)
-    batch.add(0, row)
-    batch.round(sink)  # the prefill and the first token
-    first = time.perf_counter() - start
-    while batch.live:  # one position per step: these steps choose the thread count
-        loaded.execution.run(lambda: batch.step(sink))
-    elapsed = time.perf_counter() - start
-    stop = {"eos": "eos", "stop": "stop"}.get(sink.reason, "max_new_tokens")
-    if stop == "max_new_tokens" and max_new < s.max_new_tokens:
-        stop = "context"
-    return Generation(mode=s.mode, settings=s, seed=seed, prompt_ids=list(ids),
-                      generated_ids=[st.id for st in sink.steps], text=sink.text, steps=sink.steps, stop=stop,
-                      elapsed_s=elapsed, first_token_s=first)
+    for k, (ids, max_new, seed) in enumerate(keys):
+        batch.add(k, s.row(ids, max_tokens=max_new, eos=eos, seed=seed))
+    batch.round(sink)  # the prefills and each row's first token
+    while batch.live:  # one position per row and step: these steps choose the thread count
+        loaded.execution.run(lambda: batch.step(sink), units=len(batch.live))
+    elapsed = time.perf_counter() - sink.start
+    out = []
+    for k, (ids, max_new, seed) in enumerate(keys):
+        reason = sink.reason[k]
+        stop = reason if reason in ("eos", "stop") else "max_new_tokens"
+        if stop == "max_new_tokens" and max_new < s.max_new_tokens:
+            stop = "context"
+        steps = sink.steps[k]
+        out.append(Generation(mode=s.mode, settings=s, seed=seed, prompt_ids=list(ids),
+                              generated_ids=[st.id for st in steps], text=sink.text[k], steps=steps, stop=stop,
+                              elapsed_s=elapsed, first_token_s=sink.first[k] or elapsed))
+    return out
 
 
 class _Collect:
-    """decoding.loop's Sink for one row: its Steps, its text, why it ended; `on_text` hears each piece."""
+    """decoding.loop's Sink for rows 0 … rows - 1: their Steps, texts, why each ended and when its first
+    token came (seconds from `start`); `on_text` hears each piece."""
 
-    def __init__(self, on_text: Callable[[str], None] | None):
-        self.on_text, self.steps, self.text, self.reason = on_text, [], "", None
+    def __init__(self, on_text: Callable[[str], None] | None, rows: int = 1):
+        self.on_text, self.start = on_text, time.perf_counter()
+        self.steps: list[list[Step]] = [[] for _ in range(rows)]
+        self.text: list[str] = [""] * rows
+        self.reason: list[str | None] = [None] * rows  # "eos", "stop" or "length" once the row ends
+        self.first: list[float | None] = [None] * rows
 
     def echo(self, key, echo) -> None:
         pass
 
     def token(self, key, token) -> None:
-        self.steps.append(token.step)
-        self._piece(token.text)
+        if self.first[key] is None:
+            self.first[key] = time.perf_counter() - self.start
+        self.steps[key].append(token.step)
+        self._piece(key, token.text)
 
     def finish(self, key, reason: str, tail: str) -> None:
-        self.reason = reason
-        self._piece(tail)
+        self.reason[key] = reason
+        self._piece(key, tail)
 
     def cancelled(self, key) -> bool:
         return False
 
-    def _piece(self, piece: str) -> None:
+    def _piece(self, key, piece: str) -> None:
         if piece:
-            self.text += piece
+            self.text[key] += piece
             if self.on_text is not None:
                 self.on_text(piece)
 
 
 def _beams(loaded: Loaded, ids: list[int], s: Settings, max_new: int, stop_at: int | None,
            on_text: Callable[[str], None] | None) -> Generation:
-    """Beam search (beams > 1): the best beam's text streamed once the search ends."""
+    """Beam search (beams > 1, decoding.beams): the best beam's text streamed once the search ends."""
+    from lmhead_cli.decoding.beams import search
     from lmhead_cli.decoding.loop import Text
 
-    eng = loaded.engine
     start = time.perf_counter()
-    first = None
-    loop = _beam_search(eng, ids, s, max_new, stop_at, loaded.tokenizer)
-    steps: list[Step] = []
-    text = Text(loaded.tokenizer)
-    while True:
-        try:
-            # One position per step after the first (the prefill): those steps choose the thread count.
-            step = next(loop) if first is None else loaded.execution.run(lambda: next(loop))
-        except StopIteration as done:
-            stop, beams = done.value
-            break
-        if first is None:
-            first = time.perf_counter() - start
-        steps.append(step)
-        piece = "" if step.id == stop_at else (text.add(step.id), text.piece())[1]
-        if piece and on_text is not None:
-            on_text(piece)
-    piece = text.piece(final=True, flush=True)
-    if piece and on_text is not None:
-        on_text(piece)
+    stop, beams, steps, first = search(loaded, ids, s, max_new, stop_at, loaded.execution.run)
+    sink, text = _Collect(on_text), Text(loaded.tokenizer)
+    for st in steps:
+        if st.id != stop_at:  # a final end-of-text is not text
+            text.add(st.id)
+            sink._piece(0, text.piece())
+    sink._piece(0, text.piece(final=True, flush=True))
     elapsed = time.perf_counter() - start
     if stop == "max_new_tokens" and max_new < s.max_new_tokens:
         stop = "context"
     return Generation(mode=s.mode, settings=s, seed=None, prompt_ids=list(ids),
-                      generated_ids=[st.id for st in steps], text=text.text, steps=steps, stop=stop,
-                      elapsed_s=elapsed, first_token_s=first or elapsed,
-                      beam_score=beams[0].score if beams else None, beams=beams)
+                      generated_ids=[st.id for st in steps], text=sink.text[0], steps=steps, stop=stop,
+                      elapsed_s=elapsed, first_token_s=first - start, beam_score=beams[0].score, beams=beams)
 
 
 # Per beam and step, beam search holds about this many (V,) float32 rows: the logits, the stages'
@@ -272,13 +283,19 @@ def beam_memory(eng, beams: int, positions: int) -> tuple[int, int]:
 
 def check_beam_memory(eng, beams: int, positions: int) -> None:
     """BadValue for more beams than the memory there is can hold, with the figures."""
+    check_rows_memory(eng, "beams", beams, f"{beams:,}", positions, "beam")
+
+
+def check_rows_memory(eng, key: str, rows: int, what: str, positions: int, row: str = "row") -> None:
+    """BadValue(key) when `rows` rows of `positions` positions (beam_memory's arithmetic: each row's
+    KV cache and BEAM_ROWS rows of the vocabulary) need more memory than there is, with the figures."""
     from lmhead_cli.loading.checks import available_memory, gb
 
-    need, per_beam = beam_memory(eng, beams, positions)
+    need, per_row = beam_memory(eng, rows, positions)
     free = available_memory(eng.device.type)
     if free is not None and need > free:
-        raise BadValue("beams", f"of {beams:,} need about {gb(need)} ({gb(per_beam)} of cache and logits per beam), "
-                                f"but {gb(free)} is available; at most {max(1, free // per_beam):,} beams fit")
+        raise BadValue(key, f"of {what} need about {gb(need)} ({gb(per_row)} of cache and logits per {row}), "
+                            f"but {gb(free)} is available; at most {max(1, free // per_row):,} {row}s fit")
 
 
 # ---- one step's figures, in one transfer ---------------------------------------------------------
@@ -338,73 +355,3 @@ def _step(row: list[float], token_text, logits: torch.Tensor, top: Top | None = 
     return Step(id=i, token=token_text(i), prob=math.exp(row[LOGPROB]), logit=row[LOGIT],
                 entropy=row[ENTROPY], rank=int(row[RANK]), logprob=row[LOGPROB], raw_logprob=row[RAW_LOGPROB],
                 raw_entropy=row[RAW_ENTROPY], removed_mass=row[REMOVED], alternatives=alts, top=top)
-
-
-# ---- beam search --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Beam:
-    score: float  # sum of log p (with FINISHED added if it finished in the step it was picked)
-    steps: tuple[Step, ...] = ()
-
-
-def _beam_search(eng, ids: list[int], s: Settings, max_new: int, stop_at: int | None, tokenizer):
-    """transformers' beam search for one prompt: keep 2N candidates per step, continue the N best that
-    did not finish, and keep the N best finished (scored sum(log p) / length) until no running beam
-    can beat the worst of them. Returns ("eos" | "max_new_tokens", the finished beams, best first)
-    after yielding the best one's steps."""
-    token_text = tokenizer.token_text
-    n = s.beams
-    pipeline = s.knobs.pipeline()
-    cache = eng.new_cache(1, len(ids) + max_new)  # prefill once; the first reorder copies it n times
-    x = torch.tensor([ids], device=eng.device)
-    running = [_Beam(0.0)]
-    finished: list[tuple[float, _Beam]] = []
-    for t in range(max_new):
-        logits = eng.last_logits(x, cache)  # (R, V), R = 1 at the first step, then n
-        raw = log_softmax(logits)  # (R, V)
-        logprobs = log_softmax(stages.process(logits, pipeline)) if pipeline else raw  # (R, V) what ranks beams
-        scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]
-        top, flat = scores.view(-1).topk(min(2 * n, scores.numel()))  # (2n,) best over all beams
-        rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]
-        record = _record(logits[rows], raw[rows], logprobs[rows], tokens, s.show_steps, bool(pipeline))
-        table = torch.cat([top[:, None].double(), rows[:, None].double(), record], dim=-1).tolist()
-        alts = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # per beam, not per candidate
-        cands = []
-        for score, row, *rec in table:
-            step = _step(rec, token_text, logits, Top(alts[0][int(row)], alts[1][int(row)]) if alts else None)
-            hit = step.id == stop_at or t + 1 == max_new
-            cands.append((score, int(row), step, hit))
-        # the best n of the candidates that finished join the finished beams, scored per token
-        length = t + 1
-        for score, row, step, hit in cands[:n]:
-            if hit:
-                finished.append((_f32(score / length**LENGTH_PENALTY), _Beam(score, running[row].steps + (step,))))
-        finished = sorted(finished, key=lambda f: f[0], reverse=True)[:n]
-        if all(c[3] for c in cands):
-            break
-        # the n best candidates run on; one that finished sinks below every live one
-        live = sorted(cands, key=lambda c: c[0] + FINISHED * c[3], reverse=True)[:n]
-        running = [_Beam(_f32(score + FINISHED * hit), running[row].steps + (step,)) for score, row, step, hit in live]
-        best_possible = running[0].score / length**LENGTH_PENALTY
-        if len(finished) == n and best_possible <= finished[-1][0]:
-            break
-        cache = eng.reorder_cache(cache, torch.tensor([row for _, row, _, _ in live], device=eng.device))
-        x = torch.tensor([[b.steps[-1].id] for b in running], device=eng.device)
-    done = [_finished(score, beam, stop_at, tokenizer) for score, beam in finished]
-    yield from finished[0][1].steps
-    return done[0].stop, done
-
-
-def _finished(score: float, beam: _Beam, stop_at: int | None, tokenizer) -> FinishedBeam:
-    ids = [st.id for st in beam.steps]
-    stop = "eos" if ids[-1] == stop_at else "max_new_tokens"
-    return FinishedBeam(ids=ids, text=tokenizer.decode(ids[:-1] if stop == "eos" else ids),
-                        transition_scores=[st.logprob for st in beam.steps], logprob=beam.score, score=score,
-                        stop=stop)
-
-
-def _f32(v: float) -> float:
-    """Round as transformers' float32 score tensors do, so ties break the same way (on the CPU, whatever
-    torch's default device is)."""
-    return float(torch.tensor(v, dtype=torch.float32, device="cpu"))

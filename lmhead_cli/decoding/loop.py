@@ -1,8 +1,10 @@
 """The one batched step loop: rows join and leave a running batch between two decoding steps.
 
-Everything that continues a prompt runs here: `Model.generate` (one row), explore's generation,
-and the server's rows (continuous batching, serve/worker.py). A `Row` is one choice to compute;
-a `Batch` holds the rows that are running, with one KV cache, and between two steps:
+Everything that continues a prompt runs here: `Model.generate` (one row, or n choices and many
+prompts as one batch: decoding.generate.generate_many), explore's generation, the server's rows
+(continuous batching, serve/worker.py) and beam search (a group of rows that `regroup` copies to the
+surviving beams and `advance` steps: decoding/beams.py). A `Row` is one choice to compute; a
+`Batch` holds the rows that are running, with one KV cache, and between two steps:
 
 * **Rows join.** `add` queues a row; `prefill` runs the queued prompts through the body, each
   prompt alone (rows with the same prompt, a request's `n` choices, share one prefill and copy its
@@ -132,6 +134,13 @@ class Text:
             self.text = self.text[:min(found)]
         return bool(found)
 
+    def copy(self) -> Text:
+        """This text so far, with its own decoder in the same state."""
+        twin = Text(self.tokenizer, self.stop)
+        twin.decoder.setstate(self.decoder.getstate())
+        twin.text, twin.shown = self.text, self.shown
+        return twin
+
     def piece(self, final: bool = False, flush: bool = False) -> str:
         """The text that became safe to show; `flush` ends the bytes (a final partial character)."""
         if flush:
@@ -154,6 +163,16 @@ class _Live:
         self.text = Text(tokenizer, row.stop)
         self.count = 0
         self.length = len(row.ids)  # positions in the cache (the prompt, then each token run)
+
+    def copy(self) -> _Live:
+        """The same row, with a generator and text of its own in the same state (a beam kept twice)."""
+        twin = object.__new__(_Live)
+        for name in self.__slots__:
+            setattr(twin, name, getattr(self, name))
+        if self.generator is not None:
+            twin.generator = torch.Generator(device=self.generator.device).set_state(self.generator.get_state())
+        twin.text = self.text.copy()
+        return twin
 
 
 class _Prefill:
@@ -345,23 +364,13 @@ class Batch:
             return 0
         keep_cancel = [i for i, r in enumerate(self.live) if not sink.cancelled(r.key)]
         if len(keep_cancel) < len(self.live):
-            self._leave(keep_cancel)
+            self.regroup(keep_cancel)
             if not self.live:
                 return 0
         live, logits = self.live, self.logits  # (R, V)
         if not all(r.row.greedy for r in live):  # a draw from NaN fails obscurely; greedy rows: the record's check
             check_finite_rows(logits)
-        raw = log_softmax(logits)  # (R, V) the model's own distribution
-        used = raw
-        piped = [i for i, r in enumerate(live) if r.pipeline]
-        if piped:  # rows with the same stages are processed together
-            used = raw.clone()
-            groups: dict[Knobs, list[int]] = {}
-            for i in piped:
-                groups.setdefault(live[i].row.knobs, []).append(i)
-            for knobs, idx in groups.items():
-                at = torch.tensor(idx, device=logits.device)
-                used[at] = log_softmax(stages.process(logits[at], live[idx[0]].pipeline))
+        raw, used, piped = self.distributions()
         if len(live) == 1:
             chosen = stages.choose(used, live[0].row.greedy, live[0].generator)  # (1,)
         else:
@@ -370,7 +379,7 @@ class Batch:
                 if not r.row.greedy:
                     chosen[i] = stages.choose(used[i:i + 1], False, r.generator)[0]
         k = max(r.row.alternatives for r in live)
-        table = _record(logits, raw, used, chosen, k, bool(piped)).tolist()  # one transfer for every row
+        table = _record(logits, raw, used, chosen, k, piped).tolist()  # one transfer for every row
         keep = []
         for i, r in enumerate(live):
             top = None
@@ -401,24 +410,56 @@ class Batch:
         stepped = len(live)
         if len(keep) < len(live):
             chosen = chosen[torch.tensor(keep, device=chosen.device)] if keep else chosen[:0]
-            self._leave(keep)
+            self.regroup(keep)
         if self.live:
             self._forward(chosen)
         return stepped
 
-    def _leave(self, keep: list[int]) -> None:
-        """Keep live rows `keep` (the others leave the batch and the cache)."""
-        self.live = [self.live[i] for i in keep]
-        if not self.live:
+    def distributions(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The head half of a step for the live rows, from their logits (R, V): raw (R, V), the model's
+        own log-softmax, and processed (R, V), the log-softmax after each row's stages (rows with the
+        same stages processed together; raw itself where no row has a stage), and whether any stage ran.
+        `step` chooses from them; beam search (decoding.beams) ranks its candidates by them."""
+        live, logits = self.live, self.logits
+        raw = log_softmax(logits)  # (R, V) the model's own distribution
+        piped = [i for i, r in enumerate(live) if r.pipeline]
+        if not piped:
+            return raw, raw, False
+        used = raw.clone()
+        groups: dict[Knobs, list[int]] = {}
+        for i in piped:
+            groups.setdefault(live[i].row.knobs, []).append(i)
+        for idx in groups.values():
+            at = torch.tensor(idx, device=logits.device)
+            used[at] = log_softmax(stages.process(logits[at], live[idx[0]].pipeline))
+        return raw, used, True
+
+    def regroup(self, rows: list[int]) -> None:
+        """The live rows become rows `rows` of the current ones, in that order: a row left out leaves the
+        batch and the cache (`step`'s finished rows), a row named twice is copied with its cache (beam
+        search's survivors: decoding.beams)."""
+        live, seen = [], set()
+        for i in rows:
+            live.append(self.live[i].copy() if i in seen else self.live[i])
+            seen.add(i)
+        self.live = live
+        if not live:
             self.cache, self.mask, self.logits = None, None, None
             return
-        at = torch.tensor(keep, device=self.eng.device)
+        at = torch.tensor(rows, device=self.eng.device)
         self.cache = self.eng.reorder_cache(self.cache, at)
         self.logits = self.logits[at]
         if self.mask is not None:
             self.mask = self.mask[at]
             if bool(self.mask.all()):
                 self.mask = None
+
+    def advance(self, chosen: torch.Tensor) -> None:
+        """Run each live row's token `chosen` (R,), picked by the caller from `distributions` (beam
+        search), through the body: the rows' logits (R, V) for the next step."""
+        for r in self.live:
+            r.count += 1
+        self._forward(chosen)
 
     def _forward(self, chosen: torch.Tensor) -> None:
         """Run each live row's chosen token (R,) through the body: logits (R, V) for the next step."""

@@ -33,6 +33,7 @@ class Settings:
     knobs: Knobs = field(default_factory=Knobs)  # the stages, one field per entry of STAGES
     greedy: bool = False
     beams: int = 1
+    n: int = 1  # choices per prompt, one row each (choice j draws with seed + j)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     ignore_eos: bool = False
     seed: int | None = None  # drawn when sampling without one
@@ -45,6 +46,14 @@ class Settings:
     @property
     def mode(self) -> str:
         return "beam" if self.beams > 1 else "greedy" if self.greedy else "sample"
+
+    def choice_seeds(self) -> list[int | None]:
+        """The seed of each of the n choices of one prompt: choice j draws with seed + j (modulo 2**63), from
+        a drawn seed when sampling without one; greedy and beams draw nothing (None, or the seed given)."""
+        import secrets
+
+        base = self.seed if self.seed is not None or self.mode != "sample" else secrets.randbelow(2**32)
+        return [None if base is None else (base + j) % 2**63 for j in range(self.n)]
 
     def row(self, ids, *, max_tokens: int, eos: int | None, seed: int | None = None, echo: bool = False):
         """The loop's Row (decoding.loop) for these settings after the prompt `ids`."""
@@ -68,7 +77,7 @@ def _is_off(s, v) -> bool:
     return any(v == off and type(v) is not bool for off in s.off)
 
 
-def make(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
          ignore_eos: bool = False, seed: int | None = None, stop=(), show_steps: int = 0, top_logprobs: int = 0,
          logprobs: str = "raw", draws: bool = False, **knobs) -> Settings:
     """The one place decoding settings are checked: BadValue names the first value out of range, with
@@ -86,14 +95,17 @@ def make(*, greedy: bool = False, beams: int = 1, max_new_tokens: int = DEFAULT_
     if draws and (greedy or beams > 1):
         raise ModeConflict({"temperature": 0} if zero else {"greedy": True} if greedy else {"beams": beams})
     values = stage_values(knobs)
-    stages.check({"beams": beams, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
+    stages.check({"beams": beams, "n": n, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
                   "top_logprobs": top_logprobs, **values})
     if logprobs not in DISTRIBUTIONS:
         raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
     stop = check_stop(stop)
     if stop and beams > 1:
         raise BadValue("stop", "strings end greedy and sampled text; beam search runs to end-of-text or max_new_tokens")
-    return Settings(knobs=Knobs(**values), greedy=greedy, beams=beams, max_new_tokens=max_new_tokens,
+    if n > 1 and beams > 1:
+        raise BadValue("n", f"must be 1 with beam search (got {n}): beams give one answer per prompt, the best "
+                            "of the finished beams, which the result lists")
+    return Settings(knobs=Knobs(**values), greedy=greedy, beams=beams, n=n, max_new_tokens=max_new_tokens,
                     ignore_eos=ignore_eos, seed=seed, stop=stop, show_steps=show_steps,
                     top_logprobs=top_logprobs, logprobs=logprobs, zero_temperature=zero)
 
@@ -115,7 +127,7 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
     preset < the values given (None = not given), then `make`."""
     from lmhead_cli.decoding.presets import merge
 
-    loop = {k: given.pop(k) for k in ("greedy", "beams", "ignore_eos", "seed", "stop", "show_steps", "top_logprobs",
+    loop = {k: given.pop(k) for k in ("greedy", "beams", "n", "ignore_eos", "seed", "stop", "show_steps", "top_logprobs",
                                       "logprobs") if k in given}
     values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, given)
     return make(draws=draws, **{k: v for k, v in loop.items() if v is not None}, **values)
@@ -124,7 +136,7 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
 def from_openai(values: dict) -> Settings:
     """An OpenAI request body's decoding fields (each already of its JSON type: serve/requests.py) as
     Settings: every stage by its key (temperature, top_p, top_k, min_p, softcap and any stage added to
-    the registry), seed, stop, logprobs_mode. An absent temperature is 1 (the stage off) and 0 is greedy, as
-    OpenAI's; max_tokens is the server's to check (0 scores without generating)."""
-    return make(seed=values.get("seed"), stop=values.get("stop") or (), logprobs=values.get("logprobs_mode") or "raw",
-                **{s.key: values.get(s.key) for s in STAGES})
+    the registry), seed, n, stop, logprobs_mode. An absent temperature is 1 (the stage off) and 0 is greedy,
+    as OpenAI's; max_tokens is the server's to check (0 scores without generating)."""
+    return make(seed=values.get("seed"), n=values.get("n") or 1, stop=values.get("stop") or (),
+                logprobs=values.get("logprobs_mode") or "raw", **{s.key: values.get(s.key) for s in STAGES})

@@ -188,6 +188,7 @@ COLUMNS = ("raw", *dict.fromkeys(s.column for s in STAGES))  # raw, soft-capped,
 LOOP: tuple[Setting, ...] = (
     Setting("max_new_tokens", int, Rule(lambda v: v >= 1, "at least 1")),
     Setting("beams", int, Rule(lambda v: v >= 1, "at least 1"), preset=False),
+    Setting("n", int, Rule(lambda v: v >= 1, "at least 1"), preset=False),
     Setting("show_steps", int, Rule(lambda v: v >= 0, "0 or more"), preset=False),
     Setting("top_logprobs", int, Rule(lambda v: v >= 0, "0 or more"), preset=False),  # <= V: checked by generate
     Setting("seed", int, Rule(lambda v: 0 <= v < 2**63, "between 0 and 2**63 - 1"), preset=False),
@@ -235,12 +236,32 @@ def _active(self) -> dict[str, float]:
     return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
-Knobs = make_dataclass(
-    "Knobs", [(s.key, Optional[s.type], None) for s in STAGES], frozen=True,
-    namespace={"__doc__": "The settings of the stages (one field per entry of STAGES); None means the stage "
-                          "is off.", "pipeline": _pipeline, "active": _active},
-)
-Knobs.__module__ = __name__  # make_dataclass's `module=` needs Python 3.12
+# Knobs is built from STAGES at run time, so that a stage added to the registry is a field everywhere
+# with no other edit. A type checker cannot run the registry, so it reads the declaration below: the
+# same fields, types and defaults, written out. tests/test_settings.py holds the two equal field for
+# field (names, order, types, defaults), so a stage added to STAGES alone fails that test until its
+# line is added here too; the program never reads this class.
+if TYPE_CHECKING:
+    @dataclass(frozen=True)
+    class Knobs:
+        """The settings of the stages (one field per entry of STAGES); None means the stage is off."""
+
+        softcap: float | None = None
+        temperature: float | None = None
+        top_k: int | None = None
+        top_p: float | None = None
+        min_p: float | None = None
+
+        def pipeline(self) -> list[Callable[[torch.Tensor], torch.Tensor]]: ...
+
+        def active(self) -> dict[str, float]: ...
+else:
+    Knobs = make_dataclass(
+        "Knobs", [(s.key, Optional[s.type], None) for s in STAGES], frozen=True,
+        namespace={"__doc__": "The settings of the stages (one field per entry of STAGES); None means the stage "
+                              "is off.", "pipeline": _pipeline, "active": _active},
+    )
+    Knobs.__module__ = __name__  # make_dataclass's `module=` needs Python 3.12
 
 
 def _bind(fn, value):

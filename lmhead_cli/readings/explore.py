@@ -40,10 +40,20 @@ class Settings:
 
     @property
     def knobs(self):
-        """The stages these settings turn on (decoding.stages.Knobs)."""
+        """The stages these settings turn on for the table (decoding.stages.Knobs): temperature 0 is the
+        limit T -> 0, the greedy distribution (decoding.stages.temperature)."""
         from lmhead_cli.decoding.stages import Knobs
 
         return Knobs(softcap=self.softcap, temperature=self.temperature)
+
+    def decoding(self, max_new_tokens: int | None = None):
+        """THE conversion of a session's settings: its stages and seed (and :gen's `max_new_tokens`) as the
+        one decoding settings object, checked there (decoding.settings.make: BadValue with the registry's
+        advice). The start-up settings, every :temp, :softcap and :seed, and :gen go through it."""
+        from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, make
+
+        return make(max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+                    seed=self.seed, softcap=self.softcap, temperature=self.temperature)
 
 
 @dataclass(frozen=True)
@@ -115,25 +125,26 @@ def _number(cmd: Command, example: str, kind=float):
 
 
 def apply(settings: Settings, cmd: Command) -> Settings:
-    """The settings after a setting command; UsageError (settings unchanged) for a bad value."""
-    from lmhead_cli.decoding import stages
+    """The settings after a setting command, checked as decoding settings (Settings.decoding); UsageError
+    or BadValue (settings unchanged) for a bad value."""
+    new = _set(settings, cmd)
+    new.decoding()
+    return new
 
-    def checked(key: str, value):
-        stages.check({key: value})
-        return value
 
+def _set(settings: Settings, cmd: Command) -> Settings:
     off = len(cmd.args) == 1 and cmd.args[0].lower() in ("off", "none")
     if cmd.name == "temp":
-        return replace(settings, temperature=None if off else checked("temperature", _number(cmd, "0.8")))
+        return replace(settings, temperature=None if off else _number(cmd, "0.8"))
     if cmd.name == "softcap":
-        return replace(settings, softcap=None if off else checked("softcap", _number(cmd, "30")))
+        return replace(settings, softcap=None if off else _number(cmd, "30"))
     if cmd.name == "top-k":
         rows = _number(cmd, "20", int)  # the table's rows, not the top-k stage (whose 0 and -1 mean off)
         if rows < 1:
             raise BadValue("top_k", f"must be at least 1 (got {rows})")
         return replace(settings, top_k=rows)
     if cmd.name == "seed":
-        return replace(settings, seed=checked("seed", _number(cmd, "42", int)))
+        return replace(settings, seed=_number(cmd, "42", int))
     if cmd.name == "target":
         text = _one(cmd, '" are"')
         if text.lower() in ("clear", "off", "none"):
@@ -177,11 +188,10 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
 
 def generate_after(loaded, prompt: str, n: int, settings: Settings, on_text: Callable[[str], None]):
     """Sample `n` tokens after `prompt` with the session's stages and seed (generation.generate)."""
-    from lmhead_cli.decoding.generate import generate, make_settings
+    from lmhead_cli.decoding.generate import generate
     from lmhead_cli.readings.inspect import encode_prompt
 
-    s = make_settings(max_new_tokens=n, seed=settings.seed, softcap=settings.softcap,
-                      temperature=settings.temperature)
+    s = settings.decoding(max_new_tokens=n)
     ids, _ = encode_prompt(loaded, prompt)
     return generate(loaded, ids, s, on_text=on_text)
 
@@ -381,9 +391,7 @@ class Session:
             self.show.lens(self.model.lens(self._last(cmd), targets=self.settings.targets))
         elif cmd.name == "gen":
             n = _number(cmd, "20", int)
-            from lmhead_cli.decoding import stages
-
-            stages.check({"max_new_tokens": n})
+            self.settings.decoding(max_new_tokens=n)  # checked before the prompt is shown
             prompt = self._last(cmd)
             self.show.generation_start(prompt)
             self.show.generation_end(self.model.explore_generate(prompt, n, self.settings, self.show.text))

@@ -17,7 +17,6 @@ make the server load another model.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -215,7 +214,7 @@ class Sampled(_stage_fields()):
         from lmhead_cli.errors import BadValue
 
         values = {st.key: getattr(self, st.key, None) for st in STAGES}
-        values.update(seed=self.seed, logprobs_mode=self.logprobs_mode,
+        values.update(seed=self.seed, n=self.n, logprobs_mode=self.logprobs_mode,
                       stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
         try:
             return from_openai(values)
@@ -239,10 +238,8 @@ class Sampled(_stage_fields()):
                            f"{limits.max_choices:,} in one request")
         rows = []
         for ids in prompts:
-            base = settings.seed if settings.seed is not None else secrets.randbelow(2**32)
-            for j in range(self.n):
-                row = settings.row(ids, max_tokens=max_tokens, eos=info.eos, seed=(base + j) % 2**63,
-                                   echo=echo and top is not None)
+            for seed in settings.choice_seeds():  # choice j draws with seed + j; a drawn seed per prompt
+                row = settings.row(ids, max_tokens=max_tokens, eos=info.eos, seed=seed, echo=echo and top is not None)
                 rows.append(replace(row, top=top or 0, alternatives=0, uncertainty=self.uncertainty))
         return rows, check_cost(rows, top, limits)
 
