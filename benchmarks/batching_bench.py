@@ -4,10 +4,15 @@ random:gpt2 (GPT-2 124M's shapes, random weights: the speed of the real model, o
 * a 4-token request beside a running 240-token request, against its time alone (target <= 4x);
 * 12 streaming clients arriving 0.4 s apart: p90 time to first token against one client's (target <= 5x);
 * 16 concurrent clients generating 64 tokens each: tokens per second against one client's (target >= 4x);
-* single-stream greedy decoding: Model.generate on decoding/loop.py against the loop it replaced
-  (decoding/generate.py at --base, run from git in the same process, alternating; target >= 0.95x).
+* single-stream greedy decoding: Model.generate on today's decoding/loop.py against the loop at --base
+  (decoding/generate.py and decoding/loop.py run from git in the same process, alternating; target >= 0.95x).
 
-    python benchmarks/batching_bench.py [--quick] [--base COMMIT]
+Each phase states the load average (1 min) at its start: the machine may be shared, and other work
+slows the model's rounds and so every wait behind them. For the arrivals the server's own clock
+(/health's `timing`, serve/worker.py) splits a time to first token into the wait in the queue and
+the rest (the prompt's read and its first token), beside the mean seconds of a round's prefill and step.
+
+    python benchmarks/batching_bench.py [--quick] [--base COMMIT] [--write]   # --write: its section in RESULTS.md
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -93,53 +99,140 @@ def throughput(url: str, clients: int = 16, tokens: int = 64) -> tuple[float, fl
     return one, made / (time.perf_counter() - start)
 
 
-def old_generate(base: str):
-    """decoding/generate.py as it was at `base`, loaded beside today's modules."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:lmhead_cli/decoding/generate.py"],
+def from_git(base: str, path: str, name: str):
+    """The module at `path` as it was at commit `base`, loaded beside today's modules as `name`."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:{path}"],
                          capture_output=True, text=True, check=True).stdout
-    spec = importlib.util.spec_from_loader("old_generate", loader=None)
+    spec = importlib.util.spec_from_loader(name, loader=None)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
-    exec(compile(src, "old_generate.py", "exec"), mod.__dict__)
+    exec(compile(src, f"{name}.py", "exec"), mod.__dict__)
     return mod
 
 
 def greedy_speed(base: str, tokens: int, rounds: int) -> tuple[float, float]:
-    """Decode tokens per second (after the first token), old loop and new, alternating; the best of each."""
+    """Decode tokens per second (after the first token), the loop at `base` and today's, alternating; the
+    best of each. The old run takes decoding/generate.py and decoding/loop.py as they were at `base`
+    (the step loop that generate imports is swapped in while it runs)."""
     import lmhead_cli
     from lmhead_cli.decoding import generate as new
+    from lmhead_cli.decoding import loop as new_loop
 
-    old = old_generate(base)
+    old = from_git(base, "lmhead_cli/decoding/generate.py", "old_generate")
+    old_loop = from_git(base, "lmhead_cli/decoding/loop.py", "old_loop")
     model = lmhead_cli.load("random:gpt2", device="cpu")
     ids = model.encode(PROMPT)
     rates = {"old": [], "new": []}
     for _ in range(rounds):
-        for name, mod in (("old", old), ("new", new)):
-            g = mod.generate(model.loaded, ids, mod.make_settings(greedy=True, max_new_tokens=tokens, ignore_eos=True))
+        for name, mod, loop in (("old", old, old_loop), ("new", new, new_loop)):
+            sys.modules["lmhead_cli.decoding.loop"] = loop
+            try:
+                g = mod.generate(model.loaded, ids, mod.make_settings(greedy=True, max_new_tokens=tokens, ignore_eos=True))
+            finally:
+                sys.modules["lmhead_cli.decoding.loop"] = new_loop
             assert len(g.generated_ids) == tokens
             rates[name].append(g.decode_tokens_per_second)
     return max(rates["old"]), max(rates["new"])
 
 
-def main() -> None:
+def health(url: str) -> dict:
+    import httpx
+
+    return httpx.get(url + "/health", timeout=60).json()
+
+
+def clock(before: dict, after: dict) -> dict | None:
+    """Means over a stretch from two readings of /health's timing: seconds per request in the queue and
+    to the first token (on the server), and per round in prefill and in the step."""
+    if "timing" not in before:
+        return None
+    a, b = before["timing"], after["timing"]
+    firsts, rounds = b["firsts"] - a["firsts"], b["rounds"] - a["rounds"]
+    return {"requests": firsts, "rounds": rounds,
+            "queue_s": (b["queue_s"] - a["queue_s"]) / max(firsts, 1),
+            "first_token_s": (b["first_token_s"] - a["first_token_s"]) / max(firsts, 1),
+            "prefill_s_per_round": (b["prefill_s"] - a["prefill_s"]) / max(rounds, 1),
+            "step_s_per_round": (b["step_s"] - a["step_s"]) / max(rounds, 1)}
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+TARGETS = {"short_beside_long": ("<=", 4.0), "arrivals": ("<=", 5.0), "throughput": (">=", 4.0), "greedy": (">=", 0.95)}
+BEGIN, END = "<!-- batching: begin -->", "<!-- batching: end -->"
+
+
+def met(name: str, ratio: float) -> bool:
+    op, bound = TARGETS[name]
+    return ratio <= bound if op == "<=" else ratio >= bound
+
+
+def measure(quick: bool, base: str) -> dict:
     from helpers import serving
+
+    res = {"quick": quick, "base": base}
+    res["greedy"] = {"load": load()}
+    old, new = greedy_speed(base, 48 if quick else 128, 3 if quick else 5)
+    res["greedy"].update(old_tok_s=old, new_tok_s=new, ratio=new / old)
+    with serving("random:gpt2", timeout=600) as s:
+        post(s.url, {"prompt": PROMPT, "max_tokens": 8})  # warm up
+        res["short_beside_long"] = {"load": load()}
+        alone, beside = short_beside_long(s.url)
+        res["short_beside_long"].update(alone_s=alone, beside_s=beside, ratio=beside / alone)
+        res["arrivals"] = {"load": load()}
+        before = health(s.url)
+        one, p90 = arrivals(s.url)
+        res["arrivals"].update(one_ttft_s=one, p90_ttft_s=p90, ratio=p90 / one, server=clock(before, health(s.url)))
+        res["throughput"] = {"load": load()}
+        one, many = throughput(s.url)
+        res["throughput"].update(one_tok_s=one, sixteen_tok_s=many, ratio=many / one)
+    res["load_end"] = load()
+    return res
+
+
+def report(r: dict) -> str:
+    """The markdown section for benchmarks/RESULTS.md."""
+    ok = lambda name: ("✅" if met(name, r[name]["ratio"]) else "❌")  # noqa: E731
+    target = lambda name: f"{TARGETS[name][0]} {TARGETS[name][1]}x"  # noqa: E731
+    sb, ar, th, gr = r["short_beside_long"], r["arrivals"], r["throughput"], r["greedy"]
+    lines = [BEGIN, "## Continuous batching in `lmhead serve` (benchmarks/batching_bench.py)", "",
+             f"random:gpt2 (GPT-2 124M's shapes, random weights), float32 on the CPU, one run{' (--quick)' if r['quick'] else ''}; "
+             "each ratio is of two figures measured in the same run, a few seconds apart. Load average (1 min) at "
+             "the start of each measure, on a machine shared with other work: it slows every round, and every "
+             "wait behind a round with it.", "",
+             "| measure | alone | beside the others | ratio | target | load |", "|---|---:|---:|---:|---|---:|",
+             f"| a 4-token request, beside a running 240-token one (s) | {sb['alone_s']:.3f} | {sb['beside_s']:.3f} | "
+             f"{sb['ratio']:.2f}x | {ok('short_beside_long')} {target('short_beside_long')} | {sb['load']:.2f} |",
+             f"| time to first token, 12 streaming clients 0.4 s apart: p90 against one client's (s) | {ar['one_ttft_s']:.3f} | "
+             f"{ar['p90_ttft_s']:.3f} | {ar['ratio']:.2f}x | {ok('arrivals')} {target('arrivals')} | {ar['load']:.2f} |",
+             f"| tokens/s, 16 clients x 64 tokens against one client | {th['one_tok_s']:.1f} | {th['sixteen_tok_s']:.1f} | "
+             f"{th['ratio']:.2f}x | {ok('throughput')} {target('throughput')} | {th['load']:.2f} |",
+             f"| single-stream greedy tok/s: today's decoding loop against the one at {r['base']} | {gr['old_tok_s']:.1f} | "
+             f"{gr['new_tok_s']:.1f} | {gr['ratio']:.3f}x | {ok('greedy')} {target('greedy')} | {gr['load']:.2f} |", ""]
+    c = ar.get("server")
+    if c:
+        lines += [f"The arrivals on the server's clock (/health `timing`, {c['requests']} requests, {c['rounds']} rounds): "
+                  f"{c['first_token_s']:.3f} s from queued to first token on average, {c['queue_s']:.3f} s of it in the "
+                  f"queue; a round spent {c['prefill_s_per_round']:.3f} s reading prompts and {c['step_s_per_round']:.3f} s "
+                  f"stepping, on average. Load average at the end: {r['load_end']:.2f}.", ""]
+    return "\n".join(lines + [END]) + "\n"
+
+
+def main() -> None:
+    import versus_llamacpp
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--base", default="main", help="the commit whose generate loop is the baseline")
+    ap.add_argument("--write", action="store_true", help="keep the section in benchmarks/RESULTS.md")
     args = ap.parse_args()
-    res = {}
-    old, new = greedy_speed(args.base, 48 if args.quick else 128, 3 if args.quick else 5)
-    res["greedy"] = {"old_tok_s": old, "new_tok_s": new, "ratio": new / old}
-    with serving("random:gpt2", timeout=600) as s:
-        post(s.url, {"prompt": PROMPT, "max_tokens": 8})  # warm up
-        alone, beside = short_beside_long(s.url)
-        res["short_beside_long"] = {"alone_s": alone, "beside_s": beside, "ratio": beside / alone}
-        one, p90 = arrivals(s.url)
-        res["arrivals"] = {"one_ttft_s": one, "p90_ttft_s": p90, "ratio": p90 / one}
-        one, many = throughput(s.url)
-        res["throughput"] = {"one_tok_s": one, "sixteen_tok_s": many, "ratio": many / one}
+    res = measure(args.quick, args.base)
     print(json.dumps(res, indent=1))
+    text = report(res)
+    print(text)
+    if args.write:
+        versus_llamacpp.splice(HERE / "RESULTS.md", text, BEGIN, END)
 
 
 if __name__ == "__main__":

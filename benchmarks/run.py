@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 import bandwidth  # noqa: E402 - the read-bandwidth bound: benchmarks/bandwidth.py
 import compare_bench  # noqa: E402 - `lmhead compare`'s rows: benchmarks/compare_bench.py
 import score_bench  # noqa: E402 - `lmhead score`'s rows, measured and written by benchmarks/score_bench.py
+import batching_bench  # noqa: E402 - the batching section, its own run (benchmarks/batching_bench.py)
 import versus_llamacpp  # noqa: E402 - the llama.cpp section, its own run (benchmarks/versus_llamacpp.py)
 from checkpoint import gpt2_small  # noqa: E402
 from harness import PYTHON, QUIET, Competitor, load1, lmhead, log, median, probe, run  # noqa: E402
@@ -746,6 +747,9 @@ def write(R: dict, args, out: Path) -> None:
     kept = versus_llamacpp.section_in(previous)  # the llama.cpp section is its own run's: it stays
     if kept:
         versus_llamacpp.splice(out, kept)
+    kept = versus_llamacpp.section_in(previous, batching_bench.BEGIN, batching_bench.END)  # so is batching's
+    if kept:
+        versus_llamacpp.splice(out, kept, batching_bench.BEGIN, batching_bench.END)
     print(text)
     log(f"written to {out}" + ("" if args.write else " (only a full run with --write replaces benchmarks/RESULTS.md)"))
 

@@ -413,19 +413,20 @@ def report(R: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def section_in(text: str) -> str | None:
-    """The llama.cpp section held in a RESULTS.md text, markers included; None if it holds none."""
-    if BEGIN not in text or END not in text:
+def section_in(text: str, begin: str = BEGIN, end: str = END) -> str | None:
+    """The section between `begin` and `end` (the llama.cpp one by default) held in a RESULTS.md text,
+    markers included; None if it holds none."""
+    if begin not in text or end not in text:
         return None
-    return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+    return begin + text.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
 
 
-def splice(results_md: Path, section: str) -> None:
-    """Put the section into RESULTS.md in place of the previous one (or at the end)."""
+def splice(results_md: Path, section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put the section into RESULTS.md in place of the previous one between the same markers (or at the end)."""
     text = results_md.read_text(encoding="utf-8") if results_md.is_file() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     results_md.write_text(text, encoding="utf-8")

@@ -252,3 +252,34 @@ def test_llama_score_reads_llama_perplexitys_own_clock(monkeypatch):
     monkeypatch.setattr(versus_llamacpp, "run", lambda cmd: (1.0, 0.0, "error: failed to load model\n"))
     with pytest.raises(RuntimeError, match="lacks its chunk count"):
         versus_llamacpp.llama_score(Path("m.gguf"), Path("t.txt"), 1024, 2)
+
+
+# ---- batching_bench.py ----------------------------------------------------------------------------
+
+def test_batching_clock_and_section_from_two_health_readings(tmp_path):
+    import batching_bench
+
+    before = {"timing": {"rounds": 10, "prefill_s": 1.0, "step_s": 2.0, "firsts": 3, "queue_s": 0.3, "first_token_s": 0.9}}
+    after = {"timing": {"rounds": 30, "prefill_s": 3.0, "step_s": 3.0, "firsts": 15, "queue_s": 0.9, "first_token_s": 3.3}}
+    c = batching_bench.clock(before, after)
+    assert c == {"requests": 12, "rounds": 20, "queue_s": pytest.approx(0.6 / 12),
+                 "first_token_s": pytest.approx(2.4 / 12), "prefill_s_per_round": pytest.approx(0.1),
+                 "step_s_per_round": pytest.approx(0.05)}
+    assert batching_bench.clock({"status": "ok"}, {"status": "ok"}) is None  # a server without the clock
+    r = {"quick": False, "base": "main", "load_end": 2.5,
+         "greedy": {"load": 1.0, "old_tok_s": 20.0, "new_tok_s": 18.0, "ratio": 0.9},
+         "short_beside_long": {"load": 1.1, "alone_s": 0.5, "beside_s": 1.0, "ratio": 2.0},
+         "arrivals": {"load": 1.2, "one_ttft_s": 0.2, "p90_ttft_s": 1.2, "ratio": 6.0, "server": c},
+         "throughput": {"load": 1.3, "one_tok_s": 10.0, "sixteen_tok_s": 45.0, "ratio": 4.5}}
+    text = batching_bench.report(r)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [("✅" in row, row.split(" | ")[-1].rstrip(" |")) for row in rows] == [
+        (True, "1.10"), (False, "1.20"), (True, "1.30"), (False, "1.00")]  # 2 <= 4, 6 > 5, 4.5 >= 4, 0.9 < 0.95
+    assert "0.200 s from queued to first token on average, 0.050 s of it in the queue" in text
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# results\n\n" + versus_llamacpp.report(_figures()), encoding="utf-8")
+    versus_llamacpp.splice(md, text, batching_bench.BEGIN, batching_bench.END)
+    versus_llamacpp.splice(md, text, batching_bench.BEGIN, batching_bench.END)  # in place: once
+    kept = md.read_text()
+    assert kept.count(batching_bench.BEGIN) == 1 and versus_llamacpp.section_in(kept) == versus_llamacpp.report(_figures())
+    assert versus_llamacpp.section_in(kept, batching_bench.BEGIN, batching_bench.END) == text

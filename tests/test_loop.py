@@ -167,3 +167,42 @@ def test_a_row_regrouped_twice_goes_on_as_two_copies_of_itself(model):
     first, second = tokens[2::2], tokens[3::2]  # both copies carry key 0: their events interleave
     assert [e[1] for e in first] == [e[1] for e in second] == [e[1] for e in want[2:] if e[0] == "token"]
     assert [e[2] for e in first] == [e[2] for e in second] == [e[2] for e in want[2:] if e[0] == "token"]
+
+
+def test_a_joining_row_hands_out_its_first_token_from_its_prompt_before_any_step(model, tiny):
+    """The first token comes with the prefill (from the prompt's logits), while the running row waits for the
+    step; the step then runs that token with the others, and every row still equals its answer alone."""
+    want = tiny[1].generate(torch.tensor([PROMPT_IDS]), max_new_tokens=4, do_sample=False, pad_token_id=50256)
+    batch, sink = Batch(model.loaded), Sink()
+    batch.add("running", ROWS["sampled"])
+    batch.prefill(sink)
+    assert [e[0] for e in sink.got["running"]] == ["token"]  # its first token, before any step
+    batch.step(sink)
+    before = len(sink.got["running"])
+    forwards = []
+    last_logits = model.loaded.engine.last_logits
+    model.loaded.engine.last_logits = lambda *a: forwards.append(1) or last_logits(*a)
+    try:
+        batch.add("late", Row(tuple(PROMPT_IDS), max_tokens=4))
+        read = batch.prefill(sink)
+    finally:
+        model.loaded.engine.last_logits = last_logits
+    assert read == len(PROMPT_IDS) and forwards == []  # no step ran
+    assert [e[:2] for e in sink.got["late"]] == [("token", want[0, len(PROMPT_IDS)].item())]
+    assert len(sink.got["running"]) == before  # the running row got nothing from the prefill
+    assert batch.step(sink) == 2 and len(sink.got["late"]) == 1  # the step ran the late row's first token
+    batch.run(sink)
+    assert [e[1] for e in sink.got["late"] if e[0] == "token"] == want[0, len(PROMPT_IDS):].tolist()
+    same(alone(model, ROWS["sampled"]), sink.got["running"])
+
+
+def test_a_row_that_ends_with_its_first_token_leaves_at_the_prefill(model):
+    batch, sink = Batch(model.loaded), Sink()
+    batch.add("running", ROWS["greedy"])
+    batch.prefill(sink)
+    batch.add("one", Row(tuple(PROMPT_IDS), max_tokens=1, top=2))
+    batch.prefill(sink)
+    assert [e[0] for e in sink.got["one"]] == ["token", "finish"] and [r.key for r in batch.live] == ["running"]
+    batch.run(sink)
+    same(alone(model, Row(tuple(PROMPT_IDS), max_tokens=1, top=2)), sink.got["one"])
+    same(alone(model, ROWS["greedy"]), sink.got["running"])

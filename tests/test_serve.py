@@ -415,6 +415,83 @@ def test_other_work_runs_on_the_model_thread_between_batches():
         worker.stop()
 
 
+class _Rounds:
+    """A model for serve/worker.py that logs its calls: `prefill` reads every queued row (one position
+    each), the first read held until `gate` is set; `step` ends every running row."""
+
+    n_ctx = 16
+
+    def __init__(self):
+        self.log: list = []
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def decoding_batch(self):
+        class Batch:
+            queued, live = [], []
+
+            def add(self, key, row):
+                self.queued = self.queued + [key]
+
+            def __len__(self):
+                return len(self.queued) + len(self.live)
+
+            def keys(self):
+                return self.queued + self.live
+
+        return Batch()
+
+    def prefill(self, batch, sink, budget):
+        read, batch.queued = batch.queued, []
+        self.log.append(("prefill", [key[0].rows[key[1]] for key in read]))
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(10)
+        batch.live = batch.live + read
+        for key in read:
+            sink.token(key, None)
+        return len(read)
+
+    def step(self, batch, sink):
+        self.log.append(("step", [key[0].rows[key[1]] for key in batch.live]))
+        for key in batch.live:
+            sink.finish(key, "length", "")
+        batch.live = []
+        return 1
+
+
+@pytest.mark.parametrize("budget, calls", [
+    (4096, [("prefill", ["a"]), ("prefill", ["b"]), ("step", ["a", "b"])]),
+    (1, [("prefill", ["a"]), ("step", ["a"]), ("prefill", ["b"]), ("step", ["b"])])])
+def test_a_prompt_that_arrives_while_one_is_read_is_read_before_the_step(budget, calls):
+    """Prefill before the step: a request queued while another's prompt is read is read in the same round,
+    before the running rows step, while the round's prompt positions (--batch-tokens) last; past them the
+    step comes first. The worker's clock counts both first tokens, each after its wait in the queue."""
+    import asyncio
+
+    from lmhead_cli.serve.worker import Job, Worker
+
+    model, loop = _Rounds(), asyncio.new_event_loop()
+    worker = Worker(model, max_tokens=budget)
+    try:
+        worker.submit(Job(["a"], loop))
+        assert model.entered.wait(10)
+        worker.submit(Job(["b"], loop))  # queued while a's prompt is read
+        time.sleep(0.2)
+        model.gate.set()
+        deadline = time.monotonic() + 10
+        while worker.timing.rounds < len(calls) - 2 and time.monotonic() < deadline:  # a round: prefills, a step
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert model.log == calls
+        t = worker.timing
+        # b waited in the queue through a's read (0.2 s at least), and each first token came after its wait
+        assert t.firsts == 2 and t.rounds == len(calls) - 2 and 0.2 <= t.queue_s <= t.first_token_s
+        assert t.prefill_s >= 0.2 and t.step_s >= 0
+    finally:
+        worker.stop()
+        loop.close()
+
+
 def test_a_batch_computes_each_row_as_it_would_alone(tiny):
     """decoding.loop through Model.complete (prompts prefilled alone, joined right-aligned, rows leaving as they finish) against each row
     alone: the same tokens and text, the same logprobs up to float rounding."""
@@ -614,6 +691,39 @@ def test_a_short_request_finishes_while_a_long_one_runs(server):
         assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 4
         assert httpx.get(server.url + "/health").json()["running"] >= 1  # the long one is still going
         assert next(line for line in lines if line).startswith("data: {")  # and still streaming
+
+
+def test_rows_join_and_leave_a_running_batch_each_equal_to_its_answer_alone(server):
+    """Requests sent one after another while a long streamed row runs: each joins the running batch and
+    leaves it while the long row goes on, and every answer (the long one too) equals the one it gets alone."""
+    long = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "logprobs": 1}
+    joiners = [{"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "logprobs": 2},
+               {"prompt": PROMPT_IDS[:3], "max_tokens": 8, "temperature": 0.8, "seed": 3, "n": 2, "logprobs": 1},
+               {"prompt": "The door", "max_tokens": 5, "temperature": 0.9, "top_k": 40, "seed": 7, "stop": [" "]}]
+    alone = [_answer(post(server, "/v1/completions", b).json()) for b in [long] + joiners]
+    tokens, logprobs, finish = [], [], None
+    with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+        lines = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+        first = next(lines)["choices"][0]  # the long row runs
+        tokens += first["logprobs"]["tokens"]
+        logprobs += first["logprobs"]["token_logprobs"]
+        together = []
+        for b in joiners:
+            together.append(_answer(post(server, "/v1/completions", b).json()))
+        running = httpx.get(server.url + "/health").json()["running"]
+        for chunk in lines:
+            c = chunk["choices"][0]
+            if c["logprobs"]:
+                tokens += c["logprobs"]["tokens"]
+                logprobs += c["logprobs"]["token_logprobs"]
+            finish = c["finish_reason"] or finish
+    assert running >= 1  # the long row was still running when the last joiner had left
+    for a, t in zip(alone[1:], together, strict=True):
+        for (text_a, fin_a, tok_a, lp_a), (text_t, fin_t, tok_t, lp_t) in zip(a, t, strict=True):
+            assert (text_t, fin_t, tok_t) == (text_a, fin_a, tok_a)
+            assert lp_t == pytest.approx(lp_a, abs=1e-4)
+    (text_a, fin_a, tok_a, lp_a), = alone[0]
+    assert (tokens, finish) == (tok_a, fin_a) and "".join(tokens) == text_a and logprobs == pytest.approx(lp_a, abs=1e-4)
 
 
 def test_a_request_with_many_choices_never_holds_a_one_row_request_behind_all_of_its_rows(tiny):

@@ -26,15 +26,22 @@ class Serving:
                                 units=sum(len(r.ids) + r.max_tokens for r in rows))
 
     def decoding_batch(self, chunk: int | None = None):
-        """An empty running batch (decoding.loop.Batch): `add(key, row)` queues a Row; `advance` runs it."""
+        """An empty running batch (decoding.loop.Batch): `add(key, row)` queues a Row; `prefill` and `step` run it."""
         from lmhead_cli.decoding.loop import Batch
 
         return Batch(self.loaded, chunk)
 
-    def advance(self, batch, sink, budget: int | None = None) -> int:
-        """One round of a running batch: queued prompts prefilled (at most `budget` positions) and joined,
-        then one decoding step for every running row. Returns the rows that stepped."""
-        return self.loaded.execution.run(lambda: batch.round(sink, budget), units=max(len(batch), 1))
+    def prefill(self, batch, sink, budget: int | None = None) -> int:
+        """A running batch's queued prompts read (at most `budget` positions) and joined, each joined row's
+        first token handed to `sink` at once. Returns the positions read. On the model's thread count,
+        untimed: the count is chosen on the steps, which a prompt's read would make look slow."""
+        with self.loaded.execution.scope():
+            return batch.prefill(sink, budget)
+
+    def step(self, batch, sink) -> int:
+        """One decoding step for every running row (timed per row for the thread count). Returns the rows
+        that stepped."""
+        return self.loaded.execution.run(lambda: batch.step(sink), units=max(len(batch.live), 1))
 
     @property
     def eos_token_id(self) -> int | None:

@@ -47,7 +47,7 @@ def search(loaded, ids: list[int], s: Settings, max_new: int, stop_at: int | Non
     batch.add(0, replace(s.row(ids, max_tokens=max_new, eos=None), greedy=True, stop=()))
     running = [_Beam(0.0)]
     with torch.inference_mode():
-        batch.prefill(_Collect(None))  # a quiet sink: the prompt's one row only joins
+        batch.prefill(_Collect(None), choose=False)  # the prompt's one row only joins
         cands = _candidates(batch, running, s, 0, max_new, stop_at, token_text)
     first = time.perf_counter()
     finished: list[tuple[float, _Beam]] = []

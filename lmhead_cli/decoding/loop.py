@@ -13,11 +13,14 @@ surviving beams and `advance` steps: decoding/beams.py). A `Row` is one choice t
   first token from the prompt's last position, and its cache joins the batch's
   (engine.join_caches): rows are right-aligned, left-padded, an attention mask hides the padding,
   and positions come from the mask, so each row reads exactly what it would alone, up to float
-  rounding. Rows already running are never recomputed.
+  rounding. Rows already running are never recomputed. A joined row's first token is chosen and
+  handed to the sink at once, from its prompt's logits (as vLLM and llama.cpp's server do): its
+  time to first token does not wait for the other prompts of the round or for the next step; the
+  step runs that token through the body with everyone else's.
 * **One step.** `step` chooses every row's next token from its logits (its own stages, its own
   greedy choice or seeded generator, so seed s gives the same tokens alone or beside other rows),
   records it, checks end-of-text and stop strings, and runs one new position for every row that
-  goes on, all rows in one forward.
+  goes on, all rows in one forward (a row that joined since the last step runs its first token).
 * **Rows leave.** A row that finishes, or whose caller cancels it (`Sink.cancelled`), leaves at once
   (`reorder_cache`); padding columns no row needs any more are dropped when the cache is rebuilt.
 
@@ -154,7 +157,7 @@ class Text:
 class _Live:
     """One row while it generates: its key, generator, text and count."""
 
-    __slots__ = ("key", "row", "pipeline", "generator", "text", "count", "length")
+    __slots__ = ("key", "row", "pipeline", "generator", "text", "count", "length", "pending")
 
     def __init__(self, key, row: Row, tokenizer, device):
         self.key, self.row = key, row
@@ -163,6 +166,7 @@ class _Live:
         self.text = Text(tokenizer, row.stop)
         self.count = 0
         self.length = len(row.ids)  # positions in the cache (the prompt, then each token run)
+        self.pending: int | None = None  # a token chosen (and handed to the sink) not yet run: its first
 
     def copy(self) -> _Live:
         """The same row, with a generator and text of its own in the same state (a beam kept twice)."""
@@ -268,11 +272,15 @@ class Batch:
         p.add(self.eng, key, row)
 
     @torch.inference_mode()
-    def prefill(self, sink: Sink, budget: int | None = None) -> None:
+    def prefill(self, sink: Sink, budget: int | None = None, choose: bool = True) -> int:
         """Read queued prompts, at most `budget` positions (None: all of them; at least one chunk),
-        first come first; the rows of a prompt read to its end join the batch. An engine whose caches
-        cannot be joined (engine.join_caches gives None) takes new rows only into an empty batch."""
+        first come first; the rows of a prompt read to its end join the batch, their first tokens
+        chosen and handed to `sink` at once (`choose` False: not chosen, for a caller that picks
+        them from `distributions`, as beam search does). An engine whose caches cannot be joined
+        (engine.join_caches gives None) takes new rows only into an empty batch. Returns the prompt
+        positions read."""
         left = math.inf if budget is None else max(budget, 1)
+        read = 0
         ready: list[_Prefill] = []
         while self.queued and (left > 0 or self.queued[0].read) and (self._joins or not (self.live or ready)):
             p = self.queued[0]
@@ -293,6 +301,7 @@ class Batch:
                         _score_echo(self.eng, hidden, p.done, p.ids, r, p.echo[key], self.chunk)
                 p.done += n
                 left -= n
+                read += n
                 if not p.read:
                     continue
                 self._ready(p, hidden[-1], sink)
@@ -300,7 +309,23 @@ class Batch:
             ready.append(self.queued.pop(0))
         ready = [p for p in ready if p.live]
         if ready:
+            before = len(self.live)
             self._join(ready)
+            if choose:
+                self._first_tokens(list(range(before, len(self.live))), sink)
+        return read
+
+    def _first_tokens(self, joined: list[int], sink: Sink) -> None:
+        """The rows just joined (`joined`, indices into live) choose their first token from their
+        prompt's logits and hand it to `sink` now; it runs through the body at the next step. A row
+        that ends with it (end-of-text, a stop string, max_tokens 1) leaves at once."""
+        if not joined:
+            return
+        chosen, ended = self._choose(joined, sink)
+        for i, token in zip(joined, chosen.tolist()):
+            self.live[i].pending = token
+        if ended:
+            self.regroup([i for i in range(len(self.live)) if i not in ended])
 
     def _ready(self, p: _Prefill, last: torch.Tensor, sink: Sink) -> None:
         """A prompt read to its end (`last` its last position's hidden state (D,)): echo and rows that
@@ -359,7 +384,8 @@ class Batch:
     @torch.inference_mode()
     def step(self, sink: Sink) -> int:
         """Choose each live row's next token, hand it to `sink`, let finished and cancelled rows leave, and
-        run one position for the rest. Returns the rows that stepped."""
+        run one position for the rest (a row whose first token was chosen when it joined runs that one).
+        Returns the rows that stepped."""
         if not self.live:
             return 0
         keep_cancel = [i for i, r in enumerate(self.live) if not sink.cancelled(r.key)]
@@ -367,10 +393,33 @@ class Batch:
             self.regroup(keep_cancel)
             if not self.live:
                 return 0
-        live, logits = self.live, self.logits  # (R, V)
+        live = self.live
+        choose = [i for i, r in enumerate(live) if r.pending is None]
+        ended: set[int] = set()
+        tokens = [r.pending for r in live]
+        if choose:
+            chosen, ended = self._choose(choose, sink)
+            for i, token in zip(choose, chosen.tolist()):
+                tokens[i] = token
+        for r in live:
+            r.pending = None
+        stepped = len(live)
+        keep = [i for i in range(len(live)) if i not in ended]
+        if len(keep) < len(live):
+            self.regroup(keep)
+        if self.live:
+            self._forward(torch.tensor([tokens[i] for i in keep], dtype=torch.long, device=self.eng.device))
+        return stepped
+
+    def _choose(self, idx: list[int], sink: Sink) -> tuple[torch.Tensor, set[int]]:
+        """Live rows `idx` choose their next token from their logits (their own stages, greedy choice or
+        generator), record it, hand it to `sink` and check end-of-text, stop strings and max_tokens.
+        Returns the tokens (len(idx),) and the rows (indices into live) that ended with theirs."""
+        live = [self.live[i] for i in idx]
+        logits = self.logits if len(idx) == len(self.live) else self.logits[torch.tensor(idx, device=self.eng.device)]
         if not all(r.row.greedy for r in live):  # a draw from NaN fails obscurely; greedy rows: the record's check
             check_finite_rows(logits)
-        raw, used, piped = self.distributions()
+        raw, used, piped = self.distributions(logits, live)
         if len(live) == 1:
             chosen = stages.choose(used, live[0].row.greedy, live[0].generator)  # (1,)
         else:
@@ -379,8 +428,8 @@ class Batch:
                 if not r.row.greedy:
                     chosen[i] = stages.choose(used[i:i + 1], False, r.generator)[0]
         k = max(r.row.alternatives for r in live)
-        table = _record(logits, raw, used, chosen, k, piped).tolist()  # one transfer for every row
-        keep = []
+        table = _record(logits, raw, used, chosen, k, bool(piped)).tolist()  # one transfer for every row
+        ended = set()
         for i, r in enumerate(live):
             top = None
             if r.row.top:
@@ -403,24 +452,20 @@ class Batch:
                   if r.row.uncertainty else None)
             sink.token(r.key, Token(st.id, lp, top.ids.tolist() if top else [], top.logprobs.tolist() if top else [],
                                     piece, st, sp))
-            if reason is None:
-                keep.append(i)
-            else:
+            if reason is not None:
+                ended.add(idx[i])
                 sink.finish(r.key, reason, r.text.piece(final=True))
-        stepped = len(live)
-        if len(keep) < len(live):
-            chosen = chosen[torch.tensor(keep, device=chosen.device)] if keep else chosen[:0]
-            self.regroup(keep)
-        if self.live:
-            self._forward(chosen)
-        return stepped
+        return chosen, ended
 
-    def distributions(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The head half of a step for the live rows, from their logits (R, V): raw (R, V), the model's
-        own log-softmax, and processed (R, V), the log-softmax after each row's stages (rows with the
-        same stages processed together; raw itself where no row has a stage), and whether any stage ran.
-        `step` chooses from them; beam search (decoding.beams) ranks its candidates by them."""
-        live, logits = self.live, self.logits
+    def distributions(self, logits: torch.Tensor | None = None, live: list[_Live] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The head half of a step for the live rows (or rows `live` with their `logits`), from their
+        logits (R, V): raw (R, V), the model's own log-softmax, and processed (R, V), the log-softmax
+        after each row's stages (rows with the same stages processed together; raw itself where no row
+        has a stage), and whether any stage ran. `step` chooses from them; beam search
+        (decoding.beams) ranks its candidates by them."""
+        if live is None:
+            live, logits = self.live, self.logits
         raw = log_softmax(logits)  # (R, V) the model's own distribution
         piped = [i for i, r in enumerate(live) if r.pipeline]
         if not piped:

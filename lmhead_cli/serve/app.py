@@ -130,7 +130,7 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     async def health():
         return {"status": "ok", "model": served.name, "queued": served.worker.queued, "busy": served.worker.busy,
                 "running": served.worker.running, "batches": served.worker.batches,
-                "generated": served.worker.generated}
+                "generated": served.worker.generated, "timing": served.worker.timing.as_dict()}
 
     api = APIRouter(dependencies=[Depends(check_key)], route_class=route, default_response_class=door.Answer)
 

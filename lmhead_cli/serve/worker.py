@@ -6,7 +6,15 @@ into it while it has fewer than `max_rows`: round-robin across the jobs that wai
 turn), so a request with many choices never holds a one-row request behind all of its rows. An
 admitted prompt is prefilled alone, at most `max_tokens` prompt positions per round between two
 steps (a long prompt is read over several rounds while the running rows go on); its rows then join
-the batch. A row that finishes, or whose client has gone (a cancelled job), leaves at the next step.
+the batch, and each hands out its first token at once, from its prompt's logits. Prefills come
+before the step (as vLLM's scheduler and llama.cpp's server slots have it): rows that arrive while a
+prompt is being read are admitted and read in the same round, before the running rows step, while
+the round's `max_tokens` positions last, so a new request's first token never waits behind a step
+it did not need. A row that finishes, or whose client has gone (a cancelled job), leaves at the next
+step.
+
+`Timing` keeps the seconds of the rounds (prefill and step), and each request's wait in the queue
+and to its first token (/health shows them): what a time to first token is made of.
 
 The queue holds at most `max_queue` rows: a request that would go past it is refused at once
 (`Busy`, the server's 503 with Retry-After), never queued. Results go back to the request's own
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 
 from lmhead_cli.api.serving import Echo, Row, Token
@@ -36,6 +45,9 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.submitted: float | None = None  # time.perf_counter() when queued, when its first row was
+        self.admitted: float | None = None  # admitted, and when its first token came
+        self.first: float | None = None
 
     def put(self, event: tuple) -> None:
         try:
@@ -58,13 +70,40 @@ class _Sink:
 
     def token(self, key, token: Token) -> None:
         self.worker.generated += 1
-        key[0].put(("token", key[1], token))
+        job = key[0]
+        if job.first is None:
+            job.first = time.perf_counter()
+            self.worker.timing.first_token(job)
+        job.put(("token", key[1], token))
 
     def finish(self, key, reason: str, tail: str) -> None:
         key[0].put(("finish", key[1], "stop" if reason == "eos" else reason, tail))
 
     def cancelled(self, key) -> bool:
         return key[0].cancelled
+
+
+class Timing:
+    """Where the model's thread spends its time, and what a request waits, as running sums (/health):
+    rounds, seconds reading prompts (`prefill_s`) and stepping (`step_s`); requests that have had a
+    first token (`firsts`), their seconds in the queue until their first row was admitted (`queue_s`)
+    and until their first token (`first_token_s`). Differences of two readings give a stretch's means."""
+
+    def __init__(self):
+        self.rounds = 0
+        self.prefill_s = self.step_s = 0.0
+        self.firsts = 0
+        self.queue_s = self.first_token_s = 0.0
+
+    def first_token(self, job: Job) -> None:
+        self.firsts += 1
+        self.queue_s += (job.admitted or job.first) - job.submitted
+        self.first_token_s += job.first - job.submitted
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "prefill_s": round(self.prefill_s, 6), "step_s": round(self.step_s, 6),
+                "firsts": self.firsts, "queue_s": round(self.queue_s, 6),
+                "first_token_s": round(self.first_token_s, 6)}
 
 
 class Worker:
@@ -83,6 +122,7 @@ class Worker:
         self.running = 0  # rows in the running batch
         self.stopping = False
         self.busy = False  # the model's thread is running a batch or a call
+        self.timing = Timing()
         self.thread = threading.Thread(target=self._loop, name="lmhead-model", daemon=True)
         self.thread.start()
 
@@ -92,6 +132,7 @@ class Worker:
             if self.waiting + len(self.calls) + len(job.rows) > self.max_queue:
                 raise Busy()
             if job.rows:
+                job.submitted = time.perf_counter()
                 self.jobs.append([job, 0])
                 self.waiting += len(job.rows)
             self.cond.notify()
@@ -130,15 +171,16 @@ class Worker:
             self.stopping = True
             self.cond.notify()
 
-    def _admit(self, free: int) -> tuple[list, list]:
-        """Up to `free` queued rows, one per job in turn (round-robin), and the next call waiting; waits
-        while there is nothing to do and no row runs."""
+    def _admit(self, free: int, wait: bool = True) -> tuple[list, list]:
+        """Up to `free` queued rows, one per job in turn (round-robin), and the next call waiting; with
+        `wait`, waits while there is nothing to do and no row runs (without, no call is taken)."""
         with self.cond:
-            while not self.jobs and not self.calls and not self.stopping and not self.running:
+            while wait and not self.jobs and not self.calls and not self.stopping and not self.running:
                 self.cond.wait()
             # one call a round: the others stay in the queue, counted against max_queue until they start
-            calls = [self.calls.popleft()] if self.calls else []
+            calls = [self.calls.popleft()] if self.calls and wait else []
             rows = []
+            now = time.perf_counter()
             while self.jobs and len(rows) < free:
                 entry = self.jobs.popleft()
                 job, i = entry
@@ -146,11 +188,31 @@ class Worker:
                     self.waiting -= len(job.rows) - i
                     continue
                 rows.append((job, i))
+                if job.admitted is None:
+                    job.admitted = now
                 self.waiting -= 1
                 if i + 1 < len(job.rows):
                     entry[1] = i + 1
                     self.jobs.append(entry)
             return rows, calls
+
+    def _prefill(self, batch, sink, admitted: list) -> None:
+        """The admitted rows join the batch, their prompts read before the step: with them any rows
+        that arrive meanwhile, while the round's `max_tokens` positions last and the batch has room."""
+        budget = self.max_tokens
+        start = time.perf_counter()
+        while True:
+            for job, i in admitted:
+                batch.add((job, i), job.rows[i])
+            if not batch.queued:
+                break
+            budget -= self.model.prefill(batch, sink, budget)
+            if budget <= 0:
+                break
+            admitted, _ = self._admit(self.max_rows - len(batch), wait=False)
+            if not admitted:
+                break
+        self.timing.prefill_s += time.perf_counter() - start
 
     def _loop(self) -> None:
         batch, sink = None, _Sink(self)
@@ -162,15 +224,19 @@ class Worker:
                 call()
             if batch is None and (admitted or self.running):
                 batch = self.model.decoding_batch()
-            for job, i in admitted:
-                batch.add((job, i), job.rows[i])
-            if batch is None or not len(batch):
+            if batch is None or not (admitted or len(batch)):
                 continue
             try:
-                self.model.advance(batch, sink, self.max_tokens)
+                if admitted or batch.queued:
+                    self._prefill(batch, sink, admitted)
+                if len(batch.live):
+                    start = time.perf_counter()
+                    self.model.step(batch, sink)
+                    self.timing.step_s += time.perf_counter() - start
             except Exception as e:  # noqa: BLE001 - every job in the batch hears of it, the thread goes on
                 for job in {id(job): job for job, _ in batch.keys()}.values():
                     job.put(("error", e))
                 batch = None
             self.running = len(batch) if batch is not None else 0
             self.batches += 1
+            self.timing.rounds += 1
