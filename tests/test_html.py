@@ -51,9 +51,10 @@ def test_view_matches_the_score(loaded):
     s = score_text(loaded, TEXT, alternatives=5)
     view = score_view(s)
     assert len(view["tokens"]) == len(s.ids)
-    for i, (tid, piece, token, rank, logprob, entropy, alts) in enumerate(view["tokens"]):
+    for i, (tid, piece, token, rank, logprob, entropy, varentropy, margin, alts) in enumerate(view["tokens"]):
         t = s.token(i)
         assert (tid, rank, logprob, entropy) == (t.id, t.rank, t.logprob, t.entropy)
+        assert (varentropy, margin) == (t.varentropy, t.margin)  # the hover's figures: score --json's
         assert [a[0] for a in alts] == ([] if not t.scored else s.alt_ids[i].tolist())
     assert "".join(token_pieces(s)) == safe_text(TEXT, keep="\n\t")
     assert [b["count"] for b in view["buckets"]] == s.bucket_counts()

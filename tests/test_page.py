@@ -246,6 +246,7 @@ def test_tooltip_on_hover_and_keyboard_and_the_strip(browser, served, tiny, tmp_
     tip = tip_text(browser)
     assert f"rank {t['rank']:,}" in tip and f"logprob {t['logprob']:.3f}" in tip
     assert f"surprisal {t['surprisal_bits']:.2f} bits" in tip and f"entropy {t['entropy']:.3f} nats" in tip
+    assert f"varentropy {t['varentropy']:.3f} nats\u00b2 \u00b7 margin {t['margin']:.3f} nats" in tip
     rows = browser.execute_script("return Array.from(document.querySelectorAll('.tip tr'))"
                                   ".map(r => r.firstChild.textContent)")
     assert len(rows) == 5 and rows[0] == show_token(t["top_token"])  # the top-k, the model's top-1 first

@@ -146,16 +146,19 @@
         tip.appendChild(el("div", null, "surprisal " + fixed(-r[4] / LN2, 2) + " bits \u00b7 logprob " +
           fixed(r[4], 3)));
         tip.appendChild(el("div", null, "entropy " + fixed(r[5], 3) + " nats (" + fixed(r[5] / LN2, 2) + " bits)"));
-        if (r[6].length) {
+        tip.appendChild(el("div", null, "varentropy " + fixed(r[6], 3) + " nats\u00b2 \u00b7 margin " +
+          (r[7] === null ? "n/a (one token possible)" : fixed(r[7], 3) + " nats")));
+        var alts = r[8];
+        if (alts.length) {
           var tb = el("table");
-          tb.appendChild(el("caption", null, "the model's top " + r[6].length + " here"));
-          r[6].forEach(function (a) {
+          tb.appendChild(el("caption", null, "the model's top " + alts.length + " here"));
+          alts.forEach(function (a) {
             var tr = el("tr", a[0] === r[0] ? "chosen" : null);
             tr.appendChild(el("td", "tokcell", a[1]));
             tr.appendChild(el("td", "num", pct(Math.exp(a[2]))));
             var bar = el("td");
             var b = el("span", "bar");
-            b.style.width = Math.max(1, Math.round(80 * Math.exp(a[2] - r[6][0][2]))) + "px";  // against the top one
+            b.style.width = Math.max(1, Math.round(80 * Math.exp(a[2] - alts[0][2]))) + "px";  // against the top one
             bar.appendChild(b);
             tr.appendChild(bar);
             tb.appendChild(tr);
