@@ -223,3 +223,73 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens_and_says_how_man
     assert lens.position == 15
     full = lens_prompt(load_model(str(folder), device="cpu"), " ".join(f"w{i}" for i in range(3)))
     assert full.truncated == 0
+
+
+# ---- the position map: every layer's top token at every prompt position ---------------------------------
+
+def reference_grid(model, ids) -> list[torch.Tensor]:
+    """log-probabilities (T, V) float64 per layer at every position, from transformers' hidden states
+    (the last block's raw output from a hook), each through ln_f and the tied lm_head."""
+    raw = {}
+    hook = model.transformer.h[-1].register_forward_hook(
+        lambda _m, _i, out: raw.setdefault("x", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # the tied head
+    with torch.no_grad():
+        return [torch.log_softmax(model.lm_head(model.transformer.ln_f(x[0])).double(), -1)
+                for x in list(out.hidden_states[:-1]) + [raw["x"]]]
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_the_position_map_is_each_layers_top_token_at_each_position(ckpt, engine):
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    lens = lens_prompt(loaded, PROMPT, position=2)
+    ref = reference_grid(model, PROMPT_IDS)
+    assert lens.grid_start == 0 and len(lens.grid) == N_LAYER + 1
+    for row, theirs in zip(lens.grid, ref):
+        assert len(row) == len(PROMPT_IDS)
+        for p, cell in enumerate(row):
+            assert_rank(1, theirs[p], cell.id)  # the top-1 (a near-tie may go either way: assert_rank allows it)
+            assert cell.prob == pytest.approx(float(theirs[p].max().exp()), abs=1e-6)
+            assert cell.token == loaded.tokenizer.token_text(cell.id)
+    # the column read is the layers' own rows
+    assert [row[2].id for row in lens.grid] == [layer.top_id for layer in lens.layers]
+
+
+def test_the_position_map_is_bounded_and_holds_the_position_read(ckpt, monkeypatch):
+    """At most GRID_POSITIONS columns, ending at the position read (or from the prompt's start); the head
+    runs on at most the chunk's positions at a time, whatever the prompt's length."""
+    from lmhead_cli.readings import lens as lens_module
+
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu")
+    prompt = " ".join(["the keys on the table"] * 20)  # 100 tokens
+    T = len(loaded.tokenizer.encode(prompt))
+    widest = []
+    head = loaded.engine.head
+    monkeypatch.setattr(loaded.engine, "head", lambda h: widest.append(h.shape[1]) or head(h))
+    monkeypatch.setattr(lens_module, "default_chunk", lambda vocab, buffers: 7)
+    for position, start in ((-1, T - 64), (70, 70 - 63), (10, 0)):
+        lens = lens_prompt(loaded, prompt, position=position)
+        assert lens.grid_start == start and all(len(row) == 64 for row in lens.grid)
+        assert start <= lens.position < start + 64
+        ref = reference_grid(model, [t.id for t in lens.prompt_tokens])
+        for row, theirs in zip(lens.grid, ref):
+            assert [c.prob for c in row] == pytest.approx(theirs[start:start + 64].max(-1).values.exp().tolist(),
+                                                          abs=1e-6)
+    assert max(widest) == 7
+
+
+def test_cli_json_has_the_position_map(ckpt):
+    folder, _ = ckpt
+    got = cli("lens", PROMPT, "--model", str(folder), "--json")
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    assert doc["grid_start"] == 0 and len(doc["grid"]) == len(doc["layers"])
+    assert all(list(cell) == ["id", "token", "prob"] for row in doc["grid"] for cell in row)
+    assert [row[-1]["id"] for row in doc["grid"]] == [layer["top_id"] for layer in doc["layers"]]

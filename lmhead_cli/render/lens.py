@@ -29,6 +29,8 @@ def lens_json(lens) -> dict:
         "norm": lens.norm,
         "tied": lens.tied,
         "tuned_lens": lens.tuned_lens,
+        "grid_start": lens.grid_start,
+        "grid": [[asdict(cell) for cell in row] for row in lens.grid],
     }
 
 
