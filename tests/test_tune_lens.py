@@ -309,6 +309,18 @@ def test_tune_lens_bad_input_is_one_line(tiny, args, message):
     assert len(lines) == 1 and message in lines[0], lines
 
 
+def test_tune_lens_on_a_model_with_nan_weights_is_one_line_and_writes_nothing(tiny, tmp_path):
+    from helpers import nan_checkpoint
+
+    out = tmp_path / "lens.safetensors"
+    r = cli("tune-lens", "The keys on the table are here and there", "--out", str(out), "--steps", "2", "--batch",
+            "1", "--seq", "4", "--model", str(nan_checkpoint(tiny[0], tmp_path)))
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("lmhead: error: the head produced") and "non-finite logits" in lines[-1]
+    assert not out.exists()
+
+
 # ---- the shipped lens ------------------------------------------------------------------------------------
 
 def test_the_bundled_lens_beats_the_logit_lens_on_held_out_text():
