@@ -293,3 +293,27 @@ def test_cli_json_has_the_position_map(ckpt):
     assert doc["grid_start"] == 0 and len(doc["grid"]) == len(doc["layers"])
     assert all(list(cell) == ["id", "token", "prob"] for row in doc["grid"] for cell in row)
     assert [row[-1]["id"] for row in doc["grid"]] == [layer["top_id"] for layer in doc["layers"]]
+
+
+def test_cli_grid_shows_the_position_maps_cells(ckpt, monkeypatch):
+    """lens --grid: a row per layer, a column per prompt position (as many as fit, ending at the position
+    read), each cell the `grid` cell of --json: its shade of the probability and its token."""
+    from lmhead_cli.render import show_token
+    from lmhead_cli.render.lens import GRID_CELL, SHADES
+
+    def cut(text: str) -> str:  # a cell wider than the column ends in …
+        return text if len(text) <= GRID_CELL else text[:GRID_CELL - 1] + "…"
+
+    monkeypatch.setenv("COLUMNS", "200")
+    folder, _ = ckpt
+    doc = json.loads(cli("lens", PROMPT, "--model", str(folder), "--json").stdout)
+    got = cli("lens", PROMPT, "--grid", "--model", str(folder))
+    assert got.exit_code == 0, got.output
+    lines = got.stdout.splitlines()
+    rows = [ln.split() for ln in lines if ln.startswith(("embeddings", "block "))]
+    assert len(rows) == len(doc["grid"]) == N_LAYER + 1
+    for cells, want in zip(rows, doc["grid"]):
+        cells = cells[2:] if cells[0] == "block" else cells[1:]
+        level = [min(len(SHADES) - 1, int(c["prob"] * len(SHADES))) for c in want]
+        assert cells == [cut((SHADES[lv] if lv else "·") + show_token(c["token"])) for lv, c in zip(level, want)]
+    assert cli("lens", PROMPT, "--grid", "--heat", "--model", str(folder)).exit_code == 2
