@@ -22,9 +22,10 @@ def ckpt(tmp_path_factory):
     return with_ln_f(tmp_path_factory.mktemp("lens"), seed=3, n_layer=N_LAYER)
 
 
-def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
-    """Logits (V,) per layer the way transformers computes them: hidden_states[:-1] are the raw residual
-    stream; the last entry has ln_f applied already, so the last block's raw output comes from a hook."""
+def reference_residuals(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
+    """The raw residual stream (1, T, D) after the embeddings and each block, as transformers has it:
+    hidden_states[:-1]; the last entry has ln_f applied already, so the last block's raw output comes
+    from a hook."""
     raw = {}
     hook = model.transformer.h[-1].register_forward_hook(
         lambda _m, _i, out: raw.setdefault("x", out[0] if isinstance(out, tuple) else out))
@@ -33,10 +34,15 @@ def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
             out = model(torch.tensor([ids]), output_hidden_states=True)
     finally:
         hook.remove()
-    resid = list(out.hidden_states[:-1]) + [raw["x"]]
     with torch.no_grad():
         torch.testing.assert_close(model.transformer.ln_f(raw["x"]), out.hidden_states[-1])  # the hook is right
-        return [model.lm_head(model.transformer.ln_f(x[0, -1])) for x in resid]
+    return list(out.hidden_states[:-1]) + [raw["x"]]
+
+
+def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
+    """Logits (V,) per layer at the last position the way transformers computes them: ln_f, lm_head."""
+    with torch.no_grad():
+        return [model.lm_head(model.transformer.ln_f(x[0, -1])) for x in reference_residuals(model, ids)]
 
 
 @pytest.mark.parametrize("engine", ["lean", "transformers"])
@@ -228,20 +234,12 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens_and_says_how_man
 # ---- the position map: every layer's top token at every prompt position ---------------------------------
 
 def reference_grid(model, ids) -> list[torch.Tensor]:
-    """log-probabilities (T, V) float64 per layer at every position, from transformers' hidden states
-    (the last block's raw output from a hook), each through ln_f and the tied lm_head."""
-    raw = {}
-    hook = model.transformer.h[-1].register_forward_hook(
-        lambda _m, _i, out: raw.setdefault("x", out[0] if isinstance(out, tuple) else out))
-    try:
-        with torch.no_grad():
-            out = model(torch.tensor([ids]), output_hidden_states=True)
-    finally:
-        hook.remove()
+    """log-probabilities (T, V) float64 per layer at every position, from transformers' residual stream
+    through ln_f and the tied lm_head."""
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # the tied head
     with torch.no_grad():
         return [torch.log_softmax(model.lm_head(model.transformer.ln_f(x[0])).double(), -1)
-                for x in list(out.hidden_states[:-1]) + [raw["x"]]]
+                for x in reference_residuals(model, ids)]
 
 
 @pytest.mark.parametrize("engine", ["lean", "transformers"])

@@ -385,7 +385,7 @@
       var row = el("div", "diagrams");
       doc.svg.forEach(function (text) {
         var svg = new DOMParser().parseFromString(text, "image/svg+xml").documentElement;
-        if (svg.namespaceURI === "http://www.w3.org/2000/svg" && svg.localName === "svg") {
+        if (svg instanceof SVGSVGElement) {  // only an <svg> root goes in the page
           row.appendChild(document.importNode(svg, true));
         }
       });
