@@ -203,6 +203,19 @@ def test_a_float_lens_reads_the_same_model_loaded_in_int8(tmp_path, ckpt):
     assert [row["kl_to_final"] for row in json.loads(r.stdout)["layers"]] == [row.kl_to_final for row in got.layers]
 
 
+def test_a_lens_trained_on_the_int8_load_reads_the_float_model_and_not_another(tmp_path, ckpt):
+    folder, _ = ckpt
+    int8 = load_model(str(folder), device="cpu", dtype="int8")
+    lens = tune_lens(int8, TextSource("The keys on the table are mine. " * 5), TuneSettings(steps=1, batch=1, seq=8)).lens
+    path = save_lens(lens, tmp_path / "lens.safetensors")
+    assert load_lens(load_model(str(folder), device="cpu"), path).identity == lens.identity  # the same codes
+    assert load_lens(int8, path).identity == lens.identity
+    other = tmp_path / "other"
+    build_checkpoint(other, n_layer=N_LAYER, seed=99)
+    r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(other))
+    assert r.exit_code == 1 and "whose embedding table is not" in r.stderr
+
+
 def test_an_int8_model_refuses_a_lens_it_cannot_check_naming_why(tmp_path, ckpt):
     """A lens file without the int8 codes' fingerprint (an older file) cannot be checked against int8
     weights: one line that says so, not "other weights"; another model's lens is still another model's."""

@@ -6,9 +6,10 @@ Each layer's residual vector at the last position goes through the model's own f
 the head. The last row is then `ln_f(x_L)` through the head: exactly `inspect`'s logits.
 
 The same forward also gives the position map: every layer's top-1 token and its probability at each
-of up to GRID_POSITIONS prompt positions around the one read (rows = layers, columns = positions). The
-head runs on GRID_CHUNK positions at a time, so its memory is (GRID_CHUNK, V), and what is kept is one
-id and one probability a cell, never a (positions, V) table.
+of up to GRID_POSITIONS prompt positions ending at the one read (rows = layers, columns = positions).
+The head runs on a chunk of positions at a time (readings/chunks.py: GRID_BUFFERS float32 (chunk, V)
+buffers within its budget), and what is kept is one id and one probability a cell, never a
+(positions, V) table.
 """
 
 from __future__ import annotations

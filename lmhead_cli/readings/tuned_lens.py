@@ -105,13 +105,14 @@ def is_int8(engine) -> bool:
     return not engine.embedding_weight.is_floating_point()
 
 
-def identity_of(loaded: Loaded, int8: bool = True) -> Identity:
-    """The identity of the loaded model, as a lens file records it (`int8`: with the int8 codes'
-    fingerprint, which a check needs only when the other one differs)."""
+def identity_of(loaded: Loaded, fingerprints: bool = True) -> Identity:
+    """The identity of the loaded model, as a lens file records it (without `fingerprints`: its shape
+    only, the two fingerprints empty)."""
     eng = loaded.engine
     return Identity(model=loaded.source, architecture=str(loaded.config.get("model_type") or eng.name),
                     n_layer=eng.n_layer, d_model=int(eng.head_weight.shape[1]), vocab=eng.vocab_size,
-                    embedding=embedding_fingerprint(eng), embedding_int8=int8_fingerprint(eng) if int8 else None)
+                    embedding=embedding_fingerprint(eng) if fingerprints else "",
+                    embedding_int8=int8_fingerprint(eng) if fingerprints else None)
 
 
 def check_readable(loaded: Loaded) -> None:
@@ -223,21 +224,23 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
 def check_lens(loaded: Loaded, lens: TunedLens) -> TunedLens:
     """`lens`, if it was trained for the loaded model; WrongLens naming both otherwise."""
     check_readable(loaded)
-    mine = identity_of(loaded, int8=False)
+    mine = identity_of(loaded, fingerprints=False)
     theirs = lens.identity
     same_shape = (theirs.architecture, theirs.n_layer, theirs.d_model, theirs.vocab) == \
         (mine.architecture, mine.n_layer, mine.d_model, mine.vocab)
     if not same_shape:
         raise WrongLens(f"the tuned lens {lens.name} is for {theirs.describe()}; this model is {mine.describe()}")
-    if theirs.embedding == mine.embedding:
-        return lens
-    # An int8 load's table is the float table's codes: the same model, compared code for code.
-    if theirs.embedding_int8 is not None and theirs.embedding_int8 == int8_fingerprint(loaded.engine):
-        return lens
-    if is_int8(loaded.engine) and theirs.embedding_int8 is None:
-        raise WrongLens(f"the tuned lens {lens.name} records no fingerprint of its model's int8 codes (it was "
-                        f"written by an older lmhead), so it cannot be checked against {mine.model} in int8: "
-                        "load the model in float32, or write the lens again with lmhead tune-lens")
+    eng = loaded.engine
+    if is_int8(eng):  # its table is codes: compared code for code with the lens's model quantised alike
+        if theirs.embedding_int8 is None:
+            raise WrongLens(f"the tuned lens {lens.name} records no fingerprint of its model's int8 codes (it "
+                            f"was written by an older lmhead), so it cannot be checked against {mine.model} in "
+                            "int8: load the model in float32, or write the lens again with lmhead tune-lens")
+        if theirs.embedding_int8 == int8_fingerprint(eng):
+            return lens
+    elif theirs.embedding == embedding_fingerprint(eng) or (
+            theirs.embedding_int8 is not None and theirs.embedding_int8 == int8_fingerprint(eng)):
+        return lens  # the same table, or (a lens trained on the int8 load) the same codes
     raise WrongLens(f"the tuned lens {lens.name} is for {theirs.model}, whose embedding table is not "
                     f"{mine.model}'s (same shape, other weights)")
 
