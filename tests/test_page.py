@@ -374,6 +374,10 @@ def test_calibration_of_the_pages_text(browser, served, tiny):
         ("http://www.w3.org/2000/svg", f"at T = {doc['temperature']:.3f}: ECE {doc['ece_at_temperature']:.4f}")]
     bars = [f"({b['lo']:.3f}, {b['hi']:.3f}]: {b['count']:,} positions, confidence {b['confidence']:.4f}, "
             f"accuracy {b['accuracy']:.4f}" for b in doc["bins"] if b["count"]]
+    # drawn as the SVG says: the page's own styles (its .bar) must not resize the diagram's bars
+    heights = browser.execute_script("return Array.from(document.querySelectorAll('#calibrate-view rect.bar'))"
+                                     ".map(r => [r.getBBox().height, parseFloat(r.getAttribute('height'))])")
+    assert heights and all(abs(drawn - said) < 0.01 for drawn, said in heights), heights
     assert svgs[0][2] == bars and len(bars) >= 1  # (a random model is sure of nothing: its bins are the lowest)
     rows = browser.execute_script("return Array.from(document.querySelectorAll('#calibrate-view table.bins tr[data-count]'))"
                                   ".map(r => Array.from(r.children).map(c => c.textContent))")
