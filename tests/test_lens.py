@@ -260,7 +260,7 @@ def test_the_position_map_is_each_layers_top_token_at_each_position(ckpt, engine
 
 
 def test_the_position_map_is_bounded_and_holds_the_position_read(ckpt, monkeypatch):
-    """At most GRID_POSITIONS columns, ending at the position read (or from the prompt's start); the head
+    """At most GRID_POSITIONS (32) columns, ending at the position read (or from the prompt's start); the head
     runs on at most the chunk's positions at a time, whatever the prompt's length."""
     from lmhead_cli.readings import lens as lens_module
 
@@ -272,13 +272,14 @@ def test_the_position_map_is_bounded_and_holds_the_position_read(ckpt, monkeypat
     head = loaded.engine.head
     monkeypatch.setattr(loaded.engine, "head", lambda h: widest.append(h.shape[1]) or head(h))
     monkeypatch.setattr(lens_module, "default_chunk", lambda vocab, buffers: 7)
-    for position, start in ((-1, T - 64), (70, 70 - 63), (10, 0)):
+    W = lens_module.GRID_POSITIONS
+    for position, start in ((-1, T - W), (70, 70 - W + 1), (10, 0)):
         lens = lens_prompt(loaded, prompt, position=position)
-        assert lens.grid_start == start and all(len(row) == 64 for row in lens.grid)
-        assert start <= lens.position < start + 64
+        assert lens.grid_start == start and all(len(row) == W for row in lens.grid)
+        assert start <= lens.position < start + W
         ref = reference_grid(model, [t.id for t in lens.prompt_tokens])
         for row, theirs in zip(lens.grid, ref):
-            assert [c.prob for c in row] == pytest.approx(theirs[start:start + 64].max(-1).values.exp().tolist(),
+            assert [c.prob for c in row] == pytest.approx(theirs[start:start + W].max(-1).values.exp().tolist(),
                                                           abs=1e-6)
     assert max(widest) == 7
 
@@ -315,3 +316,30 @@ def test_cli_grid_shows_the_position_maps_cells(ckpt, monkeypatch):
         level = [min(len(SHADES) - 1, int(c["prob"] * len(SHADES))) for c in want]
         assert cells == [cut((SHADES[lv] if lv else "·") + show_token(c["token"])) for lv, c in zip(level, want)]
     assert cli("lens", PROMPT, "--grid", "--heat", "--model", str(folder)).exit_code == 2
+
+
+def test_the_position_map_is_made_only_where_it_is_shown(ckpt, monkeypatch):
+    """The map costs the head at every position it shows: grid=False (the terminal's table and heat map)
+    runs the head at the position read only, and the document says the map is absent (null)."""
+    import lmhead_cli
+
+    folder, _ = ckpt
+    m = lmhead_cli.load(str(folder), device="cpu")
+    doc = m.lens(PROMPT, grid=False).to_dict()
+    assert doc["grid"] is None and doc["grid_start"] is None
+    assert m.lens(PROMPT).to_dict()["layers"] == doc["layers"]  # the rows are the same either way
+    rows = []
+    head = m.loaded.engine.head
+    monkeypatch.setattr(m.loaded.engine, "head", lambda h: rows.append(h.shape[1]) or head(h))
+    m.lens(PROMPT, grid=False)
+    assert rows == [1] * (N_LAYER + 1)
+    assert "no position map" in m.lens(PROMPT, grid=False)._repr_html_()
+    # the command asks for it where it shows it: --json and --grid, not the table or the heat map
+    from lmhead_cli.api.model import Model
+
+    asked = []
+    lens = Model.lens
+    monkeypatch.setattr(Model, "lens", lambda self, *a, **k: asked.append(k["grid"]) or lens(self, *a, **k))
+    for flags in ((), ("--heat",), ("--json",), ("--grid",)):
+        assert cli("lens", PROMPT, *flags, "--model", str(folder)).exit_code == 0
+    assert asked == [False, False, True, True]

@@ -54,7 +54,8 @@ def lens_cmd(
     if heat and grid:
         raise UsageError("give --heat or --grid, not both")
     model = source.load()
-    result = model.lens(prompt, position, target or (), top_k, tuned=tuned)
+    # the position map costs the head at up to 32 positions: made only where it is shown
+    result = model.lens(prompt, position, target or (), top_k, tuned=tuned, grid=json_out or grid)
     render.truncated(len(result.prompt_tokens), result.truncated, model.n_ctx)
     if json_out:
         render.print_json(result.to_dict())

@@ -25,7 +25,7 @@ from lmhead_cli.readings.chunks import default_chunk
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
 
-GRID_POSITIONS = 64  # the position map's most columns: the positions up to the one read (and after it, to fill)
+GRID_POSITIONS = 32  # the position map's most columns: the positions up to the one read (and after it, to fill)
 GRID_BUFFERS = 2  # a chunk's float32 logits and its log-sum-exp's temporary
 
 
@@ -84,9 +84,9 @@ class Lens:
     tuned_lens: str | None = None  # the tuned lens read beside the logit lens: its file, and whose it is
     tuned_logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, (V,) float32
     # The position map: grid[layer][j] is that layer's top-1 at prompt position grid_start + j (the
-    # logit lens, through the same norm and head); rows = layers, embeddings first.
-    grid_start: int = 0
-    grid: list[list[GridCell]] = field(default_factory=list)
+    # logit lens, through the same norm and head); rows = layers, embeddings first. None: not asked for.
+    grid_start: int | None = None
+    grid: list[list[GridCell]] | None = None
 
 
 def check_position(position: int | None, T: int) -> int:
@@ -156,7 +156,7 @@ def layer_readings(loaded: Loaded, ids: list[int], position: int = -1, tuned=Non
 
 
 def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, columns: int = 8,
-                position: int | None = None, tuned=None) -> Lens:
+                position: int | None = None, tuned=None, grid: bool = True) -> Lens:
     """Run the logit lens on `prompt` at `position` (None: the last; what comes after that token);
     `columns` of the last layer's top tokens go into the heat map. With `tuned` (a TunedLens checked
     against this model), each layer is also read through its translator."""
@@ -165,7 +165,7 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
     k = clamp_top_k(columns, loaded.engine.vocab_size)
     text = loaded.tokenizer.token_text
     target_ids = encode_targets(loaded.tokenizer, targets)
-    span = grid_span(at, len(ids))
+    span = grid_span(at, len(ids)) if grid else None
     per_layer, per_layer_tuned, per_layer_grid = layer_readings(loaded, ids, at, tuned, span)
 
     layers = []
@@ -193,11 +193,12 @@ def lens_prompt(loaded: Loaded, prompt: str, targets: list[str] | None = None, c
         if tid[0] not in col_ids:
             col_ids.append(tid[0])
     probs = torch.stack([d.logprobs for d in dists]).exp()[:, col_ids]  # (layers, columns)
-    grid = [[GridCell(i, text(i), p) for i, p in zip(top.tolist(), prob.tolist())] for top, prob in per_layer_grid]
+    cells = [[GridCell(i, text(i), p) for i, p in zip(top.tolist(), prob.tolist())] for top, prob in per_layer_grid]
     return Lens(model=loaded.source, random_weights=loaded.random_weights,
                 prompt_tokens=[PromptToken(i, text(i)) for i in ids], truncated=dropped, position=at, layers=layers,
                 columns=[PromptToken(i, text(i)) for i in col_ids], heat=probs.tolist(), top_columns=n_top,
                 peak=float(probs.max()), norm=module_name(loaded.engine.module, loaded.engine.final_norm_module),
                 tied=loaded.tie.tied,
                 logits=per_layer, tuned_lens=None if tuned is None else f"{tuned.name} (for {tuned.identity.model})",
-                tuned_logits=per_layer_tuned, grid_start=span.start, grid=grid)
+                tuned_logits=per_layer_tuned, grid_start=None if span is None else span.start,
+                grid=None if span is None else cells)

@@ -31,7 +31,7 @@ def lens_json(lens) -> dict:
         "tied": lens.tied,
         "tuned_lens": lens.tuned_lens,
         "grid_start": lens.grid_start,
-        "grid": [[asdict(cell) for cell in row] for row in lens.grid],
+        "grid": None if lens.grid is None else [[asdict(cell) for cell in row] for row in lens.grid],
     }
 
 

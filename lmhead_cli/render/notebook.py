@@ -126,7 +126,7 @@ def lens_html(doc: dict) -> str:
     """`lens`: the position map, a row per layer (embeddings first) and a column per prompt position
     (`grid_start` on), each cell that layer's top token there, shaded by its probability, the exact
     figure on hover; the column of the position read is marked. Then the layers' rows at that position."""
-    start, at = doc["grid_start"], doc["position"]
+    start, at = doc["grid_start"] or 0, doc["position"]
     prompt = doc["prompt_tokens"]
     width = len(doc["grid"][0]) if doc["grid"] else 0
     cols = range(start, start + width)
@@ -134,7 +134,7 @@ def lens_html(doc: dict) -> str:
     head = "".join(f"<th style='{LEFT};{MONO}{';' + edge if p == at else ''}' title='position {p}, id "
                    f"{prompt[p]['id']}'>{html.escape(show_token(prompt[p]['text']), quote=True)}</th>" for p in cols)
     rows = []
-    for layer, cells in zip(doc["layers"], doc["grid"]):
+    for layer, cells in zip(doc["layers"], doc["grid"] or []):
         tds = []
         for p, c in zip(cols, cells):
             tip = esc(f"{layer_label(layer['layer'])}, after {show_token(prompt[p]['text'])} (position {p}): "
@@ -155,9 +155,10 @@ def lens_html(doc: dict) -> str:
                   + (["tuned top", "KL tuned"] if doc.get("tuned_lens") else [])
                   + [f"{show_token(t['token'])} prob" for t in targets])
     shown = f"positions {start} to {start + width - 1} of {len(prompt)}" if width < len(prompt) else "every position"
-    return (f"<div class='lmhead-lens'>{_head(doc, 'lens')}<p>{_prompt(prompt)}</p>"
-            f"<p>each layer's top token after each prompt token ({shown}), through {esc(doc['norm'])} and the "
-            f"head; shade: its probability</p>{grid}"
+    about = (f"<p>each layer's top token after each prompt token ({shown}), through {esc(doc['norm'])} and the "
+             f"head; shade: its probability</p>{grid}" if doc["grid"] is not None else
+             "<p>(no position map: lens(..., grid=True) adds it)</p>")
+    return (f"<div class='lmhead-lens'>{_head(doc, 'lens')}<p>{_prompt(prompt)}</p>{about}"
             f"<p>at position {at}, after {tok(prompt[at]['text'])}:</p>{_table(layer_head, layer_rows)}</div>")
 
 
