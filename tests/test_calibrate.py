@@ -196,3 +196,16 @@ def test_the_bin_of_a_confidence_is_lo_exclusive_hi_inclusive():
     bins, ece, brier = reliability(torch.tensor([0.9, 0.9, 0.2]), torch.tensor([True, False, False]))
     assert (bins[13].count, bins[13].confidence, bins[13].accuracy) == (2, pytest.approx(0.9), 0.5)
     assert ece == pytest.approx((2 * 0.4 + 0.2) / 3) and brier == pytest.approx((0.01 + 0.81 + 0.04) / 3)
+
+
+@pytest.mark.parametrize("args,stdin", [(["Hello"], None), ([""], None), (["-"], "x" * 200), (["-"], "Hello\n")])
+def test_calibrate_refuses_what_score_refuses_word_for_word(args, stdin, monkeypatch):
+    """A text of fewer than 2 tokens, an empty one, one over the size limit: score's own line and exit code."""
+    from lmhead_cli import inputs
+
+    monkeypatch.setattr(inputs, "MAX_STDIN_BYTES", 100)
+    score = cli("score", *args, "--model", "bundled:tiny", input=stdin)
+    got = cli("calibrate", *args, "--model", "bundled:tiny", input=stdin)
+    assert got.exit_code == score.exit_code == 2
+    same = got.stderr.replace("lmhead calibrate", "lmhead score")  # an example names its own command
+    assert same == score.stderr and got.stderr.count("\n") == 1, (got.stderr, score.stderr)

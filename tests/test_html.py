@@ -51,9 +51,10 @@ def test_view_matches_the_score(loaded):
     s = score_text(loaded, TEXT, alternatives=5)
     view = score_view(s)
     assert len(view["tokens"]) == len(s.ids)
-    for i, (tid, piece, token, rank, logprob, entropy, alts) in enumerate(view["tokens"]):
+    for i, (tid, piece, token, rank, logprob, entropy, varentropy, margin, alts) in enumerate(view["tokens"]):
         t = s.token(i)
         assert (tid, rank, logprob, entropy) == (t.id, t.rank, t.logprob, t.entropy)
+        assert (varentropy, margin) == (t.varentropy, t.margin)  # the hover's figures: score --json's
         assert [a[0] for a in alts] == ([] if not t.scored else s.alt_ids[i].tolist())
     assert "".join(token_pieces(s)) == safe_text(TEXT, keep="\n\t")
     assert [b["count"] for b in view["buckets"]] == s.bucket_counts()
@@ -243,3 +244,37 @@ def test_model_error_is_an_answer(tiny, tmp_path):
     app.include_router(router(lmhead_cli.load(str(nan_checkpoint(tiny[0], tmp_path)), threads=1)))
     got = TestClient(app).post("/api/score", json={"text": "The keys on the table"})
     assert got.status_code == 500 and "non-finite" in got.json()["error"]["message"]
+
+
+def test_calibrate_route_is_calibrates_figures_and_its_html_diagrams(client, tiny):
+    """/api/calibrate: calibrate's own figures and bins (`calibrate --json`, computed here through the
+    API), and the two reliability diagrams that `calibrate --html` draws, as SVG text."""
+    import lmhead_cli
+    from lmhead_cli.render.calibrate import diagrams
+
+    text = "The keys on the table are on the table. The keys on the table are here, and the dog is asleep."
+    got = client.post("/api/calibrate", json={"text": text})
+    assert got.status_code == 200, got.text
+    view = got.json()
+    result = lmhead_cli.load(str(tiny[0]), threads=1).calibrate(text)
+    doc = result.to_dict()
+    for key in ("positions", "bins", "ece", "brier", "nll", "temperature", "ece_at_temperature", "nll_at_temperature"):
+        assert view[key] == doc[key], key
+    assert view["svg"] == diagrams(result.reading) and len(view["svg"]) == 2
+    assert all(svg in result.to_html() for svg in view["svg"])  # the --html page's very diagrams
+    for b in doc["bins"]:
+        if b["count"]:
+            assert (f"({b['lo']:.3f}, {b['hi']:.3f}]: {b['count']:,} positions, confidence {b['confidence']:.4f}, "
+                    f"accuracy {b['accuracy']:.4f}") in view["svg"][0]
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ({"text": "x"}, 400, "the text is one token ('x'), and the first token has nothing before it"),
+    ({"text": ""}, 400, "empty"),
+    ({"text": "ab " * 200_000}, 413, "the page scores at most"),
+    ({"text": 3}, 400, "text must be a string (got an integer)"),
+])
+def test_calibrate_route_refuses_as_score_does(client, body, status, message):
+    got = client.post("/api/calibrate", json=body)
+    assert got.status_code == status and message in got.json()["error"]["message"], got.text
+    assert got.json() == client.post("/api/score", json=body).json()  # the same refusal, word for word

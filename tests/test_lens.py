@@ -22,9 +22,10 @@ def ckpt(tmp_path_factory):
     return with_ln_f(tmp_path_factory.mktemp("lens"), seed=3, n_layer=N_LAYER)
 
 
-def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
-    """Logits (V,) per layer the way transformers computes them: hidden_states[:-1] are the raw residual
-    stream; the last entry has ln_f applied already, so the last block's raw output comes from a hook."""
+def reference_residuals(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
+    """The raw residual stream (1, T, D) after the embeddings and each block, as transformers has it:
+    hidden_states[:-1]; the last entry has ln_f applied already, so the last block's raw output comes
+    from a hook."""
     raw = {}
     hook = model.transformer.h[-1].register_forward_hook(
         lambda _m, _i, out: raw.setdefault("x", out[0] if isinstance(out, tuple) else out))
@@ -33,10 +34,15 @@ def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
             out = model(torch.tensor([ids]), output_hidden_states=True)
     finally:
         hook.remove()
-    resid = list(out.hidden_states[:-1]) + [raw["x"]]
     with torch.no_grad():
         torch.testing.assert_close(model.transformer.ln_f(raw["x"]), out.hidden_states[-1])  # the hook is right
-        return [model.lm_head(model.transformer.ln_f(x[0, -1])) for x in resid]
+    return list(out.hidden_states[:-1]) + [raw["x"]]
+
+
+def reference_rows(model, ids=PROMPT_IDS) -> list[torch.Tensor]:
+    """Logits (V,) per layer at the last position the way transformers computes them: ln_f, lm_head."""
+    with torch.no_grad():
+        return [model.lm_head(model.transformer.ln_f(x[0, -1])) for x in reference_residuals(model, ids)]
 
 
 @pytest.mark.parametrize("engine", ["lean", "transformers"])
@@ -223,3 +229,117 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens_and_says_how_man
     assert lens.position == 15
     full = lens_prompt(load_model(str(folder), device="cpu"), " ".join(f"w{i}" for i in range(3)))
     assert full.truncated == 0
+
+
+# ---- the position map: every layer's top token at every prompt position ---------------------------------
+
+def reference_grid(model, ids) -> list[torch.Tensor]:
+    """log-probabilities (T, V) float64 per layer at every position, from transformers' residual stream
+    through ln_f and the tied lm_head."""
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # the tied head
+    with torch.no_grad():
+        return [torch.log_softmax(model.lm_head(model.transformer.ln_f(x[0])).double(), -1)
+                for x in reference_residuals(model, ids)]
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_the_position_map_is_each_layers_top_token_at_each_position(ckpt, engine):
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu", engine=engine)
+    lens = lens_prompt(loaded, PROMPT, position=2)
+    ref = reference_grid(model, PROMPT_IDS)
+    assert lens.grid_start == 0 and len(lens.grid) == N_LAYER + 1
+    for row, theirs in zip(lens.grid, ref):
+        assert len(row) == len(PROMPT_IDS)
+        for p, cell in enumerate(row):
+            assert_rank(1, theirs[p], cell.id)  # the top-1 (a near-tie may go either way: assert_rank allows it)
+            assert cell.prob == pytest.approx(float(theirs[p].max().exp()), abs=1e-6)
+            assert cell.token == loaded.tokenizer.token_text(cell.id)
+    # the column read is the layers' own rows
+    assert [row[2].id for row in lens.grid] == [layer.top_id for layer in lens.layers]
+
+
+def test_the_position_map_is_bounded_and_holds_the_position_read(ckpt, monkeypatch):
+    """At most GRID_POSITIONS (32) columns, ending at the position read (or from the prompt's start); the head
+    runs on at most the chunk's positions at a time, whatever the prompt's length."""
+    from lmhead_cli.readings import lens as lens_module
+
+    folder, model = ckpt
+    loaded = load_model(str(folder), device="cpu")
+    prompt = " ".join(["the keys on the table"] * 20)  # 100 tokens
+    T = len(loaded.tokenizer.encode(prompt))
+    widest = []
+    head = loaded.engine.head
+    monkeypatch.setattr(loaded.engine, "head", lambda h: widest.append(h.shape[1]) or head(h))
+    monkeypatch.setattr(lens_module, "default_chunk", lambda vocab, buffers: 7)
+    W = lens_module.GRID_POSITIONS
+    for position, start in ((-1, T - W), (70, 70 - W + 1), (10, 0)):
+        lens = lens_prompt(loaded, prompt, position=position)
+        assert lens.grid_start == start and all(len(row) == W for row in lens.grid)
+        assert start <= lens.position < start + W
+        ref = reference_grid(model, [t.id for t in lens.prompt_tokens])
+        for row, theirs in zip(lens.grid, ref):
+            assert [c.prob for c in row] == pytest.approx(theirs[start:start + W].max(-1).values.exp().tolist(),
+                                                          abs=1e-6)
+    assert max(widest) == 7
+
+
+def test_cli_json_has_the_position_map(ckpt):
+    folder, _ = ckpt
+    got = cli("lens", PROMPT, "--model", str(folder), "--json")
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    assert doc["grid_start"] == 0 and len(doc["grid"]) == len(doc["layers"])
+    assert all(list(cell) == ["id", "token", "prob"] for row in doc["grid"] for cell in row)
+    assert [row[-1]["id"] for row in doc["grid"]] == [layer["top_id"] for layer in doc["layers"]]
+
+
+def test_cli_grid_shows_the_position_maps_cells(ckpt, monkeypatch):
+    """lens --grid: a row per layer, a column per prompt position (as many as fit, ending at the position
+    read), each cell the `grid` cell of --json: its shade of the probability and its token."""
+    from lmhead_cli.render import show_token
+    from lmhead_cli.render.lens import GRID_CELL, SHADES
+
+    def cut(text: str) -> str:  # a cell wider than the column ends in …
+        return text if len(text) <= GRID_CELL else text[:GRID_CELL - 1] + "…"
+
+    monkeypatch.setenv("COLUMNS", "200")
+    folder, _ = ckpt
+    doc = json.loads(cli("lens", PROMPT, "--model", str(folder), "--json").stdout)
+    got = cli("lens", PROMPT, "--grid", "--model", str(folder))
+    assert got.exit_code == 0, got.output
+    lines = got.stdout.splitlines()
+    rows = [ln.split() for ln in lines if ln.startswith(("embeddings", "block "))]
+    assert len(rows) == len(doc["grid"]) == N_LAYER + 1
+    for cells, want in zip(rows, doc["grid"]):
+        cells = cells[2:] if cells[0] == "block" else cells[1:]
+        level = [min(len(SHADES) - 1, int(c["prob"] * len(SHADES))) for c in want]
+        assert cells == [cut((SHADES[lv] if lv else "·") + show_token(c["token"])) for lv, c in zip(level, want)]
+    assert cli("lens", PROMPT, "--grid", "--heat", "--model", str(folder)).exit_code == 2
+
+
+def test_the_position_map_is_made_only_where_it_is_shown(ckpt, monkeypatch):
+    """The map costs the head at every position it shows: grid=False (the terminal's table and heat map)
+    runs the head at the position read only, and the document says the map is absent (null)."""
+    import lmhead_cli
+
+    folder, _ = ckpt
+    m = lmhead_cli.load(str(folder), device="cpu")
+    doc = m.lens(PROMPT, grid=False).to_dict()
+    assert doc["grid"] is None and doc["grid_start"] is None
+    assert m.lens(PROMPT).to_dict()["layers"] == doc["layers"]  # the rows are the same either way
+    rows = []
+    head = m.loaded.engine.head
+    monkeypatch.setattr(m.loaded.engine, "head", lambda h: rows.append(h.shape[1]) or head(h))
+    m.lens(PROMPT, grid=False)
+    assert rows == [1] * (N_LAYER + 1)
+    assert "no position map" in m.lens(PROMPT, grid=False)._repr_html_()
+    # the command asks for it where it shows it: --json and --grid, not the table or the heat map
+    from lmhead_cli.api.model import Model
+
+    asked = []
+    lens = Model.lens
+    monkeypatch.setattr(Model, "lens", lambda self, *a, **k: asked.append(k["grid"]) or lens(self, *a, **k))
+    for flags in ((), ("--heat",), ("--json",), ("--grid",)):
+        assert cli("lens", PROMPT, *flags, "--model", str(folder)).exit_code == 0
+    assert asked == [False, False, True, True]

@@ -202,3 +202,16 @@ def test_the_api_refuses_neuron_indices_that_are_not_integers(tiny, value):
     assert e.value.key == "neurons" and str(e.value).startswith("neurons must be a list of integers")
     assert [n.index for n in m.neurons(layer=0, neurons=(3, 1), top=2).neurons] == [3, 1]
 
+
+
+@pytest.mark.parametrize("args", [("--layer", "0"), ("--token", " on"), (PROMPT, "--target", " are")])
+def test_a_nan_weight_is_one_line_never_a_ranking_of_nans(tiny, tmp_path, args):
+    """A NaN in ln_f's γ makes every readout NaN: one line and exit 1, not a list of arbitrary tokens with
+    null values (--layer) or a crash (--token)."""
+    from helpers import nan_checkpoint
+
+    r = cli("neurons", *args, "--model", str(nan_checkpoint(tiny[0], tmp_path)), "--json")
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and ("non-finite" in lines[0] or "not finite" in lines[0]), lines
+    assert r.stdout == ""

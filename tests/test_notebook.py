@@ -1,5 +1,5 @@
 """Results in a real Jupyter kernel (nbclient): each result's `_repr_html_` is the reading's own picture
-(inspect's bars and targets, generate's text with each step on hover, diff's two sides, lens's heat map,
+(inspect's bars and targets, generate's text with each step on hover, diff's two sides, lens's layers × positions map,
 calibrate's diagram), holding the tokens and figures of its `to_dict()`, every text HTML-escaped.
 
 The kernel is this interpreter, through a kernel spec written in a temporary folder, so the test needs
@@ -117,16 +117,31 @@ def test_diff_shows_the_two_distributions_side_by_side(outputs):
     assert all(exact(doc[k]) in view for k in ("kl_ab", "kl_ba", "js", "tv"))
 
 
-def test_lens_shows_a_layer_by_token_heat_map(outputs):
+def test_lens_shows_a_layer_by_position_map_of_the_top_tokens(outputs):
+    """Rows = layers, columns = prompt positions; each cell the `grid` cell of to_dict(): that layer's
+    top token there, its exact probability on hover and as the shade; then the layers' rows at the
+    position read, with the target's probability."""
     doc, view = outputs["lens"]
     not_the_json_table(view)
-    rows = view.split("<tr>")[2:]  # after the header
-    assert len(rows) == len(doc["layers"])
-    for layer, row in zip(doc["layers"], rows):
+    grid = view[view.index("lmhead-lens-grid"):view.index("</table>")]
+    rows = grid.split("<tr>")[2:]  # after the header
+    assert len(rows) == len(doc["layers"]) == len(doc["grid"])
+    assert doc["grid_start"] == 0 and all(len(r) == len(doc["prompt_tokens"]) for r in doc["grid"])
+    for row, cells in zip(rows, doc["grid"]):
+        got = row.split("<td")[1:]
+        assert len(got) == len(cells)
+        for td, c in zip(got, cells):
+            assert f"data-id='{c['id']}' data-prob='{c['prob']!r}'" in td
+            assert f"background:rgba(72,120,208,{c['prob']:.3f})" in td and f">{shown(c['token'])}</td>" in td
+    header = grid.split("<tr>")[1]
+    assert [h.split(">", 1)[1].split("</th>")[0] for h in header.split("<th")[2:]] == \
+        [shown(t["text"]) for t in doc["prompt_tokens"]]
+    below = view[view.index("at position"):]
+    for layer, row in zip(doc["layers"], below.split("<tr>")[2:]):
         assert shown(layer["top_token"]) in row and exact(layer["top_prob"]) in row and exact(layer["entropy"]) in row
-        # the target's probability at this layer is a cell of the heat map
         assert all(exact(t["prob"]) in row for t in layer["targets"])
-    assert view.count("background:rgba(72,120,208,") >= len(doc["layers"]) * 4
+    # the column read: the last position, whose cells are the layers' rows
+    assert [cells[doc["position"]]["id"] for cells in doc["grid"]] == [layer["top_id"] for layer in doc["layers"]]
 
 
 def test_calibrate_shows_the_reliability_diagram(outputs):

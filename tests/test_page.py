@@ -246,6 +246,7 @@ def test_tooltip_on_hover_and_keyboard_and_the_strip(browser, served, tiny, tmp_
     tip = tip_text(browser)
     assert f"rank {t['rank']:,}" in tip and f"logprob {t['logprob']:.3f}" in tip
     assert f"surprisal {t['surprisal_bits']:.2f} bits" in tip and f"entropy {t['entropy']:.3f} nats" in tip
+    assert f"varentropy {t['varentropy']:.3f} nats\u00b2 \u00b7 margin {t['margin']:.3f} nats" in tip
     rows = browser.execute_script("return Array.from(document.querySelectorAll('.tip tr'))"
                                   ".map(r => r.firstChild.textContent)")
     assert len(rows) == 5 and rows[0] == show_token(t["top_token"])  # the top-k, the model's top-1 first
@@ -355,6 +356,43 @@ def test_diff_view(browser, served, tiny):
                                  ".map(d => Array.from(d.querySelectorAll('tr[data-token-id]')).map(r => "
                                  "+r.getAttribute('data-token-id')))")
     assert ids == [[t["id"] for t in doc["a"]["top"]], [t["id"] for t in doc["b"]["top"]]]
+
+
+def test_calibration_of_the_pages_text(browser, served, tiny):
+    """The Calibration button draws calibrate's two reliability diagrams (the SVG of `calibrate --html`) and
+    its figures for the text in the box: every bar's figures and every bin against `calibrate --json`."""
+    text = "The keys on the table are on the table. The keys on the table are here, and the dog is asleep."
+    doc = cli_json(["calibrate", text, "--model", str(tiny[0]), "--json"])
+    browser.get(served.url + "/")
+    browser.find_element("id", "score-text").send_keys(text)
+    assert start(browser, "calibrate", "calibrate-go") == "done"
+    svgs = browser.execute_script("return Array.from(document.querySelectorAll('#calibrate-view svg'))"
+                                  ".map(s => [s.namespaceURI, s.querySelector('title').textContent, "
+                                  "Array.from(s.querySelectorAll('rect.bar title')).map(t => t.textContent)])")
+    assert [(ns, title) for ns, title, _ in svgs] == [
+        ("http://www.w3.org/2000/svg", f"as given: ECE {doc['ece']:.4f}"),
+        ("http://www.w3.org/2000/svg", f"at T = {doc['temperature']:.3f}: ECE {doc['ece_at_temperature']:.4f}")]
+    bars = [f"({b['lo']:.3f}, {b['hi']:.3f}]: {b['count']:,} positions, confidence {b['confidence']:.4f}, "
+            f"accuracy {b['accuracy']:.4f}" for b in doc["bins"] if b["count"]]
+    # drawn as the SVG says: the page's own styles (its .bar) must not resize the diagram's bars
+    heights = browser.execute_script("return Array.from(document.querySelectorAll('#calibrate-view rect.bar'))"
+                                     ".map(r => [r.getBBox().height, parseFloat(r.getAttribute('height'))])")
+    assert heights and all(abs(drawn - said) < 0.01 for drawn, said in heights), heights
+    assert svgs[0][2] == bars and len(bars) >= 1  # (a random model is sure of nothing: its bins are the lowest)
+    rows = browser.execute_script("return Array.from(document.querySelectorAll('#calibrate-view table.bins tr[data-count]'))"
+                                  ".map(r => Array.from(r.children).map(c => c.textContent))")
+    assert rows == [[f"({b['lo']:.2f}, {b['hi']:.2f}]", f"{b['count']:,}",
+                     f"{b['confidence']:.3f}" if b["count"] else "", f"{b['accuracy']:.3f}" if b["count"] else ""]
+                    for b in doc["bins"]]
+    summary = browser.execute_script("return document.querySelector('#calibrate-view').textContent")
+    for figure in (f"ECE {doc['ece']:.4f}", f"Brier {doc['brier']:.4f}", f"NLL {doc['nll']:.4f} nats",
+                   f"temperature {doc['temperature']:.4f}", f"{doc['positions']} positions"):
+        assert figure in summary
+    # the same refusal as score's, shown as the panel's error
+    browser.execute_script("document.getElementById('score-text').value = 'x'")
+    assert start(browser, "calibrate", "calibrate-go") == "error"
+    assert "nothing before it" in browser.find_element("id", "calibrate-status").text
+    not_pwned(browser)
 
 
 def test_served_page_hostile_prompt_and_model(browser, served, control_model):

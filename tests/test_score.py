@@ -316,6 +316,29 @@ def test_table_long_text_shows_first_and_last_rows(tiny, monkeypatch):
     assert "surprisal" in got.stdout and "perplexity" in got.stdout and "most surprising" in got.stdout
 
 
+def test_table_shows_varentropy_and_margin_beside_entropy_as_the_json_has_them(tiny, monkeypatch):
+    """Each row's entropy, varentropy and margin columns are score --json's figures, rounded."""
+    monkeypatch.setenv("COLUMNS", "200")
+    got = cli("score", TEXT, "--model", str(tiny[0]), "--table")
+    assert got.exit_code == 0
+    lines = got.stdout.splitlines()
+    header = next(ln.split() for ln in lines if ln.split()[:3] == ["#", "id", "token"])
+    assert header[header.index("entropy"):header.index("entropy") + 3] == ["entropy", "varentropy", "margin"]
+    at = header.index("entropy")
+    doc = score_json(tiny[0], TEXT)
+    rows = {int(ln.split()[0]): ln.split() for ln in lines[:lines.index(next(ln for ln in lines if ln.startswith(
+        "logprob, entropy")))] if ln.split() and ln.split()[0].isdigit()}
+    checked = 0
+    for t in doc["tokens"]:
+        if not t["scored"] or t["index"] not in rows:  # the middle rows of a long text are not shown
+            continue
+        cells = rows[t["index"]]
+        assert cells[at:at + 3] == [f"{t['entropy']:.3f}", f"{t['varentropy']:.3f}", f"{t['margin']:.3f}"]
+        checked += 1
+    assert checked == len(rows) - 1 >= 18  # every shown row but the unscored first
+    assert "varentropy (the variance of -log p) in nats²" in got.stdout
+
+
 def test_hostile_text_is_shown_inert_and_kept_exact_in_json(tiny):
     text = "[bold red]x[/] \x1b[31mred\x07 done"
     got = cli("score", text, "--model", str(tiny[0]), "--table")

@@ -182,6 +182,64 @@ def test_a_lens_for_another_model_is_refused_by_name(tmp_path, loaded, tiny):
     assert r.exit_code == 1 and "whose embedding table is not" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_float_lens_reads_the_same_model_loaded_in_int8(tmp_path, ckpt):
+    """The translators are float and the int8 model's residual stream is float: the lens trained on the
+    float model applies, and its readings are transformers' (float weights, translators applied by hand)
+    up to the int8 weights' rounding."""
+    folder, model = ckpt
+    path = save_lens(random_lens(load_model(str(folder), device="cpu")), tmp_path / "lens.safetensors")
+    int8 = load_model(str(folder), device="cpu", dtype="int8")
+    assert not int8.engine.embedding_weight.is_floating_point()  # the int8 engine, its table as codes
+    lens = load_lens(int8, path)
+    got = lens_prompt(int8, PROMPT, [" are"], tuned=lens)
+    want = reference(model, lens)
+    for row, z, t in zip(got.layers, got.tuned_logits, want):
+        mine = torch.log_softmax(z.double(), -1)
+        assert kl(t, mine) < 2e-3, row.layer  # int8's rounding, not another reading
+        assert row.tuned.top_id == int(t.argmax())
+    assert got.layers[0].tuned.top_prob != got.layers[0].top_prob  # read through the translator
+    r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(folder), "--dtype", "int8", "--json")
+    assert r.exit_code == 0, r.output
+    assert [row["kl_to_final"] for row in json.loads(r.stdout)["layers"]] == [row.kl_to_final for row in got.layers]
+
+
+def test_a_lens_trained_on_the_int8_load_reads_the_float_model_and_not_another(tmp_path, ckpt):
+    folder, _ = ckpt
+    int8 = load_model(str(folder), device="cpu", dtype="int8")
+    lens = tune_lens(int8, TextSource("The keys on the table are mine. " * 5), TuneSettings(steps=1, batch=1, seq=8)).lens
+    path = save_lens(lens, tmp_path / "lens.safetensors")
+    assert load_lens(load_model(str(folder), device="cpu"), path).identity == lens.identity  # the same codes
+    assert load_lens(int8, path).identity == lens.identity
+    other = tmp_path / "other"
+    build_checkpoint(other, n_layer=N_LAYER, seed=99)
+    r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(other))
+    assert r.exit_code == 1 and "whose embedding table is not" in r.stderr
+
+
+def test_an_int8_model_refuses_a_lens_it_cannot_check_naming_why(tmp_path, ckpt):
+    """A lens file without the int8 codes' fingerprint (an older file) cannot be checked against int8
+    weights: one line that says so, not "other weights"; another model's lens is still another model's."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder, _ = ckpt
+    path = save_lens(random_lens(load_model(str(folder), device="cpu")), tmp_path / "lens.safetensors")
+    old = tmp_path / "old.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "embedding_int8"}
+        save_file({k: f.get_tensor(k) for k in f.keys()}, str(old), metadata=meta)
+    r = cli("lens", PROMPT, "--tuned", str(old), "--model", str(folder), "--dtype", "int8")
+    assert r.exit_code == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"the tuned lens {old} records no fingerprint of its model's int8 codes" in lines[0]
+    assert "other weights" not in lines[0]
+    assert cli("lens", PROMPT, "--tuned", str(old), "--model", str(folder)).exit_code == 0  # float: checked as before
+    other = tmp_path / "other"
+    build_checkpoint(other, n_layer=N_LAYER, seed=99)
+    r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(other), "--dtype", "int8")
+    assert r.exit_code == 1 and "whose embedding table is not" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def _shapes_file(path, weight_shape, bias_shape, meta) -> None:
     from safetensors.torch import save_file
 
@@ -262,6 +320,18 @@ def test_tune_lens_bad_input_is_one_line(tiny, args, message):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_tune_lens_on_a_model_with_nan_weights_is_one_line_and_writes_nothing(tiny, tmp_path):
+    from helpers import nan_checkpoint
+
+    out = tmp_path / "lens.safetensors"
+    r = cli("tune-lens", "The keys on the table are here and there", "--out", str(out), "--steps", "2", "--batch",
+            "1", "--seq", "4", "--model", str(nan_checkpoint(tiny[0], tmp_path)))
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("lmhead: error: the head produced") and "non-finite logits" in lines[-1]
+    assert not out.exists()
 
 
 # ---- the shipped lens ------------------------------------------------------------------------------------

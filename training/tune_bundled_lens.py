@@ -7,7 +7,8 @@ training text, and measure it on the held-out books.
 Text: the KJV as training/train_bundled.py reads it (Debian's `bible-kjv`, or --text FILE), chapters
 separated by a blank line; the books train_bundled.py holds out (HELD_OUT) are never trained on: they
 are the evaluation. The table printed at the end (mean KL(final ‖ layer) in nats over every held-out
-token of every 4th window of n_ctx tokens, for the logit lens and the tuned lens) is the one in docs/lens.md.
+token of the held-out split, in windows of n_ctx tokens, for the logit lens and the tuned lens) is the one in
+docs/lens.md.
 Not part of CI.
 """
 
@@ -36,7 +37,7 @@ def main() -> None:
     ap.add_argument("--text", help="a dump of `bible -l100000 gen1:1-rev22:21` (default: run `bible`)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--eval-only", action="store_true", help="measure the lens at --out on the held-out books")
-    ap.add_argument("--every", type=int, default=4, help="measure every N-th window of the held-out split (1: all)")
+    ap.add_argument("--every", type=int, default=1, help="measure every N-th window of the held-out split (1: all)")
     args = ap.parse_args()
 
     import lmhead_cli

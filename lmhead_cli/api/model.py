@@ -178,18 +178,20 @@ class Model(Serving):
         return results.AttributeResult(attribute_logit(self.loaded, prompt, target, vs))
 
     @scoped
-    @kinds(**ONE_PROMPT, position=int | None)
+    @kinds(**ONE_PROMPT, position=int | None, grid=bool)
     def lens(self, prompt: str, position: int | None = -1, targets: Iterable[str] = (), top_k: int = 8, *,
-             tuned=None) -> results.LensResult:
+             tuned=None, grid: bool = True) -> results.LensResult:
         """Logit lens: what the head predicts from the residual stream after each block, at `position`
         (-1 or None: the last token). `tuned`: a tuned-lens file (a path, or "bundled" for bundled:tiny's)
         or a TunedLens (`tune_lens().lens`), read beside the logit lens; each layer's `kl_to_final` then
-        has both lenses' KL to the final distribution."""
+        has both lenses' KL to the final distribution. `grid`: also the position map (each layer's top
+        token at up to 32 positions ending at `position`: the head on each of them, its main cost);
+        False leaves it out (`grid` null in the document)."""
         from lmhead_cli.readings.lens import lens_prompt
 
         checks.one_prompt(prompt, targets, top_k)
         lens = self.tuned_lens(tuned) if tuned is not None else None
-        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position, lens))
+        return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position, lens, grid))
 
     def tuned_lens(self, where):
         """A tuned lens for this model: `where` is a path, "bundled", or a TunedLens (checked against

@@ -3,7 +3,7 @@
 Each result's `to_dict()` is exactly the document `lmhead COMMAND --json` prints for the same call
 (the CLI prints `to_dict()` itself, or streams the same fields for score); `_repr_html_` shows the
 reading's own picture in a notebook where it has one (render/notebook.py: inspect's bars, generate's
-text, diff's two sides, lens's heat map; score's coloured text; calibrate's diagrams), else the
+text, diff's two sides, lens's layers × positions map; score's coloured text; calibrate's diagrams), else the
 document as a table; `__rich__` shows it in a terminal. Any other attribute is the reading's own
 (`result.top`, `result.entropy`...), so a result can be used as the reading it wraps.
 Renderers (lmhead_cli.render) take these results, never the loaded model.
@@ -184,10 +184,10 @@ class LensResult(ReadingResult):
     DOCUMENT = "lens:lens_json"
 
     def _repr_html_(self) -> str:
-        """The layers × tokens heat map of the probabilities."""
+        """The layers × positions map of each layer's top token."""
         from lmhead_cli.render.notebook import lens_html
 
-        return lens_html(self.to_dict(), self.reading.columns, self.reading.heat, self.reading.peak)
+        return lens_html(self.to_dict())
 
 
 class NeuronsResult(ReadingResult):

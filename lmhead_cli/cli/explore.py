@@ -22,6 +22,10 @@ def lens_cmd(
     heat: Annotated[
         bool, typer.Option("--heat", help="Show a heat map (layers × top tokens, probabilities as shades) instead.")
     ] = False,
+    grid: Annotated[
+        bool, typer.Option("--grid", help="Show the position map instead: layers × prompt positions, each cell "
+                           "the layer's top token there.")
+    ] = False,
     top_k: Annotated[
         int, typer.Option("--top-k", "-k", help="How many of the last layer's top tokens the heat map shows.",
                           min=1)
@@ -40,20 +44,25 @@ def lens_cmd(
     """Logit lens: what the head would predict from the residual stream after the embeddings and each block.
     Each row's KL is KL(final ‖ that layer's reading) in nats; --tuned adds the tuned lens's reading.
 
-    Example: lmhead lens "The keys on the table" --target " are" --heat --model random:gpt2
+    Example: lmhead lens "In the beginning God created the heaven" --grid --model bundled:tiny
     """
     from lmhead_cli import render
     from lmhead_cli.api import checks
-    from lmhead_cli.render.lens import lens_heat, lens_table
+    from lmhead_cli.render.lens import lens_grid, lens_heat, lens_table
 
     checks.one_prompt(prompt, target, top_k)
+    if heat and grid:
+        raise UsageError("give --heat or --grid, not both")
     model = source.load()
-    result = model.lens(prompt, position, target or (), top_k, tuned=tuned)
+    # the position map costs the head at up to 32 positions: made only where it is shown
+    result = model.lens(prompt, position, target or (), top_k, tuned=tuned, grid=json_out or grid)
     render.truncated(len(result.prompt_tokens), result.truncated, model.n_ctx)
     if json_out:
         render.print_json(result.to_dict())
     elif heat:
         lens_heat(result.reading)
+    elif grid:
+        lens_grid(result.reading)
     else:
         lens_table(result.reading)
 

@@ -1,9 +1,12 @@
-/* lmhead's scored-text view, next-token panel and diff view.
+/* lmhead's scored-text view, its calibration (the reliability diagrams), next-token panel and diff view.
  *
  * Every text from the data (tokens, prompts, the model's name) is set with textContent, never as
  * markup; the server already made control characters visible (\x1b, \x07) as the terminal does.
  * A long text is built in one DocumentFragment; the tooltip is one element, filled only for the token
  * under the pointer or the keyboard focus.
+ *
+ * The calibration's two diagrams come as SVG text, the very SVG of `calibrate --html`: each is parsed
+ * as an SVG (XML) document, where no script runs, and only an <svg> root is put in the page.
  *
  * DOM contract: every token is an element [data-token-id]; a scored token also has data-rank
  * (1 = the model's top choice) and data-logprob (natural log, as `score --json` gives it).
@@ -146,16 +149,19 @@
         tip.appendChild(el("div", null, "surprisal " + fixed(-r[4] / LN2, 2) + " bits \u00b7 logprob " +
           fixed(r[4], 3)));
         tip.appendChild(el("div", null, "entropy " + fixed(r[5], 3) + " nats (" + fixed(r[5] / LN2, 2) + " bits)"));
-        if (r[6].length) {
+        tip.appendChild(el("div", null, "varentropy " + fixed(r[6], 3) + " nats\u00b2 \u00b7 margin " +
+          (r[7] === null ? "n/a (one token possible)" : fixed(r[7], 3) + " nats")));
+        var alts = r[8];
+        if (alts.length) {
           var tb = el("table");
-          tb.appendChild(el("caption", null, "the model's top " + r[6].length + " here"));
-          r[6].forEach(function (a) {
+          tb.appendChild(el("caption", null, "the model's top " + alts.length + " here"));
+          alts.forEach(function (a) {
             var tr = el("tr", a[0] === r[0] ? "chosen" : null);
             tr.appendChild(el("td", "tokcell", a[1]));
             tr.appendChild(el("td", "num", pct(Math.exp(a[2]))));
             var bar = el("td");
             var b = el("span", "bar");
-            b.style.width = Math.max(1, Math.round(80 * Math.exp(a[2] - r[6][0][2]))) + "px";  // against the top one
+            b.style.width = Math.max(1, Math.round(80 * Math.exp(a[2] - alts[0][2]))) + "px";  // against the top one
             bar.appendChild(b);
             tr.appendChild(bar);
             tb.appendChild(tr);
@@ -353,6 +359,55 @@
       }).finally(function () { busy = false; $("score-go").disabled = false; });
     }
     $("score-go").addEventListener("click", score);
+
+    /* the calibration of the same text: is the model's top-1 probability honest on it? */
+    function calibrate() {
+      status($("calibrate-status"), "calibrating\u2026");
+      page.setAttribute("data-calibrate-state", "busy");
+      $("calibrate-go").disabled = true;
+      api("/api/calibrate", { text: $("score-text").value }).then(function (doc) {
+        drawCalibration($("calibrate-view"), doc);
+        status($("calibrate-status"), "");
+        page.setAttribute("data-calibrate-state", "done");
+      }, function (e) {
+        status($("calibrate-status"), e.message, true);
+        page.setAttribute("data-calibrate-state", "error");
+      }).finally(function () { $("calibrate-go").disabled = false; });
+    }
+    function drawCalibration(view, doc) {
+      view.textContent = "";
+      banner(view, doc);
+      view.appendChild(el("p", "summary", group(doc.positions) + " positions; top-1 right at " + pct(doc.accuracy) +
+        ", mean confidence " + pct(doc.confidence) + " \u00b7 ECE " + fixed(doc.ece, 4) + " \u00b7 Brier " +
+        fixed(doc.brier, 4) + " \u00b7 NLL " + fixed(doc.nll, 4) + " nats a token"));
+      view.appendChild(el("p", "summary", "temperature " + fixed(doc.temperature, 4) + " minimises the NLL: NLL " +
+        fixed(doc.nll_at_temperature, 4) + " \u00b7 ECE " + fixed(doc.ece_at_temperature, 4)));
+      var row = el("div", "diagrams");
+      doc.svg.forEach(function (text) {
+        var svg = new DOMParser().parseFromString(text, "image/svg+xml").documentElement;
+        if (svg instanceof SVGSVGElement) {  // only an <svg> root goes in the page
+          row.appendChild(document.importNode(svg, true));
+        }
+      });
+      view.appendChild(row);
+      var tb = el("table", "chart bins");
+      var hd = el("tr");
+      ["top-1 probability", "count", "confidence", "accuracy"].forEach(function (h, i) {
+        hd.appendChild(el("th", i ? "num" : null, h));
+      });
+      tb.appendChild(hd);
+      doc.bins.forEach(function (b) {
+        var tr = el("tr");
+        tr.setAttribute("data-count", b.count);
+        tr.appendChild(el("td", null, "(" + fixed(b.lo, 2) + ", " + fixed(b.hi, 2) + "]"));
+        tr.appendChild(el("td", "num", group(b.count)));
+        tr.appendChild(el("td", "num", b.count ? fixed(b.confidence, 3) : ""));
+        tr.appendChild(el("td", "num", b.count ? fixed(b.accuracy, 3) : ""));
+        tb.appendChild(tr);
+      });
+      view.appendChild(tb);
+    }
+    $("calibrate-go").addEventListener("click", calibrate);
 
     /* next token */
     function targets() {

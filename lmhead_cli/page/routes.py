@@ -7,6 +7,8 @@ document (render/html.py). The serve app includes them with `app.include_router(
     POST /api/score     {"text"}                        -> render.html.score_view
     POST /api/inspect   {"prompt", "top_k", "targets"}  -> render.html.inspect_view
     POST /api/diff      {"a", "b", "top_k"}             -> render.html.diff_view
+    POST /api/calibrate {"text"}                        -> render.calibrate.calibration_view (the
+                        reliability diagrams of `calibrate --html`, over the same text as /api/score)
 
 They go through the server's door (serve/door.py): the same content-type, size (--max-body), depth and
 text checks, the bodies as pydantic models, errors in OpenAI's shape ({"error": {"message", "type",
@@ -48,6 +50,12 @@ class ScoreRequest(Body):
     text: str
 
 
+class CalibrateRequest(Body):
+    """POST /api/calibrate."""
+
+    text: str
+
+
 class InspectRequest(Body):
     """POST /api/inspect."""
 
@@ -82,6 +90,7 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
     (by default the source's, a local folder's last part)."""
     from lmhead_cli.page import asset
     from lmhead_cli.render import html
+    from lmhead_cli.render.calibrate import calibration_view
     from lmhead_cli.serve import model_name
 
     lock = threading.Lock()
@@ -132,19 +141,31 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
         return {"model": shown, "random_weights": model.random_weights, "n_ctx": model.n_ctx,
                 "max_text_tokens": MAX_TEXT_TOKENS}
 
-    def do_score(text: str, check) -> dict:
+    def check_text(text: str) -> None:
+        """The page's text limits (score and calibrate read the same text)."""
         if len(text) > MAX_TEXT_CHARS:
             raise too_long(f"the text is {len(text):,} characters; the page scores at most {MAX_TEXT_CHARS:,}")
         model.check_score(text)
         n = len(model.encode(text))
         if n > MAX_TEXT_TOKENS:
             raise too_long(f"the text is {n:,} tokens; the page scores at most {MAX_TEXT_TOKENS:,}")
+
+    def do_score(text: str, check) -> dict:
+        check_text(text)
         result = model.score(text, alternatives=html.ALTERNATIVES, progress=lambda done, total: check())
         return html.score_view(result.reading)
+
+    def do_calibrate(text: str, check) -> dict:
+        check_text(text)
+        return calibration_view(model.calibrate(text, progress=lambda done, total: check()).reading)
 
     @api.post("/api/score")
     async def score(body: ScoreRequest, request: Request):
         return await work(request, lambda check: do_score(body.text, check))
+
+    @api.post("/api/calibrate")
+    async def calibrate(body: CalibrateRequest, request: Request):
+        return await work(request, lambda check: do_calibrate(body.text, check))
 
     @api.post("/api/inspect")
     async def inspect(body: InspectRequest, request: Request):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.engine.base import LayerTaps, NormLinearisation, linearise_norm
-from lmhead_cli.errors import BadValue, UnsupportedModel
-from lmhead_cli.head import check_top_k, clamp_top_k
+from lmhead_cli.errors import BadValue, NonFiniteLogits, UnsupportedModel
+from lmhead_cli.head import NON_FINITE_ADVICE, check_top_k, clamp_top_k
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.attribute import Asked, _asked, attribute_logit
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
@@ -111,6 +111,15 @@ def _taps(loaded: Loaded) -> tuple[list[LayerTaps], NormLinearisation]:
     return taps, lin
 
 
+def _check_readouts(r: torch.Tensor, layer: int) -> None:
+    """NonFiniteLogits if a readout is NaN or infinite (a NaN in the norm's γ, the head or a value vector):
+    a ranking of NaNs would list arbitrary tokens."""
+    if not bool(torch.isfinite(r).all()):
+        bad = int((~torch.isfinite(r)).sum())
+        raise NonFiniteLogits(f"{bad:,} readouts of layer {layer}'s neurons are not finite (NaN or inf): "
+                              f"{NON_FINITE_ADVICE}")
+
+
 def check_layer(layer: int, n_layer: int) -> int:
     if not 0 <= layer < n_layer:
         raise BadValue("layer", f"must be 0 to {n_layer - 1} for this model's {n_layer} layers (got {layer})")
@@ -151,6 +160,7 @@ def layer_neurons(loaded: Loaded, layer: int, top: int = 5, indices: list[int] |
         idx = chosen[start:start + CHUNK]
         g = lin.apply(values[idx].float(), 1.0)  # (n, D): γ ⊙ centre(v)
         r = W @ g.T  # (V, n)
+        _check_readouts(r, layer)
         hi, hi_ids = r.topk(k, dim=0)  # (k, n)
         lo, lo_ids = (-r).topk(k, dim=0)
         for j, i in enumerate(idx):
@@ -175,6 +185,7 @@ def token_writers(loaded: Loaded, token: str, top: int = 10, layer: int | None =
         if layer is not None and li != layer:
             continue
         v = lin.apply(tap.values.float(), 1.0) @ e  # (N,)
+        _check_readouts(v, li)
         vals, ids = v.topk(min(k, v.shape[0]))
         best = sorted(best + [Writer(li, int(i), float(x)) for i, x in zip(ids, vals)], key=lambda w: -w.value)[:k]
     return _base(loaded, "token", taps, lin, k, layer=layer, token=asked, neurons=best)

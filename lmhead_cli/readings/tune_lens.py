@@ -24,7 +24,8 @@ from typing import Callable
 
 import torch
 
-from lmhead_cli.errors import BadValue, UsageError
+from lmhead_cli.errors import BadValue, NonFiniteLogits, UsageError
+from lmhead_cli.head import check_finite
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.tuned_lens import TunedLens, identity_lens
 
@@ -172,7 +173,9 @@ def tune_lens(loaded: Loaded, source: TextSource, settings: TuneSettings = TuneS
         with torch.no_grad():
             # cloned: an engine may run under inference mode, whose tensors autograd cannot save
             resid = [x.float().reshape(-1, D).clone() for x in eng.residuals(ids)]  # L + 1 × (B·T, D)
-            final = torch.log_softmax(head(norm(resid[-1])), -1)  # (B·T, V)
+            final = head(norm(resid[-1]))  # (B·T, V) logits: the model's own, which the lens is fitted to
+            check_finite(final)
+            final = torch.log_softmax(final, -1)
             p = final.exp()
             neg_entropy = (p * final).sum(-1).mean()  # Σ p log p
             expected = p @ readout if readout is not None else None  # (B·T, D): Σ_k p_k W_k
@@ -194,6 +197,9 @@ def tune_lens(loaded: Loaded, source: TextSource, settings: TuneSettings = TuneS
             kl.backward()
             kls.append(float(kl.detach()))
             del n, cross, kl
+        if not all(math.isfinite(v) for v in kls):
+            raise NonFiniteLogits(f"training diverged at step {step + 1}: a layer's KL is {kls} (NaN or infinite); "
+                                  "nothing was written: try a smaller --lr")
         opt.step()
         sched.step()
         tokens += ids.numel()
@@ -205,6 +211,9 @@ def tune_lens(loaded: Loaded, source: TextSource, settings: TuneSettings = TuneS
         if progress is not None:
             progress(step + 1, settings.steps, curve[-1])
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
+        raise NonFiniteLogits("training diverged: the translators hold NaN or infinite values; nothing was "
+                              "written: try a smaller --lr")
     tuned = TunedLens(lens.identity, weight.detach().cpu(), bias.detach().cpu(), name="trained")
     record = Tuning(lens=tuned, steps=settings.steps, tokens=tokens, seq=seq, batch=settings.batch, seconds=seconds,
                     cpu_seconds=cpu, threads=torch.get_num_threads(), load_average=(load_start, os.getloadavg()[0]),

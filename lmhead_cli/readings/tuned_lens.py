@@ -10,8 +10,11 @@ layer (block L) is the model's own output and has no translator. Training (readi
 fits A and b to the model's final distribution (KL to it).
 
 The file is safetensors: `weight` (L, D, D) and `bias` (L, D), float32, with the model's identity in
-its metadata (architecture, layers, width, vocabulary, a fingerprint of the embedding table), checked
-at load: a lens for another model is refused by name, a damaged file or a wrong shape is one line.
+its metadata (architecture, layers, width, vocabulary, two fingerprints of the embedding table: as
+numbers, and as lmhead's int8 codes), checked at load: a lens for another model is refused by name, a
+damaged file or a wrong shape is one line. The translators are float and read the residual stream, which
+is float in every dtype lmhead loads, int8 included: a lens trained on the float model reads the same
+model loaded in int8 (its int8 codes are the float table's, quantised the same way at load).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class Identity:
     d_model: int
     vocab: int
     embedding: str  # sha256 of the embedding table rounded to bfloat16 (the same for every float dtype)
+    # sha256 of the embedding table's int8 codes (engine/int8.py's quantise: the codes an int8 load makes);
+    # None in a file written before it was recorded
+    embedding_int8: str | None = None
 
     def describe(self) -> str:
         return f"{self.model} ({self.architecture}, {self.n_layer} layers, width {self.d_model}, vocabulary {self.vocab:,})"
@@ -82,12 +88,31 @@ def embedding_fingerprint(engine) -> str:
     return digest.hexdigest()
 
 
-def identity_of(loaded: Loaded) -> Identity:
-    """The identity of the loaded model, as a lens file records it."""
+def int8_fingerprint(engine) -> str:
+    """sha256 of the embedding table's int8 codes (V, D): an int8 model's own codes, or a float model's
+    table quantised as an int8 load quantises it (per row, engine/int8.py), 4,096 rows at a time."""
+    from lmhead_cli.engine.int8 import quantise
+
+    table = engine.embedding_weight
+    digest = hashlib.sha256()
+    for rows in torch.split(table.detach(), 4096):
+        codes = rows if rows.dtype == torch.int8 else quantise(rows)[0]
+        digest.update(codes.cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def is_int8(engine) -> bool:
+    return not engine.embedding_weight.is_floating_point()
+
+
+def identity_of(loaded: Loaded, fingerprints: bool = True) -> Identity:
+    """The identity of the loaded model, as a lens file records it (without `fingerprints`: its shape
+    only, the two fingerprints empty)."""
     eng = loaded.engine
     return Identity(model=loaded.source, architecture=str(loaded.config.get("model_type") or eng.name),
                     n_layer=eng.n_layer, d_model=int(eng.head_weight.shape[1]), vocab=eng.vocab_size,
-                    embedding=embedding_fingerprint(eng))
+                    embedding=embedding_fingerprint(eng) if fingerprints else "",
+                    embedding_int8=int8_fingerprint(eng) if fingerprints else None)
 
 
 def check_readable(loaded: Loaded) -> None:
@@ -125,7 +150,7 @@ def save_lens(lens: TunedLens, path: str | Path) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path)
-    meta = {"format": FORMAT, **{k: str(v) for k, v in vars(lens.identity).items()}}
+    meta = {"format": FORMAT, **{k: str(v) for k, v in vars(lens.identity).items() if v is not None}}
     if lens.trained:
         meta["trained"] = json.dumps(lens.trained)
     tensors = {"weight": lens.weight.detach().float().contiguous().cpu(),
@@ -168,7 +193,8 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
                 raise _corrupt(name, f"it is not a tuned lens (its metadata has no format {FORMAT!r})")
             try:
                 ident = Identity(model=meta["model"], architecture=meta["architecture"], n_layer=int(meta["n_layer"]),
-                                 d_model=int(meta["d_model"]), vocab=int(meta["vocab"]), embedding=meta["embedding"])
+                                 d_model=int(meta["d_model"]), vocab=int(meta["vocab"]), embedding=meta["embedding"],
+                                 embedding_int8=meta.get("embedding_int8"))
             except (KeyError, ValueError) as e:
                 raise _corrupt(name, f"its metadata lacks the model's identity ({e})") from None
             L, D = ident.n_layer, ident.d_model
@@ -198,16 +224,25 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
 def check_lens(loaded: Loaded, lens: TunedLens) -> TunedLens:
     """`lens`, if it was trained for the loaded model; WrongLens naming both otherwise."""
     check_readable(loaded)
-    mine = identity_of(loaded)
+    mine = identity_of(loaded, fingerprints=False)
     theirs = lens.identity
     same_shape = (theirs.architecture, theirs.n_layer, theirs.d_model, theirs.vocab) == \
         (mine.architecture, mine.n_layer, mine.d_model, mine.vocab)
     if not same_shape:
         raise WrongLens(f"the tuned lens {lens.name} is for {theirs.describe()}; this model is {mine.describe()}")
-    if theirs.embedding != mine.embedding:
-        raise WrongLens(f"the tuned lens {lens.name} is for {theirs.model}, whose embedding table is not "
-                        f"{mine.model}'s (same shape, other weights)")
-    return lens
+    eng = loaded.engine
+    if is_int8(eng):  # its table is codes: compared code for code with the lens's model quantised alike
+        if theirs.embedding_int8 is None:
+            raise WrongLens(f"the tuned lens {lens.name} records no fingerprint of its model's int8 codes (it "
+                            f"was written by an older lmhead), so it cannot be checked against {mine.model} in "
+                            "int8: load the model in float32, or write the lens again with lmhead tune-lens")
+        if theirs.embedding_int8 == int8_fingerprint(eng):
+            return lens
+    elif theirs.embedding == embedding_fingerprint(eng) or (
+            theirs.embedding_int8 is not None and theirs.embedding_int8 == int8_fingerprint(eng)):
+        return lens  # the same table, or (a lens trained on the int8 load) the same codes
+    raise WrongLens(f"the tuned lens {lens.name} is for {theirs.model}, whose embedding table is not "
+                    f"{mine.model}'s (same shape, other weights)")
 
 
 def load_lens(loaded: Loaded, where: str | Path) -> TunedLens:

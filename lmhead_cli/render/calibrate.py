@@ -1,6 +1,6 @@
 """`lmhead calibrate`: the reliability chart in the terminal, the JSON document, and the reliability
-diagram as SVG (`--html`, a notebook cell). Every figure is the reading's own; nothing is computed
-here but positions on a chart."""
+diagram as SVG (`--html`, a notebook cell, the page of `lmhead serve`). Every figure is the reading's
+own; nothing is computed here but positions on a chart."""
 
 from __future__ import annotations
 
@@ -140,6 +140,23 @@ def figures_table(cal) -> str:
     return f"<table class='lmhead-figures'>{body}</table>"
 
 
+def diagrams(cal) -> list[str]:
+    """The two reliability diagrams, as the model gives them and at the fitted temperature (SVG text)."""
+    return [reliability_svg(cal.bins, f"as given: ECE {cal.ece:.4f}"),
+            reliability_svg(cal.bins_at_temperature, f"at T = {cal.temperature:.3f}: ECE {cal.ece_at_temperature:.4f}")]
+
+
+def calibration_view(cal) -> dict:
+    """What the page of `lmhead serve` draws for a Calibration: `calibrate --json`'s figures and bins
+    (exact), and `svg`, the two diagrams that `--html` shows, as SVG text. The page parses each as an
+    SVG document (XML: nothing in it runs) and sets every other text with textContent."""
+    doc = calibration_json(cal)
+    return {"kind": "calibrate", "model": safe_text(cal.model), "random_weights": cal.random_weights,
+            **{k: doc[k] for k in ("positions", "bins", "ece", "brier", "nll", "temperature", "ece_at_temperature",
+                                   "nll_at_temperature")},
+            "accuracy": cal.accuracy, "confidence": cal.confidence, "svg": diagrams(cal)}
+
+
 def calibration_html(cal, *, fragment: bool = False) -> str:
     """The two reliability diagrams (as the model gives them, and at the fitted temperature) and the
     figures: a <div> for a notebook cell, or a whole page (`calibrate --html`) under a CSP that allows
@@ -150,10 +167,7 @@ def calibration_html(cal, *, fragment: bool = False) -> str:
     body = (f"<div class='lmhead-calibration'><p><b>lmhead calibrate</b> · {model}"
             + (" · random weights" if cal.random_weights else "") + "</p>"
             + "<div style='display:flex;flex-wrap:wrap;gap:1em'>"
-            + reliability_svg(cal.bins, f"as given: ECE {cal.ece:.4f}")
-            + reliability_svg(cal.bins_at_temperature,
-                              f"at T = {cal.temperature:.3f}: ECE {cal.ece_at_temperature:.4f}")
-            + "</div>" + figures_table(cal) + "</div>")
+            + "".join(diagrams(cal)) + "</div>" + figures_table(cal) + "</div>")
     if fragment:
         return body
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"

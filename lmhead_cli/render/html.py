@@ -44,12 +44,15 @@ def token_pieces(score) -> list[str]:
 
 
 def score_view(score) -> dict:
-    """What the page draws for a Score: per token [id, piece, token, rank, logprob, entropy, alternatives]
-    (rank, logprob and entropy null where unscored; alternatives [[id, token, logprob], …] most probable
-    first), the rank buckets' legend with counts, the entropy buckets' (the other colouring) and the summary. Texts are made visible; figures are exact."""
+    """What the page draws for a Score: per token [id, piece, token, rank, logprob, entropy, varentropy,
+    margin, alternatives] (the figures null where unscored, the margin null where no second token was
+    possible; alternatives [[id, token, logprob], …] most probable first), the rank buckets' legend with
+    counts, the entropy buckets' (the other colouring) and the summary. Texts are made visible; figures
+    are exact: score --json's own."""
     pieces = token_pieces(score)
     ids, scored, rank = score.ids.tolist(), score.scored.tolist(), score.rank.tolist()
     logprob, entropy = score.logprob.tolist(), score.entropy.tolist()
+    varentropy, margin = score.varentropy.tolist(), score.margin.tolist()
     alt_ids = score.alt_ids.tolist() if score.alt_ids is not None else None
     alt_lp = score.alt_logprob.tolist() if score.alt_logprob is not None else None
     names: dict[int, str] = {}
@@ -62,10 +65,11 @@ def score_view(score) -> dict:
     rows = []
     for i, tid in enumerate(ids):
         if not scored[i]:
-            rows.append([tid, pieces[i], name(tid), None, None, None, []])
+            rows.append([tid, pieces[i], name(tid), None, None, None, None, None, []])
             continue
         alts = [] if alt_ids is None else [[a, name(a), lp] for a, lp in zip(alt_ids[i], alt_lp[i]) if a >= 0]
-        rows.append([tid, pieces[i], name(tid), rank[i], logprob[i], entropy[i], alts])
+        gap = margin[i] if math.isfinite(margin[i]) else None  # as score --json has it
+        rows.append([tid, pieces[i], name(tid), rank[i], logprob[i], entropy[i], varentropy[i], gap, alts])
     counts = score.bucket_counts()
     return {
         "kind": "score",

@@ -1,4 +1,5 @@
-"""The logit lens as a table (one row per layer) or as a heat map (layers × tokens, shades)."""
+"""The logit lens as a table (one row per layer), as a heat map (layers × tokens, shades), or as the
+position map (layers × prompt positions, each cell the layer's top token)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def lens_json(lens) -> dict:
         "norm": lens.norm,
         "tied": lens.tied,
         "tuned_lens": lens.tuned_lens,
+        "grid_start": lens.grid_start,
+        "grid": None if lens.grid is None else [[asdict(cell) for cell in row] for row in lens.grid],
     }
 
 
@@ -134,3 +137,35 @@ def lens_heat(lens) -> None:
                 f"probability in the map ({peak:.4%})")
     out().print(f"columns: the last layer's top {lens.top_columns} tokens"
                 + (", then the targets" if len(lens.columns) > lens.top_columns else ""))
+
+
+GRID_CELL = 9  # a position map cell's width: a shade and the token, cut to fit
+
+
+def lens_grid(lens) -> None:
+    """Layers down, prompt positions across (the ones that fit the terminal, ending at the position read);
+    each cell that layer's top token there after a shade of its probability (of 1, not of the map's peak)."""
+    _header(lens)
+    con = out()
+    width = len(lens.grid[0]) if lens.grid else 0
+    fit = max(1, min(width, (con.width - 12) // (GRID_CELL + 1)))
+    end = min(width, max(fit, lens.position - lens.grid_start + 1))
+    first = end - fit  # offset in the grid
+    cols = range(lens.grid_start + first, lens.grid_start + end)
+    table = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1))
+    table.add_column("after", no_wrap=True)
+    for p in cols:
+        table.add_column(tok(lens.prompt_tokens[p].text, "bold underline" if p == lens.position else ""),
+                         no_wrap=True, max_width=GRID_CELL, overflow="ellipsis")
+    for row, cells in zip(lens.layers, lens.grid):
+        shown = []
+        for cell in cells[first:end]:
+            level = min(len(SHADES) - 1, int(cell.prob * len(SHADES)))
+            shown.append(compose(f"[cyan]{SHADES[level] if level else '·'}[/]", tok(cell.token)))
+        table.add_row(layer_name(row.layer), *shown)
+    con.print(table)
+    con.print(f"each cell: the layer's top token after that prompt token; its shade: · < 20%, {SHADES[1]} ≥ 20%, "
+              f"{SHADES[2]} ≥ 40%, {SHADES[3]} ≥ 60%, {SHADES[4]} ≥ 80% probability")
+    if fit < len(lens.prompt_tokens):
+        con.print(f"positions {cols.start} to {cols.stop - 1} of the prompt's {len(lens.prompt_tokens)} (a wider "
+                  f"terminal shows more; --json has {lens.grid_start} to {lens.grid_start + width - 1})")

@@ -2,7 +2,8 @@
 
 inspect: the top-k table with its probability bars, and the targets; generate: the text, each generated
 token with its step's figures and alternatives on hover; diff: the two distributions side by side;
-lens: the layers × tokens heat map of the probabilities; (calibrate: render/calibrate.py's diagrams).
+lens: the layers × positions map of each layer's top token, its probability as the shade; (calibrate:
+render/calibrate.py's diagrams).
 
 Every figure comes from the result's own document (`to_dict()`), shown rounded in the cell and exact in
 its tooltip (`title`); every text is made visible (control characters escaped) and HTML-escaped, so a
@@ -121,18 +122,45 @@ def diff_html(doc: dict) -> str:
             + _table(["risers and fallers", "id", "logprob a", "logprob b", "Δ"], movers) + "</div>")
 
 
-def lens_html(doc: dict, columns: list, heat: list[list[float]], peak: float) -> str:
-    """`lens`: a heat map, a row per layer (embeddings first) and a column per token (the last layer's
-    top tokens, then the targets), each cell its probability at that layer, shaded against `peak`;
-    the layer's own top token beside it."""
-    head = ["layer", "top token", "prob", "entropy"] + [show_token(c.text) for c in columns]
+def lens_html(doc: dict) -> str:
+    """`lens`: the position map, a row per layer (embeddings first) and a column per prompt position
+    (`grid_start` on), each cell that layer's top token there, shaded by its probability, the exact
+    figure on hover; the column of the position read is marked. Then the layers' rows at that position."""
+    start, at = doc["grid_start"] or 0, doc["position"]
+    prompt = doc["prompt_tokens"]
+    width = len(doc["grid"][0]) if doc["grid"] else 0
+    cols = range(start, start + width)
+    edge = "border-left:2px solid #d65f5f;border-right:2px solid #d65f5f"
+    head = "".join(f"<th style='{LEFT};{MONO}{';' + edge if p == at else ''}' title='position {p}, id "
+                   f"{prompt[p]['id']}'>{html.escape(show_token(prompt[p]['text']), quote=True)}</th>" for p in cols)
     rows = []
-    for layer, probs in zip(doc["layers"], heat):
-        cells = [f"<span title='{p!r}' style='display:block;background:rgba({BLUE},{p / peak if peak else 0:.3f})'>"
-                 f"{p:.3f}</span>" for p in probs]
-        rows.append([str(layer["layer"]), tok(layer["top_token"]), num(layer["top_prob"], ".3f"),
-                     num(layer["entropy"], ".3f"), *cells])
-    where = doc["prompt_tokens"][doc["position"]]["text"]
-    return (f"<div class='lmhead-lens'>{_head(doc, 'lens')}<p>{_prompt(doc['prompt_tokens'])}</p>"
-            f"<p>after {tok(where)} (position {doc['position']}), each layer through {esc(doc['norm'])} and the head"
-            f"</p>{_table(head, rows)}</div>")
+    for layer, cells in zip(doc["layers"], doc["grid"] or []):
+        tds = []
+        for p, c in zip(cols, cells):
+            tip = esc(f"{layer_label(layer['layer'])}, after {show_token(prompt[p]['text'])} (position {p}): "
+                      f"{show_token(c['token'])} (id {c['id']}) {c['prob']!r}")
+            tds.append(f"<td class='cell' title='{tip}' data-id='{c['id']}' data-prob='{c['prob']!r}' style='{CELL};"
+                       f"{MONO};background:rgba({BLUE},{c['prob']:.3f}){';' + edge if p == at else ''}'>"
+                       f"{html.escape(show_token(c['token']), quote=True)}</td>")
+        rows.append(f"<tr><th style='{LEFT}'>{esc(layer_label(layer['layer']))}</th>{''.join(tds)}</tr>")
+    grid = (f"<table class='lmhead-lens-grid' style='border-collapse:collapse'><tr><th style='{LEFT}'>layer</th>"
+            f"{head}</tr>{''.join(rows)}</table>")
+    layer_rows = [[esc(layer_label(layer["layer"])), tok(layer["top_token"]), num(layer["top_prob"], ".3f"),
+                   num(layer["entropy"], ".3f"), num(layer["kl_to_final"]["logit"], ".4f")]
+                  + ([tok(layer["tuned"]["top_token"]), num(layer["kl_to_final"]["tuned"], ".4f")]
+                     if layer.get("tuned") else [])
+                  + [num(t["prob"], ".3g") for t in layer["targets"]] for layer in doc["layers"]]
+    targets = doc["layers"][0]["targets"] if doc["layers"] else []
+    layer_head = (["layer", "top token", "prob", "entropy", "KL logit"]
+                  + (["tuned top", "KL tuned"] if doc.get("tuned_lens") else [])
+                  + [f"{show_token(t['token'])} prob" for t in targets])
+    shown = f"positions {start} to {start + width - 1} of {len(prompt)}" if width < len(prompt) else "every position"
+    about = (f"<p>each layer's top token after each prompt token ({shown}), through {esc(doc['norm'])} and the "
+             f"head; shade: its probability</p>{grid}" if doc["grid"] is not None else
+             "<p>(no position map: lens(..., grid=True) adds it)</p>")
+    return (f"<div class='lmhead-lens'>{_head(doc, 'lens')}<p>{_prompt(prompt)}</p>{about}"
+            f"<p>at position {at}, after {tok(prompt[at]['text'])}:</p>{_table(layer_head, layer_rows)}</div>")
+
+
+def layer_label(layer: int) -> str:
+    return "embeddings" if layer == 0 else f"block {layer}"

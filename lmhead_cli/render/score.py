@@ -105,17 +105,22 @@ def summary(score) -> None:
 
 
 COLUMNS = (("#", "right"), ("id", "right"), ("token", "left"), ("logprob", "right"), ("prob", "right"),
-           ("rank", "right"), ("entropy", "right"), ("bits", "right"), ("top-1", "left"), ("p(top-1)", "right"))
+           ("rank", "right"), ("entropy", "right"), ("varentropy", "right"), ("margin", "right"), ("bits", "right"),
+           ("top-1", "left"), ("p(top-1)", "right"))
+LEGEND = ("logprob, entropy and margin (log p of the top-1 minus the second's) in nats, varentropy (the variance "
+          "of -log p) in nats²; bits: surprisal, -log2 prob; top-1: the model's own choice there")
 SHRINKS = ("token", "top-1")  # on a narrow terminal these give way; figures are never cut
 
 
 def _cells(r) -> list[str]:
     if r is None:
-        return ["…", "", "", "", "", "", "", "", "", ""]
+        return ["…", *[""] * (len(COLUMNS) - 1)]
     if not r.scored:
-        return [str(r.index), str(r.id), tok(r.token), "[dim]unscored[/]", *[""] * 6]
+        return [str(r.index), str(r.id), tok(r.token), "[dim]unscored[/]", *[""] * (len(COLUMNS) - 4)]
+    gap = "n/a" if r.margin is None else f"{r.margin:.3f}"  # n/a: no second token was possible
     return [str(r.index), str(r.id), tok(r.token), f"{r.logprob:.3f}", f"{r.prob:.2e}", f"{r.rank:,}",
-            f"{r.entropy:.3f}", f"{r.surprisal_bits:.2f}", tok(r.top_token), f"{r.top_prob:.2%}"]
+            f"{r.entropy:.3f}", f"{r.varentropy:.3f}", gap, f"{r.surprisal_bits:.2f}", tok(r.top_token),
+            f"{r.top_prob:.2%}"]
 
 
 def _token_table(rows: list[list[str]], title: str | None = None) -> Table:
@@ -141,7 +146,7 @@ def table(score) -> None:
     if T > 2 * TABLE_EDGE + 1:
         con.print(f"… {T - 2 * TABLE_EDGE:,} rows not shown between #{TABLE_EDGE - 1} and #{T - TABLE_EDGE} "
                   "(--json lists every token)")
-    con.print("logprob and entropy in nats; bits: surprisal, -log2 prob; top-1: the model's own choice there")
+    con.print(LEGEND)
 
 
 def report(score, show_table: bool) -> None:
