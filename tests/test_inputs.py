@@ -143,6 +143,7 @@ def test_an_output_encoding_that_is_not_utf8_still_writes():
     assert got.returncode == 0 and json.loads(got.stdout)["words"] == ["cat", "dog", "fish", "run"]
 
 
+@pytest.mark.slow  # 2,800 tokens through distilgpt2's shapes: 43 s under load
 def test_a_big_text_on_stdin_says_what_it_will_score_and_reports_progress_off_a_terminal(monkeypatch):
     from lmhead_cli.render import score as show
 
@@ -183,6 +184,7 @@ RSS_LINES = int(os.environ.get("LMHEAD_RSS_LINES", "3000"))
 RSS_BOUND_MB = 8 if RSS_LINES < 10_000 else 32
 
 
+@pytest.mark.slow  # two fresh processes, 3,100 prompts: 40 s under load
 def test_inspect_file_peak_memory_is_flat_from_100_lines_to_many(tmp_path):
     """Peak RSS of `inspect --file` on 100 lines and on RSS_LINES lines, each in a fresh process,
     with GPT-2's vocabulary (the (B, V) buffers are what fragmented the heap): within RSS_BOUND_MB."""
