@@ -738,18 +738,21 @@ def main() -> None:
     write(R, args, out)
 
 
+KEPT_SECTIONS = [(versus_llamacpp.BEGIN, versus_llamacpp.END), (batching_bench.BEGIN, batching_bench.END),
+                 ("<!-- test suite: begin -->", "<!-- test suite: end -->")]
+
+
 def write(R: dict, args, out: Path) -> None:
     text = report(R, args) + (score_bench.report(R["score"]) if "score" in R else "") + (
         compare_bench.report(R["compare"]) if R.get("compare") else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = out.read_text(encoding="utf-8") if out.is_file() else ""
     out.write_text(text, encoding="utf-8")
-    kept = versus_llamacpp.section_in(previous)  # the llama.cpp section is its own run's: it stays
-    if kept:
-        versus_llamacpp.splice(out, kept)
-    kept = versus_llamacpp.section_in(previous, batching_bench.BEGIN, batching_bench.END)  # so is batching's
-    if kept:
-        versus_llamacpp.splice(out, kept, batching_bench.BEGIN, batching_bench.END)
+    # the sections of other runs stay: llama.cpp's, batching's, and the test suite's timing (measured by hand)
+    for begin, end in KEPT_SECTIONS:
+        kept = versus_llamacpp.section_in(previous, begin, end)
+        if kept:
+            versus_llamacpp.splice(out, kept, begin, end)
     print(text)
     log(f"written to {out}" + ("" if args.write else " (only a full run with --write replaces benchmarks/RESULTS.md)"))
 

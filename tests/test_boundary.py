@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import REPO, invoke, lmhead, one_line
+from helpers import REPO, cli, invoke, lmhead, one_line
 
 
 def test_out_of_memory_on_the_cpu_gives_no_advice_to_use_the_cpu(tiny):
@@ -87,9 +87,9 @@ def test_a_bad_lmhead_threads_is_one_line(monkeypatch):
 
 
 def test_world_size_without_torchrun_is_one_line_with_advice(tiny):
-    got = lmhead("score", "--file", str(REPO / "README.md"), "--model", str(tiny[0]),
-                 env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}, timeout=60)
-    assert got.returncode == 2, got.stderr
+    got = cli("score", "--file", str(REPO / "README.md"), "--model", str(tiny[0]),
+              env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""})
+    assert got.exit_code == 2, got.stderr
     assert got.stderr.startswith("lmhead: error: WORLD_SIZE is 2 but MASTER_ADDR") and "torchrun" in got.stderr
     assert len(got.stderr.splitlines()) == 1
 

@@ -224,6 +224,7 @@ def test_the_intact_copy_loads(broken):
     assert math.isfinite(json.loads(r.stdout)["entropy"])
 
 
+@pytest.mark.slow  # three fresh processes a case: 19-38 s each under load
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}])
 def test_the_readme_s_first_command_runs_on_a_fresh_offline_machine(tmp_path, env):
     """`lmhead inspect "The keys on the table"` with no model named, an empty HF cache and no hub: runs on

@@ -297,6 +297,7 @@ def test_hostile_tokens_are_shown_inert(pair):
 runner = CliRunner()
 
 
+@pytest.mark.slow  # 66 s under load
 def test_cli_json_is_the_api_document(pair, tmp_path):
     q_dir, base_dir = str(pair[2]), str(pair[0])
     got = runner.invoke(app, ["compare", TEXT, "--model", q_dir, "--base", base_dir, "--json", "--chunk", "9"])

@@ -277,6 +277,7 @@ def test_markup_like_tokens_are_shown_as_they_are(tiny):
     assert "│ [/ " in got.stdout and "[/ rank" in got.stdout  # the explore table and the lens header
 
 
+@pytest.mark.slow  # rich lays out a 50,257-row table: 145 s under load
 def test_explore_completion_and_offline_advice(tiny):
     got = invoke(["explore", "--model", str(tiny[0])], input=":foo\n:top-k 100000\nThe keys\n")
     assert got.exit_code == 0 and got.stderr.count("unknown command :foo; :help lists the commands") == 1

@@ -52,6 +52,7 @@ def lm_eval(cwd: Path, out: Path, model: str, model_args: str, *extra: str) -> d
     return {row["doc_id"]: [(float(ll), flag == "True") for ((ll, flag),) in row["resps"]] for row in rows}
 
 
+@pytest.mark.slow  # two lm_eval runs and a server: 114 s under load
 def test_local_completions_through_lmhead_serve_equals_hf_backend(tiny, tmp_path):
     folder, model = tiny
     for name in ("lmhead_mc.yaml", "lmhead_mc.jsonl"):
