@@ -555,3 +555,29 @@ def test_more_positions_than_a_few_never_take_the_few_row_products(tiny, monkeyp
     assert taken == []
     eng.head(h[:, -1:])
     assert taken == [1]
+
+
+@needs_kernels
+def test_every_kernel_writes_to_the_cpu_under_another_default_device():
+    """A caller under `with torch.device(...)` (a GPU session's default; the meta device here) still gets
+    CPU outputs from the kernels, equal to the ones without it, and can open the module (its self-check's
+    tensors are the CPU's). Mutant: an output allocated on the default device, a pointer 0 the C writes to
+    (the process crashed in the suite)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 64, generator=g), torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    q, s = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=g), torch.rand(48, generator=g)
+    k = torch.randn(1, 2, 5, 32, generator=g)
+    v, qa = torch.randn(1, 2, 5, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g)
+    z, ids = torch.randn(3, 40, generator=g), torch.tensor([0, 5, 39])
+    calls = [lambda K: K.f32_times(x, w, b), lambda K: K.bf16_times(x.bfloat16(), w.bfloat16(), b.bfloat16()),
+             lambda K: K.int8_times(x, q, s, b), lambda K: K.attend(qa, k, v, None), lambda K: K.score_rows(z, ids)]
+    want = [f(K) for f in calls]
+    with torch.device("meta"):
+        opened = kernels._open(kernels.module_path())
+        got = [f(opened) for f in calls]
+    for a, b_ in zip(want, got):
+        for t, u in zip(*((a, b_) if isinstance(a, tuple) else ((a,), (b_,)))):
+            if isinstance(t, torch.Tensor):
+                assert u.is_cpu and torch.equal(t, u)
+            else:
+                assert t == u

@@ -101,7 +101,7 @@ class Kernels:
                 and s.is_cpu and s.is_contiguous() and s.shape == (q.shape[0],)):
             return None
         (M, K), N = x.shape, q.shape[0]
-        y = torch.empty(M, N, dtype=torch.float32)
+        y = torch.empty(M, N, dtype=torch.float32, device="cpu")
         if self.lib.lmhead_int8_matvec(q.data_ptr(), s.data_ptr(), x.data_ptr(),
                                        None if bias is None else bias.data_ptr(), y.data_ptr(),
                                        N, K, M, torch.get_num_threads()):
@@ -116,7 +116,7 @@ class Kernels:
                 and self.fits(x, w, bias)):
             return None
         (M, K), N = x.shape, w.shape[0]
-        y = torch.empty(M, N, dtype=torch.bfloat16)
+        y = torch.empty(M, N, dtype=torch.bfloat16, device="cpu")
         if self.lib.lmhead_bf16_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                                        y.data_ptr(), N, K, M, torch.get_num_threads()):
             raise MemoryError("the bfloat16 kernel could not allocate its activation buffer")
@@ -130,7 +130,7 @@ class Kernels:
                 and self.fits(x, w, bias)):
             return None
         (M, K), N = x.shape, w.shape[0]
-        y = torch.empty(M, N, dtype=torch.float32)
+        y = torch.empty(M, N, dtype=torch.float32, device="cpu")
         self.lib.lmhead_f32_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                                    y.data_ptr(), N, K, M, torch.get_num_threads())
         return y
@@ -147,7 +147,7 @@ class Kernels:
                 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.stride(-2) == hd
                 and (mask is None or (mask.shape == (B, 1, 1, T) and mask.stride(-1) == 1))):
             return None
-        out = torch.empty(B, 1, H * hd, dtype=torch.float32)
+        out = torch.empty(B, 1, H * hd, dtype=torch.float32, device="cpu")
         if self.lib.lmhead_attend(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
                                   k.stride(1), None if mask is None else mask.data_ptr(),
                                   0 if mask is None else mask.stride(0), out.data_ptr(), B, H, T, hd,
@@ -161,8 +161,8 @@ class Kernels:
         `bad` counts the rows whose max is not finite (their figures NaN). ValueError for an id outside [0, V)."""
         N, V = z.shape
         ids = ids.to(torch.int64).contiguous()
-        logprob, entropy, top_logprob, varentropy, margin = (torch.empty(N, dtype=torch.float32) for _ in range(5))
-        rank, top_id = (torch.empty(N, dtype=torch.int64) for _ in range(2))
+        logprob, entropy, top_logprob, varentropy, margin = (torch.empty(N, dtype=torch.float32, device="cpu") for _ in range(5))
+        rank, top_id = (torch.empty(N, dtype=torch.int64, device="cpu") for _ in range(2))
         bad = self.lib.lmhead_score_rows(z.data_ptr(), ids.data_ptr(), N, V, logprob.data_ptr(), rank.data_ptr(),
                                          entropy.data_ptr(), top_id.data_ptr(), top_logprob.data_ptr(),
                                          varentropy.data_ptr(), margin.data_ptr(), torch.get_num_threads())
@@ -283,7 +283,9 @@ def _open(path: Path, variant: str | None = None) -> Kernels:
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:
         raise RuntimeError("they would run a second OpenMP runtime beside torch's: " + ", ".join(sorted(runtimes)))
-    if not (_self_check(k) and _step_check(k)):
+    with torch.device("cpu"):  # the checks' tensors are the CPU's whatever the caller's default device
+        checked = _self_check(k) and _step_check(k)
+    if not checked:
         raise RuntimeError("the compiled kernels failed their self-check against torch")
     return k
 
