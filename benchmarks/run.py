@@ -412,8 +412,8 @@ def report(R: dict, args) -> str:
         "steps, OpenMP threads spinning ~1 ms before they sleep; `1 thread` fixes `--threads 1`; `spinning threads` "
         "is torch's count with threads that spin without end (OMP_WAIT_POLICY=ACTIVE); `kernel`, `gemv`, `linear` and "
         "`blocked form` are the engine loop (benchmarks/probes.py decode) with one product form fixed on torch's thread "
-        "count and no trials: lmhead's compiled kernel (engine/kernels.c; bfloat16's only form where it builds); "
-        "gemv (BLAS for float32, float32's only form; torch's own for bfloat16), gemm (oneDNN, bfloat16) and batched "
+        "count and no trials: lmhead's compiled kernel (engine/csrc; the only form of float32 and bfloat16 where it builds); "
+        "gemv (BLAS for float32, its only form without the kernels; torch's own for bfloat16), gemm (oneDNN, bfloat16) and batched "
         "matmuls over row blocks (bfloat16), these three with the compiled kernels off (LMHEAD_KERNELS=0), since "
         "bfloat16 offers them only then. `torch's products` is `lmhead greedy` with the compiled kernels off: int8 "
         "then runs torch._int_mm over activation digits, bfloat16 chooses among torch's three forms. float32 reads "
@@ -706,7 +706,7 @@ def main() -> None:
         steps = [probe("step", str(folder), "60") for _ in range(3)]
         R["step"] = {k: median([p[k] for p in steps]) for k in steps[0]}
         R["profiles"] = [probe("profile", str(folder), dtype, form)
-                         for dtype, form in (("float32", "gemv"), ("int8", "-"),
+                         for dtype, form in (("float32", "kernel"), ("int8", "-"),
                                              ("bfloat16", "kernel"))]
         bandwidths.append(bandwidth.measure(probe))
     if cpu and not args.quick and not args.decode_only:
