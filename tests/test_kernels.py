@@ -102,10 +102,12 @@ def test_bfloat16_rows_are_float32_sums_rounded_once(build, k, n, m):
 
 
 @pytest.mark.parametrize("k, n", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
 def test_float32_rows_are_float32_sums(build, k, n, m):
     """float32's head product (f32_times: x · wᵀ + bias over (N, K) rows): each output within float32's
-    bound of the exact sum; a transposed view, another dtype or too many rows are handed back (None)."""
+    bound of the exact sum, for 1 to 16 rows (more than 4: the pass that reads each block of w once for
+    every group of 4 rows, with a ragged last group); a transposed view, another dtype or too many rows
+    are handed back (None)."""
     g = torch.Generator().manual_seed(3 * k + n + m)
     w, x, bias = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     for b in (bias, None):
@@ -116,7 +118,7 @@ def test_float32_rows_are_float32_sums(build, k, n, m):
     if n > 1 and k > 1:  # (N, K) as the view of a (K, N) matrix: not rows
         assert build.f32_times(x, w.t().contiguous().t(), None) is None
     assert build.f32_times(x.double(), w.double(), None) is None
-    assert build.f32_times(torch.randn(build.max_rows + 1, k), w, None) is None
+    assert build.f32_max_rows == 16 and build.f32_times(torch.randn(build.f32_max_rows + 1, k), w, None) is None
 
 
 def test_bfloat16_rounds_to_nearest_even_and_carries_nan_and_infinity(build):
@@ -555,6 +557,31 @@ def test_more_positions_than_a_few_never_take_the_few_row_products(tiny, monkeyp
     assert taken == []
     eng.head(h[:, -1:])
     assert taken == [1]
+
+
+@needs_kernels
+def test_a_batched_step_of_up_to_sixteen_float32_rows_takes_the_kernel_head(tiny, monkeypatch):
+    """One position each of 5 to 16 rows (a batched decoding step) runs float32's head in the compiled
+    kernel (E read once for all rows), within float32 rounding of F.linear; 17 rows, bfloat16 rows, or
+    16 positions of one text run torch's GEMM. Mutants: the row bound off by one, the dtype or the
+    one-position check dropped."""
+    from lmhead_cli.engine import lean
+
+    taken = []
+    plain = lean.few_rows_product
+    monkeypatch.setattr(lean, "few_rows_product", lambda *a: taken.append(a[1].shape[0]) or plain(*a))
+    for dtype, rows, want in (("float32", 16, [16]), ("float32", 5, [5]), ("float32", 17, []), ("bfloat16", 16, [])):
+        eng = load_model(str(tiny[0]), device="cpu", engine="lean", dtype=dtype).engine
+        h = torch.randn(rows, 1, eng.head_weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(eng.head_weight.dtype)
+        taken.clear()
+        with torch.inference_mode():
+            got = eng.head(h)
+        assert taken == want, (dtype, rows)
+        torch.testing.assert_close(got, torch.nn.functional.linear(h, eng.head_weight), rtol=1e-5, atol=1e-5)
+    taken.clear()
+    eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
+    eng.head(torch.randn(1, 16, eng.head_weight.shape[1]))
+    assert taken == []
 
 
 @needs_kernels

@@ -105,16 +105,18 @@ def count_steps(monkeypatch) -> list[int]:
 
 PROMPTS = {1: [[464, 8251, 319, 262, 3084]], 5: [[464], [8251, 319, 262, 3084, 13, 198, 40], [11, 13],
                                                  list(range(100, 121)), [318, 257, 1332]]}
+PROMPTS[16] = PROMPTS[5] + [[1000 + 7 * i + j for j in range(i % 6 + 1)] for i in range(11)]  # the most rows a step takes
 NEW = 12
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compiled_steps_give_transformers_logits_and_greedy_ids(ragged, dtype, rows, monkeypatch):
     """Every step's logits equal transformers' forward over the row alone (no cache, no padding) at that
     position, and the greedy ids equal transformers' generate(): one row, and five left-padded rows of
-    lengths 1 to 21 (more rows than a product's kernels take at once). The compiled step ran every step."""
+    lengths 1 to 21 (more rows than a product's kernels take at once), and sixteen (the most a step takes:
+    float32's products and head read each weight once for all of them). The compiled step ran every step."""
     folder, model = ragged
     eng = load_model(str(folder), device="cpu", dtype=dtype, engine="lean").engine
     assert eng.step is not None
@@ -133,7 +135,7 @@ def test_compiled_steps_give_transformers_logits_and_greedy_ids(ragged, dtype, r
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compiled_steps_equal_the_torch_path(ragged, dtype, rows, monkeypatch):
     """The same steps with the compiled step turned off (LMHEAD_STEP=0: the engine's modules, its

@@ -36,7 +36,7 @@ import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 7
+ABI = 8
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
@@ -64,6 +64,7 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL, variant: str = "base"):
         self.variant = variant
         self.max_rows = lib.lmhead_kernels_max_rows()
+        self.f32_max_rows = lib.lmhead_kernels_f32_max_rows()  # float32's head product takes more rows
         # The chosen variant's functions under their plain names: self.lib.lmhead_int8_matvec, ...
         self.lib = lib = _Variant(**{name: getattr(lib, f"{name}_{variant}") for name in FUNCTIONS})
         lib.lmhead_int8_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
@@ -82,13 +83,14 @@ class Kernels:
                                     _i64, _i64, _i64, _i64, _ptr, _i64, _int]
         lib.lmhead_step.restype = _int
 
-    def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None) -> bool:
         """Whether x (M, K), weight rows w (N, K) and bias (N,) are a product these kernels take: on the
-        CPU, contiguous, a few rows (the dtypes are checked by each product)."""
+        CPU, contiguous, a few rows (at most `max_rows`, by default `self.max_rows`; the dtypes are
+        checked by each product)."""
         # is_cpu, not device.type: these checks run before each of a step's ~50 products (device.type
         # builds a device object, four times the check's own cost)
         return (x.is_cpu and w.is_cpu and x.dim() == 2 == w.dim()
-                and 0 < x.shape[0] <= self.max_rows and x.shape[1] == w.shape[1]
+                and 0 < x.shape[0] <= (max_rows or self.max_rows) and x.shape[1] == w.shape[1]
                 and x.is_contiguous() and w.is_contiguous()
                 and (bias is None or (bias.is_cpu and bias.is_contiguous() and bias.shape == (w.shape[0],))))
 
@@ -124,10 +126,10 @@ class Kernels:
 
     def f32_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x (M, K) float32 times w (N, K) float32 rows, plus bias (N,) float32: (M, N) float32 (the head's
-        product over E's rows); None for a product the kernel does not take (other dtypes, a transposed
-        view, or not `fits`), left to the caller."""
+        product over E's rows), M up to `f32_max_rows`; None for a product the kernel does not take (other
+        dtypes, a transposed view, or not `fits`), left to the caller."""
         if not (x.dtype == w.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-                and self.fits(x, w, bias)):
+                and self.fits(x, w, bias, self.f32_max_rows)):
             return None
         (M, K), N = x.shape, w.shape[0]
         y = torch.empty(M, N, dtype=torch.float32, device="cpu")

@@ -3,6 +3,7 @@
 #define LMHEAD_KERNELS_H
 
 #define LMHEAD_MAX_ROWS 4 /* kernels.c's MAX_ROWS: the most rows of x one product takes */
+#define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
 
 /* x86-64 with GCC: a variant per instruction-set level (variant_*.c), best first; elsewhere (another
    architecture, or a compiler without GCC's target pragma) the portable C variant alone. */

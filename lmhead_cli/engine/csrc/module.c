@@ -9,10 +9,11 @@
 
 #include "kernels.h"
 
-#define LMHEAD_KERNELS_ABI 7 /* engine/kernels.py's ABI: raised when a signature or a name changes */
+#define LMHEAD_KERNELS_ABI 8 /* engine/kernels.py's ABI: raised when a signature or a name changes */
 
 int lmhead_kernels_abi(void) { return LMHEAD_KERNELS_ABI; }
 int lmhead_kernels_max_rows(void) { return LMHEAD_MAX_ROWS; }
+int lmhead_kernels_f32_max_rows(void) { return LMHEAD_F32_MAX_ROWS; }
 
 /* The variants built into this module, best first, separated by spaces. */
 const char *lmhead_kernels_variants(void) {
