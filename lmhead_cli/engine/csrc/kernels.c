@@ -154,7 +154,10 @@ DEFINE_MATVEC(bf16, uint16_t, vbf16, bf16_to_f32)
 DEFINE_MATVEC(f32, float, vload, F32)
 
 /* y (M, N) = (x (M, K) · w (N, K) rows ᵀ) * s (N, or NULL: 1) + bias (N, or NULL: 0), float32 out, for
-   int8 rows (`int8`) or float32 rows: the rows in blocks of ROW_BLOCK split among the threads. */
+   int8 rows (`int8`) or float32 rows: the rows in blocks of ROW_BLOCK split among the threads. Each
+   block meets every group of MAX_ROWS rows of x while it is in the cache (12 KB of float32 for GPT-2's
+   768), so that w is read from memory once however many groups there are (float32's head takes up to
+   LMHEAD_F32_MAX_ROWS rows: a batched step's; called a group at a time, w was read once a group). */
 static inline __attribute__((always_inline)) void rows_matvec(const void *w, const int int8, const float *s,
                                                               const float *x, const float *bias, float *y,
                                                               int64_t N, int64_t K, int64_t M, int threads) {
@@ -163,46 +166,25 @@ static inline __attribute__((always_inline)) void rows_matvec(const void *w, con
     for (int64_t b = 0; b < blocks; b++) {
         float acc[MAX_ROWS * ROW_BLOCK];
         int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
-        if (int8)
-            i8_rows((const int8_t *)w, x, acc, K, M, r, rows);
-        else
-            f32_rows((const float *)w, x, acc, K, M, r, rows);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < rows; j++)
-                y[m * N + r + j] = acc[m * ROW_BLOCK + j] * (s ? s[r + j] : 1.0f) + (bias ? bias[r + j] : 0.0f);
-    }
-}
-
-/* 5 to LMHEAD_F32_MAX_ROWS rows of x (M, K) against w (N, K) float32 rows: each block of ROW_BLOCK rows
-   of w is read from memory once and meets every group of MAX_ROWS rows of x while it is in the cache
-   (12 KB for GPT-2's 768), where rows_matvec, called a group at a time, would read all of w once a
-   group (the head of a 16-row step in torch's GEMM took as long as the whole body). */
-static void f32_rows_many(const float *w, const float *x, const float *bias, float *y, int64_t N, int64_t K,
-                          int64_t M, int threads) {
-    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        float acc[MAX_ROWS * ROW_BLOCK];
-        int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
             int64_t g = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-            f32_rows(w, x + m0 * K, acc, K, g, r, rows);
+            if (int8)
+                i8_rows((const int8_t *)w, x + m0 * K, acc, K, g, r, rows);
+            else
+                f32_rows((const float *)w, x + m0 * K, acc, K, g, r, rows);
             for (int64_t m = 0; m < g; m++)
                 for (int64_t j = 0; j < rows; j++)
-                    y[(m0 + m) * N + r + j] = acc[m * ROW_BLOCK + j] + (bias ? bias[r + j] : 0.0f);
+                    y[(m0 + m) * N + r + j] = acc[m * ROW_BLOCK + j] * (s ? s[r + j] : 1.0f) + (bias ? bias[r + j] : 0.0f);
         }
     }
 }
 
 /* x (M, K) float32, w (N, K) float32 rows, bias (N) float32 or NULL -> y (M, N) float32: the head's
-   product over its rows (E's, when tied), four rows a step, each asked for PREFETCH_BYTES ahead; more
-   than MAX_ROWS rows of x (up to LMHEAD_F32_MAX_ROWS) in one pass over w. */
+   product over its rows (E's, when tied), four rows a step, each asked for PREFETCH_BYTES ahead; up to
+   LMHEAD_F32_MAX_ROWS rows of x in one pass over w. */
 int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,
                                       int64_t K, int64_t M, int threads) {
-    if (M > MAX_ROWS)
-        f32_rows_many(w, x, bias, y, N, K, M, threads);
-    else
-        rows_matvec(w, 0, NULL, x, bias, y, N, K, M, threads);
+    rows_matvec(w, 0, NULL, x, bias, y, N, K, M, threads);
     return 0;
 }
 

@@ -92,7 +92,8 @@ static void step_gelu(float *x, int64_t n, int kind) {
    time, forward (one thread: the whole matrix in order), adding their contributions to its sums (M ×
    a chunk of columns, in L1: one load and one store of a sum per four weights). The chunk is the
    whole range for one row of x, narrower for more (the sums of every row must stay in L1). M and the
-   rows of a step are constants in each instance, so that the compiler keeps x's values in registers. */
+   rows of a step are constants in each instance up to MAX_ROWS rows, so that the compiler keeps x's
+   values in registers; more rows (f32_kn_matvec) run the same loops with M a variable. */
 #define KN_SUMS_FLOATS 4096 /* 16 KB of sums per thread */
 #define KN_STEP 4           /* rows of W a pass over the sums takes */
 static inline __attribute__((always_inline)) void kn_rows(const float *W, const float *x, float *sums,
@@ -100,14 +101,13 @@ static inline __attribute__((always_inline)) void kn_rows(const float *W, const 
                                                           int64_t c0, int64_t w, const int R) {
     /* sums[m * w + j] += sum_{i < R} W[(k + i) * N + c0 + j] * x[m * K + k + i], j < w */
     const float *wk = W + k * N + c0;
-    float xs[MAX_ROWS][KN_STEP];
+    float xs[STEP_MAX_ROWS][KN_STEP];
     for (int64_t m = 0; m < M; m++)
         for (int i = 0; i < R; i++) xs[m][i] = x[m * K + k + i];
     int64_t j = 0;
 #if LANES
-    vf xv[MAX_ROWS][KN_STEP];
-    for (int64_t m = 0; m < M; m++)
-        for (int i = 0; i < R; i++) xv[m][i] = vbroadcast(xs[m][i]);
+    /* each x value broadcast where it is used: with M a constant the compiler hoists the broadcasts out
+       of the loop into registers; with M a variable they are one load each from xs */
     for (; j + LANES <= w; j += LANES) {
         vf a[KN_STEP];
         for (int i = 0; i < R; i++) {
@@ -117,7 +117,7 @@ static inline __attribute__((always_inline)) void kn_rows(const float *W, const 
         for (int64_t m = 0; m < M; m++) {
             float *s = sums + m * w + j;
             vf t = vload(s);
-            for (int i = 0; i < R; i++) t = vfma(a[i], xv[m][i], t);
+            for (int i = 0; i < R; i++) t = vfma(a[i], vbroadcast(xs[m][i]), t);
             vstore(s, t);
         }
     }
@@ -160,64 +160,17 @@ KN_INSTANCE(2)
 KN_INSTANCE(3)
 KN_INSTANCE(4)
 
+/* 1 to STEP_MAX_ROWS rows: up to MAX_ROWS with M a constant (x's values in registers), more in one pass
+   whose column tiles hold every row's sums, so that each weight is read from memory once for all rows
+   (in groups of MAX_ROWS a 16-row step read every matrix four times and took three times a 1-row one). */
 static void f32_kn_matvec(const float *W, const float *x, const float *bias, float *y, int64_t K, int64_t N,
                           int64_t M, int threads) {
     void (*run[])(const float *, const float *, const float *, float *, int64_t, int64_t, int) =
         {kn_matvec_1, kn_matvec_2, kn_matvec_3, kn_matvec_4};
-    run[M - 1](W, x, bias, y, K, N, threads);
-}
-
-/* More rows than MAX_ROWS (5 to STEP_MAX_ROWS), float32 (K, N): the same column tiles as kn_matvec, but
-   every row's sums in one tile, so that each weight is read from memory once for all B rows (in groups of
-   MAX_ROWS the step read every matrix B / 4 times: a 16-row step took three times a 1-row one). The rows'
-   x values are broadcast from a small array each pass (B is not a constant here: no registers to hold
-   them), and each vector of W, loaded once, serves every row while it is in registers. */
-static void f32_kn_matvec_many(const float *W, const float *x, const float *bias, float *y, int64_t K,
-                               int64_t N, int64_t B, int threads) {
-#pragma omp parallel num_threads(threads)
-    {
-        int t = 0, T = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num(), T = omp_get_num_threads();
-#endif
-        int64_t lanes = LANES ? LANES : 1;
-        int64_t n0 = N * t / T / lanes * lanes, n1 = t + 1 == T ? N : N * (t + 1) / T / lanes * lanes;
-        int64_t width = KN_SUMS_FLOATS / B / lanes * lanes;
-        float sums[KN_SUMS_FLOATS];
-        for (int64_t c0 = n0; c0 < n1; c0 += width) {
-            int64_t c1 = c0 + width < n1 ? c0 + width : n1, w = c1 - c0;
-            for (int64_t m = 0; m < B; m++)
-                for (int64_t j = 0; j < w; j++) sums[m * w + j] = bias ? bias[c0 + j] : 0.0f;
-            for (int64_t k = 0; k < K; k += KN_STEP) {
-                int R = K - k < KN_STEP ? (int)(K - k) : KN_STEP;
-                const float *wk = W + k * N + c0;
-                float xs[STEP_MAX_ROWS][KN_STEP];
-                for (int64_t m = 0; m < B; m++)
-                    for (int i = 0; i < R; i++) xs[m][i] = x[m * K + k + i];
-                int64_t j = 0;
-#if LANES
-                for (; j + LANES <= w; j += LANES) {
-                    vf a[KN_STEP];
-                    for (int i = 0; i < R; i++) {
-                        a[i] = vload(wk + i * N + j);
-                        _mm_prefetch((const char *)(wk + (i + 2 * KN_STEP) * N + j), _MM_HINT_T0);
-                    }
-                    for (int64_t m = 0; m < B; m++) {
-                        float *sm = sums + m * w + j;
-                        vf acc = vload(sm);
-                        for (int i = 0; i < R; i++) acc = vfma(a[i], vbroadcast(xs[m][i]), acc);
-                        vstore(sm, acc);
-                    }
-                }
-#endif
-                for (; j < w; j++)
-                    for (int64_t m = 0; m < B; m++)
-                        for (int i = 0; i < R; i++) sums[m * w + j] += wk[i * N + j] * xs[m][i];
-            }
-            for (int64_t m = 0; m < B; m++)
-                memcpy(y + m * N + c0, sums + m * w, (size_t)w * sizeof(float));
-        }
-    }
+    if (M > MAX_ROWS)
+        kn_matvec(W, x, bias, y, K, N, M, threads);
+    else
+        run[M - 1](W, x, bias, y, K, N, threads);
 }
 
 /* Product i of a block: x (B, K) float32 -> y (B, N) float32, in the block's weight kind; `xb` and `yb`
@@ -226,14 +179,7 @@ static void f32_kn_matvec_many(const float *W, const float *x, const float *bias
 static int step_product(const lmhead_layer *l, int i, int kind, const float *x, float *y, int64_t B, int64_t K,
                         int64_t N, uint16_t *xb, uint16_t *yb, int threads) {
     if (kind == STEP_F32) {
-        if (B > MAX_ROWS) {
-            f32_kn_matvec_many((const float *)l->w[i], x, (const float *)l->b[i], y, K, N, B, threads);
-            return 0;
-        }
-        for (int64_t m0 = 0; m0 < B; m0 += MAX_ROWS) {
-            int64_t M = B - m0 < MAX_ROWS ? B - m0 : MAX_ROWS;
-            f32_kn_matvec((const float *)l->w[i], x + m0 * K, (const float *)l->b[i], y + m0 * N, K, N, M, threads);
-        }
+        f32_kn_matvec((const float *)l->w[i], x, (const float *)l->b[i], y, K, N, B, threads);
         return 0;
     }
     for (int64_t m0 = 0; m0 < B; m0 += MAX_ROWS) {
