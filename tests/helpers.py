@@ -110,6 +110,28 @@ def cli(*args: str, input: str | bytes | None = None, env: dict | None = None):
     return CliRunner().invoke(app, [str(a) for a in args], input=input, env=env)
 
 
+def _command_once():
+    """Typer builds the click command from the app's signatures on every CliRunner.invoke (~85 ms here);
+    `lmhead` builds it once per process, and so do the tests: the first build is kept for the app."""
+    import typer.testing
+
+    build = typer.testing._get_command
+    if getattr(build, "once", False):
+        return
+    built: dict[int, object] = {}
+
+    def once(app):
+        if id(app) not in built:
+            built[id(app)] = (app, build(app))  # the app is kept, so its id is not reused
+        return built[id(app)][1]
+
+    once.once = True
+    typer.testing._get_command = once
+
+
+_command_once()
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

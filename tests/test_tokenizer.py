@@ -54,3 +54,37 @@ def test_a_sentencepiece_style_tokenizer_json_maps_pieces_back_to_bytes(tmp_path
     assert len(ids) == 10  # five words, a newline byte and the emoji's four bytes
     assert b"".join(tok.token_bytes(i) for i in ids).decode() == tok.decode(ids) == " " + text
     assert [tok.token_text(i) for i in ids[4:7]] == [" table", "\n", "\\xf0"]
+
+
+def test_the_same_files_are_parsed_once_and_other_bytes_again(tmp_path, monkeypatch):
+    import shutil
+
+    import lmhead_cli.loading.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer, "_PARSED", {})
+    src = resources_folder()
+    for name in ("one", "two", "changed"):
+        (tmp_path / name).mkdir()
+        for f in ("vocab.json", "merges.txt"):
+            shutil.copy(src / f, tmp_path / name / f)
+    merges = tmp_path / "changed" / "merges.txt"
+    lines = merges.read_text(encoding="utf-8").splitlines()
+    merges.write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")  # the last merge gone
+    one, two = (GPT2Tokenizer.from_folder(tmp_path / n) for n in ("one", "two"))
+    changed = GPT2Tokenizer.from_folder(tmp_path / "changed")
+    assert one.tok is two.tok  # same bytes in another folder: parsed once
+    assert changed.tok is not one.tok and changed.encode(PROMPT) == PROMPT_IDS
+    for i in range(tokenizer._PARSED_MAX + 2):  # bounded: the oldest entries go
+        (tmp_path / f"v{i}").mkdir()
+        shutil.copy(src / "vocab.json", tmp_path / f"v{i}" / "vocab.json")
+        (tmp_path / f"v{i}" / "merges.txt").write_text("\n".join(lines[:-(i + 2)]) + "\n", encoding="utf-8")
+        GPT2Tokenizer.from_folder(tmp_path / f"v{i}")
+    assert len(tokenizer._PARSED) == tokenizer._PARSED_MAX
+    assert GPT2Tokenizer.from_folder(tmp_path / "one").tok is not one.tok  # evicted, parsed again
+
+
+def resources_folder():
+    import importlib.resources as r
+    from pathlib import Path
+
+    return Path(str(r.files("lmhead_cli.data") / "gpt2-tokenizer"))

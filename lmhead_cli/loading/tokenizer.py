@@ -7,7 +7,9 @@ The bundled vocab.json / merges.txt (lmhead_cli/data/gpt2-tokenizer, MIT, OpenAI
 
 from __future__ import annotations
 
+import hashlib
 import re
+import threading
 from array import array
 from collections import Counter
 from functools import cached_property, lru_cache
@@ -64,7 +66,7 @@ class GPT2Tokenizer:
         naming the file and the library's reason."""
         if (folder / "tokenizer.json").exists():
             path = regular_file(folder / "tokenizer.json")
-            return cls(_checked(path, lambda: Tokenizer.from_file(str(path))), str(path))
+            return cls(_checked(path, lambda: _parsed((path,), lambda: Tokenizer.from_file(str(path)))), str(path))
         vocab, merges = folder / "vocab.json", folder / "merges.txt"
         if vocab.exists() and merges.exists():
             regular_file(vocab), regular_file(merges)
@@ -72,7 +74,7 @@ class GPT2Tokenizer:
             def blame(reason: str) -> Path:  # the library names no file: its reason tells which
                 return merges if "out of vocabulary" in reason or "merges" in reason.lower() else vocab
 
-            return cls(_checked(blame, lambda: _bpe(vocab, merges)), str(folder))
+            return cls(_checked(blame, lambda: _parsed((vocab, merges), lambda: _bpe(vocab, merges))), str(folder))
         return None
 
     @classmethod
@@ -132,7 +134,8 @@ class GPT2Tokenizer:
     def bundled(cls) -> GPT2Tokenizer:
         folder = resources.files("lmhead_cli.data") / "gpt2-tokenizer"
         with resources.as_file(folder) as path:
-            return cls(_bpe(path / "vocab.json", path / "merges.txt"), "bundled GPT-2 BPE")
+            vocab, merges = path / "vocab.json", path / "merges.txt"
+            return cls(_parsed((vocab, merges), lambda: _bpe(vocab, merges)), "bundled GPT-2 BPE")
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -289,6 +292,35 @@ def _checked(path, load) -> Tokenizer:
                                 f"{reason}") from None
     if tok.get_vocab_size(with_added_tokens=True) == 0:
         raise CorruptCheckpoint(f"{path if not callable(path) else path('')} holds no tokens")
+    return tok
+
+
+# Parsed tokenizers by their files' content: parsing GPT-2's 50,257 tokens and 50,000 merges takes ~0.1 s,
+# hashing the files ~3 ms, so a process that loads models again (the API in a notebook, a server, a test
+# suite) parses each tokenizer once. lmhead never changes a Tokenizer after building it (encode and decode
+# only), so models share one. A few entries at most: memory stays bounded.
+_PARSED: dict[bytes, Tokenizer] = {}
+_PARSED_MAX = 4
+_PARSED_LOCK = threading.Lock()
+
+
+def _parsed(paths: tuple[Path, ...], build) -> Tokenizer:
+    """`build()`'s tokenizer, or the one built before from files with the same bytes as `paths`."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        digest.update(b"\0")
+    key = digest.digest()
+    with _PARSED_LOCK:
+        tok = _PARSED.get(key)
+    if tok is None:
+        tok = build()
+        with _PARSED_LOCK:
+            while len(_PARSED) >= _PARSED_MAX:
+                del _PARSED[next(iter(_PARSED))]
+            _PARSED[key] = tok
     return tok
 
 
