@@ -11,7 +11,9 @@ import pytest
 import torch
 from helpers import PROMPT, PROMPT_IDS, PY, REPO, assert_rank, cli, invoke
 
+from lmhead_cli import render
 from lmhead_cli.readings import explore
+from lmhead_cli.render.big_table import as_big_table
 from lmhead_cli.errors import UsageError
 from lmhead_cli.readings.explore import Command, Settings, apply, parse_command
 from lmhead_cli.loading.sources import load_model
@@ -277,11 +279,19 @@ def test_markup_like_tokens_are_shown_as_they_are(tiny):
     assert "│ [/ " in got.stdout and "[/ rank" in got.stdout  # the explore table and the lens header
 
 
-@pytest.mark.slow  # rich lays out a 50,257-row table: 145 s under load
-def test_explore_completion_and_offline_advice(tiny):
+def test_explore_completion_and_offline_advice(tiny, monkeypatch):
+    drawn = []  # rows of each table drawn line by line by render.big_table (rich took ~50 s for this one)
+
+    def spy(con, table):
+        big = as_big_table(con, table)
+        drawn.extend([len(table.rows)] if big else [])
+        return big
+
+    monkeypatch.setattr(render, "as_big_table", spy)
     got = invoke(["explore", "--model", str(tiny[0])], input=":foo\n:top-k 100000\nThe keys\n")
     assert got.exit_code == 0 and got.stderr.count("unknown command :foo; :help lists the commands") == 1
     assert ":softcap C|off" not in got.stdout and "50,257" in got.stdout  # every token's row, ranked by a sort
+    assert drawn == [50257] and len(got.stdout.splitlines()) > 50257
     assert "--install-completion" in invoke(["--help"]).stdout
     got = invoke(["tie", "--model", "distilgpt2"])
     assert got.exit_code == 1 and "--model random:distilgpt2" in got.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from helpers import control_byte_checkpoint, invoke
@@ -144,3 +145,139 @@ def test_the_json_writer_escapes_every_c0_c1_and_del_and_round_trips():
     text = json_text({"s": s}, lines=True)
     assert all(c >= " " and not ("\x7f" <= c <= "\x9f") for c in text)
     assert json.loads(text)["s"] == s
+
+
+# ---- tables of thousands of rows: render.big_table draws them line by line, as rich would --------------
+
+# Token cells that are hard to lay out: double-width (one GPT-2 token, 15 cells), a leading space shown
+# as ␣, an escaped ESC, markup-like text, combining accents and zero-width joiners (fewer cells than
+# characters), a variation selector (more), trailing spaces, nothing; and a right-justified figure with
+# trailing spaces.
+ODD_TOKENS = [" サーティワン", "␣the", "\\x1b[2J", "[/", "[bold]x[/]", "e\u0301\u0301 ", "a\u200d ", "x  ", "",
+              "☕:smile:", "❤\ufe0f", "👩\u200d💻"]
+
+
+def _odd_rows(add_row, n: int = 40, style: str = "bold") -> None:
+    """n rows of explore's shape (rank, id, token Text, figures, a markup bar) with ODD_TOKENS among them,
+    the last three in `style` (explore's targets)."""
+    from lmhead_cli.render import bar, token_cell
+
+    for i in range(n):
+        token = token_cell(ODD_TOKENS[i % len(ODD_TOKENS)] if i % 4 != 3 else f" tok{i}")
+        figure = f"{-i / 7:.4f}" + ("  " if i == 5 else "")
+        add_row(f"{i + 1:,}", str(i * 997), token, figure, f"{0.9 ** i:.4%}", f"[cyan]{bar(0.9 ** i)}[/]",
+                style=style if i >= n - 3 else None)
+
+
+def _big_tables():
+    """The shapes lmhead prints (explore's reading, inspect's top and prompt tables, compact_table,
+    lens's boxless tables, tie's headerless table) and a few it does not (edges, centred, a caption,
+    row and border styles)."""
+    from rich import box
+    from rich.table import Table
+
+    from lmhead_cli.render import compact_table, compose, token_cell
+
+    def filled(table, justify=("right", "right", "left", "right", "right", "left"), style="bold", **column):
+        for name, j in zip(("rank", "id", "token", "logit", "prob", ""), justify):
+            table.add_column(name, justify=j, **column)
+        _odd_rows(table.add_row, 30, style)
+        table.add_section()
+        _odd_rows(table.add_row, 8, style)
+        return table
+
+    yield "explore", filled(Table(show_edge=False, pad_edge=False), no_wrap=True)
+    yield "inspect", filled(Table(title="next token: top 38 of 50,257", title_justify="left", show_edge=False))
+    prompt = Table(title="prompt tokens", title_justify="left", show_edge=False)
+    prompt.add_column("#", justify="right", style="dim")
+    prompt.add_column(compose(token_cell("[/"), " rank"), justify="right")  # a header with markup-like data
+    prompt.add_column("token")
+    for i, t in enumerate(ODD_TOKENS * 3):
+        prompt.add_row(str(i), str(i * 31), token_cell(t))
+    prompt.add_row("…", "", "[dim]1,000 more tokens (--json lists them all)[/]")
+    yield "prompt tokens", prompt
+    compact = compact_table("each side's top 38", ("rank", "right"), ("A token", "left"), ("prob A", "right"),
+                            ("│", "center"), ("B token", "left"), ("prob B", "right"))
+    _odd_rows(lambda rank, i, tok, logit, prob, bar, style: compact.add_row(rank, tok, prob, "│", tok, logit), 38)
+    yield "compact", compact
+    yield "boxless", filled(Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1)), no_wrap=True)
+    headless = Table(show_header=False, show_edge=False)
+    headless.add_column(style="bold")
+    headless.add_column(overflow="fold")
+    for t in ODD_TOKENS * 2:
+        headless.add_row(compose("stored ", token_cell(t), " equals"), "yes :thumbs_up: [bold]yes[/]")
+    yield "headless", headless
+    every_part = box.Box("╭─┬╮\n┃ ┆┃\n┡━╇┩\n│ ││\n├─┼┤\n╞═╪╡\n╏ ╎╏\n╰─┴╯\n")  # each row kind its own
+    yield "edges", filled(Table(box=every_part, caption="a caption", title="centred [b]title[/]"),
+                          justify=("center", "right", "center", "left", "center", "right"))
+    styled = Table(style="italic", border_style="red", header_style="bold magenta", box=box.SIMPLE,
+                   padding=(0, 2, 0, 1), collapse_padding=True)
+    yield "styled", filled(styled, style="bold on dark_red", no_wrap=True)
+
+
+BIG_TABLES = dict(_big_tables())
+
+
+def _printed(monkeypatch, table, *, colour: bool, fast: bool, width: int = 80) -> str:
+    """What lmhead's console prints for `table`, colour on (a terminal) or off: drawn by render.big_table
+    (`fast`, whatever its size) or by rich."""
+    import io
+
+    from lmhead_cli import render
+    from lmhead_cli.render import big_table
+
+    monkeypatch.setattr(big_table, "ROWS", 0 if fast else 1 << 30)
+    file = io.StringIO()
+    con = render._Console(file=file, width=width, force_terminal=colour, color_system="truecolor" if colour else None,
+                          highlight=False, soft_wrap=False)
+    con.print(table)
+    return file.getvalue()
+
+
+def _spy(monkeypatch) -> list:
+    """The tables lmhead's console draws line by line from now on (a BigTable, or None for rich), in order."""
+    from lmhead_cli import render
+    from lmhead_cli.render.big_table import as_big_table
+
+    drawn = []
+    monkeypatch.setattr(render, "as_big_table", lambda con, t: drawn.append(as_big_table(con, t)) or drawn[-1])
+    return drawn
+
+
+@pytest.mark.parametrize("colour", [False, True], ids=["plain", "colour"])
+@pytest.mark.parametrize("shape", list(BIG_TABLES))
+def test_a_big_table_is_drawn_as_rich_draws_it(shape, colour, monkeypatch):
+    table, drawn = BIG_TABLES[shape], _spy(monkeypatch)
+    by_rich = _printed(monkeypatch, table, colour=colour, fast=False)
+    assert _printed(monkeypatch, table, colour=colour, fast=True) == by_rich
+    assert drawn[0] is None and drawn[1] is not None and ("\x1b[" in by_rich) == colour
+    assert _printed(monkeypatch, table, colour=colour, fast=True, width=30) == by_rich  # its own width: nothing cut
+
+
+BIG_TABLE_RUNS = {  # lmhead's own tables through the CLI; explore with targets (a bold section) and a stage
+    "explore": (["explore", "-t", "\x1b", "-t", " サーティワン", "-t", "[/", "--temperature", "0.8", "-k", "40"],
+                "The keys\n"),
+    "inspect": (["inspect", "ドラゴン [b]The\x1b keys", "-k", "40", "-t", " サーティワン", "-t", "\x1b"], None),
+    "inspect --stages": (["inspect", "The keys", "--stages", "--temperature", "0.5", "-k", "30"], None),
+    "diff": (["diff", "The keys", "The \x1b サーティワン", "-k", "30"], None),
+}
+
+
+@pytest.mark.parametrize("colour", [False, True], ids=["plain", "colour"])
+@pytest.mark.parametrize("case", list(BIG_TABLE_RUNS))
+def test_commands_print_the_same_whoever_draws_their_tables(tiny, monkeypatch, case, colour):
+    from lmhead_cli.render import big_table
+
+    if colour:
+        monkeypatch.setenv("FORCE_COLOR", "1")
+    args, script = BIG_TABLE_RUNS[case]
+    monkeypatch.setattr(big_table, "ROWS", 1 << 30)
+    by_rich = invoke([*args, "--model", str(tiny[0])], input=script)
+    monkeypatch.setattr(big_table, "ROWS", 0)
+    drawn = _spy(monkeypatch)
+    by_lines = invoke([*args, "--model", str(tiny[0])], input=script)
+    assert by_rich.exit_code == by_lines.exit_code == 0, by_rich.output
+    assert drawn and all(drawn)  # every table of these commands has a shape drawn line by line
+    timing = re.compile(r"; \d+ ms\)")  # explore's one figure that changes from run to run
+    assert timing.sub("", by_lines.stdout) == timing.sub("", by_rich.stdout)
+    assert ("\x1b[" in by_lines.stdout) == colour
