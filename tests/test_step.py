@@ -174,17 +174,20 @@ def test_float32_columns_cross_their_chunks(wide, threads, monkeypatch):
 
 @needs_kernels
 def test_the_thread_count_does_not_change_float32_figures(ragged):
-    """Threads split a product's output columns, never a sum: one thread and two give the same bits
+    """Threads split a product's output columns (several rows) or take its fixed blocks of rows of W
+    (one row), and the sums' order never depends on them: one, two and three threads give the same bits
     (prompts of one token, so that the prefill is a compiled step too, not BLAS's products)."""
     eng = load_model(str(ragged[0]), device="cpu", dtype="float32", engine="lean").engine
-    before, got = torch.get_num_threads(), []
+    before = torch.get_num_threads()
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            got.append(decode(eng, [[464], [8251], [11]], 6)[0])
+        for prompts in ([[464], [8251], [11]], [[8251]]):
+            got = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                got.append(decode(eng, prompts, 6)[0])
+            assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2]), prompts
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(got[0], got[1])
 
 
 @needs_kernels

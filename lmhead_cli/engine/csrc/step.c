@@ -160,11 +160,14 @@ KN_INSTANCE(2)
 KN_INSTANCE(3)
 KN_INSTANCE(4)
 
-/* y (N) = x (K) · W (K, N) + bias (N) or 0 for one row of x (a single stream's step): each thread takes a
-   contiguous block of whole rows of W, one stream read in memory order, into its own N sums (`part`:
-   threads × N floats); then each thread adds every thread's sums over its own range of columns. Taking
-   columns instead (kn_matvec) reads each row in two pieces, four rows at a time: measured alone on GPT-2's
-   shapes, the column split read 8-10 GB/s and this one 15 (2 threads, Zen 4, 4 KiB pages). */
+/* y (N) = x (K) · W (K, N) + bias (N) or 0 for one row of x (a single stream's step): W's rows in
+   KN_CHUNKS contiguous blocks, each summed into its own N sums (`part`: KN_CHUNKS × N floats), the
+   threads taking consecutive blocks, so that each reads whole rows in memory order, one stream; then
+   each thread adds the blocks' sums in block order over its own range of columns. The blocks, not the
+   threads, fix the order of the sums: any thread count gives the same bits. Taking columns instead
+   (kn_matvec) reads each row in pieces, four rows at a time: measured alone on GPT-2's shapes, the
+   column split read 8-10 GB/s and this one 15 (2 threads, Zen 4, 4 KiB pages). */
+#define KN_CHUNKS 8
 static void kn_vec(const float *W, const float *x, const float *bias, float *y, int64_t K, int64_t N, int threads,
                    float *part) {
 #pragma omp parallel num_threads(threads)
@@ -173,22 +176,24 @@ static void kn_vec(const float *W, const float *x, const float *bias, float *y, 
 #ifdef _OPENMP
         t = omp_get_thread_num(), T = omp_get_num_threads();
 #endif
-        float *s = part + t * N;
-        for (int64_t j = 0; j < N; j++) s[j] = 0.0f;
-        for (int64_t k = K * t / T; k < K * (t + 1) / T; k++) {
-            const float *wk = W + k * N;
-            const float xk = x[k];
-            int64_t j = 0;
+        for (int c = KN_CHUNKS * t / T; c < KN_CHUNKS * (t + 1) / T; c++) {
+            float *s = part + c * N;
+            for (int64_t j = 0; j < N; j++) s[j] = 0.0f;
+            for (int64_t k = K * c / KN_CHUNKS; k < K * (c + 1) / KN_CHUNKS; k++) {
+                const float *wk = W + k * N;
+                const float xk = x[k];
+                int64_t j = 0;
 #if LANES
-            const vf xv = vbroadcast(xk);
-            for (; j + LANES <= N; j += LANES) vstore(s + j, vfma(vload(wk + j), xv, vload(s + j)));
+                const vf xv = vbroadcast(xk);
+                for (; j + LANES <= N; j += LANES) vstore(s + j, vfma(vload(wk + j), xv, vload(s + j)));
 #endif
-            for (; j < N; j++) s[j] += wk[j] * xk;
+                for (; j < N; j++) s[j] += wk[j] * xk;
+            }
         }
 #pragma omp barrier
         for (int64_t j = N * t / T; j < N * (t + 1) / T; j++) {
             float v = bias ? bias[j] : 0.0f;
-            for (int u = 0; u < T; u++) v += part[u * N + j];
+            for (int c = 0; c < KN_CHUNKS; c++) v += part[c * N + j];
             y[j] = v;
         }
     }
@@ -249,8 +254,8 @@ int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind,
           *a = malloc(sizeof(float) * (size_t)(B * D));
     uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest)),
              *yb = malloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest));
-    /* one row of float32: each thread's sums over all of a product's columns (kn_vec) */
-    float *part = kind == STEP_F32 && B == 1 ? malloc(sizeof(float) * (size_t)(threads * widest)) : NULL;
+    /* one row of float32: each block's sums over all of a product's columns (kn_vec) */
+    float *part = kind == STEP_F32 && B == 1 ? malloc(sizeof(float) * (size_t)(KN_CHUNKS * widest)) : NULL;
     int failed = !(h && big && a && xb && yb && (part || kind != STEP_F32 || B != 1));
     for (int64_t li = 0; li < L && !failed; li++) {
         const lmhead_layer *l = layers + li;
