@@ -609,38 +609,3 @@ def test_every_kernel_writes_to_the_cpu_under_another_default_device():
             else:
                 assert t == u
 
-
-def test_weights_move_onto_huge_pages_as_the_same_tensors_with_the_same_values(tmp_path):
-    """build_lean moves a float32 or bfloat16 model's storages into one mapping advised as huge pages:
-    the same Parameter objects (the head still *is* wte), the same values, shapes and strides (bfloat16's
-    Conv1D weights are transposed views of (out, in) rows, which the step reads as rows)."""
-    import copy
-    from pathlib import Path
-
-    from lmhead_cli.engine.heap import onto_huge_pages
-    from lmhead_cli.engine.lean import GPT2, conv1d_weight
-
-    config = {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, "vocab_size": 50257,
-              "layer_norm_epsilon": 1e-5, "n_inner": None}
-    model = GPT2(config, tied=True)
-    with torch.no_grad():
-        for t in model.parameters():
-            t.normal_()
-    for b in model.h:  # bfloat16's layout for one of them: a transposed view of rows
-        b.mlp.c_fc.weight = torch.nn.Parameter(conv1d_weight(b.mlp.c_fc.weight.detach(), torch.bfloat16,
-                                                             torch.device("cpu")), requires_grad=False)
-    before = {n: (t, t.detach().clone(), t.stride(), t.data_ptr()) for n, t in model.state_dict(keep_vars=True).items()}
-    moved = onto_huge_pages(model, min_bytes=1 << 14)
-    assert moved >= model.wte.weight.nbytes
-    assert model.lm_head.weight is model.wte.weight
-    for name, t in model.state_dict(keep_vars=True).items():
-        same, values, stride, ptr = before[name]
-        assert t is same and torch.equal(t, values) and t.stride() == stride, name
-        if t.untyped_storage().nbytes() >= 1 << 14:
-            assert t.data_ptr() != ptr and t.data_ptr() % 64 == 0, name
-    assert model.wte.weight.untyped_storage().data_ptr() == model.h[0].mlp.c_fc.weight.untyped_storage().data_ptr()
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.exists() and "[never]" not in thp.read_text():  # the kernel backs the mapping with 2 MiB pages
-        huge = [ln for ln in Path("/proc/self/smaps").read_text().splitlines() if ln.startswith("AnonHugePages:")]
-        assert sum(int(ln.split()[1]) for ln in huge) >= 2048
-    assert onto_huge_pages(copy.deepcopy(torch.nn.Linear(2, 2))) == 0  # nothing large: nothing moved

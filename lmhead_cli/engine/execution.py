@@ -7,8 +7,7 @@ readings/, decoding/ and head.py ask it and never reach them:
 * the product forms the engine offers (engine/products.py: which one runs is timed with the counts);
 * the compiled kernels (engine/kernels.py: the extension module `pip install` built, or torch's
   products where there is none);
-* the memory policy (engine/heap.py: glibc's mmap threshold pinned, for long loops over chunks; the
-  weights, placed on huge pages when the model is built, which changes no setting of the process).
+* the memory policy (engine/heap.py: glibc's mmap threshold pinned, for long loops over chunks).
 
 It leaves the host process as it found it. Every call that runs work (`run`, `settle`, `scope`)
 sets torch's thread count it chose and restores the caller's after, and nothing here writes

@@ -357,12 +357,7 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
         from lmhead_cli.engine.int8 import quantise_gpt2_
 
         quantise_gpt2_(model, tied, device, announce)
-    model = model.to(device).eval()
-    if device.type == "cpu" and not int8:  # int8's products hold their weights outside the module too
-        from lmhead_cli.engine.heap import onto_huge_pages
-
-        onto_huge_pages(model)
-    return model
+    return model.to(device).eval()
 
 
 def build_transformers(config: dict, state: dict[str, torch.Tensor], files: list[Path],
