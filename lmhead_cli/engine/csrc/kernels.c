@@ -313,7 +313,7 @@ static inline __attribute__((always_inline)) void i8_vnni_block(
             i8_vnni_block(q, d, c, s, bias, y, N, K, Kp, MM, RBB, r, rows);                            \
         }                                                                                              \
     }
-VNNI_INSTANCE(1, 4)
+VNNI_INSTANCE(1, 1) /* one row of x: w's rows one at a time, one stream in memory order (see f32_one_row) */
 VNNI_INSTANCE(2, 2)
 VNNI_INSTANCE(3, 2)
 VNNI_INSTANCE(4, 2)
@@ -386,7 +386,7 @@ static inline __attribute__((always_inline)) void bf16_dp_block(
             bf16_dp_block(w, x, bias, y, N, K, MM, RBB, r, rows);                                       \
         }                                                                                               \
     }
-DPBF16_INSTANCE(1, 4)
+DPBF16_INSTANCE(1, 1) /* one row of x: w's rows one at a time (see f32_one_row); the same sums */
 DPBF16_INSTANCE(2, 4)
 DPBF16_INSTANCE(3, 4)
 DPBF16_INSTANCE(4, 4)
