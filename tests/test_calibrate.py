@@ -84,6 +84,29 @@ def nll_at(z: torch.Tensor, y: torch.Tensor, T: float) -> float:
     return float((torch.logsumexp(z / T, -1) - z.gather(-1, y[:, None])[:, 0] / T).mean())
 
 
+def golden_min(f, a: float, b: float, tol: float) -> float:
+    """The x in [a, b] where the unimodal f is least, to within tol: golden-section search (each step
+    keeps 0.618 of the bracket and reuses one of its two evaluations)."""
+    g = (math.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol:
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def test_golden_min_finds_the_least_point_of_a_convex_function():
+    assert golden_min(lambda x: (x - 0.3) ** 2 + math.exp(x), -5.0, 5.0, 1e-6) == pytest.approx(-0.136293, abs=1e-5)
+    assert golden_min(lambda x: abs(x - 2.5), 0.0, 10.0, 1e-6) == pytest.approx(2.5, abs=1e-6)
+
+
 @pytest.mark.parametrize("bos,stride", [(False, 128), (True, 200)])
 def test_every_bin_ece_brier_nll_and_temperature_match_transformers(model, oracle, bos, stride):
     ids = model.encode(TEXT)
@@ -103,13 +126,12 @@ def test_every_bin_ece_brier_nll_and_temperature_match_transformers(model, oracl
     assert got["ece"] == pytest.approx(want["ece"], abs=1e-5) and got["ece"] > 0.01
     assert got["brier"] == pytest.approx(want["brier"], abs=1e-5)
     assert got["nll"] == pytest.approx(want["nll"], abs=1e-4)
-    # the temperature: a grid search here, coarse then fine around its best
-    grid = torch.logspace(math.log10(0.1), math.log10(10), 41).tolist()  # steps of 12%
-    best = min(grid, key=lambda T: nll_at(z, y, T))
-    fine = torch.linspace(best / 1.13, best * 1.13, 41).tolist()
-    best = min(fine, key=lambda T: nll_at(z, y, T))
+    # the temperature: a golden-section search here over log T in [0.1, 10] (the NLL is convex in 1/T,
+    # so one minimum), to 0.05% of T; lmhead takes Newton steps in 1/T
+    u = golden_min(lambda u: nll_at(z, y, math.exp(u)), math.log(0.1), math.log(10), 5e-4)
+    best = math.exp(u)
     T = got["temperature"]
-    assert abs(T - best) <= fine[1] - fine[0]
+    assert abs(math.log(T) - u) <= 1e-3, (T, best)
     assert nll_at(z, y, T) <= nll_at(z, y, best) + 1e-9
     assert got["nll_at_temperature"] == pytest.approx(nll_at(z, y, T), abs=1e-4) and got["nll_at_temperature"] < got["nll"]
     assert got["ece_at_temperature"] == pytest.approx(figures(z, y, T)["ece"], abs=1e-5)

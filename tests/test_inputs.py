@@ -143,13 +143,12 @@ def test_an_output_encoding_that_is_not_utf8_still_writes():
     assert got.returncode == 0 and json.loads(got.stdout)["words"] == ["cat", "dog", "fish", "run"]
 
 
-@pytest.mark.slow  # 2,800 tokens through distilgpt2's shapes: 43 s under load
-def test_a_big_text_on_stdin_says_what_it_will_score_and_reports_progress_off_a_terminal(monkeypatch):
+def test_a_big_text_on_stdin_says_what_it_will_score_and_reports_progress_off_a_terminal(monkeypatch, tiny):
     from lmhead_cli.render import score as show
 
     monkeypatch.setattr(show, "PROGRESS_DELAY_S", 0.0)  # as if each window took longer than the delay
-    text = "The keys on the table are here. " * 400  # 2,800 tokens: 5 windows of distilgpt2's 1,024
-    got = invoke(["score", "-", "--model", "random:distilgpt2", "--json"], input=text)
+    text = "The keys on the table are here. " * 400  # 2,800 tokens: 5 windows of the 1,024 it reads at once
+    got = invoke(["score", "-", "--model", str(tiny[0]), "--json"], input=text)
     assert got.exit_code == 0, got.output
     n = json.loads(got.stdout)["scored_tokens"]
     assert f"scoring: {n:,} tokens, about " in got.stderr  # the size of the work and the time it will take

@@ -88,7 +88,7 @@ def tune_lens_cmd(
     """Train a tuned lens: one affine translator per layer (identity at the start), fitted to the model's
     final distribution (KL) on windows of the text, and write it for lens --tuned.
 
-    Example: lmhead tune-lens "In the beginning God created the heaven and the earth." --out /tmp/lens.safetensors --steps 2 --model random:gpt2
+    Example: lmhead tune-lens "In the beginning God created the heaven and the earth." --out /tmp/lens.safetensors --steps 2 --model bundled:tiny
     """
     from lmhead_cli import render
     from lmhead_cli.api import checks
