@@ -3,9 +3,20 @@ real GPT-2 tokenizer, and an isolated environment for every test. The builders a
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from helpers import build_checkpoint, loud_checkpoint, real_gpt2_folder
+# Under pytest-xdist the workers share the machine's cores: each worker, and every process it starts, runs
+# torch on its share (OMP_NUM_THREADS, read when torch loads, before helpers imports it), unless the caller
+# set OMP_NUM_THREADS. Two workers of two OpenMP threads each on 2 cores spun against each other: the
+# suite took 351 s and 660 s of CPU, with one thread each 304 s and 560 s. The tests of several threads set
+# their count themselves (test_step, test_engine_parity, test_threads).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+import pytest  # noqa: E402
+
+from helpers import build_checkpoint, loud_checkpoint, real_gpt2_folder  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
