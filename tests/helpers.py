@@ -150,25 +150,252 @@ def _env(extra: dict | None) -> dict:
     return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
+# ---- `lmhead` in another process: forked from tests/zygote.py, or a fresh interpreter ---------------
+# A fresh `lmhead` spends ~2 of its ~3 s of CPU importing torch. tests/zygote.py imports it once per
+# test process and forks each `lmhead` from there; the fork runs what a fresh interpreter would, except
+# for what an interpreter reads as it starts. So a fresh interpreter is kept for: torchrun, a preexec_fn
+# or any Popen argument the launcher does not take, and an environment that differs from the launcher's
+# in a setting read at start-up (Python's, the locale's, OpenMP's, torch's, the loader's, the allocator's).
+# LMHEAD_TEST_FRESH=1 runs every launch in a fresh interpreter.
+FRESH_ENV = "LMHEAD_TEST_FRESH"
+START_SETTINGS = ("PYTHON", "LC_", "LANG", "OMP_", "GOMP_", "KMP_", "MKL_", "TORCH", "PYTORCH", "LD_", "MALLOC_",
+                  "CUDA", "OPENBLAS")
+FORK_TAKES = {"stdin", "stdout", "stderr", "text", "input", "capture_output", "cwd"}
+_zygote: dict = {}
+
+
+def _launcher() -> tuple[str, dict] | None:
+    """(socket path, environment) of this process's tests/zygote.py, started on first use; None if it
+    cannot start (then every launch is a fresh interpreter)."""
+    import atexit
+    import subprocess
+    import sys
+    import tempfile
+
+    z = _zygote.get(os.getpid())
+    if z is not None and (z["proc"] is None or z["proc"].poll() is None):
+        return None if z["proc"] is None else (z["path"], z["env"])
+    folder = tempfile.mkdtemp(prefix="lmhead-zygote-")
+    path, env = os.path.join(folder, "socket"), _env(None)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), path], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    _zygote[os.getpid()] = z = {"proc": proc, "path": path, "env": env}
+    atexit.register(lambda: (proc.kill(), shutil.rmtree(folder, ignore_errors=True)))
+    try:
+        ready = reader(proc.stdout, timeout=120)() == b"ready\n"
+    except AssertionError:
+        ready = False
+    if not ready:
+        proc.kill()
+        z["proc"] = None
+        return None
+    return path, env
+
+
+def forkable(env: dict, kwargs: dict) -> tuple[str, dict] | None:
+    """The launcher to fork `lmhead` from with this environment and these Popen arguments, or None where
+    only a fresh interpreter runs it as a user's would (see above)."""
+    if env.get(FRESH_ENV, "").strip() not in ("", "0") or set(kwargs) - FORK_TAKES:
+        return None
+    launcher = _launcher()
+    if launcher is None:
+        return None
+    base = launcher[1]
+    for key in set(env) | set(base):
+        if key.startswith(START_SETTINGS) and env.get(key) != base.get(key) and key != "PYTHONUNBUFFERED":
+            return None
+    return launcher
+
+
+class Forked:
+    """A Popen-like handle on an `lmhead` forked by tests/zygote.py: pid, stdin/stdout/stderr (where
+    piped), returncode, poll, wait, send_signal, terminate, kill, communicate."""
+
+    def __init__(self, argv: list[str], launcher: tuple[str, dict], env: dict, stdin=None, stdout=None, stderr=None,
+                 text: bool = False, cwd=None):
+        import locale
+        import socket
+        import struct
+        import json
+        import subprocess
+
+        self.args, self.returncode, self.text = argv, None, text
+        self.encoding = locale.getpreferredencoding(False)
+        given, parent_ends, close_after = [], {}, []
+
+        def stream(name: str, spec, fd: int, writing: bool) -> int:
+            if spec is None:
+                return fd
+            if spec == subprocess.DEVNULL:
+                d = os.open(os.devnull, os.O_RDWR)
+                close_after.append(d)
+                return d
+            if spec == subprocess.PIPE:
+                r, w = os.pipe()
+                mine, theirs = (r, w) if writing else (w, r)
+                parent_ends[name] = mine
+                close_after.append(theirs)
+                return theirs
+            if spec == subprocess.STDOUT:
+                return given[1]
+            return spec if isinstance(spec, int) else spec.fileno()
+
+        given.append(stream("stdin", stdin, 0, False))
+        given.append(stream("stdout", stdout, 1, True))
+        given.append(stream("stderr", stderr, 2, True))
+        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()),
+                              "unbuffered": bool(env.get("PYTHONUNBUFFERED"))}).encode()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(launcher[0])
+            socket.send_fds(self._conn, [struct.pack("!I", len(request)) + request], given)
+        finally:
+            for d in close_after:
+                os.close(d)
+        self.pid = self._read()
+        for name in ("stdin", "stdout", "stderr"):
+            end = parent_ends.get(name)
+            f = None
+            if end is not None:
+                f = os.fdopen(end, "wb" if name == "stdin" else "rb")
+                if text:
+                    f = __import__("io").TextIOWrapper(f, encoding=self.encoding, write_through=name == "stdin")
+            setattr(self, name, f)
+
+    def _read(self, timeout: float | None = None) -> int | None:
+        import struct
+
+        self._conn.settimeout(timeout)
+        data = b""
+        try:
+            while len(data) < 8:
+                more = self._conn.recv(8 - len(data))
+                if not more:
+                    raise ConnectionError("the launcher went away")
+                data += more
+        except TimeoutError:
+            return None
+        return struct.unpack("!q", data)[0]
+
+    def poll(self) -> int | None:
+        import select
+
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.returncode = self._read()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        if self.returncode is None:
+            code = self._read(timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = code
+            self._conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input=None, timeout: float | None = None):
+        """(stdout, stderr) as Popen.communicate gives them: input written, the pipes read to their end."""
+        import subprocess
+        import threading
+
+        out: dict = {}
+
+        def drain(name: str):
+            f = getattr(self, name)
+            out[name] = f.read()
+            f.close()
+
+        readers = [threading.Thread(target=drain, args=(n,), daemon=True) for n in ("stdout", "stderr")
+                   if getattr(self, n) is not None]
+        for t in readers:
+            t.start()
+        if self.stdin is not None:
+            try:
+                if input:
+                    self.stdin.write(input)
+                self.stdin.close()
+            except BrokenPipeError:
+                pass
+        for t in readers:
+            t.join(timeout)
+            if t.is_alive():
+                self.kill()
+                self.wait()
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise
+        if self.text:
+            for k, v in out.items():
+                out[k] = v.replace("\r\n", "\n").replace("\r", "\n")
+        return out.get("stdout"), out.get("stderr")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in (self.stdin, self.stdout, self.stderr):
+            if f is not None and not f.closed:
+                f.close()
+        self.wait()
+
+
 def launch(*args: str, env: dict | None = None, torchrun: int = 0, timeout: float = LAUNCH_TIMEOUT, **kwargs):
-    """The one subprocess launcher: `lmhead ARGS` in a fresh interpreter (subprocess.run, killed after
-    `timeout` s; `env` is added to the current environment). Output is captured unless `stdout` or
+    """The one subprocess launcher: `lmhead ARGS` in another process (forked by tests/zygote.py where
+    that runs what a fresh interpreter would, else a fresh interpreter; killed after `timeout` s; `env`
+    is added to the current environment), like subprocess.run. Output is captured unless `stdout` or
     `stderr` is given; other keyword arguments (text, input, preexec_fn) go to subprocess.run."""
     import subprocess
 
     if "stdout" not in kwargs and "stderr" not in kwargs:
         kwargs.setdefault("capture_output", True)
-    return subprocess.run(lmhead_argv(*args, torchrun=torchrun), env=_env(env), timeout=timeout, **kwargs)
+    full = _env(env)
+    launcher = None if torchrun else forkable(full, kwargs)
+    if launcher is None:
+        return subprocess.run(lmhead_argv(*args, torchrun=torchrun), env=full, timeout=timeout, **kwargs)
+    capture = kwargs.pop("capture_output", False)
+    data = kwargs.pop("input", None)
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if capture else {}
+    streams |= {k: kwargs.pop(k) for k in ("stdin", "stdout", "stderr") if k in kwargs}
+    if data is not None:
+        streams["stdin"] = subprocess.PIPE
+    argv = [str(a) for a in args]
+    with Forked(argv, launcher, full, **streams, **kwargs) as proc:
+        out, err = proc.communicate(data, timeout=timeout)
+    return subprocess.CompletedProcess(lmhead_argv(*args), proc.returncode, out, err)
 
 
 def start(*args: str, env: dict | None = None, **kwargs):
-    """`lmhead ARGS` started in the background (subprocess.Popen, stdin/stdout/stderr piped); read its
-    output with `reader`, never with a bare readline."""
+    """`lmhead ARGS` started in the background (stdin/stdout/stderr piped; forked like `launch` where it
+    can be, else subprocess.Popen); read its output with `reader`, never with a bare readline."""
     import subprocess
 
     for stream in ("stdin", "stdout", "stderr"):
         kwargs.setdefault(stream, subprocess.PIPE)
-    return subprocess.Popen(lmhead_argv(*args), env=_env(env), **kwargs)
+    full = _env(env)
+    launcher = forkable(full, kwargs)
+    if launcher is None:
+        return subprocess.Popen(lmhead_argv(*args), env=full, **kwargs)
+    return Forked([str(a) for a in args], launcher, full, **kwargs)
 
 
 def reader(stream, timeout: float = LAUNCH_TIMEOUT):
@@ -267,9 +494,12 @@ def serving(folder, *args: str, timeout: float = 180.0):
     @contextlib.contextmanager
     def run():
         port = free_port()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "lmhead_cli", "serve", "--model", str(folder), "--port", str(port), *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        env = _env({"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        argv = ["serve", "--model", str(folder), "--port", str(port), *args]
+        streams = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        launcher = forkable(env, streams)
+        proc = (Forked(argv, launcher, env, **streams) if launcher else
+                subprocess.Popen([sys.executable, "-m", "lmhead_cli", *argv], env=env, **streams))
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
         served = Served(proc, f"http://127.0.0.1:{port}", lines)
