@@ -4,6 +4,12 @@ real GPT-2 tokenizer, and an isolated environment for every test. The builders a
 from __future__ import annotations
 
 import os
+import sys
+
+# Compiled modules are cached (__pycache__, git-ignored) even where PYTHONDONTWRITEBYTECODE is set, as on
+# the machines this suite is measured on: otherwise every worker rewrites every test module's asserts,
+# and every `lmhead` the suite starts compiles lmhead_cli from source again (~0.5 s of CPU each).
+sys.dont_write_bytecode = False
 
 # Under pytest-xdist the workers share the machine's cores: each worker, and every process it starts, runs
 # torch on its share (OMP_NUM_THREADS, read when torch loads, before helpers imports it), unless the caller

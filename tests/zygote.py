@@ -28,6 +28,8 @@ import socket
 import struct
 import sys
 
+sys.dont_write_bytecode = False  # as tests/conftest.py: the first fork caches lmhead_cli's compiled modules
+
 # imported once, before any fork: what a fresh `lmhead` spends most of its start on. None of them reads
 # a setting at import that a test changes (helpers.forkable keeps a fresh interpreter for those that
 # torch's OpenMP and Python's start-up read); transformers and huggingface_hub, which read HF_* at
