@@ -213,10 +213,11 @@ class Forked:
 
     def __init__(self, argv: list[str], launcher: tuple[str, dict], env: dict, stdin=None, stdout=None, stderr=None,
                  text: bool = False, cwd=None):
+        import io
+        import json
         import locale
         import socket
         import struct
-        import json
         import subprocess
 
         self.args, self.returncode, self.text = argv, None, text
@@ -259,7 +260,7 @@ class Forked:
             if end is not None:
                 f = os.fdopen(end, "wb" if name == "stdin" else "rb")
                 if text:
-                    f = __import__("io").TextIOWrapper(f, encoding=self.encoding, write_through=name == "stdin")
+                    f = io.TextIOWrapper(f, encoding=self.encoding, write_through=name == "stdin")
             setattr(self, name, f)
 
     def _read(self, timeout: float | None = None) -> int | None:
@@ -344,9 +345,6 @@ class Forked:
             self.kill()
             self.wait()
             raise
-        if self.text:
-            for k, v in out.items():
-                out[k] = v.replace("\r\n", "\n").replace("\r", "\n")
         return out.get("stdout"), out.get("stderr")
 
     def __enter__(self):
@@ -485,7 +483,6 @@ def serving(folder, *args: str, timeout: float = 180.0):
     /health answers) before the block runs, stopped after it."""
     import contextlib
     import subprocess
-    import sys
     import threading
     import time
 
@@ -494,12 +491,9 @@ def serving(folder, *args: str, timeout: float = 180.0):
     @contextlib.contextmanager
     def run():
         port = free_port()
-        env = _env({"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-        argv = ["serve", "--model", str(folder), "--port", str(port), *args]
-        streams = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-        launcher = forkable(env, streams)
-        proc = (Forked(argv, launcher, env, **streams) if launcher else
-                subprocess.Popen([sys.executable, "-m", "lmhead_cli", *argv], env=env, **streams))
+        env = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        proc = start("serve", "--model", str(folder), "--port", str(port), *args, env=env, stdin=None,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
         served = Served(proc, f"http://127.0.0.1:{port}", lines)
