@@ -22,7 +22,8 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 
 import pytest  # noqa: E402
 
-from helpers import build_checkpoint, loud_checkpoint, real_gpt2_folder  # noqa: E402
+# helpers (and torch with it) is imported where a fixture needs it: pytest-xdist's controller loads this
+# file too, before it starts any worker, and runs no test (importing torch there held every worker back ~2 s).
 
 
 @pytest.fixture(autouse=True)
@@ -38,9 +39,41 @@ def _isolated_env(tmp_path, monkeypatch):
     monkeypatch.delenv("LMHEAD_DEBUG", raising=False)
 
 
+# random:NAME's seeded weights, made once per worker for each (config, seed) and copied for every load:
+# drawing GPT-2's 124M normals takes ~1 s of CPU, and the suite's tests (every --help example runs on
+# random:gpt2) drew them ~40 times, a sixth of the run's in-process CPU in one profile. Each load gets
+# its own copy, as from random_state itself; tests marked `drawn_random_weights` draw theirs.
+_DRAWN: dict[tuple[str, int], dict] = {}
+_DRAWN_MAX = 2  # GPT-2's and distilgpt2's: ~0.8 GB a worker
+
+
+def _drawn_once(draw):
+    def random_state(config: dict, seed: int) -> dict:
+        import json
+
+        key = (json.dumps(config, sort_keys=True, default=str), seed)
+        if key not in _DRAWN:
+            while len(_DRAWN) >= _DRAWN_MAX:
+                del _DRAWN[next(iter(_DRAWN))]
+            _DRAWN[key] = draw(config, seed)
+        return {name: t.clone() for name, t in _DRAWN[key].items()}
+
+    return random_state
+
+
+@pytest.fixture(autouse=True)
+def _random_weights_drawn_once(request, monkeypatch):
+    if request.node.get_closest_marker("drawn_random_weights") is None:
+        from lmhead_cli.loading import sources
+
+        monkeypatch.setattr(sources, "random_state", _drawn_once(sources.random_state))
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """(folder, transformers model) for a tied tiny GPT-2: V = 50257, D = 64, 2 layers."""
+    from helpers import build_checkpoint
+
     folder = tmp_path_factory.mktemp("tiny")
     return folder, build_checkpoint(folder)
 
@@ -48,6 +81,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_untied(tmp_path_factory):
     """(folder, transformers model) for a tiny GPT-2 whose head is its own matrix."""
+    from helpers import build_checkpoint
+
     folder = tmp_path_factory.mktemp("tiny_untied")
     return folder, build_checkpoint(folder, tied=False, seed=1)
 
@@ -57,6 +92,7 @@ def eos_model(tmp_path_factory):
     """(folder, model): a tiny untied GPT-2 whose end-of-text (50256) is a strong runner-up, so greedy
     and beam runs finish early."""
     import torch
+    from helpers import build_checkpoint
 
     folder = tmp_path_factory.mktemp("eos")
     model = build_checkpoint(folder, tied=False, seed=3)
@@ -69,6 +105,8 @@ def eos_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_gpt2():
+    from helpers import real_gpt2_folder
+
     folder = real_gpt2_folder()
     if folder is None:
         pytest.skip("real gpt2 weights are not in the local Hugging Face cache")
@@ -78,6 +116,8 @@ def real_gpt2():
 @pytest.fixture(scope="session")
 def loud(tmp_path_factory):
     """(folder, transformers model) of loud_checkpoint: peaked distributions, MLPs in gelu's curved range."""
+    from helpers import loud_checkpoint
+
     folder = tmp_path_factory.mktemp("loud")
     return folder, loud_checkpoint(folder)
 
@@ -88,8 +128,14 @@ def loud(tmp_path_factory):
 TIERS = {"test_page.py": "browser", "test_lmeval.py": "lmeval", "test_distributed.py": "torchrun"}
 
 
+HEAVY = ("slow", "lmeval", "torchrun")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = TIERS.get(item.path.name)
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
+    # The longest tests first (a stable sort: the rest keep their order, the same in every worker, as
+    # pytest-xdist requires): started last, one of them kept a worker busy while the other had finished.
+    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in HEAVY))

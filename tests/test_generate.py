@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-from helpers import PROMPT, cli, serving
+from helpers import PROMPT, cli, serving, web
 
 import lmhead_cli
 from lmhead_cli.errors import BadType, BadValue, NoPrompt
@@ -152,7 +151,7 @@ def server_answer(served, values: dict, mode: str, prompt: str = PROMPT, n: int 
     """(ids, log p) of each choice of one /v1/completions request: logprobs 0 lists the chosen id with its
     log p at each position."""
     body = {"prompt": prompt, "max_tokens": NEW, "logprobs": 0, "logprobs_mode": mode, "n": n, **values}
-    r = httpx.post(served.url + "/v1/completions", json=body, timeout=300)
+    r = web.post(served.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     out = []
     for c in sorted(r.json()["choices"], key=lambda c: c["index"]):

@@ -14,7 +14,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from helpers import PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, cli, from_gguf_layout, gpt2_tokens, write_gguf
+from helpers import (PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, cli, from_gguf_layout, gpt2_tokens, web,
+                     write_gguf)
 
 import lmhead_cli
 from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel
@@ -358,14 +359,13 @@ def test_the_cli_says_what_was_dequantised_and_inspect_is_the_forward(gpt2, tmp_
 def test_the_server_serves_a_gguf(gpt2, tmp_path):
     """`lmhead serve --model FILE.gguf`: echo's logprobs are transformers' log_softmax on the file's
     dequantised weights, at every position of the prompt."""
-    import httpx
     from helpers import serving
 
     _, model = gpt2
     path = tmp_path / "served.gguf"
     twin, _ = oracle(model, write_gguf(model, path, "Q4_0"))
     with serving(path) as s:
-        doc = httpx.post(s.url + "/v1/completions", timeout=120, json={
+        doc = web.post(s.url + "/v1/completions", timeout=120, json={
             "model": "m", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
     assert "dequantised to float32 by gguf.quants" in s.output
     lp = doc["choices"][0]["logprobs"]["token_logprobs"]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from helpers import PROMPT, PROMPT_IDS, serving
+from helpers import PROMPT, PROMPT_IDS, serving, web
 
 openai = pytest.importorskip("openai")
 from openai.types import Completion  # noqa: E402
@@ -43,7 +43,7 @@ def client(served, key: str = "none") -> openai.OpenAI:
 
 
 def post(served, path: str, body, **kw) -> httpx.Response:
-    return httpx.post(served.url + path, json=body, timeout=120, **kw)
+    return web.post(served.url + path, json=body, timeout=120, **kw)
 
 
 def oracle_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -164,7 +164,7 @@ def test_stream_equals_unstreamed(server):
 
 
 def test_stream_ends_with_done_and_usage(server):
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+    with web.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": PROMPT, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
@@ -217,8 +217,8 @@ def test_chat_uses_the_plain_template_and_validates(server):
 
 def test_models_health_and_tokenizer_endpoints(server, tiny):
     assert [m.id for m in client(server).models.list()] == [tiny[0].name]
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"
-    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert web.get(server.url + "/health").json()["status"] == "ok"
+    info = web.get(server.url + "/tokenizer_info").json()
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 1024
     assert post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"] == PROMPT_IDS
     assert post(server, "/tokenize", {"prompt": "<|endoftext|>"}).json()["tokens"] == [50256]
@@ -293,7 +293,7 @@ BAD = [
 @pytest.mark.parametrize("name, path, body, param", BAD, ids=[b[0] for b in BAD])
 def test_bad_request_is_400_in_openai_shape(server, name, path, body, param):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server.url + path, timeout=60, **kw)
+    r = web.post(server.url + path, timeout=60, **kw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -307,25 +307,25 @@ def test_context_overflow_names_both_numbers(server):
 
 
 def test_unknown_path_and_method(server):
-    r = httpx.get(server.url + "/v1/nothing")
+    r = web.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["message"] == "no such path: /v1/nothing"
-    assert httpx.get(server.url + "/v1/completions").status_code == 405
-    assert httpx.get(server.url + "/health").status_code == 200  # none of these stopped the server
+    assert web.get(server.url + "/v1/completions").status_code == 405
+    assert web.get(server.url + "/health").status_code == 200  # none of these stopped the server
 
 
 def test_key_body_limit_and_logprobs_cap(strict):
     c = client(strict, KEY)
     assert c.completions.create(model="x", prompt=PROMPT, max_tokens=1).choices[0].text
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        r = httpx.post(strict.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
+        r = web.post(strict.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         client(strict, "wrong").models.list()
-    assert httpx.get(strict.url + "/health").status_code == 200  # open: it says nothing of the model
+    assert web.get(strict.url + "/health").status_code == 200  # open: it says nothing of the model
     auth = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(strict.url + "/v1/completions", json={"prompt": "a" * 5000}, headers=auth)
+    r = web.post(strict.url + "/v1/completions", json={"prompt": "a" * 5000}, headers=auth)
     assert r.status_code == 413 and "4,096 bytes" in r.json()["error"]["message"]
-    r = httpx.post(strict.url + "/v1/completions", json={"prompt": "a", "logprobs": 101}, headers=auth)
+    r = web.post(strict.url + "/v1/completions", json={"prompt": "a", "logprobs": 101}, headers=auth)
     assert r.status_code == 400 and "between 0 and 100" in r.json()["error"]["message"]
 
 
@@ -333,17 +333,17 @@ def test_full_queue_is_503_with_retry_after_and_a_gone_client_stops_its_work(str
     auth = {"Authorization": f"Bearer {KEY}"}
     # 4 rows of 1,000 tokens, run one at a time: while the first runs, 3 wait
     long = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "n": 4}
-    health = lambda: httpx.get(strict.url + "/health").json()  # noqa: E731
-    with httpx.stream("POST", strict.url + "/v1/completions", json=long, headers=auth, timeout=120) as r:
+    health = lambda: web.get(strict.url + "/health").json()  # noqa: E731
+    with web.stream("POST", strict.url + "/v1/completions", json=long, headers=auth, timeout=120) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the response, and so the connection
         next(lines)  # its first row runs
-        queued = threading.Thread(target=lambda: httpx.post(strict.url + "/v1/completions", headers=auth, timeout=300,
+        queued = threading.Thread(target=lambda: web.post(strict.url + "/v1/completions", headers=auth, timeout=300,
                                                             json={"prompt": PROMPT, "max_tokens": 1}))
         queued.start()
         deadline = time.monotonic() + 30
         while health()["queued"] < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
-        busy = httpx.post(strict.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=auth)
+        busy = web.post(strict.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=auth)
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["code"] == "overloaded"
     # the stream is closed: its row leaves the batch, the queued request runs, generation stops
@@ -355,14 +355,14 @@ def test_full_queue_is_503_with_retry_after_and_a_gone_client_stops_its_work(str
 
 
 def test_a_client_that_times_out_stops_its_work(server):
-    before = httpx.get(server.url + "/health").json()["generated"]
+    before = web.get(server.url + "/health").json()["generated"]
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0},
+        web.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0},
                    timeout=0.5)
     time.sleep(1.0)
-    first = httpx.get(server.url + "/health").json()["generated"]
+    first = web.get(server.url + "/health").json()["generated"]
     time.sleep(1.0)
-    assert httpx.get(server.url + "/health").json()["generated"] == first < before + 1000
+    assert web.get(server.url + "/health").json()["generated"] == first < before + 1000
 
 
 def test_non_loopback_host_without_key_warns(tiny):
@@ -684,12 +684,12 @@ def test_the_same_request_gives_the_same_tokens_and_logprobs_at_every_door(serve
 
 def test_a_short_request_finishes_while_a_long_one_runs(server):
     long = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=120) as r:
+    with web.stream("POST", server.url + "/v1/completions", json=long, timeout=120) as r:
         lines = r.iter_lines()
         next(lines)  # the long row runs
         short = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0}).json()
         assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 4
-        assert httpx.get(server.url + "/health").json()["running"] >= 1  # the long one is still going
+        assert web.get(server.url + "/health").json()["running"] >= 1  # the long one is still going
         assert next(line for line in lines if line).startswith("data: {")  # and still streaming
 
 
@@ -702,7 +702,7 @@ def test_rows_join_and_leave_a_running_batch_each_equal_to_its_answer_alone(serv
                {"prompt": "The door", "max_tokens": 5, "temperature": 0.9, "top_k": 40, "seed": 7, "stop": [" "]}]
     alone = [_answer(post(server, "/v1/completions", b).json()) for b in [long] + joiners]
     tokens, logprobs, finish = [], [], None
-    with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+    with web.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
         lines = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
         first = next(lines)["choices"][0]  # the long row runs
         tokens += first["logprobs"]["tokens"]
@@ -710,7 +710,7 @@ def test_rows_join_and_leave_a_running_batch_each_equal_to_its_answer_alone(serv
         together = []
         for b in joiners:
             together.append(_answer(post(server, "/v1/completions", b).json()))
-        running = httpx.get(server.url + "/health").json()["running"]
+        running = web.get(server.url + "/health").json()["running"]
         for chunk in lines:
             c = chunk["choices"][0]
             if c["logprobs"]:
@@ -739,19 +739,19 @@ def test_a_request_with_many_choices_never_holds_a_one_row_request_behind_all_of
         t = threading.Thread(target=many)
         t.start()
         deadline = time.monotonic() + 60
-        while httpx.get(s.url + "/health").json()["running"] < 2 and time.monotonic() < deadline:
+        while web.get(s.url + "/health").json()["running"] < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         one = post(s, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
         done["one"] = time.monotonic()
-        queued = httpx.get(s.url + "/health").json()["queued"]
+        queued = web.get(s.url + "/health").json()["queued"]
         t.join(timeout=300)
         assert one.status_code == 200 and done["one"] < done["many"]
         assert queued >= 4  # most of the 8 had not been admitted yet when the 1-row request ended
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_step(server):
-    health = lambda: httpx.get(server.url + "/health").json()  # noqa: E731
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+    health = lambda: web.get(server.url + "/health").json()  # noqa: E731
+    with web.stream("POST", server.url + "/v1/completions", timeout=120,
                       json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):

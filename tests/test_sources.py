@@ -115,6 +115,7 @@ def test_folder_without_weights_or_config(tmp_path, tiny):
         load_model(str(tmp_path / "nope"), device="cpu")
 
 
+@pytest.mark.drawn_random_weights  # each engine draws its own: the same seed must give the same weights
 def test_random_names_and_seeded_weights():
     with pytest.raises(UsageError, match="random:gpt2.*random:gpt2-xl"):
         load_model("random:gpt3", device="cpu")
