@@ -121,6 +121,45 @@ def test_float32_rows_are_float32_sums(build, k, n, m):
     assert build.f32_max_rows == 16 and build.f32_times(torch.randn(build.f32_max_rows + 1, k), w, None) is None
 
 
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 9, 16])
+def test_float32_conv1d_columns_are_float32_sums(build, k, n, m):
+    """A Conv1D's product for a prompt's few positions (f32_columns_times: x · W + bias, W (K, N) as GPT-2
+    stores it): each output within float32's bound of the exact sum, for 2 to 16 rows (4 or fewer: x's
+    values fixed in each instance; more: one pass whose column tiles hold every row's sums, ragged last
+    tiles where N is not a whole number of vectors); one row, 17 rows, a transposed view and another dtype
+    are handed back (None)."""
+    g = torch.Generator().manual_seed(5 * k + n + m)
+    w, x, bias = torch.randn(k, n, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    for b in (bias, None):
+        got = build.f32_columns_times(x, w, b)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        magnitude = x.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs())
+        within_float32_sums(got, sums(x, w.t(), b), magnitude, k + 1)
+    assert build.f32_columns_times(x[:1], w, bias) is None  # one row: BLAS's gemv
+    assert build.f32_columns_times(torch.randn(kernels.COLUMN_ROWS + 1, k), w, bias) is None
+    if n > 1 and k > 1:
+        assert build.f32_columns_times(x, w.t().contiguous().t(), bias) is None
+    assert build.f32_columns_times(x.double(), w.double(), None) is None
+
+
+def test_a_short_prompt_s_conv1d_products_run_the_kernel_and_match_transformers(build, tiny, monkeypatch):
+    """The lean engine's float32 torch path (a prompt's positions: no decoding step) runs each Conv1D of
+    2 to 16 positions through f32_columns_times, and its logits stay transformers' own."""
+    folder, model = tiny
+    monkeypatch.setattr(kernels, "load", lambda: build)
+    calls = []
+    real = type(build).f32_columns_times
+    monkeypatch.setattr(type(build), "f32_columns_times", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    loaded = load_model(str(folder), device="cpu")
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        got = loaded.engine.head(loaded.engine.body(ids))[0]
+        want = model(ids).logits[0]
+    assert calls and set(calls) == {len(PROMPT_IDS)}, calls
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_bfloat16_rounds_to_nearest_even_and_carries_nan_and_infinity(build):
     """One weight of 1 picks one activation out: the output is that bfloat16 value itself; a sum exactly
     between two bfloat16 values rounds to the even one; an infinity or a NaN in a row reaches its

@@ -36,12 +36,13 @@ import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 8
+ABI = 9
+COLUMN_ROWS = 16  # the most rows f32_columns_times takes: csrc/step.c's STEP_MAX_ROWS
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
-FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_f32_matvec", "lmhead_score_rows", "lmhead_attend",
-             "lmhead_step")
+FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_f32_matvec", "lmhead_f32_kn_matvec",
+             "lmhead_score_rows", "lmhead_attend", "lmhead_step")
 
 
 class Layer(ctypes.Structure):
@@ -78,21 +79,25 @@ class Kernels:
         lib.lmhead_attend.restype = _int
         lib.lmhead_f32_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
         lib.lmhead_f32_matvec.restype = _int
+        lib.lmhead_f32_kn_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+        lib.lmhead_f32_kn_matvec.restype = _int
         # engine/step.py's plan (an array of lmhead_layer), then csrc/step.c's arguments in order
         lib.lmhead_step.argtypes = [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                                     _i64, _i64, _i64, _i64, _ptr, _i64, _int]
         lib.lmhead_step.restype = _int
 
-    def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None) -> bool:
-        """Whether x (M, K), weight rows w (N, K) and bias (N,) are a product these kernels take: on the
-        CPU, contiguous, a few rows (at most `max_rows`, by default `self.max_rows`; the dtypes are
-        checked by each product)."""
+    def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None,
+             columns: bool = False) -> bool:
+        """Whether x (M, K), weight rows w (N, K) (`columns`: w (K, N), GPT-2's Conv1D layout) and bias
+        (N,) are a product these kernels take: on the CPU, contiguous, a few rows (at most `max_rows`, by
+        default `self.max_rows`; the dtypes are checked by each product)."""
         # is_cpu, not device.type: these checks run before each of a step's ~50 products (device.type
         # builds a device object, four times the check's own cost)
+        k, n = (0, 1) if columns else (1, 0)
         return (x.is_cpu and w.is_cpu and x.dim() == 2 == w.dim()
-                and 0 < x.shape[0] <= (max_rows or self.max_rows) and x.shape[1] == w.shape[1]
+                and 0 < x.shape[0] <= (max_rows or self.max_rows) and x.shape[1] == w.shape[k]
                 and x.is_contiguous() and w.is_contiguous()
-                and (bias is None or (bias.is_cpu and bias.is_contiguous() and bias.shape == (w.shape[0],))))
+                and (bias is None or (bias.is_cpu and bias.is_contiguous() and bias.shape == (w.shape[n],))))
 
     def int8_times(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -128,13 +133,29 @@ class Kernels:
         """x (M, K) float32 times w (N, K) float32 rows, plus bias (N,) float32: (M, N) float32 (the head's
         product over E's rows), M up to `f32_max_rows`; None for a product the kernel does not take (other
         dtypes, a transposed view, or not `fits`), left to the caller."""
-        if not (x.dtype == w.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-                and self.fits(x, w, bias, self.f32_max_rows)):
+        return self._float32(self.lib.lmhead_f32_matvec, x, w, bias, self.f32_max_rows, columns=False)
+
+    def f32_columns_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x (M, K) float32 times w (K, N) float32 in GPT-2's Conv1D layout (in, out), plus bias (N,)
+        float32: (M, N) float32, for 2 to COLUMN_ROWS rows (a prompt's few positions; the decoding step
+        runs its own); None for a product the kernel does not take, left to the caller (one row: BLAS's
+        gemv streams this layout faster than the kernel's column split)."""
+        if x.shape[0] < 2:
             return None
-        (M, K), N = x.shape, w.shape[0]
+        return self._float32(self.lib.lmhead_f32_kn_matvec, x, w, bias, COLUMN_ROWS, columns=True)
+
+    def _float32(self, product, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
+                 columns: bool) -> torch.Tensor | None:
+        """`product`(w, x, bias, y, N, K, M, threads) into a new (M, N) float32 y (with K, N swapped for
+        `columns`), where every tensor is float32 and `fits`; else None."""
+        if not (x.dtype == w.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+                and self.fits(x, w, bias, max_rows, columns)):
+            return None
+        (M, K), N = x.shape, w.shape[1 if columns else 0]
         y = torch.empty(M, N, dtype=torch.float32, device="cpu")
-        self.lib.lmhead_f32_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                   y.data_ptr(), N, K, M, torch.get_num_threads())
+        dims = (K, N) if columns else (N, K)
+        product(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), *dims, M,
+                torch.get_num_threads())
         return y
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:

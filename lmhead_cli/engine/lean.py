@@ -23,7 +23,7 @@ from lmhead_cli.engine import kernels
 from lmhead_cli.engine.int8 import Int8Head
 from lmhead_cli.engine.step import StepPlan
 
-from lmhead_cli.engine.products import Products, few_cpu_rows, few_rows_product, products_for
+from lmhead_cli.engine.products import Products, few_cpu_rows, few_rows_product, kernel_rows, products_for
 
 # How the few-position products run (BLAS over the weights where they lie, blocked rows, bfloat16 gemv)
 # is engine/products.py's; which of them runs is chosen by timing the decoding steps (engine/threads.py).
@@ -61,7 +61,7 @@ class Conv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (M, in)
-        if few_cpu_rows(x2) and self.products.forms:
+        if self.products.forms and kernel_rows(x2, self.products):
             y = few_rows_product(self.products.form, x2, self.weight.t(), self.bias)
         else:
             y = torch.addmm(self.bias, x2, self.weight)

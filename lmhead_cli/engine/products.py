@@ -12,9 +12,11 @@ fastest on the decoding steps themselves, as it does for the thread count:
 - "blocked" (bfloat16): the rows in 2·threads blocks as one batched matmul over views (`rows_times`).
 - "kernel" (bfloat16, float32): the compiled kernel of engine/csrc/kernels.c, where it was built (then the
   dtype's only form): bfloat16 pairs multiplied into float32 sums, the output rounded once; float32 rows
-  (the head's W_out) streamed four at a time. A product it does not take (float32's Conv1D (in, out)
-  matrices, a transposed view) runs gemv; a decoding step's products are the compiled step's
-  (engine/step.py).
+  (the head's W_out) streamed four at a time; float32 Conv1D (in, out) matrices for 2 to 16 rows (a
+  short prompt's positions) by the step's own column product (csrc/step.c), 2.4-3.6x as fast as
+  BLAS's gemm there, which packs the matrix again on every call. A product it does not take (one row of
+  a Conv1D matrix, where BLAS's gemv is faster; a strided view) runs gemv; a decoding step's products
+  are the compiled step's (engine/step.py).
 
 Every form reads the weights where they are: no form needs a copy of its own, so choosing one costs
 no lay-out step and no memory. GPT-2's float32 matrices stay in the checkpoint's (in, out) layout,
@@ -68,6 +70,12 @@ def few_cpu_rows(x: torch.Tensor) -> bool:
     return x.is_cpu and x.shape[0] <= BLOCKED_MAX_ROWS
 
 
+def kernel_rows(x: torch.Tensor, products: Products) -> bool:
+    """Whether x's rows go to `products`' form: a few rows, or, in the kernel form, as many as the
+    compiled Conv1D product takes (a short prompt's positions)."""
+    return x.is_cpu and x.shape[0] <= (kernels.COLUMN_ROWS if products.form == "kernel" else BLOCKED_MAX_ROWS)
+
+
 def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """h · wᵀ (+ b) for a few positions h (R, D) and w (V, D), rows or the transposed view of an (D, V)
     matrix: (R, V), computed as w's rows in 2·threads blocks times h (one batched matmul over views of
@@ -97,6 +105,8 @@ def few_rows_product(form: str, x2: torch.Tensor, rows: torch.Tensor, bias: torc
         fast = kernels.load()
         times = None if fast is None else fast.f32_times if x2.dtype == torch.float32 else fast.bf16_times
         y = times(x2, rows, bias) if times is not None else None
+        if y is None and times is not None and x2.dtype == torch.float32 and rows.t().is_contiguous():
+            y = fast.f32_columns_times(x2, rows.t(), bias)  # a Conv1D's (in, out) matrix, 2 to 16 rows
         if y is not None:
             return y
         form = "gemv"  # a product the kernel does not take (a strided view, say): torch's own

@@ -9,7 +9,7 @@
 
 #include "kernels.h"
 
-#define LMHEAD_KERNELS_ABI 8 /* engine/kernels.py's ABI: raised when a signature or a name changes */
+#define LMHEAD_KERNELS_ABI 9 /* engine/kernels.py's ABI: raised when a signature or a name changes */
 
 int lmhead_kernels_abi(void) { return LMHEAD_KERNELS_ABI; }
 int lmhead_kernels_max_rows(void) { return LMHEAD_MAX_ROWS; }

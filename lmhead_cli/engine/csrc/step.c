@@ -214,6 +214,19 @@ static void f32_kn_matvec(const float *W, const float *x, const float *bias, flo
         run[M - 1](W, x, bias, y, K, N, threads);
 }
 
+/* x (M, K) float32 times W (K, N) float32 as GPT-2's Conv1D stores it, plus bias (N) or NULL -> y (M, N)
+   float32, M from 1 to STEP_MAX_ROWS: the step's products, for the few positions of a prompt that the
+   torch path reads (engine/lean.py Conv1D; BLAS's gemm packed each matrix again for every call, and a
+   15-token prompt's products took twice a 16-row step's). One row of x runs kn_matvec_1 (the step's
+   one-row product, kn_vec, needs its scratch). Returns -1 for an M it does not take. */
+int LMHEAD_VARIANT(lmhead_f32_kn_matvec)(const float *W, const float *x, const float *bias, float *y, int64_t K,
+                                         int64_t N, int64_t M, int threads) {
+    if (M < 1 || M > STEP_MAX_ROWS) /* kn_rows holds x's values for at most STEP_MAX_ROWS rows */
+        return -1;
+    f32_kn_matvec(W, x, bias, y, K, N, M, threads, NULL);
+    return 0;
+}
+
 /* Product i of a block: x (B, K) float32 -> y (B, N) float32, in the block's weight kind; `xb` and `yb`
    are bfloat16 scratch rows for STEP_BF16 (whose kernel takes and gives bfloat16). Rows in groups of
    MAX_ROWS for the row kernels. Returns -1 where a kernel could not allocate its buffer. */
