@@ -41,7 +41,7 @@ def _isolated_env(tmp_path, monkeypatch):
 
 # random:NAME's seeded weights, made once per worker for each (config, seed) and copied for every load:
 # drawing GPT-2's 124M normals takes ~1 s of CPU, and the suite's tests (every --help example runs on
-# random:gpt2) drew them ~40 times, a sixth of the run's in-process CPU in one profile. Each load gets
+# random:gpt2) drew them ~40 times, 32 s of the workers' ~270 s of CPU in one profile. Each load gets
 # its own copy, as from random_state itself; tests marked `drawn_random_weights` draw theirs.
 _DRAWN: dict[tuple[str, int], dict] = {}
 _DRAWN_MAX = 2  # GPT-2's and distilgpt2's: ~0.8 GB a worker
@@ -126,9 +126,7 @@ def loud(tmp_path_factory):
 # leaves them out of a quick run (the README's test command runs everything, as CI does). A test that
 # calls a C compiler carries @pytest.mark.compile itself.
 TIERS = {"test_page.py": "browser", "test_lmeval.py": "lmeval", "test_distributed.py": "torchrun"}
-
-
-HEAVY = ("slow", "lmeval", "torchrun")
+HEAVY = ("slow", "lmeval", "torchrun")  # run first
 
 
 def pytest_collection_modifyitems(config, items):
