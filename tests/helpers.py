@@ -284,6 +284,7 @@ class Forked:
 
         if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
             self.returncode = self._read()
+            self._conn.close()  # the exit code is the last thing the launcher sends
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
