@@ -137,7 +137,10 @@ def test_float32_conv1d_columns_are_float32_sums(build, k, n, m):
         magnitude = x.double().abs() @ w.double().abs() + (0 if b is None else b.double().abs())
         within_float32_sums(got, sums(x, w.t(), b), magnitude, k + 1)
     assert build.f32_columns_times(x[:1], w, bias) is None  # one row: BLAS's gemv
-    assert build.f32_columns_times(torch.randn(kernels.COLUMN_ROWS + 1, k), w, bias) is None
+    many = torch.randn(kernels.STEP_MAX_ROWS + 1, k)
+    assert build.f32_columns_times(many, w, bias) is None
+    # the C side refuses more rows than it holds (-1), and nothing it did not write comes back
+    assert build._float32(build.lib.lmhead_f32_kn_matvec, many, w, bias, len(many), columns=True) is None
     if n > 1 and k > 1:
         assert build.f32_columns_times(x, w.t().contiguous().t(), bias) is None
     assert build.f32_columns_times(x.double(), w.double(), None) is None

@@ -37,7 +37,7 @@ import torch
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
 ABI = 9
-COLUMN_ROWS = 16  # the most rows f32_columns_times takes: csrc/step.c's STEP_MAX_ROWS
+STEP_MAX_ROWS = 16  # csrc/step.c's: the most rows of a compiled step (engine/step.py), and of f32_columns_times
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
@@ -137,25 +137,27 @@ class Kernels:
 
     def f32_columns_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x (M, K) float32 times w (K, N) float32 in GPT-2's Conv1D layout (in, out), plus bias (N,)
-        float32: (M, N) float32, for 2 to COLUMN_ROWS rows (a prompt's few positions; the decoding step
+        float32: (M, N) float32, for 2 to STEP_MAX_ROWS rows (a prompt's few positions; the decoding step
         runs its own); None for a product the kernel does not take, left to the caller (one row: BLAS's
         gemv streams this layout faster than the kernel's column split)."""
         if x.shape[0] < 2:
             return None
-        return self._float32(self.lib.lmhead_f32_kn_matvec, x, w, bias, COLUMN_ROWS, columns=True)
+        return self._float32(self.lib.lmhead_f32_kn_matvec, x, w, bias, STEP_MAX_ROWS, columns=True)
 
     def _float32(self, product, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
                  columns: bool) -> torch.Tensor | None:
         """`product`(w, x, bias, y, N, K, M, threads) into a new (M, N) float32 y (with K, N swapped for
-        `columns`), where every tensor is float32 and `fits`; else None."""
+        `columns`), where every tensor is float32 and `fits`; else None (also where the C side refuses
+        the call, so that y's unwritten memory is never returned)."""
         if not (x.dtype == w.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
                 and self.fits(x, w, bias, max_rows, columns)):
             return None
         (M, K), N = x.shape, w.shape[1 if columns else 0]
         y = torch.empty(M, N, dtype=torch.float32, device="cpu")
         dims = (K, N) if columns else (N, K)
-        product(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), *dims, M,
-                torch.get_num_threads())
+        if product(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), *dims, M,
+                   torch.get_num_threads()):
+            return None
         return y
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:

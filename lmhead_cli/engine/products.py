@@ -71,9 +71,10 @@ def few_cpu_rows(x: torch.Tensor) -> bool:
 
 
 def kernel_rows(x: torch.Tensor, products: Products) -> bool:
-    """Whether x's rows go to `products`' form: a few rows, or, in the kernel form, as many as the
-    compiled Conv1D product takes (a short prompt's positions)."""
-    return x.is_cpu and x.shape[0] <= (kernels.COLUMN_ROWS if products.form == "kernel" else BLOCKED_MAX_ROWS)
+    """Whether x's rows go to `products`' form: a few rows, or, for float32 in the kernel form, as many
+    as the compiled Conv1D product takes (a short prompt's positions)."""
+    columns = products.form == "kernel" and x.dtype == torch.float32
+    return x.is_cpu and x.shape[0] <= (kernels.STEP_MAX_ROWS if columns else BLOCKED_MAX_ROWS)
 
 
 def rows_times(w: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,7 +106,7 @@ def few_rows_product(form: str, x2: torch.Tensor, rows: torch.Tensor, bias: torc
         fast = kernels.load()
         times = None if fast is None else fast.f32_times if x2.dtype == torch.float32 else fast.bf16_times
         y = times(x2, rows, bias) if times is not None else None
-        if y is None and times is not None and x2.dtype == torch.float32 and rows.t().is_contiguous():
+        if y is None and fast is not None and x2.dtype == torch.float32 and rows.t().is_contiguous():
             y = fast.f32_columns_times(x2, rows.t(), bias)  # a Conv1D's (in, out) matrix, 2 to 16 rows
         if y is not None:
             return y

@@ -28,7 +28,7 @@ from lmhead_cli.engine import kernels
 from lmhead_cli.engine.kernels import Layer
 
 ENV = "LMHEAD_STEP"
-MAX_ROWS = 16  # csrc/step.c's STEP_MAX_ROWS
+MAX_ROWS = kernels.STEP_MAX_ROWS
 KINDS = {torch.float32: 0, torch.bfloat16: 1, "int8": 2}  # csrc/step.c's STEP_F32, STEP_BF16, STEP_INT8
 
 
