@@ -86,6 +86,28 @@ def decode(folder: Path, ggufs: dict[str, Path], n: int, rounds: int, threads: i
     return runs
 
 
+def drop_from_page_cache(files: list[Path]) -> list[str]:
+    """Both engines' weight files out of the page cache (POSIX_FADV_DONTNEED), so that each engine reads
+    its own file in its own way, as after a reboot: how a file was last read or written decides the
+    page cache's folio sizes, and a file cached in 2 MiB folios is mapped on 2 MiB pages (here the
+    converter's GGUF files were, the checkpoint written by save_pretrained was not). The names of the
+    files dropped (a page another process maps stays)."""
+    dropped = []
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped.append(f.name)
+        except (OSError, AttributeError):  # no posix_fadvise (macOS): the cache stays as it is
+            pass
+        finally:
+            os.close(fd)
+    return dropped
+
+
 def summary(samples: list[float | None], busy: bool) -> float | None:
     """Idle: the best run; busy: the median (a failed llama.cpp run counts as 0 tok/s)."""
     xs = [x or 0.0 for x in samples]
@@ -303,6 +325,9 @@ def report(R: dict) -> str:
         f"measured process the run waited for idle CPUs (it waited {R['quiet']['waited_s']:.0f} s in all) and "
         f"took a disturbed measurement again ({R['quiet']['repeated']} taken again, {R['quiet']['noisy']} kept "
         "although disturbed)",
+        "- page cache: " + (f"{', '.join(R['dropped'])} dropped from it before the first section (each engine "
+                            "then reads its own file into it its own way, as after a reboot; engine/pages.py)"
+                            if R.get("dropped") else "as found (nothing dropped)"),
     ]
     if bw:
         best = f"{bw['method']}, {bw['threads']} thread{'s' if bw['threads'] > 1 else ''}"
@@ -498,6 +523,7 @@ def main(argv: list[str]) -> int:
     R["llamacpp"] = {"version": llamacpp.version(), "files": {t: str(p) for t, p in ggufs.items()}}
     R["bytes"] = {"llama": {t: llamacpp.weight_bytes(p) for t, p in ggufs.items()},
                   "lmhead": probe("weight-bytes", str(folder), *llamacpp.LMHEAD_DTYPE.values())["bytes"]}
+    R["dropped"] = drop_from_page_cache([folder / "model.safetensors", *ggufs.values()])
     points = [bandwidth.measure(probe)]
     if "decode" in only:
         section("decode")

@@ -21,6 +21,7 @@ import torch
 from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
+from lmhead_cli.engine import pages
 from lmhead_cli.engine.execution import Execution
 from lmhead_cli.errors import (CorruptCheckpoint, HubUnreachable, LmheadError, ModelNotFound, Notice, Param,
                                UnsupportedModel, UsageError)
@@ -343,6 +344,8 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
         raise CorruptCheckpoint(f"{_names(files)} lacks {', '.join(missing[:3])}{more}")
     # Popped from `state`: the caller's dict does not keep a tensor alive that the model lets go of.
     convs = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Conv1D)}
+    # weights made here from a file's (converted, quantised): random draws (tests) stay where torch put them
+    made = bool(files) and (int8 or any(state[k].dtype != dtype for k in convs))
     weights = {k: conv1d_weight(state.pop(k), dtype, device) if k in convs else state.pop(k).to(dtype)
                for k in expected}
     try:
@@ -357,7 +360,10 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
         from lmhead_cli.engine.int8 import quantise_gpt2_
 
         quantise_gpt2_(model, tied, device, announce)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if made:
+        pages.pack(model)  # the weights converted or quantised here onto 2 MiB pages (engine/pages.py)
+    return model
 
 
 def build_transformers(config: dict, state: dict[str, torch.Tensor], files: list[Path],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lmhead_cli.engine import pages
 from lmhead_cli.errors import CorruptCheckpoint, ModelNotFound, Param, UnsafeCheckpoint
 from lmhead_cli.loading import checks
 
@@ -69,6 +70,7 @@ def _read_safetensors(path: Path):
 
     if not path.is_file():
         raise CorruptCheckpoint(f"{path} is listed in the index but missing")
+    pages.read_file_in_huge_pages(path)  # pages not cached yet enter the cache as 2 MiB folios (engine/pages.py)
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}

@@ -39,6 +39,14 @@
    at 8 GB/s without, 18 GB/s with, on the machine they were written on). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
+/* Rows (or blocks of ROW_BLOCK rows) a thread takes at a time: the threads take the next piece as they
+   finish one (OpenMP's dynamic schedule), not a fixed half each. A core that the machine slows (a
+   neighbour's process, a hypervisor's steal) then does less of the product instead of holding the
+   other threads at its end: measured on this project's 2-core VM, one thread of a fixed split waited
+   at the product's end for a third of the step. Each row is still summed by one thread in one order,
+   so the thread count and the schedule change no bit. 64 rows of GPT-2's 768 float32 are 192 KB. */
+#define PIECE_ROWS 64
+#define PIECE_BLOCKS (PIECE_ROWS / ROW_BLOCK)
 #endif
 
 #include "kernels.h" /* MAX_ROWS, checked against it here */
@@ -164,7 +172,7 @@ static inline __attribute__((always_inline)) void rows_matvec(const void *w, con
                                                               const float *x, const float *bias, float *y,
                                                               int64_t N, int64_t K, int64_t M, int threads) {
     int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, PIECE_BLOCKS)
     for (int64_t b = 0; b < blocks; b++) {
         float acc[MAX_ROWS * ROW_BLOCK];
         int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;
@@ -188,7 +196,7 @@ static inline __attribute__((always_inline)) void rows_matvec(const void *w, con
    4 KiB pages (2 threads, Zen 4), where x's reuse across rows saves nothing (x stays in L1 either way). */
 static void f32_one_row(const float *w, const float *x, const float *bias, float *y, int64_t N, int64_t K,
                         int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, PIECE_ROWS)
     for (int64_t r = 0; r < N; r++) {
         const float *wr = w + r * K;
         int64_t k = 0;
@@ -306,8 +314,8 @@ static inline __attribute__((always_inline)) void i8_vnni_block(
 #define VNNI_INSTANCE(MM, RBB)                                                                         \
     static void i8_vnni_##MM(const int8_t *q, const uint8_t *d, const double *c, const float *s,       \
                              const float *bias, float *y, int64_t N, int64_t K, int64_t Kp, int threads) { \
-        int64_t blocks = (N + RBB - 1) / RBB;                                                          \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
+        int64_t blocks = (N + RBB - 1) / RBB, piece = PIECE_ROWS / RBB;                                \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, piece)")                      \
         for (int64_t b = 0; b < blocks; b++) {                                                         \
             int64_t r = b * RBB, rows = N - r < RBB ? N - r : RBB;                                     \
             i8_vnni_block(q, d, c, s, bias, y, N, K, Kp, MM, RBB, r, rows);                            \
@@ -379,14 +387,38 @@ static inline __attribute__((always_inline)) void bf16_dp_block(
 #define DPBF16_INSTANCE(MM, RBB)                                                                        \
     static void bf16_dp_##MM(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,    \
                              int64_t N, int64_t K, int threads) {                                       \
-        int64_t blocks = (N + RBB - 1) / RBB;                                                           \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                               \
+        int64_t blocks = (N + RBB - 1) / RBB, piece = PIECE_ROWS / RBB;                                 \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, piece)")                       \
         for (int64_t b = 0; b < blocks; b++) {                                                          \
             int64_t r = b * RBB, rows = N - r < RBB ? N - r : RBB;                                      \
             bf16_dp_block(w, x, bias, y, N, K, MM, RBB, r, rows);                                       \
         }                                                                                               \
     }
-DPBF16_INSTANCE(1, 1) /* one row of x: w's rows one at a time (see f32_one_row); the same sums */
+/* One row of x: w's rows one at a time (see f32_one_row), each summed in four independent chains of
+   vdpbf16ps (k = 0, 32, 64, 96 mod 128: K = 768 is 24 products, which one chain ran back to back at
+   the instruction's latency), the chains added in a fixed order, so any thread count gives the same bits. */
+static void bf16_dp_1(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t N,
+                      int64_t K, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, PIECE_ROWS)
+    for (int64_t r = 0; r < N; r++) {
+        const uint16_t *wr = w + r * K;
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        int64_t k = 0;
+        for (; k + 128 <= K; k += 128) {
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_loadu_si512(wr + k), (__m512bh)_mm512_loadu_si512(x + k));
+            s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_loadu_si512(wr + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
+            s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_loadu_si512(wr + k + 64), (__m512bh)_mm512_loadu_si512(x + k + 64));
+            s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_loadu_si512(wr + k + 96), (__m512bh)_mm512_loadu_si512(x + k + 96));
+        }
+        for (; k < K; k += 32) {
+            __mmask32 live = K - k >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (K - k)) - 1);
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_maskz_loadu_epi16(live, wr + k),
+                                  (__m512bh)_mm512_maskz_loadu_epi16(live, x + k));
+        }
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+        y[r] = f32_to_bf16(sum + (bias ? bf16_to_f32(bias[r]) : 0.0f));
+    }
+}
 DPBF16_INSTANCE(2, 4)
 DPBF16_INSTANCE(3, 4)
 DPBF16_INSTANCE(4, 4)
@@ -415,7 +447,7 @@ int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, con
             failed = 1;
         }
         for (int64_t i = 0; xf && i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, PIECE_BLOCKS)
         for (int64_t b = 0; b < blocks; b++) {
             float acc[MAX_ROWS * ROW_BLOCK];
             int64_t r = b * ROW_BLOCK, rows = N - r < ROW_BLOCK ? N - r : ROW_BLOCK;

@@ -139,7 +139,7 @@ static inline __attribute__((always_inline)) void kn_matvec(const float *W, cons
         int64_t lanes = LANES ? LANES : 1;
         int64_t n0 = N * t / T / lanes * lanes, n1 = t + 1 == T ? N : N * (t + 1) / T / lanes * lanes;
         int64_t width = KN_SUMS_FLOATS / M / lanes * lanes;
-        float sums[KN_SUMS_FLOATS];
+        float sums[KN_SUMS_FLOATS] __attribute__((aligned(64)));
         for (int64_t c0 = n0; c0 < n1; c0 += width) {
             int64_t c1 = c0 + width < n1 ? c0 + width : n1, w = c1 - c0, k = 0;
             for (int64_t m = 0; m < M; m++)
@@ -162,12 +162,13 @@ KN_INSTANCE(4)
 
 /* y (N) = x (K) · W (K, N) + bias (N) or 0 for one row of x (a single stream's step): W's rows in
    KN_CHUNKS contiguous blocks, each summed into its own N sums (`part`: KN_CHUNKS × N floats), the
-   threads taking consecutive blocks, so that each reads whole rows in memory order, one stream; then
-   each thread adds the blocks' sums in block order over its own range of columns. The blocks, not the
-   threads, fix the order of the sums: any thread count gives the same bits. Taking columns instead
-   (kn_matvec) reads each row in pieces, four rows at a time: measured alone on GPT-2's shapes, the
-   column split read 8-10 GB/s and this one 15 (2 threads, Zen 4, 4 KiB pages). */
-#define KN_CHUNKS 8
+   threads taking the next block as they finish one (so a core the machine slows does fewer; see
+   PIECE_ROWS), each block read whole in memory order, one stream; then each thread adds the blocks'
+   sums in block order over its own range of columns. The blocks, not the threads, fix the order of
+   the sums: any thread count gives the same bits. Taking columns instead (kn_matvec) reads each row
+   in pieces, four rows at a time: measured alone on GPT-2's shapes, the column split read 8-10 GB/s
+   and this one 15 (2 threads, Zen 4, 4 KiB pages). */
+#define KN_CHUNKS 16
 static void kn_vec(const float *W, const float *x, const float *bias, float *y, int64_t K, int64_t N, int threads,
                    float *part) {
 #pragma omp parallel num_threads(threads)
@@ -176,7 +177,8 @@ static void kn_vec(const float *W, const float *x, const float *bias, float *y, 
 #ifdef _OPENMP
         t = omp_get_thread_num(), T = omp_get_num_threads();
 #endif
-        for (int c = KN_CHUNKS * t / T; c < KN_CHUNKS * (t + 1) / T; c++) {
+#pragma omp for schedule(dynamic, 1)
+        for (int c = 0; c < KN_CHUNKS; c++) {
             float *s = part + c * N;
             for (int64_t j = 0; j < N; j++) s[j] = 0.0f;
             for (int64_t k = K * c / KN_CHUNKS; k < K * (c + 1) / KN_CHUNKS; k++) {
@@ -189,8 +191,7 @@ static void kn_vec(const float *W, const float *x, const float *bias, float *y, 
 #endif
                 for (; j < N; j++) s[j] += wk[j] * xk;
             }
-        }
-#pragma omp barrier
+        } /* the loop's implied barrier: every block summed */
         for (int64_t j = N * t / T; j < N * (t + 1) / T; j++) {
             float v = bias ? bias[j] : 0.0f;
             for (int c = 0; c < KN_CHUNKS; c++) v += part[c * N + j];
@@ -253,6 +254,10 @@ static int step_product(const lmhead_layer *l, int i, int kind, const float *x, 
     return 0;
 }
 
+/* The step's buffers on cache lines: kn_vec loads and stores a 64-byte vector of its sums per 64 bytes
+   of weights, and a vector that straddles two lines costs two (malloc gives 16-byte alignment). */
+static void *step_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* x (B, D) float32, the residual stream of B rows at their new position (bfloat16 values for
    STEP_BF16), through the L blocks `layers`, in place. The KV cache: k, v float32 at
    k + l * csl + b * csb + h * csh + t * hd (t < past filled; position `past` written here). mask: an
@@ -263,12 +268,12 @@ int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind,
                                 int64_t csh, int64_t past, const float *mask, int64_t msb, int threads) {
     if (B < 1 || B > STEP_MAX_ROWS || D % H) return -2;
     int64_t hd = D / H, widest = inner > 3 * D ? inner : 3 * D;
-    float *h = malloc(sizeof(float) * (size_t)(B * D)), *big = malloc(sizeof(float) * (size_t)(B * widest)),
-          *a = malloc(sizeof(float) * (size_t)(B * D));
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest)),
-             *yb = malloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest));
+    float *h = step_alloc(sizeof(float) * (size_t)(B * D)), *big = step_alloc(sizeof(float) * (size_t)(B * widest)),
+          *a = step_alloc(sizeof(float) * (size_t)(B * D));
+    uint16_t *xb = step_alloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest)),
+             *yb = step_alloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest));
     /* one row of float32: each block's sums over all of a product's columns (kn_vec) */
-    float *part = kind == STEP_F32 && B == 1 ? malloc(sizeof(float) * (size_t)(KN_CHUNKS * widest)) : NULL;
+    float *part = kind == STEP_F32 && B == 1 ? step_alloc(sizeof(float) * (size_t)(KN_CHUNKS * widest)) : NULL;
     int failed = !(h && big && a && xb && yb && (part || kind != STEP_F32 || B != 1));
     for (int64_t li = 0; li < L && !failed; li++) {
         const lmhead_layer *l = layers + li;

@@ -1,0 +1,139 @@
+"""Weights on 2 MiB pages (engine/pages.py): the same figures either way, the same tensors (the tie
+kept), nothing copied that a file holds, and a kernel or platform that refuses changes nothing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmhead_cli.engine import pages
+from lmhead_cli.loading.sources import load_model
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked for on Linux only")
+
+
+def _thp_setting() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _anon_huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages of the mapping that holds t's first element (/proc/self/smaps)."""
+    ptr, found = t.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            found = start <= ptr < end
+        elif found and line.startswith("AnonHugePages:"):
+            return int(head[1])
+    return 0
+
+
+def _logits(loaded, ids=(464, 8251, 319, 262, 3084)) -> torch.Tensor:
+    eng = loaded.engine
+    cache = eng.new_cache(1, len(ids) + 2)
+    first = eng.head(eng.body(torch.tensor([ids]), cache)[:, -1:])
+    step = eng.head(eng.body(first[:, 0].argmax(-1)[:, None], cache))  # one compiled step, where it runs
+    return torch.cat([first, step], dim=1)
+
+
+@linux
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_converted_weights_are_packed_and_give_the_same_logits(tiny, dtype, monkeypatch):
+    folder, _ = tiny
+    monkeypatch.setenv(pages.ENV, "0")
+    plain = load_model(str(folder), device="cpu", dtype=dtype, engine="lean")
+    monkeypatch.delenv(pages.ENV)
+    packed = load_model(str(folder), device="cpu", dtype=dtype, engine="lean")
+    gpt = packed.engine.gpt
+    table = gpt.wte.table.q if dtype == "int8" else gpt.wte.weight
+    if dtype == "bfloat16":
+        assert gpt.lm_head.weight is gpt.wte.weight  # the tie: the very same Parameter, rebound in place
+    assert table.untyped_storage().data_ptr() != plain.engine.gpt.state_dict()[
+        "wte.table.q" if dtype == "int8" else "wte.weight"].untyped_storage().data_ptr()
+    starts, ends = pages._file_ranges()
+    big = [p for p in gpt.parameters() if p.untyped_storage().nbytes() >= pages.SMALLEST]
+    made = {p.untyped_storage().data_ptr() for p in big if not pages._in_file(p.data_ptr(), starts, ends)}
+    assert len(made) == 1, "every large weight made at load in one mapping"
+    if dtype == "int8":  # wpe stays float32: the file's own memory, not copied
+        assert pages._in_file(gpt.wpe.weight.data_ptr(), starts, ends)
+    if _thp_setting() in ("always", "madvise"):
+        assert _anon_huge_kb(table) > 0
+    assert torch.equal(_logits(plain), _logits(packed))
+
+
+@linux
+def test_float32_weights_stay_in_the_file_mapping(tiny):
+    """float32 from safetensors is the file's memory: nothing to pack, nothing copied."""
+    folder, _ = tiny
+    loaded = load_model(str(folder), device="cpu", dtype="float32", engine="lean")
+    assert pages.pack(loaded.engine.gpt) == 0
+
+
+@linux
+def test_pack_rebinds_in_place_and_keeps_views(monkeypatch):
+    """Parameters are rebound, not replaced: a transposed view stays a view of the same values, the
+    tie stays one object, small tensors stay where they are."""
+    from torch import nn
+
+    monkeypatch.setattr(pages, "_in_file", lambda *a: False)
+    m = nn.Module()
+    rows = torch.randn(300, 200)
+    m.w = nn.Parameter(rows.t())  # (200, 300) view of (300, 200) rows, as bfloat16 Conv1Ds are kept
+    m.tied = m.w
+    m.small = nn.Parameter(torch.randn(10))
+    small_ptr = m.small.data_ptr()
+    n = pages.pack(m)
+    assert n == 300 * 200 * 4
+    assert m.tied is m.w and torch.equal(m.w, rows.t()) and m.w.stride() == (1, 200)
+    assert m.w.data_ptr() % pages.HUGE == 0  # the mapping's first tensor on a 2 MiB boundary
+    assert m.small.data_ptr() == small_ptr
+
+
+def test_turned_off_or_elsewhere_nothing_happens(tiny, monkeypatch, tmp_path):
+    from torch import nn
+
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(512, 512))
+    before = m.w.data_ptr()
+    monkeypatch.setenv(pages.ENV, "0")
+    assert pages.pack(m) == 0 and m.w.data_ptr() == before
+    assert not pages.read_file_in_huge_pages(tiny[0] / "model.safetensors")
+    monkeypatch.delenv(pages.ENV)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert pages.pack(m) == 0 and m.w.data_ptr() == before
+    assert not pages.read_file_in_huge_pages(tiny[0] / "model.safetensors")
+
+
+@linux
+def test_reading_a_file_ahead(tiny, tmp_path):
+    big = tiny[0] / "model.safetensors"
+    assert big.stat().st_size >= pages.HUGE
+    assert pages.read_file_in_huge_pages(big)
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"\0" * 4096)
+    assert not pages.read_file_in_huge_pages(small)  # under one huge page: not worth a read
+    assert not pages.read_file_in_huge_pages(tmp_path / "missing.bin")  # an error is no read, never a raise
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    assert not pages.read_file_in_huge_pages(empty)
+
+
+@linux
+def test_a_refusing_kernel_changes_nothing(monkeypatch):
+    """madvise refused (an old kernel, a seccomp filter): the weights stay where they were."""
+    from torch import nn
+
+    monkeypatch.setattr(pages, "_in_file", lambda *a: False)
+    monkeypatch.setattr(pages, "MADV_HUGEPAGE", 12345)  # advice no kernel knows: EINVAL, for real
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(512, 512))
+    before = m.w.data_ptr()
+    assert pages.pack(m) == 0 and m.w.data_ptr() == before
