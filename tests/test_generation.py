@@ -211,7 +211,8 @@ def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
 
     loaded = load(tiny[0])
     calls = []
-    timed = replace(loaded, execution=SimpleNamespace(run=lambda f, units=1: calls.append(1) or f()))
+    timed = replace(loaded, execution=SimpleNamespace(run=lambda f, units=1: calls.append(1) or f(),
+                                                      row_kernel=loaded.execution.row_kernel))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
     assert len(g.steps) == 5 and len(calls) == 4  # the 4 later steps
 
@@ -492,7 +493,8 @@ def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
     tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
                                 decode=lambda ids: "".join(map(text, ids)))
-    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=SimpleNamespace(run=lambda f, units=1: f()))
+    execution = SimpleNamespace(run=lambda f, units=1: f(), row_kernel=lambda: None)
+    return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=execution)
 
 
 def transformers_bigram_beams(table: torch.Tensor, beams: int, new: int):
@@ -802,3 +804,53 @@ def test_f32_rounds_to_float32_whatever_torch_s_default_dtype():
         assert _f32(0.1) == float(np.float32(0.1)) != 0.1
     finally:
         torch.set_default_dtype(before)
+
+
+def test_plain_greedy_figures_from_the_compiled_kernel_match_torchs_record():
+    """generate._greedy_record (the row kernel's two passes) against _record (torch's log-softmax, argmax,
+    entropy and rank): the same choice, the first of equal maxima, rank 1, figures within float32's reach;
+    rows it does not take (a NaN, no kernel) are left to _record."""
+    from lmhead_cli.engine import kernels
+    from lmhead_cli.head import log_softmax
+
+    fast = kernels.load()
+    if fast is None:
+        pytest.skip(f"the compiled kernels are not loaded: {kernels.unavailable()}")
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 50257, generator=g) * torch.tensor([[0.1], [1.0], [3.0], [10.0], [1.0]])
+    z[4, 7] = z[4, 9] = z[4].max() + 1.0  # a tie at the top: the first wins, as argmax
+    chosen, rows = generation._greedy_record(z, fast.score_rows)
+    raw = log_softmax(z)
+    want = generation._record(z, raw, raw, raw.argmax(-1), 0, False).tolist()
+    assert chosen.tolist() == raw.argmax(-1).tolist() and chosen[4] == 7
+    for got, ref in zip(rows, want):
+        assert got[generation.ID] == ref[generation.ID] and got[generation.RANK] == ref[generation.RANK] == 1
+        assert got[generation.FINITE] == ref[generation.FINITE] == 1.0 and got[generation.REMOVED] == 0.0
+        assert got[generation.LOGIT] == ref[generation.LOGIT]
+        for col in (generation.LOGPROB, generation.RAW_LOGPROB, generation.ENTROPY, generation.RAW_ENTROPY):
+            assert got[col] == pytest.approx(ref[col], rel=1e-5, abs=1e-5)
+    bad = z.clone()
+    bad[2, 3] = float("nan")
+    assert generation._greedy_record(bad, fast.score_rows) is None
+    bad[2, 3] = float("-inf")  # a filtered-looking logit: torch's record counts it as not finite
+    assert generation._greedy_record(bad, fast.score_rows) is None
+    assert generation._greedy_record(z, None) is None
+
+
+def test_plain_greedy_decoding_is_the_same_with_and_without_the_compiled_figures(tiny, monkeypatch):
+    """The loop's fast path changes no token and no figure beyond float32's reach (LMHEAD_KERNELS=0:
+    torch's record)."""
+    from lmhead_cli.decoding import loop
+
+    loaded = load(tiny[0])
+    used = []
+    original = loop._greedy_record
+    monkeypatch.setattr(loop, "_greedy_record", lambda z, k: used.append(k is not None) or original(z, k))
+    a = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
+    assert used and all(used)
+    monkeypatch.setattr(loop, "_greedy_record", lambda z, k: None)
+    b = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
+    assert a.generated_ids == b.generated_ids
+    for x, y in zip(a.steps, b.steps):
+        assert (x.id, x.rank, x.logit, x.removed_mass) == (y.id, y.rank, y.logit, y.removed_mass)
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-5) and x.entropy == pytest.approx(y.entropy, abs=1e-5)

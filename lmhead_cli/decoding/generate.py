@@ -345,6 +345,30 @@ def _top(raw: torch.Tensor, processed: torch.Tensor, which: str, n: int) -> tupl
     return ids.cpu(), processed.gather(-1, ids).float().cpu()
 
 
+def _greedy_record(logits: torch.Tensor, kernel) -> tuple[torch.Tensor, list[list[float]]] | None:
+    """Greedy rows with no stage and no alternatives: the choice (R,) and `_record`'s rows (as lists),
+    from the compiled row kernel (head.score_rows's: the top-1, its log p and the entropy in two passes
+    over each row, where torch's log-softmax, argmax, entropy and rank take some ten). The greedy choice
+    is the top-1 (the first of equal maxima, as argmax), so its rank is 1 and its log p the top's; no
+    stage ran, so raw and processed are one. None where the kernel does not take the rows (no kernel,
+    not on the CPU, a logit not finite): the caller runs `_record`, which reports what is wrong."""
+    if kernel is None or not logits.is_cpu or logits.dim() != 2:
+        return None
+    z = logits.float().contiguous()
+    if not bool(torch.isfinite(z.sum(-1)).all()):  # a NaN or inf logit (or a sum past float32): torch's record says so
+        return None
+    try:
+        _, _, h, top_id, top_logprob, _, _, bad = kernel(z, torch.zeros(z.shape[0], dtype=torch.long))
+    except ValueError:
+        return None
+    if bad:
+        return None
+    rows = [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0]
+            for i, lp, zz, e in zip(top_id.tolist(), top_logprob.tolist(),
+                                    z.gather(-1, top_id[:, None])[:, 0].tolist(), h.tolist())]
+    return top_id, rows
+
+
 def _step(row: list[float], token_text, logits: torch.Tensor, top: Top | None = None) -> Step:
     """A Step from one row of `_record` (logits only to explain non-finite values)."""
     if not row[FINITE]:

@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 
 from lmhead_cli.decoding import stages
-from lmhead_cli.decoding.generate import Step, Top, _record, _step, _top
+from lmhead_cli.decoding.generate import Step, Top, _greedy_record, _record, _step, _top
 from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.head import check_finite, entropy, log_softmax, margin, varentropy
 
@@ -254,6 +254,7 @@ class Batch:
         self.queued: list[_Prefill] = []
         self.tokens = 0  # tokens generated, all rows together
         self._joins = True  # False once engine.join_caches has said it cannot join this engine's caches
+        self.row_kernel = loaded.execution.row_kernel()  # plain greedy steps' figures (generate._greedy_record)
 
     def __len__(self) -> int:
         """Rows running or being prefilled."""
@@ -417,18 +418,25 @@ class Batch:
         Returns the tokens (len(idx),) and the rows (indices into live) that ended with theirs."""
         live = [self.live[i] for i in idx]
         logits = self.logits if len(idx) == len(self.live) else self.logits[torch.tensor(idx, device=self.eng.device)]
-        if not all(r.row.greedy for r in live):  # a draw from NaN fails obscurely; greedy rows: the record's check
-            check_finite_rows(logits)
-        raw, used, piped = self.distributions(logits, live)
-        if len(live) == 1:
-            chosen = stages.choose(used, live[0].row.greedy, live[0].generator)  # (1,)
-        else:
-            chosen = used.argmax(-1)  # (R,) greedy rows; drawn rows replaced below, each with its generator
-            for i, r in enumerate(live):
-                if not r.row.greedy:
-                    chosen[i] = stages.choose(used[i:i + 1], False, r.generator)[0]
         k = max(r.row.alternatives for r in live)
-        table = _record(logits, raw, used, chosen, k, bool(piped)).tolist()  # one transfer for every row
+        # plain greedy rows (no stage, nothing more asked of each step): the compiled kernel's two passes
+        plain = not k and all(r.row.greedy and not r.pipeline and not r.row.top and not r.row.uncertainty
+                              for r in live)
+        fast = _greedy_record(logits, self.row_kernel) if plain else None
+        if fast is not None:
+            chosen, table = fast
+        else:
+            if not all(r.row.greedy for r in live):  # a draw from NaN fails obscurely; greedy rows: the record's check
+                check_finite_rows(logits)
+            raw, used, piped = self.distributions(logits, live)
+            if len(live) == 1:
+                chosen = stages.choose(used, live[0].row.greedy, live[0].generator)  # (1,)
+            else:
+                chosen = used.argmax(-1)  # (R,) greedy rows; drawn rows replaced below, each with its generator
+                for i, r in enumerate(live):
+                    if not r.row.greedy:
+                        chosen[i] = stages.choose(used[i:i + 1], False, r.generator)[0]
+            table = _record(logits, raw, used, chosen, k, bool(piped)).tolist()  # one transfer for every row
         ended = set()
         for i, r in enumerate(live):
             top = None
