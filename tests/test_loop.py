@@ -206,3 +206,42 @@ def test_a_row_that_ends_with_its_first_token_leaves_at_the_prefill(model):
     batch.run(sink)
     same(alone(model, Row(tuple(PROMPT_IDS), max_tokens=1, top=2)), sink.got["one"])
     same(alone(model, ROWS["greedy"]), sink.got["running"])
+
+
+def test_prompts_waiting_together_are_read_in_one_pass_and_each_row_equals_its_answer_alone(model, monkeypatch):
+    """Prompts queued before a prefill (a server's clients arriving at once) go through the body in one
+    left-padded pass, not one pass each; every row still computes what it computes alone, joining an
+    empty batch or a running one, with a prompt's n choices, a sampled row and a cancelled row among
+    them. Mutants: positions counted from the padding, or the cache not right-aligned, change tokens."""
+    passes = []
+    body = model.loaded.engine.body
+    monkeypatch.setattr(model.loaded.engine, "body", lambda ids, *a, **k: passes.append(tuple(ids.shape)) or body(ids, *a, **k))
+    rows = {"greedy": ROWS["greedy"], "sampled": ROWS["sampled"], "stop": ROWS["stop"],
+            "short": Row((464,), max_tokens=5), "gone": Row((11, 12, 13, 14), max_tokens=4)}
+    choices = [Row((40, 1101, 257, 1110), max_tokens=4, greedy=False, seed=20 + j) for j in range(2)]
+    batch, sink = Batch(model.loaded), Sink()
+    for key, row in rows.items():
+        batch.add(key, row)
+    for j, row in enumerate(choices):
+        batch.add(("n", j), row)  # the same prompt: one _Prefill with two rows
+    sink.cancel.add("gone")
+    batch.prefill(sink)
+    longest = max(len(r.ids) for key, r in rows.items() if key != "gone")
+    assert passes[0] == (5, longest) and len(passes) == 1  # 5 prompts (the cancelled one dropped) in one pass
+    keys = [r.key for r in batch.live]  # in queue order ("stop" may end with its first token)
+    assert [k for k in keys if k != "stop"] == ["greedy", "sampled", "short", ("n", 0), ("n", 1)]
+    for _ in range(2):
+        batch.step(sink)
+    late = {"late1": Row(tuple(range(600, 610)), max_tokens=6), "late2": Row(tuple(PROMPT_IDS), max_tokens=3, top=2)}
+    for key, row in late.items():  # two more arrive together while the others run: one more pass, then joined
+        batch.add(key, row)
+    passes.clear()
+    batch.prefill(sink)
+    assert passes[0] == (2, 10)
+    batch.run(sink)
+    assert "gone" not in sink.got
+    for key, row in {**rows, **late}.items():
+        if key != "gone":
+            same(alone(model, row), sink.got[key])
+    for j, row in enumerate(choices):
+        same(alone(model, row), sink.got[("n", j)])

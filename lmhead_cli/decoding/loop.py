@@ -284,6 +284,16 @@ class Batch:
         read = 0
         ready: list[_Prefill] = []
         while self.queued and (left > 0 or self.queued[0].read) and (self._joins or not (self.live or ready)):
+            group = self._together(left)
+            if group:
+                n = len(group) * max(len(p.ids) for p in group)
+                together = self._read_together(group, sink)
+                del self.queued[:len(group)]
+                left -= n
+                read += sum(len(p.ids) for p in group)
+                if together is not None:
+                    ready.append(together)
+                continue
             p = self.queued[0]
             if not p.read:
                 p.rows = [(k, r) for k, r in p.rows if not sink.cancelled(k)]
@@ -343,8 +353,59 @@ class Batch:
             p.cache = None
             return
         p.logits = self.eng.head(last[None]).float().expand(len(p.live), -1)  # (rows, V)
-        if len(p.live) > 1:  # the choices of one prompt: one prefill, its cache copied per row
+        if len(p.live) > 1 and p.cache is not None:  # the choices of one prompt: one prefill, its cache copied per row
             p.cache = self.eng.reorder_cache(p.cache, torch.zeros(len(p.live), dtype=torch.long, device=self.eng.device))
+
+    def _together(self, left: float) -> list[_Prefill]:
+        """The prompts at the head of the queue to read in one padded pass (at least two; else none):
+        unread, every row generating and none echoing (echo's per-position scores come from each
+        prompt's own pass), their padded positions within `left` and one prefill chunk; an engine
+        whose caches join only."""
+        if not self._joins or len(self.queued) < 2:
+            return []
+        group: list[_Prefill] = []
+        for p in self.queued:
+            if p.done or not p.rows or any(r.echo or not r.max_tokens for _, r in p.rows):
+                break  # every prompt of a group generates: the longest one's rows keep the cache's length
+            longest = max([len(q.ids) for q in group] + [len(p.ids)])
+            if (len(group) + 1) * longest > min(left, self.prefill_chunk):
+                break
+            group.append(p)
+        return group if len(group) > 1 else []
+
+    def _read_together(self, group: list[_Prefill], sink: Sink) -> _Prefill | None:
+        """Read `group`'s prompts in one pass over the weights, left-padded to the longest (an attention
+        mask hides the padding; each prompt's positions count from its first token, as alone), where
+        each prompt alone took its own pass: waiting prompts (a server's clients arriving together)
+        cost one read of the weights, not one each. Returns one _Prefill holding every generating row
+        of the group in order, its cache a row per row (a prompt's choices copy its row), right-aligned
+        as the batch keeps rows; None when no row generates."""
+        for p in group:
+            p.rows = [(k, r) for k, r in p.rows if not sink.cancelled(k)]
+        group = [p for p in group if p.rows]
+        if not group:
+            return None
+        dev, T = self.eng.device, max(len(p.ids) for p in group)
+        x = torch.zeros((len(group), T), dtype=torch.long, device=dev)
+        mask = torch.zeros((len(group), T), dtype=torch.long, device=dev)
+        for i, p in enumerate(group):
+            x[i, T - len(p.ids):] = torch.tensor(p.ids, dtype=torch.long, device=dev)
+            mask[i, T - len(p.ids):] = 1
+        cache = self.eng.new_cache(len(group), T + max(max(r.max_tokens for p in group for _, r in p.rows), 1))
+        hidden = self.eng.body(x, cache, mask)  # (P, T, D): every prompt's last position is column T - 1
+        together, rows = _Prefill(self.eng, ()), []
+        for i, p in enumerate(group):
+            p.done = len(p.ids)
+            self._ready(p, hidden[i, -1], sink)
+            together.live += p.live
+            rows += [i] * len(p.live)
+            if p.live:
+                together.logits = p.logits if together.logits is None else torch.cat([together.logits, p.logits])
+        del hidden
+        if not rows:
+            return None
+        together.cache = self.eng.reorder_cache(cache, torch.tensor(rows, dtype=torch.long, device=dev))
+        return together
 
     def _join(self, ready: list[_Prefill]) -> None:
         """Prefilled rows join the running ones: one cache, right-aligned, with the padding mask."""

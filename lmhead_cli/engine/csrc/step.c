@@ -192,7 +192,16 @@ static void kn_vec(const float *W, const float *x, const float *bias, float *y, 
                 for (; j < N; j++) s[j] += wk[j] * xk;
             }
         } /* the loop's implied barrier: every block summed */
-        for (int64_t j = N * t / T; j < N * (t + 1) / T; j++) {
+        int64_t lanes = LANES ? LANES : 1, j = N * t / T / lanes * lanes,
+                j1 = t + 1 == T ? N : N * (t + 1) / T / lanes * lanes;
+#if LANES
+        for (; j + LANES <= j1; j += LANES) { /* the same adds in the same order, LANES columns at a time */
+            vf v = bias ? vload(bias + j) : vzero();
+            for (int c = 0; c < KN_CHUNKS; c++) v = vadd(v, vload(part + c * N + j));
+            vstore(y + j, v);
+        }
+#endif
+        for (; j < j1; j++) {
             float v = bias ? bias[j] : 0.0f;
             for (int c = 0; c < KN_CHUNKS; c++) v += part[c * N + j];
             y[j] = v;
