@@ -12,7 +12,7 @@ import torch
 from lmhead_cli.engine import pages
 from lmhead_cli.loading.sources import load_model
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked for on Linux only")
+linux = pytest.mark.skipif(not pages.supported(), reason="huge pages are asked for on Linux with THP not `never` only")
 
 
 def _thp_setting() -> str:
@@ -137,3 +137,23 @@ def test_a_refusing_kernel_changes_nothing(monkeypatch):
     m.w = nn.Parameter(torch.randn(512, 512))
     before = m.w.data_ptr()
     assert pages.pack(m) == 0 and m.w.data_ptr() == before
+
+
+def test_a_kernel_with_huge_pages_set_to_never_gets_no_copy(tmp_path, monkeypatch):
+    """THP `never`: the advice would be taken and nothing would come of it, so nothing is copied; a kernel
+    without THP (no sysfs file) likewise."""
+    from torch import nn
+
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(512, 512))
+    before = m.w.data_ptr()
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(pages, "THP_SETTING", setting)
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert not pages.supported() and pages.pack(m) == 0 and m.w.data_ptr() == before
+    monkeypatch.setattr(pages, "THP_SETTING", tmp_path / "missing")
+    assert not pages.supported()
+    setting.write_text("always [madvise] never\n")
+    monkeypatch.setattr(pages, "THP_SETTING", setting)
+    assert pages.supported() == hasattr(__import__("mmap").mmap, "madvise")

@@ -5,8 +5,9 @@ pages its reads cross a page every 4 KiB, and the hardware prefetchers stop at e
 on this project's 2-core Zen 4 machine, random:gpt2's bfloat16 step body took 7.4-7.6 ms with about
 60% of its weights on 2 MiB pages against 8.8-9.4 ms on 4 KiB pages; float32's 16.5-16.8 ms from a page
 cache of 2 MiB folios against 20.5-21.3 ms (docs/performance.md). llama.cpp's memory-mapped GGUF gets
-them from the page cache; lmhead asks for them in two ways, both best effort (Linux only; elsewhere,
-or where the kernel refuses, the weights stay where they are, the same figures slower):
+them from the page cache; lmhead asks for them in two ways, both best effort (Linux, with transparent
+huge pages not set to `never`; elsewhere, or where the kernel refuses, the weights stay where they
+are, the same figures slower):
 
 * `read_file_in_huge_pages(path)`, before a weight file is memory-mapped for tensors used in place
   (float32 on the CPU): the file is read once through a mapping advised MADV_HUGEPAGE, so that pages
@@ -47,8 +48,18 @@ def turned_off() -> bool:
     return os.environ.get(ENV, "1").strip().lower() in OFF
 
 
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
 def supported() -> bool:
-    return sys.platform.startswith("linux") and hasattr(mmap.mmap, "madvise") and not turned_off()
+    """Linux with transparent huge pages not set to `never` (there the advice is taken and nothing comes of
+    it: a packed copy would cost its time for nothing), and not turned off."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap.mmap, "madvise") or turned_off():
+        return False
+    try:
+        return "[never]" not in THP_SETTING.read_text()
+    except OSError:  # no THP in this kernel
+        return False
 
 
 def _available_bytes() -> int:
