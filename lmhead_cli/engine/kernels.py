@@ -207,8 +207,14 @@ def module_path() -> Path | None:
     return None
 
 
+def switched_off(env: str) -> bool:
+    """Whether the environment variable `env` turns its part off (0, off, no, false): LMHEAD_KERNELS,
+    LMHEAD_STEP, LMHEAD_HUGE_PAGES."""
+    return os.environ.get(env, "1").strip().lower() in OFF
+
+
 def _turned_off() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() in OFF
+    return switched_off(ENV)
 
 
 def _self_check(k: Kernels) -> bool:

@@ -9,13 +9,14 @@ them from the page cache; lmhead asks for them in two ways, both best effort (Li
 huge pages not set to `never`; elsewhere, or where the kernel refuses, the weights stay where they
 are, the same figures slower):
 
-* `read_file_in_huge_pages(path)`, before a weight file is memory-mapped for tensors used in place
-  (float32 on the CPU): the file is read once through a mapping advised MADV_HUGEPAGE, so that pages
-  not yet cached enter the page cache as 2 MiB folios, which every later mapping of the file (the
-  tensors') maps whole. Pages already cached stay as they are (the kernel cannot merge a file's small
+* `read_file_in_huge_pages(path)`, before a safetensors file is memory-mapped (loading/weights.py): the
+  file is read once through a mapping advised MADV_HUGEPAGE, so that pages not yet cached enter the
+  page cache as 2 MiB folios, which every later mapping of the file maps whole (float32's tensors stay
+  in that mapping; a conversion reads it once). Pages already cached stay as they are (the kernel cannot merge a file's small
   folios here: no CONFIG_READ_ONLY_THP_FOR_FS); a file larger than half the available memory is left
   to be read as the model touches it.
-* `pack(module)`, for weights the loader made (converted to bfloat16, quantised to int8, random):
+* `pack(module)`, for weights the loader made from a file's (converted to bfloat16 or float16,
+  quantised to int8; loading/sources.py build_lean decides, and leaves random:NAME's draws alone):
   every such tensor is copied into one anonymous mapping advised MADV_HUGEPAGE, 2 MiB-aligned, and
   rebound in place (`Tensor.set_`: the same Parameter objects, so the tied head is still the
   embedding's very tensor). Each old buffer is freed as its copy lands, so the peak is one tensor
@@ -33,11 +34,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmhead_cli.engine import kernels
+
 if TYPE_CHECKING:
     from torch import nn
 
 ENV = "LMHEAD_HUGE_PAGES"
-OFF = ("0", "off", "no", "false")
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE = 2 << 20  # bytes in one huge page (x86-64's and arm64's PMD with 4 KiB base pages)
 MADV_HUGEPAGE, MADV_POPULATE_READ = 14, 22  # Linux's <asm-generic/mman-common.h>
 ALIGN = 64  # each packed tensor starts on a cache line
@@ -45,10 +48,7 @@ SMALLEST = 64 * 1024  # smaller tensors (norms, biases) are not worth a page's r
 
 
 def turned_off() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() in OFF
-
-
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return kernels.switched_off(ENV)
 
 
 def supported() -> bool:
@@ -124,8 +124,7 @@ def pack(module: nn.Module) -> int:
             storages.setdefault(s.data_ptr(), []).append(p)
     if not storages:
         return 0
-    sizes = {ptr: ps[0].untyped_storage().nbytes() for ptr, ps in storages.items()}
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
+    total = sum(-(-ps[0].untyped_storage().nbytes() // ALIGN) * ALIGN for ps in storages.values())
     try:
         # private: a shared anonymous mapping is shmem, whose huge pages are a separate setting (often never)
         buf = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # room for a 2 MiB start
@@ -139,8 +138,8 @@ def pack(module: nn.Module) -> int:
         return 0
     storage, offset = whole.untyped_storage(), skip
     with torch.no_grad():
-        for ptr, params in storages.items():
-            n = sizes[ptr]
+        for params in storages.values():
+            n = params[0].untyped_storage().nbytes()
             old = torch.empty(0, dtype=torch.uint8).set_(params[0].untyped_storage())
             whole[offset:offset + n].copy_(old)
             del old

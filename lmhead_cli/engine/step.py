@@ -18,7 +18,6 @@ or layer taps read through hooks: they keep running the modules). LMHEAD_STEP=0 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 from torch import nn
@@ -33,7 +32,7 @@ KINDS = {torch.float32: 0, torch.bfloat16: 1, "int8": 2}  # csrc/step.c's STEP_F
 
 
 def turned_off() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() in kernels.OFF
+    return kernels.switched_off(ENV)
 
 
 def _products(block: nn.Module) -> list[nn.Module]:
