@@ -44,15 +44,17 @@ def pair(request, tmp_path_factory):
     return load_model(str(folder), device="cpu", dtype="int8"), reference
 
 
-@pytest.fixture(params=["compiled", "torch"])
+@pytest.fixture(params=["compiled", "torch", "dequantised"])
 def products(request, monkeypatch):
     """Run a test's few-row products on the compiled kernel (engine/kernels.c), counting the products it
-    computed, or on torch._int_mm over the digits (the kernels turned off): {"path": ..., "calls": [n]}."""
-    from lmhead_cli.engine import kernels
+    computed, or (the kernels turned off) on torch._int_mm over the digits, or dequantised as where
+    torch._int_mm is a reference loop (`int_mm_pays`): {"path": ..., "calls": [n]}."""
+    from lmhead_cli.engine import int8, kernels
 
     seen = {"path": request.param, "calls": [0]}
-    if request.param == "torch":
+    if request.param != "compiled":
         monkeypatch.setattr(kernels, "load", lambda: None)
+        monkeypatch.setattr(int8, "int_mm_pays", lambda: request.param == "torch")
         return seen
     k = kernels.load()
     if k is None:
@@ -161,6 +163,37 @@ def test_a_row_with_nan_or_infinity_gives_non_finite_outputs(products):
         y = int8_times(rows, q, s)
         bad = ~torch.isfinite(rows).all(1)
         assert bool((~torch.isfinite(y[bad])).all()) and bool(torch.isfinite(y[~bad]).all())
+
+
+def test_torch_s_int8_product_is_used_only_where_it_is_a_real_kernel(monkeypatch):
+    """int_mm_pays times torch._int_mm against the float32 product of the same shape, once per process:
+    a reference loop (here a stand-in 20 ms a call) is not used; one as fast as float32 is."""
+    import time
+
+    from lmhead_cli.engine import int8
+
+    real = torch._int_mm
+    try:
+        for stand_in, pays in [(lambda a, b: time.sleep(0.02) or real(a, b), False),
+                               (lambda a, b: (a.float() @ b.float()).int(), True)]:
+            monkeypatch.setattr(torch, "_int_mm", stand_in)
+            int8.int_mm_pays.cache_clear()
+            assert int8.int_mm_pays() is pays
+            assert int8.int_mm_pays() is pays  # measured once
+    finally:
+        int8.int_mm_pays.cache_clear()
+
+
+def test_dequantised_products_take_the_weight_in_blocks_and_equal_the_whole(monkeypatch):
+    from lmhead_cli.engine import int8
+
+    monkeypatch.setattr(int8, "DEQUANT_ROWS", 7)
+    g = torch.Generator().manual_seed(4)
+    q, s = int8.quantise(torch.randn(30, 16, generator=g))
+    x, bias = torch.randn(5, 16, generator=g), torch.randn(30, generator=g)
+    w = q.float() * s[:, None]
+    for b in (bias, None):
+        torch.testing.assert_close(int8.dequantised_times(x, q, s, b), torch.nn.functional.linear(x, w, b))
 
 
 def test_without_a_kernel_the_fallback_is_named_and_gives_the_same_logits(pair, monkeypatch):

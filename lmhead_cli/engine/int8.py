@@ -17,11 +17,17 @@ int8: a quarter of float32's bytes.
 
 Where torch has no int8 kernel for the device (a GPU here), each product dequantises its weight to
 float32 first: the same figures, none of the speed (`kernel_for` says which, and load_model names it).
+On a CPU without VNNI or AMX torch._int_mm runs a reference loop (measured on an AVX2 Zen 3: 19.7 ms
+for a 5-row product of GPT-2's c_attn, 3.8 s for 512 rows, where the float32 product took 0.6 and
+15 ms): there the products of more rows than the compiled kernel takes dequantise too, DEQUANT_ROWS
+rows of the weight at a time (`int_mm_pays` measures which, once per process).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +51,53 @@ def kernel_for(device: torch.device) -> bool:
         return bool(torch._int_mm(torch.ones(4, 8, dtype=torch.int8), a.t()).sum() == 96)
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
+
+
+# A product that dequantises does so this many rows of the weight at a time (3 MB of GPT-2's float32
+# rows): the head's whole table at once would be 154 MB for every product.
+DEQUANT_ROWS = 1024
+# torch._int_mm pays where it is no more than this many times slower than the float32 product of the
+# same shape (with VNNI or AMX it is faster; without, 15x slower at the probe's shape and 250x at 512 rows).
+INT_MM_SLACK = 4.0
+
+
+@functools.cache
+def int_mm_pays() -> bool:
+    """Whether torch's CPU int8 product is a real kernel here rather than a reference loop: its best of
+    3 calls on a (128, 128) × (128, 32) product against the float32 product of the same shape, once per
+    process (about a millisecond; a reference loop takes some 15 times the float32 product there)."""
+    q = torch.ones(128, 128, dtype=torch.int8)
+    a = torch.ones(128, 32, dtype=torch.int8)
+    qf, af = q.float(), a.float()
+
+    def best(fn) -> float:
+        fn()  # first-call set-up (oneDNN's primitive) is not what is compared
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    try:
+        return best(lambda: torch._int_mm(q, a)) <= INT_MM_SLACK * best(lambda: qf @ af)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def dequantised_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) times (q · s)ᵀ plus bias, in x's dtype, the weight dequantised DEQUANT_ROWS rows at a time."""
+    N = q.shape[0]
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    for r in range(0, N, DEQUANT_ROWS):
+        rows = slice(r, min(r + DEQUANT_ROWS, N))
+        w = q[rows].to(x.dtype).mul_(s[rows, None].to(x.dtype))
+        if bias is None:
+            torch.mm(x, w.t(), out=y[:, rows])
+        else:
+            torch.addmm(bias[rows].to(x.dtype), x, w.t(), out=y[:, rows])
+    return y
 
 
 def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,15 +127,14 @@ def int8_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Te
                kernel: bool = True) -> torch.Tensor:
     """x (M, K) float32 times (q · s)ᵀ, plus bias: (M, N) float32. A few rows on the CPU run the compiled
     kernel where it loads (engine/kernels.py: the weights widened in registers); more rows, or no
-    compiled kernel, run torch._int_mm over the digits; `kernel` False (no int8 kernel on the device)
-    dequantises."""
+    compiled kernel, run torch._int_mm over the digits; `kernel` False (no int8 kernel on the device), or
+    a CPU where torch._int_mm is a reference loop (`int_mm_pays`), dequantises."""
     fast = kernels.load() if x.is_cpu else None
     y = fast.int8_times(x, q, s, bias) if fast is not None else None
     if y is not None:
         return y
-    if not kernel:  # no int8 kernel here: dequantise, then the plain product
-        w = q.to(x.dtype) * s[:, None].to(x.dtype)
-        return F.linear(x, w, bias)
+    if not kernel or (x.is_cpu and not int_mm_pays()):  # dequantise, then the plain product
+        return dequantised_times(x, q, s, bias)
     M, N = x.shape[0], q.shape[0]
     a, c = digits(x.float())
     acc = torch._int_mm(q, a).float()  # (N, 4M): exact int32 sums, then float32
