@@ -20,14 +20,23 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def clock(monkeypatch, durations):
-    """perf_counter returning start/end pairs so that the i-th timed call lasts durations[i]."""
+def clock(monkeypatch, durations, share=1.0):
+    """perf_counter returning start/end pairs so that the i-th timed call lasts durations[i], and
+    process_time so that each call had `share` of its threads' time (1.0: every core its own)."""
     ticks, now = [], 0.0
     for d in durations:
         ticks += [now, now + d]
         now += d + 1
     it = iter(ticks)
     monkeypatch.setattr(threads.time, "perf_counter", lambda: next(it))
+    cpu, calls = [0.0], iter(range(2 * len(durations)))
+
+    def process_time():
+        i = next(calls)
+        if i % 2:  # the end of call i // 2
+            cpu[0] += durations[i // 2] * torch.get_num_threads() * share
+        return cpu[0]
+    monkeypatch.setattr(threads.time, "process_time", process_time)
 
 
 def counts_seen(chooser, n):
@@ -47,11 +56,36 @@ def test_warm_up_then_trial_keeps_the_faster(monkeypatch, restore_threads):
     assert chooser.choices == [1] and torch.get_num_threads() == 1 and not chooser.deciding
 
 
-def test_a_tie_keeps_torchs_count(monkeypatch, restore_threads):
+def test_a_tie_is_timed_twice_more_and_keeps_one_thread(monkeypatch, restore_threads):
+    """Within CLEAR after one call each: two more each, alternating; a tie keeps one thread (more
+    threads must win by MARGIN)."""
     torch.set_num_threads(2)
     chooser = ThreadChooser()
-    clock(monkeypatch, [1, 1])
-    assert counts_seen(chooser, 3) == [1, 2, 1] and chooser.choices == [2] and torch.get_num_threads() == 2
+    clock(monkeypatch, [1, 1] * 3 + [1])  # the last: the kept count, watched
+    assert counts_seen(chooser, 8) == [1, 2, 1, 2, 1, 2, 1, 1]
+    assert chooser.choices == [1] and torch.get_num_threads() == 1
+
+
+def test_a_clear_first_round_decides_at_once(monkeypatch, restore_threads):
+    """Two threads 1.5x faster after one call each (an idle machine): no more calls on one thread."""
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    clock(monkeypatch, [2, 3, 2])
+    assert counts_seen(chooser, 4) == [1, 2, 1, 2] and chooser.choices == [2]
+
+
+@pytest.mark.parametrize("two, one, share, kept", [
+    ([1.0, 1.0, 1.0], [1.1, 1.1, 1.1], 1.0, 1),  # two threads 1.1x faster: under MARGIN, one thread kept
+    ([1.0, 1.0, 1.0], [1.3, 1.3, 1.3], 1.0, 2),  # 1.3x: over MARGIN, two threads kept
+    # a lucky first call on two threads, 2x faster, but without its cores (a busy machine): the medians decide
+    ([0.6, 1.4, 1.4], [1.2, 1.2, 1.2], 0.6, 1),
+])
+def test_close_counts_are_decided_by_medians_and_the_margin(monkeypatch, restore_threads, two, one, share, kept):
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    clock(monkeypatch, [t for pair in zip(two, one) for t in pair] + [1], share)
+    seen = counts_seen(chooser, 1 + 6 + 1)
+    assert seen[1:7] == [2, 1] * 3 and chooser.choices == [kept] and seen[7] == kept
 
 
 def test_a_slowdown_starts_a_new_trial(monkeypatch, restore_threads):
@@ -74,6 +108,18 @@ def test_a_kept_count_waits_longer_for_the_next_trial(monkeypatch, restore_threa
     seen = counts_seen(chooser, 1 + 2 + 3 + 2 + 6 + 2 + 30 + 2 + 3)
     assert seen == [1, 2, 1] + [2] * 3 + [2, 1] + [2] * 6 + [2, 1] + [2] * 30 + [2, 1] + [1] * 3
     assert chooser.choices == [2, 2, 2, 1]
+
+
+def test_a_count_slower_than_the_one_it_beat_is_timed_again(monkeypatch, restore_threads):
+    """Two threads kept at 1 s against one thread's 2 s; then the machine changes and two threads take
+    3 s a call from the start (their own reference too, so the slack never fires): once the median of 5
+    is past REJECTED × 2 s, both counts are timed again, and one thread (now 2 s) wins."""
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    clock(monkeypatch, [1, 2] + [3] * 5 + [3, 1.5] + [2])
+    seen = counts_seen(chooser, 1 + 2 + 5 + 2 + 1)
+    assert seen[:8] == [1, 2, 1] + [2] * 5
+    assert seen[8:] == [2, 1, 1] and chooser.choices == [2, 1]
 
 
 def test_units_normalise_the_work(monkeypatch, restore_threads):

@@ -124,7 +124,10 @@ def test_the_training_loss_is_the_kl_to_the_final_distribution(loaded):
     ids = loaded.tokenizer.encode(text)
     t = tune_lens(loaded, TextSource(text=text), TuneSettings(steps=1, batch=1, seq=64, warmup=0))
     want = mean_kl_to_final(loaded, ids)["logit"][:N_LAYER]
-    assert t.first_kl == pytest.approx(want, rel=1e-4, abs=1e-6)
+    # The shortcut cancels terms of the logits' size, so its float32 error is absolute, not relative to
+    # the KL: 2.1e-6 on KLs of 0.0017-0.005 on an AVX2 machine (1e-6 passed on AVX-512 ones); the same
+    # 1e-5 as the mean KL over positions above.
+    assert t.first_kl == pytest.approx(want, abs=1e-5)
     assert t.tokens == len(ids) and t.seq == 64
 
 

@@ -14,7 +14,13 @@ Three things follow (figures in README, Performance):
 * `ThreadChooser` times the first calls of repeated work (decoding steps, batches of a file, prompts
   in a session) with torch's thread count and with one thread, keeps the faster, and times both
   again when its speed halves, or after `recheck` calls (twice as many after each trial that kept
-  the count: on a busy machine the call on the slower count can take many times longer).
+  the count: on a busy machine the call on the slower count can take many times longer). Where the
+  two counts come out close (within CLEAR), as they do beside a busy process, one call each says
+  little (a call on two threads there took from 1x to 1.5x the time of the next): the trial times
+  each count twice more and compares medians, and more threads are kept only when faster by MARGIN,
+  since one thread keeps its speed whatever the other core does and a wrong two-thread choice
+  does not (measured beside a spin loop: the chooser's two threads 20.3 tok/s in a run where
+  `--threads 1` gave 27.3).
   A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
 * `--threads N` / LMHEAD_THREADS fix the count, and it is not timed.
 * The count is set for the model's own calls only (engine/execution.py scopes it and restores the
@@ -28,7 +34,6 @@ No torch import at module top: engine/execution.py's `own_process` must run befo
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import deque
@@ -43,6 +48,16 @@ ENV = "LMHEAD_THREADS"
 SPIN = {"GOMP_SPINCOUNT": "100000", "KMP_BLOCKTIME": "1"}
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", *SPIN)
 
+
+# A trial whose counts came out within CLEAR of each other, or whose calls on more threads got less than
+# SHARED of their cores' time (another process held a core), times each setting twice more (ROUNDS in
+# all); torch's count is kept over one thread only when faster by MARGIN; and the count kept is timed
+# again once its calls run slower than REJECTED times the count it beat.
+CLEAR = 1.5
+SHARED = 0.8
+ROUNDS = 3
+MARGIN = 1.15
+REJECTED = 1.25
 
 # More threads than this is no machine's count; OpenMP asked for 99,999 fails to map their stacks
 # and takes the process down with it.
@@ -66,11 +81,15 @@ class ThreadChooser:
 
     `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
     one thread (first-call set-up is not what is compared); the next settings × trials calls
-    alternate between the settings, and the fastest (best time per unit each) is kept. With forms, the trial times each
+    alternate between the settings, then, where one thread and torch's count came out within CLEAR
+    of each other or the calls on more threads had less than SHARED of their cores' CPU time,
+    settings × more up to ROUNDS in all; the fastest by its median time per unit is kept, torch's
+    count only when faster than one thread by MARGIN. With forms, the trial times each
     form on one thread, then torch's count with the fastest of them: one call on more threads, not
     one per form. Then the median of the last 5 calls
     is watched against the median of the first 5 after the choice: when it is more than `slack` times
-    slower, or after `recheck` calls, the trial runs again. A trial costs calls on slower settings,
+    slower, or more than REJECTED times the time of the count the trial did not keep, or after
+    `recheck` calls, the trial runs again. A trial costs calls on slower settings,
     which on a busy machine can take many times longer, so a trial that keeps the same setting
     multiplies the calls until the next by how many times slower the slowest was (at least 2, up to
     `max_recheck` calls). With `fixed` (or one core, or a GPU) the thread count is not timed; forms
@@ -95,7 +114,10 @@ class ThreadChooser:
         self._engine = None
         self._settings: list[tuple[int | None, str | None]] = [(n, None) for n in self.candidates]
         self._pending: list[tuple[int | None, str | None]] = []
-        self._timed: dict[tuple[int | None, str | None], float] = {}
+        self._timed: dict[tuple[int | None, str | None], list[float]] = {}  # each setting's times per unit
+        self._rounds = 0  # the rounds of the trial under way queued so far
+        self._shares: list[float] = []  # this trial's calls on more threads: CPU time / (wall time × threads)
+        self._rejected: float | None = None  # the fastest time per unit of a count the last trial did not keep
         self._window: deque[float] = deque(maxlen=self.WINDOW)
         self._reference: float | None = None
         self._interval, self._since = recheck, 0
@@ -129,13 +151,44 @@ class ThreadChooser:
 
     def _start_trial(self) -> None:
         self._pending = self._settings * self.trials  # alternating: drift hits all alike
-        self._timed = {}
+        self._rounds = self.trials
+        self._timed, self._shares = {}, []
+
+    def _scores(self) -> dict[tuple[int | None, str | None], float]:
+        """Each setting timed in this trial: its median time per unit."""
+        return {setting: statistics.median(times) for setting, times in self._timed.items()}
 
     def _resolve(self, setting: tuple[int | None, str | None]) -> tuple[int | None, str | None]:
         """(n, "best"): the form timed fastest so far in this trial."""
         if setting[1] != "best":
             return setting
-        return setting[0], min(self._timed, key=self._timed.get)[1]
+        scores = self._scores()
+        return setting[0], min(scores, key=scores.get)[1]
+
+    def _counts_best(self, scores) -> tuple[tuple | None, tuple | None]:
+        """The fastest setting on one thread and the fastest on more (None where the trial has none)."""
+        one = [s for s in scores if s[0] == 1]
+        more = [s for s in scores if s[0] is not None and s[0] > 1]
+        return (min(one, key=scores.get) if one else None), (min(more, key=scores.get) if more else None)
+
+    def _best(self) -> tuple[int | None, str | None]:
+        """The setting to keep: the fastest, except that more threads must beat one thread by MARGIN."""
+        scores = self._scores()
+        best = min(scores, key=scores.get)
+        one, more = self._counts_best(scores)
+        if best == more and one is not None and scores[one] <= MARGIN * scores[more]:
+            return one
+        return best
+
+    def _close(self) -> bool:
+        """Whether one thread and torch's count came out within CLEAR of each other, or the calls on
+        more threads did not have their cores (SHARED): one call each does not settle it."""
+        scores = self._scores()
+        one, more = self._counts_best(scores)
+        if one is None or more is None:
+            return False
+        fast, slow = sorted((scores[one], scores[more]))
+        return slow < CLEAR * fast or min(self._shares, default=1.0) < SHARED
 
     def _apply(self, setting: tuple[int | None, str | None]) -> None:
 
@@ -152,7 +205,7 @@ class ThreadChooser:
         torch.set_num_threads(n)
 
     def _choose(self) -> None:
-        best = min(self._timed, key=self._timed.get)
+        best = self._best()
         self._apply(best)
         n, form = best
         previous = (self.choices[-1] if n is not None and self.choices else None,
@@ -163,10 +216,14 @@ class ThreadChooser:
         if form is not None:
             self.form_choices.append(form)
         # The slowest setting's call is what a trial costs: the more it lost by, the longer until the next.
-        lost_by = max(self._timed.values()) / max(self._timed[best], 1e-12)
+        scores = self._scores()
+        lost_by = max(scores.values()) / max(scores[best], 1e-12)
         self._interval = min(int(self._interval * max(2.0, lost_by)), self.max_recheck) if kept else self.recheck
         self._since, self._reference = 0, None
         self._window.clear()
+        one, more = self._counts_best(scores)
+        other = more if best[0] == 1 else one
+        self._rejected = scores[other] if n is not None and other is not None and other[0] != n else None
 
     def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
         """fn(), timed per unit when the setting is being chosen or watched."""
@@ -182,23 +239,31 @@ class ThreadChooser:
         if self._pending:
             self._pending[0] = self._resolve(self._pending[0])
             self._apply(self._pending[0])
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = fn()
-        per_unit = (time.perf_counter() - start) / max(units, 1e-9)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        per_unit = wall / max(units, 1e-9)
         if self._pending:
             setting = self._pending.pop(0)
-            self._timed[setting] = min(self._timed.get(setting, math.inf), per_unit)
+            self._timed.setdefault(setting, []).append(per_unit)
+            if setting[0] is not None and setting[0] > 1 and wall > 0:
+                self._shares.append(cpu / (wall * setting[0]))
+            if not self._pending and self._rounds < ROUNDS and self._close():
+                self._pending = list(self._settings) * (ROUNDS - self._rounds)  # too close to call on one each
+                self._rounds = ROUNDS
             if not self._pending:
                 self._choose()
             return out
         self._since += 1
         self._window.append(per_unit)
         full = len(self._window) == self.WINDOW
-        if self._reference is None:
-            if full:
-                self._reference = statistics.median(self._window)
-        elif full and statistics.median(self._window) > self.slack * self._reference:
-            self._start_trial()
+        if full:
+            now = statistics.median(self._window)
+            if self._reference is None:
+                self._reference = now
+            # `slack` times its own first calls, or REJECTED times the count it beat: the machine changed
+            if now > self.slack * self._reference or (self._rejected is not None and now > REJECTED * self._rejected):
+                self._start_trial()
         if self._since >= self._interval:
             self._start_trial()
         return out
