@@ -53,7 +53,7 @@ WAIT_SETTINGS = ("OMP_WAIT_POLICY", *SPIN)
 # SHARED of their cores' time (another process held a core), times each setting twice more (ROUNDS in
 # all); torch's count is kept over one thread only when faster by MARGIN; and the count kept is timed
 # again once its calls run slower than REJECTED times the count it beat.
-CLEAR = 1.5
+CLEAR = 1.3
 SHARED = 0.8
 ROUNDS = 3
 MARGIN = 1.15

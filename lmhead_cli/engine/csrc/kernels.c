@@ -555,6 +555,28 @@ static inline __m512 exp_le0(__m512 d) {
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n); /* p * 2^n, gradually to 0 below float32's range */
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same e^d for d <= 0 in AVX2 (the same operations, so the same bits), 2^n made as two powers of
+   two of at most half n each (both normal floats, n >= -150), so that p * 2^n rounds once into float32's
+   subnormals, as AVX-512's scalef does. */
+static inline __m256 exp_le0(__m256 d) {
+    d = _mm256_max_ps(d, _mm256_set1_ps(-104.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), d);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, p1), p2);
+}
 #endif
 
 /* The two highest of m1 >= m2 with x taken in (a tie makes both the same). */
@@ -580,12 +602,24 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
     _mm512_storeu_ps(lanes, vm);
     _mm512_storeu_ps(lanes2, vm2);
     for (int j = 0; j < 16; j++) top2(lanes[j], &m, &m2), top2(lanes2[j], &m, &m2);
-#else
-    for (; k < V; k++) {
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 vm = _mm256_set1_ps(-INFINITY), vm2 = vm, inf = _mm256_set1_ps(INFINITY);
+    for (; k + 8 <= V; k += 8) {
+        __m256 x = _mm256_loadu_ps(row + k);
+        unordered |= _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q),
+                                                     _mm256_cmp_ps(x, inf, _CMP_EQ_OQ)));
+        vm2 = _mm256_max_ps(vm2, _mm256_min_ps(vm, x)); /* each lane's two highest */
+        vm = _mm256_max_ps(vm, x);
+    }
+    float lanes[8], lanes2[8];
+    _mm256_storeu_ps(lanes, vm);
+    _mm256_storeu_ps(lanes2, vm2);
+    for (int j = 0; j < 8; j++) top2(lanes[j], &m, &m2), top2(lanes2[j], &m, &m2);
+#endif
+    for (; k < V; k++) { /* what the vectors left (every logit without them) */
         unordered |= isnan(row[k]) || row[k] == INFINITY;
         top2(row[k], &m, &m2);
     }
-#endif
     if (unordered || !(m > -INFINITY)) {
         *logprob = *entropy = *top_logprob = *varentropy = *margin = NAN, *rank = 0, *top_id = -1;
         return 1;
@@ -618,6 +652,41 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
     S = _mm512_reduce_add_pd(_mm512_add_pd(S0, S1));
     W = _mm512_reduce_add_pd(_mm512_add_pd(W0, W1));
     Q = _mm512_reduce_add_pd(_mm512_add_pd(Q0, Q1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256d S0 = _mm256_setzero_pd(), S1 = S0, W0 = S0, W1 = S0, Q0 = S0, Q1 = S0;
+    __m256 vmax = _mm256_set1_ps(m), vpicked = _mm256_set1_ps(picked);
+    for (; k + 8 <= V; k += 8) {
+        __m256 x = _mm256_loadu_ps(row + k);
+        higher += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(x, vpicked, _CMP_GT_OQ)));
+        if (first < 0) {
+            int at = _mm256_movemask_ps(_mm256_cmp_ps(x, vmax, _CMP_EQ_OQ));
+            if (at) first = k + __builtin_ctz(at);
+        }
+        __m256 d = _mm256_max_ps(_mm256_sub_ps(x, vmax), _mm256_set1_ps(-104.0f)); /* -inf: e = 0, e * d = 0 */
+        __m256 e = exp_le0(d), ed = _mm256_mul_ps(e, d), edd = _mm256_mul_ps(ed, d);
+        S0 = _mm256_add_pd(S0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        S1 = _mm256_add_pd(S1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        W0 = _mm256_add_pd(W0, _mm256_cvtps_pd(_mm256_castps256_ps128(ed)));
+        W1 = _mm256_add_pd(W1, _mm256_cvtps_pd(_mm256_extractf128_ps(ed, 1)));
+        Q0 = _mm256_add_pd(Q0, _mm256_cvtps_pd(_mm256_castps256_ps128(edd)));
+        Q1 = _mm256_add_pd(Q1, _mm256_cvtps_pd(_mm256_extractf128_ps(edd, 1)));
+    }
+    double sums[4];
+    _mm256_storeu_pd(sums, _mm256_add_pd(S0, S1));
+    S = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    _mm256_storeu_pd(sums, _mm256_add_pd(W0, W1));
+    W = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    _mm256_storeu_pd(sums, _mm256_add_pd(Q0, Q1));
+    Q = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    for (; k < V; k++) { /* the last few logits */
+        float x = row[k], d = x - m;
+        higher += x > picked;
+        if (first < 0 && x == m) first = k;
+        if (d > -104.0f) {
+            float e = expf(d);
+            S += e, W += (double)(e * d), Q += (double)(e * d * d);
+        }
+    }
 #else
     for (; k < V; k++) {
         float x = row[k], d = x - m;

@@ -78,6 +78,18 @@ static void step_gelu(float *x, int64_t n, int kind) {
         __m512 g = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), _mm512_add_ps(_mm512_set1_ps(1.0f), t));
         _mm512_storeu_ps(x + i, g);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) { /* the same in AVX2 (tanhf took ~0.4 ms of an int8 token there) */
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256 u = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a), v),
+                                                                     _mm256_mul_ps(v, v), v));
+        __m256 sign = _mm256_set1_ps(-0.0f), au = _mm256_andnot_ps(sign, u);
+        __m256 e = exp_le0(_mm256_mul_ps(au, _mm256_set1_ps(-2.0f)));
+        __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        t = _mm256_or_ps(t, _mm256_and_ps(u, sign));
+        __m256 g = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+        _mm256_storeu_ps(x + i, g);
+    }
 #endif
     for (; i < n; i++) {
         float v = x[i];
