@@ -139,3 +139,29 @@ class Competitor:
         QUIET.expected = 0.0
         self.proc.kill()
         self.proc.wait()
+
+
+def cpu_features() -> str:
+    """The CPU's widest vector instructions (its flags in /proc/cpuinfo) and the variant of lmhead's
+    compiled kernels that loads on it: the figures of one machine need not hold on another (an AVX2 CPU
+    runs int8 and bfloat16 without dot-product instructions, where llama.cpp rounds activations to 8 bits)."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    if "avx512f" in flags:
+        extra = [name for name, flag in (("VNNI", "avx512_vnni"), ("BF16", "avx512_bf16"), ("AMX", "amx_tile"))
+                 if flag in flags]
+        isa = "AVX-512" + (f" with {', '.join(extra)}" if extra else "")
+    elif "avx2" in flags:
+        isa = "AVX2, no AVX-512"
+    else:
+        isa = "no AVX2" if flags else "instruction set unknown"
+    from lmhead_cli.engine import kernels
+
+    k = kernels.load()
+    return f"{isa}; lmhead's kernels: {k.variant if k is not None else 'not loaded'} variant"

@@ -36,7 +36,7 @@ import score_bench  # noqa: E402 - `lmhead score`'s rows, measured and written b
 import batching_bench  # noqa: E402 - the batching section, its own run (benchmarks/batching_bench.py)
 import versus_llamacpp  # noqa: E402 - the llama.cpp section, its own run (benchmarks/versus_llamacpp.py)
 from checkpoint import gpt2_small  # noqa: E402
-from harness import PYTHON, QUIET, Competitor, load1, lmhead, log, median, probe, run  # noqa: E402
+from harness import PYTHON, QUIET, Competitor, cpu_features, load1, lmhead, log, median, probe, run  # noqa: E402
 from prompts import file_prompts  # noqa: E402
 
 PROMPT = "The keys on the table"
@@ -225,7 +225,7 @@ def machine() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "torch_threads": torch.get_num_threads(), "gpu": gpu,
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "os": f"{platform.system()} {platform.release()}"}
+            "os": f"{platform.system()} {platform.release()}", "features": cpu_features()}
 
 
 def ok(passed: bool) -> str:
@@ -371,7 +371,7 @@ def report(R: dict, args) -> str:
         "a subset), which writes the section "
         "\"Against llama.cpp\" at the end and which a run of this script keeps.",
         "",
-        f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; {m['os']}; "
+        f"- machine: {m['cpu']}, {m['cores']} cores ({m.get('features', 'instruction set not recorded')}), {m['memory_gib']:.0f} GiB; {m['os']}; "
         f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}"
         + (f"; GPU: {m['gpu']}" if m.get("gpu") else ""),
         "- load average (1 min) at the start of each section: "

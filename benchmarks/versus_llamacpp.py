@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 
 import bandwidth  # noqa: E402
 import llamacpp  # noqa: E402
-from harness import PYTHON, QUIET, Competitor, lmhead, load1, log, probe, run  # noqa: E402
+from harness import PYTHON, QUIET, Competitor, cpu_features, lmhead, load1, log, probe, run  # noqa: E402
 
 PROMPT = "The keys on the table"
 TARGET = 1.0  # lmhead ≥ 1.0× llama.cpp in every row
@@ -319,7 +319,7 @@ def report(R: dict) -> str:
         f"{R['llamacpp']['version']}, built by benchmarks/llamacpp.py (Release, GGML_NATIVE), the checkpoint "
         "converted by its convert_hf_to_gguf.py into F32, then by llama-quantize into BF16 and Q8_0.",
         "",
-        f"- machine: {m['cpu']}, {m['cores']} cores; {m['os']}; lmhead with its defaults (threads chosen by "
+        f"- machine: {m['cpu']}, {m['cores']} cores ({m.get('features', 'instruction set not recorded')}); {m['os']}; lmhead with its defaults (threads chosen by "
         f"timing), llama.cpp with -t {R['threads']}",
         f"- load average (1 min) at the start of each section: {loads} (on {m['cores']} cores). Before each "
         f"measured process the run waited for idle CPUs (it waited {R['quiet']['waited_s']:.0f} s in all) and "
@@ -467,7 +467,8 @@ def machine() -> dict:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    return {"cpu": cpu, "cores": os.cpu_count(), "os": f"{platform.system()} {platform.release()}"}
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": f"{platform.system()} {platform.release()}",
+            "features": cpu_features()}
 
 
 def main(argv: list[str]) -> int:

@@ -196,6 +196,28 @@ def test_int8_rows_with_nan_or_infinity_get_ieee_results_and_the_other_rows_are_
         torch.testing.assert_close(got[1:].float(), alone, atol=1e-6, rtol=1e-6)
 
 
+@needs_kernels
+def test_ending_the_calling_thread_s_pool_leaves_the_kernels_working():
+    """release_thread_pool ends this thread's OpenMP helpers (lmhead serve's main thread); the next
+    parallel product makes them again and gives the same bits."""
+    import threading
+
+    from lmhead_cli.engine import execution
+
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(3001, 64, generator=g), torch.randn(1, 64, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = K.f32_times(x, w, None)
+        helpers = threading.active_count()
+        assert execution.release_thread_pool()
+        assert torch.equal(K.f32_times(x, w, None), first)
+        assert threading.active_count() == helpers  # OpenMP's threads are not Python's: nothing leaked there
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("m", [1, 2])
 def test_the_thread_split_does_not_change_any_output(build, m):
     """Each output row is summed by one thread in one order: 1, 2 and 3 threads give the same bits

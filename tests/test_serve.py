@@ -629,6 +629,26 @@ def test_the_start_up_line_shows_a_hostile_folder_name_escaped(tiny, tmp_path, m
     assert not any(ch in got.output for ch in "\x1b\x07\x9b\u2028")
 
 
+def test_the_command_ends_its_own_thread_pool_before_serving(tiny, monkeypatch):
+    """`lmhead serve` loads on the main thread and decodes on the model's thread: the main thread's
+    OpenMP helpers are ended before the server runs (libgomp throttles every thread's spin once the
+    pools' threads outnumber the cores), and only where the command owns the process."""
+    from helpers import cli
+
+    from lmhead_cli.engine import execution
+    from lmhead_cli.serve import connections
+
+    seen = []
+    monkeypatch.setattr(execution, "release_thread_pool", lambda: seen.append("released") or True)
+    monkeypatch.setattr(connections, "run", lambda app, host, port: seen.append("run"))
+    for owned, want in (([True], ["released", "run"]), ([], ["run"])):  # the `lmhead` command's process; a test's
+        monkeypatch.setattr(execution, "_owned", owned)
+        seen.clear()
+        got = cli("serve", "--model", str(tiny[0]), "--port", "0")
+        assert got.exit_code == 0, got.output
+        assert seen == want
+
+
 # ---- one decoding core: the same request gives the same answer at every door ------------------------
 
 DOORS = [  # (settings as keywords, the CLI's flags, the server's fields)

@@ -36,7 +36,7 @@ import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 9
+ABI = 10
 STEP_MAX_ROWS = 16  # csrc/step.c's: the most rows of a compiled step (engine/step.py), and of f32_columns_times
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -66,6 +66,7 @@ class Kernels:
         self.variant = variant
         self.max_rows = lib.lmhead_kernels_max_rows()
         self.f32_max_rows = lib.lmhead_kernels_f32_max_rows()  # float32's head product takes more rows
+        self._release_thread_pool = lib.lmhead_release_thread_pool  # the module's own, not a variant's
         # The chosen variant's functions under their plain names: self.lib.lmhead_int8_matvec, ...
         self.lib = lib = _Variant(**{name: getattr(lib, f"{name}_{variant}") for name in FUNCTIONS})
         lib.lmhead_int8_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
@@ -85,6 +86,11 @@ class Kernels:
         lib.lmhead_step.argtypes = [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                                     _i64, _i64, _i64, _i64, _ptr, _i64, _int]
         lib.lmhead_step.restype = _int
+
+    def release_thread_pool(self) -> bool:
+        """End the calling thread's OpenMP helper threads (engine/execution.release_thread_pool); whether
+        they were (False inside a parallel region, or with an OpenMP older than 5.0)."""
+        return self._release_thread_pool() == 0
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None,
              columns: bool = False) -> bool:

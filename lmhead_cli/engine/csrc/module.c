@@ -8,10 +8,24 @@
 #include <string.h>
 
 #include "kernels.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-#define LMHEAD_KERNELS_ABI 9 /* engine/kernels.py's ABI: raised when a signature or a name changes */
+#define LMHEAD_KERNELS_ABI 10 /* engine/kernels.py's ABI: raised when a signature or a name changes */
 
 int lmhead_kernels_abi(void) { return LMHEAD_KERNELS_ABI; }
+
+/* The calling thread's OpenMP helper threads ended (engine/execution.py release_thread_pool): 0 done,
+   1 where this OpenMP has no omp_pause_resource_all (before OpenMP 5.0), -1 inside a parallel region. */
+int lmhead_release_thread_pool(void) {
+#if defined(_OPENMP) && (_OPENMP >= 201811 || (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9))
+    /* GCC's libgomp has it from GCC 9 on, while its _OPENMP still says 4.5 (201511) */
+    return omp_pause_resource_all(omp_pause_hard) ? -1 : 0;
+#else
+    return 1;
+#endif
+}
 int lmhead_kernels_max_rows(void) { return LMHEAD_MAX_ROWS; }
 int lmhead_kernels_f32_max_rows(void) { return LMHEAD_F32_MAX_ROWS; }
 
