@@ -10,9 +10,10 @@ that a front end's start-up can read the light modules (api.choices: the stage r
 its options offer) without the Model's.
 """
 
-__all__ = ["Model", "Result", "load", "model_params", "own_process", "params", "toy"]
+__all__ = ["Model", "Result", "hand_over", "load", "model_params", "own_process", "params", "toy"]
 
 _FROM = {"Model": "model", "load": "model", "model_params": "model", "params": "model", "toy": "model", "own_process": "model",
+         "hand_over": "model",
          "Result": "results"}
 
 

@@ -70,6 +70,16 @@ def own_process() -> None:
     own()
 
 
+def hand_over() -> bool:
+    """For a front end that owns its process and hands the model's work to another thread for good
+    (`lmhead serve`, after loading): the calling thread's OpenMP helper threads are ended, so that the
+    other thread's parallel regions keep their spin-wait (engine/execution.py release_thread_pool).
+    Whether they were; nothing where own_process did not run."""
+    from lmhead_cli.engine.execution import process_owned, release_thread_pool
+
+    return process_owned() and release_thread_pool()
+
+
 def scoped(method):
     """A Model method run inside the model's execution scope (engine/execution.py): torch's thread
     count is the model's during the call and the caller's again after it."""

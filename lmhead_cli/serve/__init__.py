@@ -104,12 +104,11 @@ def build(options: Options, model):
 
 def serve(options: Options, model, say=lambda line: print(line, file=sys.stderr, flush=True)) -> None:
     """Serve until interrupted (uvicorn, one process; the model's work on its own thread)."""
-    from lmhead_cli.engine.execution import process_owned, release_thread_pool
+    from lmhead_cli.api import hand_over
     from lmhead_cli.serve.connections import run
 
     app = build(options, model)
-    if process_owned():  # the model's thread alone runs parallel work from here (the loading ran on this one)
-        release_thread_pool()
+    hand_over()  # the model's thread alone runs parallel work from here (the loading ran on this one)
     say(f"lmhead serve: {app.state.served.name} at http://{options.host}:{options.port}/v1 "
         f"(OpenAI API; Ctrl-C stops)")
     run(app, options.host, options.port)
