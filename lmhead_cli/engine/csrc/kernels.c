@@ -81,6 +81,18 @@ static inline vf vbroadcast(float a) { return _mm512_set1_ps(a); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b */
+static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vsign_of(vf a, vf b) { /* |a| with b's sign bit or-ed in (a >= 0) */
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_and_si512(
+        _mm512_castps_si512(b), _mm512_set1_epi32((int)0x80000000u))));
+}
+static inline vf vpow2_times(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p * 2^n, rounded once */
 static inline vf vi8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -102,6 +114,22 @@ static inline float vsum(vf a) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); } /* c - a * b */
+static inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline vf vsign_of(vf a, vf b) { return _mm256_or_ps(a, _mm256_and_ps(b, _mm256_set1_ps(-0.0f))); }
+/* p * 2^n for integer n in [-150, 0] as two powers of two of at most half n each (both normal floats),
+   so that the product rounds once into float32's subnormals, as AVX-512's scalef does */
+static inline vf vpow2_times(vf p, vf n) {
+    __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, p1), p2);
 }
 static inline vf vi8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -537,45 +565,23 @@ int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, con
    logit -inf) gets NaN figures and is counted in the return value; an id outside [0, V) returns -1
    at once, nothing else being trusted. */
 
-#if defined(__AVX512F__)
+#if LANES
 /* e^d for d <= 0, float32, within about 1 ulp (Cephes' expf polynomial after d = n ln 2 + r); below
-   -103 it is 0, as float32's exp underflows there. */
-static inline __m512 exp_le0(__m512 d) {
-    d = _mm512_max_ps(d, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), d);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n); /* p * 2^n, gradually to 0 below float32's range */
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-/* The same e^d for d <= 0 in AVX2 (the same operations, so the same bits), 2^n made as two powers of
-   two of at most half n each (both normal floats, n >= -150), so that p * 2^n rounds once into float32's
-   subnormals, as AVX-512's scalef does. */
-static inline __m256 exp_le0(__m256 d) {
-    d = _mm256_max_ps(d, _mm256_set1_ps(-104.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), d);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, p1), p2);
+   -103 it is 0, as float32's exp underflows there. The same operations at either width, so AVX2 and
+   AVX-512 give the same bits. */
+static inline vf exp_le0(vf d) {
+    d = vmax(d, vbroadcast(-104.0f));
+    vf n = vround(vmul(d, vbroadcast(1.44269504088896341f)));
+    vf r = vfnma(n, vbroadcast(0.693359375f), d);
+    r = vfnma(n, vbroadcast(-2.12194440e-4f), r);
+    vf p = vbroadcast(1.9875691500e-4f);
+    p = vfma(p, r, vbroadcast(1.3981999507e-3f));
+    p = vfma(p, r, vbroadcast(8.3334519073e-3f));
+    p = vfma(p, r, vbroadcast(4.1665795894e-2f));
+    p = vfma(p, r, vbroadcast(1.6666665459e-1f));
+    p = vfma(p, r, vbroadcast(5.0000001201e-1f));
+    p = vfma(vmul(p, r), r, vadd(r, vbroadcast(1.0f)));
+    return vpow2_times(p, n); /* gradually to 0 below float32's range */
 }
 #endif
 
