@@ -457,6 +457,22 @@ def test_score_rows_count_rows_that_are_not_finite(build):
     assert torch.equal(torch.isnan(varentropy), torch.isnan(logprob)) and torch.equal(torch.isnan(margin), torch.isnan(logprob))
 
 
+@pytest.mark.parametrize("at", [3, 37, 38])  # in the vector loop, in the scalar tail (AVX2), the last
+def test_strict_score_rows_count_a_row_with_a_minus_inf_logit(build, at):
+    """A decoding step's record (strict) counts any logit not finite, -inf too; scoring (not strict) takes
+    -inf as a token ruled out and gives the row its figures. NaN and +inf count either way; one row (a
+    step's) runs on the calling thread. Mutants: strict ignored; -inf counted without it."""
+    z = torch.randn(4, 39, generator=torch.Generator().manual_seed(0))
+    z[1, at], z[2, at], z[3, at] = float("-inf"), float("nan"), float("inf")
+    ids = torch.zeros(4, dtype=torch.long)
+    for strict, want in ((False, [False, False, True, True]), (True, [False, True, True, True])):
+        logprob, *_, bad = build.score_rows(z, ids, strict=strict)
+        assert torch.isnan(logprob).tolist() == want and bad == sum(want)
+        for n in range(4):
+            assert build.score_rows(z[n:n + 1], ids[:1], strict=strict)[-1] == want[n]
+    assert torch.isfinite(build.score_rows(z[1:2], ids[:1])[2]).all()  # the -inf row's entropy, not strict
+
+
 def test_score_rows_refuse_an_id_outside_the_vocabulary(build):
     with pytest.raises(ValueError, match="outside the vocabulary of 40"):
         build.score_rows(torch.zeros(2, 40), torch.tensor([0, 40]))

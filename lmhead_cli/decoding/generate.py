@@ -351,14 +351,14 @@ def _greedy_record(logits: torch.Tensor, kernel) -> tuple[torch.Tensor, list[lis
     over each row, where torch's log-softmax, argmax, entropy and rank take some ten). The greedy choice
     is the top-1 (the first of equal maxima, as argmax), so its rank is 1 and its log p the top's; no
     stage ran, so raw and processed are one. None where the kernel does not take the rows (no kernel,
-    not on the CPU, a logit not finite): the caller runs `_record`, which reports what is wrong."""
+    not on the CPU, a logit not finite, -inf too): the caller runs `_record`, which reports what is wrong.
+    The kernel finds the logits not finite in its first pass (strict): a check of its own in torch read
+    the fresh logits once more, 0.13-0.22 ms of an 8 ms int8 step."""
     if kernel is None or not logits.is_cpu or logits.dim() != 2:
         return None
     z = logits.float().contiguous()
-    if not bool(torch.isfinite(z.sum(-1)).all()):  # a NaN or inf logit (or a sum past float32): torch's record says so
-        return None
     try:
-        _, _, h, top_id, top_logprob, _, _, bad = kernel(z, torch.zeros(z.shape[0], dtype=torch.long))
+        _, _, h, top_id, top_logprob, _, _, bad = kernel(z, torch.zeros(z.shape[0], dtype=torch.long), strict=True)
     except ValueError:
         return None
     if bad:

@@ -36,7 +36,7 @@ import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 10
+ABI = 11
 STEP_MAX_ROWS = 16  # csrc/step.c's: the most rows of a compiled step (engine/step.py), and of f32_columns_times
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -73,7 +73,7 @@ class Kernels:
         lib.lmhead_int8_matvec.restype = _int
         lib.lmhead_bf16_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
         lib.lmhead_bf16_matvec.restype = _int
-        lib.lmhead_score_rows.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.lmhead_score_rows.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
         lib.lmhead_score_rows.restype = _i64
         lib.lmhead_attend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
                                       _i64, ctypes.c_float, _int]
@@ -186,17 +186,18 @@ class Kernels:
             raise MemoryError("the attention kernel could not allocate its scores")
         return out
 
-    def score_rows(self, z: torch.Tensor, ids: torch.Tensor):
+    def score_rows(self, z: torch.Tensor, ids: torch.Tensor, strict: bool = False):
         """Each row of z (N, V) float32 (CPU, contiguous) with its id (N,): (logprob, rank, entropy,
         top_id, top_logprob, varentropy, margin, bad), the figures head.score_rows computes, in two passes;
-        `bad` counts the rows whose max is not finite (their figures NaN). ValueError for an id outside [0, V)."""
+        `bad` counts the rows whose max is not finite (their figures NaN), and with `strict` the rows with
+        any logit not finite (-inf too: a decoding step's record). ValueError for an id outside [0, V)."""
         N, V = z.shape
         ids = ids.to(torch.int64).contiguous()
         logprob, entropy, top_logprob, varentropy, margin = (torch.empty(N, dtype=torch.float32, device="cpu") for _ in range(5))
         rank, top_id = (torch.empty(N, dtype=torch.int64, device="cpu") for _ in range(2))
         bad = self.lib.lmhead_score_rows(z.data_ptr(), ids.data_ptr(), N, V, logprob.data_ptr(), rank.data_ptr(),
                                          entropy.data_ptr(), top_id.data_ptr(), top_logprob.data_ptr(),
-                                         varentropy.data_ptr(), margin.data_ptr(), torch.get_num_threads())
+                                         varentropy.data_ptr(), margin.data_ptr(), int(strict), torch.get_num_threads())
         if bad < 0:
             raise ValueError(f"a token id outside the vocabulary of {V}")
         return logprob, rank, entropy, top_id, top_logprob, varentropy, margin, bad

@@ -622,7 +622,8 @@ static inline void top2(float x, float *m1, float *m2) {
 }
 
 static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob, int64_t *rank,
-                         float *entropy, int64_t *top_id, float *top_logprob, float *varentropy, float *margin) {
+                         float *entropy, int64_t *top_id, float *top_logprob, float *varentropy, float *margin,
+                         int strict) {
     float m = -INFINITY, m2 = -INFINITY;
     int64_t k = 0, unordered = 0;
 #if defined(__AVX512F__)
@@ -630,7 +631,8 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
     for (; k < V; k += 16) {
         __mmask16 live = V - k >= 16 ? 0xffff : (__mmask16)((1u << (V - k)) - 1);
         __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + k);
-        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x, inf, _CMP_EQ_OQ);
+        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) |
+                     _mm512_cmp_ps_mask(strict ? _mm512_mask_abs_ps(x, live, x) : x, inf, _CMP_EQ_OQ);
         vm2 = _mm512_max_ps(vm2, _mm512_min_ps(vm, x)); /* each lane's two highest */
         vm = _mm512_max_ps(vm, x);
     }
@@ -642,8 +644,9 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
     __m256 vm = _mm256_set1_ps(-INFINITY), vm2 = vm, inf = _mm256_set1_ps(INFINITY);
     for (; k + 8 <= V; k += 8) {
         __m256 x = _mm256_loadu_ps(row + k);
+        __m256 big = strict ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x) : x; /* strict: -inf too */
         unordered |= _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q),
-                                                     _mm256_cmp_ps(x, inf, _CMP_EQ_OQ)));
+                                                     _mm256_cmp_ps(big, inf, _CMP_EQ_OQ)));
         vm2 = _mm256_max_ps(vm2, _mm256_min_ps(vm, x)); /* each lane's two highest */
         vm = _mm256_max_ps(vm, x);
     }
@@ -653,7 +656,7 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
     for (int j = 0; j < 8; j++) top2(lanes[j], &m, &m2), top2(lanes2[j], &m, &m2);
 #endif
     for (; k < V; k++) { /* what the vectors left (every logit without them) */
-        unordered |= isnan(row[k]) || row[k] == INFINITY;
+        unordered |= isnan(row[k]) || row[k] == INFINITY || (strict && row[k] == -INFINITY);
         top2(row[k], &m, &m2);
     }
     if (unordered || !(m > -INFINITY)) {
@@ -747,17 +750,19 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
 
 /* z (N, V) float32 rows, ids (N) int64 -> logprob, entropy, top_logprob, varentropy, margin (N) float32,
    rank, top_id (N) int64. Returns how many rows are not finite (their figures NaN), or -1 for an id
-   outside [0, V). */
+   outside [0, V). `strict`: a row with a -inf logit counts as not finite too (a decoding step's record,
+   whose figures torch's record marks not finite; scoring takes -inf as a token ruled out). One row
+   (a decoding step's) runs on the calling thread: no parallel region to start and end. */
 int64_t LMHEAD_VARIANT(lmhead_score_rows)(const float *z, const int64_t *ids, int64_t N, int64_t V, float *logprob,
                           int64_t *rank, float *entropy, int64_t *top_id, float *top_logprob, float *varentropy,
-                          float *margin, int threads) {
+                          float *margin, int strict, int threads) {
     for (int64_t n = 0; n < N; n++)
         if (ids[n] < 0 || ids[n] >= V) return -1;
     int64_t bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad) if (N > 1)
     for (int64_t n = 0; n < N; n++)
         bad += score_row(z + n * V, ids[n], V, logprob + n, rank + n, entropy + n, top_id + n, top_logprob + n,
-                         varentropy + n, margin + n);
+                         varentropy + n, margin + n, strict);
     return bad;
 }
 
