@@ -171,7 +171,7 @@ static inline vf vbf16(const uint16_t *p) {
             }                                                                                      \
     }                                                                                              \
     static void NAME##_rows(const W_T *w, const float *x, float *acc, int64_t K, int64_t M, int64_t r, \
-                            int64_t rows) {                                                          \
+                            int64_t rows) { /* M <= GROUP (AVX2: no 3- or 4-row instance is built) */ \
         if (M == 1) NAME##_rows_m(w, x, acc, K, 1, r, rows);                                         \
         else if (M == 2 || GROUP == 2) NAME##_rows_m(w, x, acc, K, 2, r, rows);                      \
         else if (M == 3) NAME##_rows_m(w, x, acc, K, 3, r, rows);                                    \
