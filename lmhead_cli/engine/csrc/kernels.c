@@ -644,7 +644,7 @@ static int64_t score_row(const float *row, int64_t id, int64_t V, float *logprob
     __m256 vm = _mm256_set1_ps(-INFINITY), vm2 = vm, inf = _mm256_set1_ps(INFINITY);
     for (; k + 8 <= V; k += 8) {
         __m256 x = _mm256_loadu_ps(row + k);
-        __m256 big = strict ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x) : x; /* strict: -inf too */
+        __m256 big = strict ? vabs(x) : x; /* strict: -inf too */
         unordered |= _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q),
                                                      _mm256_cmp_ps(big, inf, _CMP_EQ_OQ)));
         vm2 = _mm256_max_ps(vm2, _mm256_min_ps(vm, x)); /* each lane's two highest */
