@@ -202,8 +202,12 @@ def test_decoding_times_the_forms_and_keeps_one(tiny):
         ids.append(got)
     assert ids[0] == ids[1]
     chooser = loaded.execution.chooser
-    for _ in range(1 + len(chooser._settings)):  # a warm-up call, then one call per setting
+    # a warm-up call, then one call per setting; a trial whose counts come out close (or whose calls
+    # did not have their cores) times each setting twice more: at most three rounds in all
+    for _ in range(1 + 3 * len(chooser._settings)):
         chooser.run(lambda: lean_decode(loaded.engine, prompt(3), 2, lambda z: int(z.argmax())))
+        if chooser.form_choices:
+            break
     assert chooser.form_choices and chooser.form_choices[-1] in loaded.engine.forms
     assert loaded.engine.products.form == chooser.form_choices[-1] and not chooser.deciding
 

@@ -89,17 +89,18 @@ def decode(eng, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, list[li
     return torch.stack(steps), new
 
 
-def count_steps(monkeypatch) -> list[int]:
-    """How many decoding steps the compiled step took (StepPlan.run returned a result)."""
+def count_steps(monkeypatch, method: str = "run") -> list[int]:
+    """How many decoding steps the compiled step took (StepPlan.run returned a result; `method`
+    "logits": the whole step, token to logits in one call)."""
     taken = [0]
-    real = step.StepPlan.run
+    real = getattr(step.StepPlan, method)
 
     def counted(self, *args):
         out = real(self, *args)
         taken[0] += out is not None
         return out
 
-    monkeypatch.setattr(step.StepPlan, "run", counted)
+    monkeypatch.setattr(step.StepPlan, method, counted)
     return taken
 
 
@@ -275,3 +276,111 @@ def test_a_failing_step_check_falls_back_to_torch_once_in_one_line(monkeypatch):
         assert why == f"{kernels.module_path()}: the compiled kernels failed their self-check against torch"
     finally:
         kernels.load.cache_clear()
+
+
+def decode_whole(eng, prompts: list[list[int]], n: int, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `decode`, through the engine's last_logits (what the decoding loop calls): each step's logits
+    (n, B, V) and the KV cache's filled positions; `plain`: Engine.last_logits, the embeddings, the
+    blocks, ln_f and the head each on their own (the torch path around the compiled blocks)."""
+    from lmhead_cli.engine.base import Engine
+
+    last_logits = (lambda *a: Engine.last_logits(eng, *a)) if plain else eng.last_logits
+    S, B = max(map(len, prompts)), len(prompts)
+    ids = torch.tensor([[50256] * (S - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts])
+    padded = bool((mask == 0).any())
+    cache = eng.new_cache(B, S + n)
+    z = last_logits(ids, cache, *((mask,) if padded else ()))
+    steps = []
+    for _ in range(n):
+        steps.append(z)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
+        z = last_logits(z.argmax(-1)[:, None], cache, *((mask,) if padded else ()))
+    return torch.stack(steps), torch.cat([cache.k[:, :, :, :cache.length], cache.v[:, :, :, :cache.length]])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_whole_steps_equal_transformers_and_the_torch_path_around_the_blocks(ragged, dtype, rows, monkeypatch):
+    """Token to logits in one call (the embeddings, the blocks, ln_f, the head): transformers' logits at
+    every step, and the torch path's (Engine.last_logits: the modules around the compiled blocks) within
+    float rounding, with the same KV cache, for one row, four left-padded rows and sixteen (float32's
+    head takes them in one call; the other heads' kernels take four, so sixteen rows of bfloat16 and
+    int8 run the torch path around the blocks, as before)."""
+    folder, model = ragged
+    eng = load_model(str(folder), device="cpu", dtype=dtype, engine="lean").engine
+    ref = reference_for(eng, model, dtype)
+    prompts = PROMPTS[16][:rows] if rows != 1 else PROMPTS[1]
+    taken = count_steps(monkeypatch, "logits")
+    whole, cache = decode_whole(eng, prompts, NEW)
+    assert taken[0] == (NEW if rows <= 4 or dtype == "float32" else 0)
+    plain, plain_cache = decode_whole(eng, prompts, NEW, plain=True)
+    torch.testing.assert_close(whole, plain, atol=ATOL[dtype][1], rtol=0)
+    torch.testing.assert_close(cache, plain_cache, atol=ATOL[dtype][1], rtol=0)
+    new = whole.argmax(-1).t().tolist()  # (B, NEW): each step's greedy id
+    for b, p in enumerate(prompts):
+        with torch.inference_mode():
+            expected = ref(torch.tensor([p + new[b][:-1]])).logits[0, len(p) - 1:]  # (NEW, V)
+        torch.testing.assert_close(whole[:, b], expected, atol=ATOL[dtype][0], rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("module", ["wte", "wpe", "ln_f", "lm_head", "h.2.mlp"])
+def test_a_hook_on_any_module_the_whole_step_replaces_sends_it_back(ragged, module, monkeypatch):
+    """A hook on the embeddings, ln_f, the head or a block sees every step: the one-call step stands
+    aside while it is registered (the hook sees one position a step), the same figures."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype="float32", engine="lean").engine
+    taken = count_steps(monkeypatch, "logits")
+    free, _ = decode_whole(eng, PROMPTS[1], 3)
+    assert taken[0] == 3
+    seen = []
+    handle = eng.gpt.get_submodule(module).register_forward_hook(lambda _m, _i, out: seen.append(out.shape[1]))
+    try:
+        hooked, _ = decode_whole(eng, PROMPTS[1], 3)
+    finally:
+        handle.remove()
+    prefill = 1 if module == "lm_head" else 5  # the prompt's five positions (the head: its last one)
+    assert taken[0] == 3 and seen == [prefill, 1, 1, 1]  # then each step's one
+    torch.testing.assert_close(hooked, free, atol=1e-5, rtol=0)
+
+
+@needs_kernels
+def test_a_token_or_position_outside_the_tables_gets_the_torch_path_s_error(ragged):
+    """An id outside the vocabulary is never read by the compiled step: the torch path says what is
+    wrong, and the cache is left as it was; a full context gets the engine's own error."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype="int8", engine="lean").engine
+    cache = eng.new_cache(1, 8)
+    eng.last_logits(torch.tensor([[464, 8251]]), cache)
+    before = cache.k.clone()
+    with pytest.raises(IndexError):
+        eng.last_logits(torch.tensor([[eng.vocab_size]]), cache)
+    assert cache.length == 2 and torch.equal(cache.k[:, :, :, :2], before[:, :, :, :2])
+    cache.length = eng.n_ctx
+    with pytest.raises(ValueError, match="exceed the context"):
+        eng.last_logits(torch.tensor([[464]]), cache)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_generation_runs_its_steps_token_to_logits_in_one_call(ragged, dtype, monkeypatch):
+    """lmhead_cli.load().generate(): every step after the prompt's is one call, and the greedy ids are
+    transformers' generate() on the weights the engine runs (bfloat16: its own torch path's, the
+    whole step turned off)."""
+    import lmhead_cli
+
+    folder, model = ragged
+    m = lmhead_cli.load(str(folder), dtype=dtype, device="cpu")
+    taken = count_steps(monkeypatch, "logits")
+    got = m.generate("The keys on the table", max_new_tokens=NEW, ignore_eos=True, greedy=True)
+    assert taken[0] == NEW - 1
+    prompt = got.prompt_ids
+    if dtype == "bfloat16":
+        monkeypatch.setenv(step.ENV, "0")
+        again = m.generate("The keys on the table", max_new_tokens=NEW, ignore_eos=True, greedy=True)
+        assert again.generated_ids == got.generated_ids
+    else:
+        ref = reference_for(m.loaded.engine, model, dtype)
+        want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
+                            pad_token_id=50256)[0, len(prompt):].tolist()
+        assert got.generated_ids == want

@@ -363,9 +363,9 @@ def _greedy_record(logits: torch.Tensor, kernel) -> tuple[torch.Tensor, list[lis
         return None
     if bad:
         return None
-    rows = [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0]
-            for i, lp, zz, e in zip(top_id.tolist(), top_logprob.tolist(),
-                                    z.gather(-1, top_id[:, None])[:, 0].tolist(), h.tolist())]
+    zn, ids = z.numpy(), top_id.tolist()
+    rows = [[float(i), lp, float(zn[r, i]), e, 1.0, 1.0, lp, e, 0.0]
+            for r, (i, lp, e) in enumerate(zip(ids, top_logprob.tolist(), h.tolist()))]
     return top_id, rows
 
 

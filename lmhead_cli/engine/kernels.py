@@ -6,8 +6,9 @@ a decoding step in a cheaper dtype saved less than its bytes promised. csrc/kern
 weights at their own width in one pass, no activation rounded; it also computes score's per-row
 figures (head.score_rows) in two passes where torch takes eight, and each decoding step's attention
 of one query over the KV cache in one call per layer where torch dispatches five ops (every dtype:
-the cache is float32 on the CPU). csrc/step.c runs a whole decoding step's blocks in one call
-(engine/step.py), and float32's head streams E's rows through `f32_times`.
+the cache is float32 on the CPU). csrc/step.c runs a whole decoding step's blocks in one call, or
+the whole step from token to logits (engine/step.py), and float32's head streams E's rows through
+`f32_times`.
 
 `pip install` compiles them (setup.py) into lmhead_cli/engine/_kernels*.so, beside this file, with a
 variant per x86-64 level (AVX-512 with BF16, with VNNI, plain; AVX2; portable C), and `load()` binds
@@ -36,13 +37,13 @@ import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 11
+ABI = 12
 STEP_MAX_ROWS = 16  # csrc/step.c's: the most rows of a compiled step (engine/step.py), and of f32_columns_times
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _why: list[str] = []  # why load() returned None, once it has
 FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_f32_matvec", "lmhead_f32_kn_matvec",
-             "lmhead_score_rows", "lmhead_attend", "lmhead_step")
+             "lmhead_score_rows", "lmhead_attend", "lmhead_step", "lmhead_decode")
 
 
 class Layer(ctypes.Structure):
@@ -50,6 +51,15 @@ class Layer(ctypes.Structure):
 
     _fields_ = [("w", _ptr * 4), ("s", _ptr * 4), ("b", _ptr * 4), ("ln1_w", _ptr), ("ln1_b", _ptr),
                 ("ln2_w", _ptr), ("ln2_b", _ptr)]
+
+
+class Model(ctypes.Structure):
+    """csrc/step.c's lmhead_model: the blocks (an array of Layer), the embeddings, ln_f and the head
+    (engine/step.py fills it)."""
+
+    _fields_ = [("layers", _ptr), ("L", _i64), ("D", _i64), ("H", _i64), ("inner", _i64), ("V", _i64),
+                ("n_pos", _i64), ("kind", _int), ("eps", ctypes.c_float), ("wte", _ptr), ("wpe", _ptr),
+                ("lnf_w", _ptr), ("lnf_b", _ptr), ("head", _ptr), ("wte_s", _ptr), ("head_s", _ptr)]
 
 
 class _Variant:
@@ -86,6 +96,10 @@ class Kernels:
         lib.lmhead_step.argtypes = [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                                     _i64, _i64, _i64, _i64, _ptr, _i64, _int]
         lib.lmhead_step.restype = _int
+        # engine/step.py's Model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the logits
+        lib.lmhead_decode.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
+                                      _int]
+        lib.lmhead_decode.restype = _int
 
     def release_thread_pool(self) -> bool:
         """End the calling thread's OpenMP helper threads (engine/execution.release_thread_pool); whether
@@ -193,8 +207,9 @@ class Kernels:
         any logit not finite (-inf too: a decoding step's record). ValueError for an id outside [0, V)."""
         N, V = z.shape
         ids = ids.to(torch.int64).contiguous()
-        logprob, entropy, top_logprob, varentropy, margin = (torch.empty(N, dtype=torch.float32, device="cpu") for _ in range(5))
-        rank, top_id = (torch.empty(N, dtype=torch.int64, device="cpu") for _ in range(2))
+        # two allocations, not seven (each a dispatched op that a decoding step's record pays for)
+        logprob, entropy, top_logprob, varentropy, margin = torch.empty(5, N, dtype=torch.float32, device="cpu")
+        rank, top_id = torch.empty(2, N, dtype=torch.int64, device="cpu")
         bad = self.lib.lmhead_score_rows(z.data_ptr(), ids.data_ptr(), N, V, logprob.data_ptr(), rank.data_ptr(),
                                          entropy.data_ptr(), top_id.data_ptr(), top_logprob.data_ptr(),
                                          varentropy.data_ptr(), margin.data_ptr(), int(strict), torch.get_num_threads())
