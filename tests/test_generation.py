@@ -488,6 +488,9 @@ class BigramEngine:
     def last_logits(self, ids, cache=None):
         return self.head(self.body(ids, cache))[:, -1].float()  # (R, V)
 
+    def step_logits(self, ids, cache, attention_mask=None, record=False):
+        return self.last_logits(ids, cache), None  # no record of its own: the loop makes it
+
 
 def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
@@ -839,18 +842,31 @@ def test_plain_greedy_figures_from_the_compiled_kernel_match_torchs_record():
 
 def test_plain_greedy_decoding_is_the_same_with_and_without_the_compiled_figures(tiny, monkeypatch):
     """The loop's fast path changes no token and no figure beyond float32's reach (LMHEAD_KERNELS=0:
-    torch's record)."""
+    torch's record), whether the record is the loop's kernel call or the one the engine made with the
+    step's logits (every step after the prompt's, where the whole step runs in one call)."""
     from lmhead_cli.decoding import loop
+    from lmhead_cli.engine import kernels
 
     loaded = load(tiny[0])
-    used = []
+    used, made_by_engine = [], []
     original = loop._greedy_record
-    monkeypatch.setattr(loop, "_greedy_record", lambda z, k: used.append(k is not None) or original(z, k))
+
+    def seen(z, k, made=None):
+        used.append(k is not None)
+        made_by_engine.append(made is not None)
+        return original(z, k, made)
+
+    monkeypatch.setattr(loop, "_greedy_record", seen)
     a = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
     assert used and all(used)
-    monkeypatch.setattr(loop, "_greedy_record", lambda z, k: None)
+    if kernels.load() is not None:
+        assert made_by_engine == [False] + [True] * 7  # the prompt's step is the loop's own call
+    monkeypatch.setattr(loop, "_greedy_record", lambda z, k, made=None: original(z, k))
+    c = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
+    monkeypatch.setattr(loop, "_greedy_record", lambda z, k, made=None: None)
     b = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
-    assert a.generated_ids == b.generated_ids
-    for x, y in zip(a.steps, b.steps):
+    assert a.generated_ids == b.generated_ids == c.generated_ids
+    for x, y, w in zip(a.steps, b.steps, c.steps):
         assert (x.id, x.rank, x.logit, x.removed_mass) == (y.id, y.rank, y.logit, y.removed_mass)
         assert x.logprob == pytest.approx(y.logprob, abs=1e-5) and x.entropy == pytest.approx(y.entropy, abs=1e-5)
+        assert (x.id, x.logprob, x.logit, x.entropy) == (w.id, w.logprob, w.logit, w.entropy)  # the same kernel

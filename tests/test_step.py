@@ -384,3 +384,27 @@ def test_generation_runs_its_steps_token_to_logits_in_one_call(ragged, dtype, mo
         want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
                             pad_token_id=50256)[0, len(prompt):].tolist()
         assert got.generated_ids == want
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_step_s_record_is_the_row_kernel_s_and_a_spoilt_one_is_left_to_the_loop(ragged, dtype):
+    """step_logits(record=True): each row's top-1 id, its log p, the entropy and its logit, as score's
+    row kernel gives them for the returned logits (the same kernel, so the same bits); where a logit is
+    not finite (a bias of +inf here) the logits come back as they are and the record is None, so that
+    the loop's own record says what is wrong."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype=dtype, engine="lean").engine
+    fast = kernels.load()
+    prompts = torch.tensor([[464, 8251], [319, 262]])
+    cache = eng.new_cache(2, 8)
+    eng.last_logits(prompts, cache)
+    z, made = eng.step_logits(torch.tensor([[3084], [13]]), cache, record=True)
+    assert made is not None and cache.length == 3
+    top_id, (top_logprob, entropy, logit) = made[0], made[1]
+    _, _, h, want_id, want_logprob, _, _, bad = fast.score_rows(z, torch.zeros(2, dtype=torch.long), strict=True)
+    assert bad == 0 and torch.equal(top_id, want_id) and torch.equal(top_logprob, want_logprob)
+    assert torch.equal(entropy, h) and torch.equal(logit, z.gather(-1, top_id[:, None])[:, 0])
+    with torch.no_grad():
+        eng.gpt.ln_f.bias[5] = float("inf")
+    z, made = eng.step_logits(torch.tensor([[3084], [13]]), cache, record=True)
+    assert made is None and cache.length == 4 and not torch.isfinite(z).all()

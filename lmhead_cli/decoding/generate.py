@@ -345,7 +345,7 @@ def _top(raw: torch.Tensor, processed: torch.Tensor, which: str, n: int) -> tupl
     return ids.cpu(), processed.gather(-1, ids).float().cpu()
 
 
-def _greedy_record(logits: torch.Tensor, kernel) -> tuple[torch.Tensor, list[list[float]]] | None:
+def _greedy_record(logits: torch.Tensor, kernel, made: tuple | None = None) -> tuple[torch.Tensor, list[list[float]]] | None:
     """Greedy rows with no stage and no alternatives: the choice (R,) and `_record`'s rows (as lists),
     from the compiled row kernel (head.score_rows's: the top-1, its log p and the entropy in two passes
     over each row, where torch's log-softmax, argmax, entropy and rank take some ten). The greedy choice
@@ -353,19 +353,26 @@ def _greedy_record(logits: torch.Tensor, kernel) -> tuple[torch.Tensor, list[lis
     stage ran, so raw and processed are one. None where the kernel does not take the rows (no kernel,
     not on the CPU, a logit not finite, -inf too): the caller runs `_record`, which reports what is wrong.
     The kernel finds the logits not finite in its first pass (strict): a check of its own in torch read
-    the fresh logits once more, 0.13-0.22 ms of an 8 ms int8 step."""
-    if kernel is None or not logits.is_cpu or logits.dim() != 2:
-        return None
-    z = logits.float().contiguous()
-    try:
-        _, _, h, top_id, top_logprob, _, _, bad = kernel(z, torch.zeros(z.shape[0], dtype=torch.long), strict=True)
-    except ValueError:
-        return None
-    if bad:
-        return None
-    zn, ids = z.numpy(), top_id.tolist()
-    rows = [[float(i), lp, float(zn[r, i]), e, 1.0, 1.0, lp, e, 0.0]
-            for r, (i, lp, e) in enumerate(zip(ids, top_logprob.tolist(), h.tolist()))]
+    the fresh logits once more, 0.13-0.22 ms of an 8 ms int8 step. `made`: the same kernel's record,
+    made by the engine with these logits (Engine.step_logits: top_id (R,), (3, R) the top-1's log p,
+    the entropy and its logit), which saves the call and its Python."""
+    if made is not None:
+        top_id, (top_logprob, h, logit) = made[0], made[1].tolist()
+    else:
+        if kernel is None or not logits.is_cpu or logits.dim() != 2:
+            return None
+        z = logits.float().contiguous()
+        try:
+            _, _, h, top_id, top_logprob, _, _, bad = kernel(z, torch.zeros(z.shape[0], dtype=torch.long), strict=True)
+        except ValueError:
+            return None
+        if bad:
+            return None
+        zn = z.numpy()
+        top_logprob, h = top_logprob.tolist(), h.tolist()
+        logit = [float(zn[r, i]) for r, i in enumerate(top_id.tolist())]
+    rows = [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0]
+            for i, lp, zz, e in zip(top_id.tolist(), top_logprob, logit, h)]
     return top_id, rows
 
 

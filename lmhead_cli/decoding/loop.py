@@ -251,6 +251,7 @@ class Batch:
         self.cache = None
         self.mask: torch.Tensor | None = None  # (R, S) 1 = real; None while no row is padded
         self.logits: torch.Tensor | None = None  # (R, V) each live row's next-token logits
+        self.record: tuple | None = None  # (those very logits, the engine's greedy record of them)
         self.queued: list[_Prefill] = []
         self.tokens = 0  # tokens generated, all rows together
         self._joins = True  # False once engine.join_caches has said it cannot join this engine's caches
@@ -480,10 +481,10 @@ class Batch:
         live = [self.live[i] for i in idx]
         logits = self.logits if len(idx) == len(self.live) else self.logits[torch.tensor(idx, device=self.eng.device)]
         k = max(r.row.alternatives for r in live)
-        # plain greedy rows (no stage, nothing more asked of each step): the compiled kernel's two passes
-        plain = not k and all(r.row.greedy and not r.pipeline and not r.row.top and not r.row.uncertainty
-                              for r in live)
-        fast = _greedy_record(logits, self.row_kernel) if plain else None
+        # plain greedy rows (no stage, nothing more asked of each step): the compiled kernel's two passes,
+        # or the record the engine made with these very logits (`_forward`)
+        made = self.record[1] if self.record is not None and self.record[0] is logits else None
+        fast = _greedy_record(logits, self.row_kernel, made) if _plain(live) else None
         if fast is not None:
             chosen, table = fast
         else:
@@ -573,10 +574,11 @@ class Batch:
         search), through the body: the rows' logits (R, V) for the next step."""
         for r in self.live:
             r.count += 1
-        self._forward(chosen)
+        self._forward(chosen, record=False)  # beams rank `distributions`: no greedy record
 
-    def _forward(self, chosen: torch.Tensor) -> None:
-        """Run each live row's chosen token (R,) through the body: logits (R, V) for the next step."""
+    def _forward(self, chosen: torch.Tensor, record: bool = True) -> None:
+        """Run each live row's chosen token (R,) through the body: logits (R, V) for the next step (and,
+        with `record`, where every row is plain greedy, the engine's record of them)."""
         S = self.columns
         if S + 1 > _capacity(self.cache, self.eng):  # full: drop the padding every row has, with room to go on
             first = self._first_needed()
@@ -591,7 +593,10 @@ class Batch:
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.live), 1))], dim=1)  # (R, S + 1)
             mask = (self.mask,)
-        self.logits = self.eng.last_logits(chosen[:, None], self.cache, *mask)  # (R, V)
+        # (R, V); where every row is plain greedy, the engine may make each row's record with them
+        self.logits, made = self.eng.step_logits(chosen[:, None], self.cache, *mask,
+                                                 record=record and _plain(self.live))
+        self.record = (self.logits, made) if made is not None else None
 
     def keys(self) -> list:
         """The keys of every row running or being prefilled."""
@@ -608,6 +613,13 @@ class Batch:
         """Every row added, to its end."""
         while self.queued or self.live:
             self.round(sink, budget)
+
+
+def _plain(live: list[_Live]) -> bool:
+    """Whether every row is plain greedy: no stage, no alternatives, nothing more asked of each step
+    (decoding/generate.py `_greedy_record` records them)."""
+    return all(r.row.greedy and not r.row.alternatives and not r.pipeline and not r.row.top and not r.row.uncertainty
+               for r in live)
 
 
 def _trim(rec: list[float], k: int, want: int) -> list[float]:

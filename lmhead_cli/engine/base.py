@@ -280,6 +280,13 @@ class Engine(ABC):
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]  # (R, D)
         return self.head(last).float()  # (R, V)
 
+    def step_logits(self, ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+                    record: bool = False) -> tuple[torch.Tensor, tuple | None]:
+        """A decoding step's logits (R, V), as last_logits with the cache, and with `record` each row's
+        greedy record where the engine computes it with them: (top_id (R,) int64, (3, R) float32: the
+        top-1's log p, the entropy, the top-1's logit), else None (the decoding loop computes it)."""
+        return self.last_logits(ids, cache, attention_mask), None
+
     @property
     def device(self) -> torch.device:
         return self.head_weight.device

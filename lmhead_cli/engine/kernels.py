@@ -37,7 +37,7 @@ import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 12
+ABI = 13
 STEP_MAX_ROWS = 16  # csrc/step.c's: the most rows of a compiled step (engine/step.py), and of f32_columns_times
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -96,9 +96,10 @@ class Kernels:
         lib.lmhead_step.argtypes = [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                                     _i64, _i64, _i64, _i64, _ptr, _i64, _int]
         lib.lmhead_step.restype = _int
-        # engine/step.py's Model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the logits
+        # engine/step.py's Model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the
+        # logits, the record's top-1 ids and figures
         lib.lmhead_decode.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                                      _int]
+                                      _ptr, _ptr, _int]
         lib.lmhead_decode.restype = _int
 
     def release_thread_pool(self) -> bool:

@@ -349,30 +349,36 @@ class LeanGPT2(Engine):
     def last_logits(self, ids: torch.Tensor, cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
                     lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Engine.last_logits; a decoding step (one new position of a few rows with a cache) runs token to
-        logits in one compiled call where nothing needs the modules (engine/step.py StepPlan.logits)."""
-        if self.step is not None and cache is not None and lengths is None and ids.shape[1] == 1:
-            z = self._whole_step(ids, cache, attention_mask)
-            if z is not None:
-                return z
+        logits in one compiled call where nothing needs the modules (`step_logits`)."""
+        if cache is not None and lengths is None and ids.shape[1] == 1:
+            return self.step_logits(ids, cache, attention_mask)[0]
         return super().last_logits(ids, cache, attention_mask, lengths)
 
+    def step_logits(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
+                    record: bool = False) -> tuple[torch.Tensor, tuple | None]:
+        """Engine.step_logits: token to logits (and each row's greedy record) in one compiled call
+        (engine/step.py StepPlan.logits) where the engine is as built: its products in the kernels'
+        form, and neither `body` nor `head` replaced on the instance (a caller that wraps them sees every
+        step); else the modules, and no record."""
+        out = self._whole_step(ids, cache, attention_mask, record) if self.step is not None else None
+        return out if out is not None else (Engine.last_logits(self, ids, cache, attention_mask), None)
+
     @torch.inference_mode()
-    def _whole_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """StepPlan.logits where the engine is as built: its products in the kernels' form, and neither
-        `body` nor `head` replaced on the instance (a caller that wraps them sees every step)."""
+    def _whole_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
+                    record: bool) -> tuple[torch.Tensor, tuple | None] | None:
         fast = kernels.load()
-        if (fast is None or cache.length + 1 > self.n_ctx or not (self.int8 or self.products.form == "kernel")
-                or "body" in self.__dict__ or "head" in self.__dict__):
+        if (fast is None or ids.shape[1] != 1 or cache.length + 1 > self.n_ctx
+                or not (self.int8 or self.products.form == "kernel") or "body" in self.__dict__ or "head" in self.__dict__):
             return None
         mask = pos = None
         if attention_mask is not None:
             mask = _mask(attention_mask, 1, self.attention_dtype)
             pos = position_ids(attention_mask, 1)[:, -1]
         head_rows = fast.f32_max_rows if self.dtype == torch.float32 and not self.int8 else fast.max_rows
-        z = self.step.logits(ids, cache, mask, pos, head_rows)
-        if z is not None:
+        out = self.step.logits(ids, cache, mask, pos, head_rows, record)
+        if out is not None:
             cache.length += 1
-        return z
+        return out
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.gpt.ln_f(x)

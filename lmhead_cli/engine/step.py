@@ -148,10 +148,13 @@ class StepPlan:
                 and k.shape[1] == B and past < k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1])
 
     def logits(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
-               head_rows: int) -> torch.Tensor | None:
+               head_rows: int, record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
         """The whole step for tokens ids (B, 1) at positions pos (B,) int64 (None: every row at the
         cache's length), writing each layer's key and value at the cache's next position (the caller
-        advances cache.length): logits (B, V) float32, what the embeddings, `run`, ln_f and the head give.
+        advances cache.length): logits (B, V) float32, what the embeddings, `run`, ln_f and the head give,
+        and with `record` each row's greedy record from score's row kernel while the logits are fresh:
+        (top_id (B,) int64, (3, B) float32: the top-1's log p, the entropy, the top-1's logit), None
+        where a logit is not finite (the caller records them itself, as it does without `record`).
         mask as `run`'s; head_rows: the most rows the head's kernel takes. None (nothing done) where the
         step does not apply, or a token or position is out of range: the caller runs the torch path."""
         fast = kernels.load()
@@ -168,16 +171,19 @@ class StepPlan:
             pos = pos.to(torch.int64).contiguous()
         k, v = cache.k, cache.v
         z = torch.empty(B, self.V, dtype=torch.float32)
+        top_id, top = (torch.empty(B, dtype=torch.int64), torch.empty(3, B, dtype=torch.float32)) if record else (None, None)
         status = fast.lib.lmhead_decode(ctypes.addressof(self.model), ids.data_ptr(),
                                         None if pos is None else pos.data_ptr(), B, k.data_ptr(), v.data_ptr(),
                                         k.stride(0), k.stride(1), k.stride(2), cache.length,
                                         None if mask is None else mask.data_ptr(),
-                                        0 if mask is None else mask.stride(0), z.data_ptr(), torch.get_num_threads())
+                                        0 if mask is None else mask.stride(0), z.data_ptr(),
+                                        None if top_id is None else top_id.data_ptr(),
+                                        None if top is None else top.data_ptr(), torch.get_num_threads())
         if status == -2:
             return None
-        if status:
+        if status < 0:
             raise MemoryError("the compiled decoding step could not allocate its buffers")
-        return z
+        return z, ((top_id, top) if record and status == 0 else None)
 
     def run(self, x: torch.Tensor, cache, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The residual stream x (B, 1, D) of one new position through every block, writing each layer's

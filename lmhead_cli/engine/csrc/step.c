@@ -351,12 +351,17 @@ typedef struct {
 
 /* logits (B, V) float32 for tokens ids (B) at positions pos (B; NULL: every row at `past`), writing each
    layer's key and value at `past` (the cache and mask as lmhead_step's). B is at most STEP_MAX_ROWS, and
-   at most MAX_ROWS but for float32 (the head kernels' limits). Returns 0; -1 where a buffer could not
-   be allocated (the cache then partly written: the caller raises); -2 for a B, a token id or a
-   position out of range (nothing written: the caller's torch path reports it). */
+   at most MAX_ROWS but for float32 (the head kernels' limits). With top_id (B) and top (3, B) given,
+   each row's greedy record too, from score's row kernel while the logits are fresh (strict: a logit
+   that is not finite spoils the row): its top-1 id, the top-1's log p, the entropy and the top-1's
+   logit. Returns 0; the number of rows whose record is spoilt (the logits are whole: the caller
+   records them itself); -1 where a buffer could not be allocated (the cache then partly written: the
+   caller raises); -2 for a B, a token id or a position out of range (nothing written: the caller's
+   torch path reports it). */
 int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, const int64_t *pos, int64_t B,
                                   float *kc, float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
-                                  const float *mask, int64_t msb, float *logits, int threads) {
+                                  const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,
+                                  int threads) {
     int64_t D = m->D, V = m->V;
     if (B < 1 || B > (m->kind == STEP_F32 ? LMHEAD_F32_MAX_ROWS : MAX_ROWS) || B > STEP_MAX_ROWS) return -2;
     for (int64_t b = 0; b < B; b++) {
@@ -396,5 +401,13 @@ int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, con
         }
     }
     free(x), free(h), free(xb), free(yb);
+    if (!status && top_id) {
+        int64_t zeros[STEP_MAX_ROWS] = {0}, rank[STEP_MAX_ROWS];
+        float logprob[STEP_MAX_ROWS], varentropy[STEP_MAX_ROWS], margin[STEP_MAX_ROWS];
+        int64_t bad = LMHEAD_VARIANT(lmhead_score_rows)(logits, zeros, B, V, logprob, rank, top + B, top_id, top,
+                                                        varentropy, margin, 1, threads);
+        for (int64_t b = 0; b < B && !bad; b++) top[2 * B + b] = logits[b * V + top_id[b]];
+        status = (int)bad;
+    }
     return status;
 }
