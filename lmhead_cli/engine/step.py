@@ -5,7 +5,8 @@ products, views, the cache's writes, attention, GELU, adds): on a 2-core CPU, ha
 step's time went to dispatching them. csrc/step.c runs the same blocks in one C call over the same
 weights where the engine keeps them (float32 Conv1D (in, out) as the checkpoint maps them, bfloat16
 (out, in) rows, int8 rows with their scales: nothing is copied), writing the new keys and values into
-the engine's KV cache. The embeddings, the final norm and the head stay torch's and the head's.
+the engine's KV cache (`StepPlan.run`, from LeanGPT2.body: the embeddings, the final norm and the
+head stay the modules').
 
 `StepPlan.logits` runs the whole step, token to logits, in one call (csrc/step.c lmhead_decode): the
 embeddings, the blocks, ln_f and the head's kernel. Between the products, which stream every weight
