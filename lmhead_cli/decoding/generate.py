@@ -368,9 +368,8 @@ def _greedy_record(logits: torch.Tensor, kernel, made: tuple | None = None) -> t
             return None
         if bad:
             return None
-        zn = z.numpy()
         top_logprob, h = top_logprob.tolist(), h.tolist()
-        logit = [float(zn[r, i]) for r, i in enumerate(top_id.tolist())]
+        logit = z.numpy()[range(z.shape[0]), top_id.numpy()].tolist()
     rows = [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0]
             for i, lp, zz, e in zip(top_id.tolist(), top_logprob, logit, h)]
     return top_id, rows

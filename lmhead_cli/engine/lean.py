@@ -366,16 +366,14 @@ class LeanGPT2(Engine):
     @torch.inference_mode()
     def _whole_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
                     record: bool) -> tuple[torch.Tensor, tuple | None] | None:
-        fast = kernels.load()
-        if (fast is None or ids.shape[1] != 1 or cache.length + 1 > self.n_ctx
-                or not (self.int8 or self.products.form == "kernel") or "body" in self.__dict__ or "head" in self.__dict__):
+        if (cache.length + 1 > self.n_ctx or not (self.int8 or self.products.form == "kernel")
+                or "body" in self.__dict__ or "head" in self.__dict__):
             return None
         mask = pos = None
         if attention_mask is not None:
             mask = _mask(attention_mask, 1, self.attention_dtype)
             pos = position_ids(attention_mask, 1)[:, -1]
-        head_rows = fast.f32_max_rows if self.dtype == torch.float32 and not self.int8 else fast.max_rows
-        out = self.step.logits(ids, cache, mask, pos, head_rows, record)
+        out = self.step.logits(ids, cache, mask, pos, record)
         if out is not None:
             cache.length += 1
         return out

@@ -143,29 +143,32 @@ class StepPlan:
         return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
                     or any(self.hooks if hooks is None else hooks))
 
-    def _cache_fits(self, cache, B: int) -> bool:
+    def _fits(self, cache, B: int, mask: torch.Tensor | None) -> bool:
+        """Whether B rows' cache and mask are in the layout csrc/step.c reads (both calls take them so)."""
         k, v, past = cache.k, cache.v, cache.length
         return (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.stride() == v.stride()
-                and k.shape[1] == B and past < k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1])
+                and k.shape[1] == B and past < k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+                and (mask is None or (mask.dtype == torch.float32 and mask.shape == (B, 1, 1, past + 1)
+                                      and mask.stride(-1) == 1)))
 
     def logits(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
-               head_rows: int, record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
+               record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
         """The whole step for tokens ids (B, 1) at positions pos (B,) int64 (None: every row at the
         cache's length), writing each layer's key and value at the cache's next position (the caller
         advances cache.length): logits (B, V) float32, what the embeddings, `run`, ln_f and the head give,
         and with `record` each row's greedy record from score's row kernel while the logits are fresh:
         (top_id (B,) int64, (3, B) float32: the top-1's log p, the entropy, the top-1's logit), None
         where a logit is not finite (the caller records them itself, as it does without `record`).
-        mask as `run`'s; head_rows: the most rows the head's kernel takes. None (nothing done) where the
-        step does not apply, or a token or position is out of range: the caller runs the torch path."""
+        mask as `run`'s; at most as many rows as the head's kernel takes (float32's f32_max_rows, the
+        others' max_rows). None (nothing done) where the step does not apply, or a token or position is
+        out of range: the caller runs the torch path."""
         fast = kernels.load()
         B = ids.shape[0]
-        if (self.model is None or fast is None or turned_off() or cache is None or ids.shape[1] != 1
-                or not 1 <= B <= min(MAX_ROWS, head_rows) or not ids.is_cpu or ids.dtype != torch.int64
-                or self.hooked(self.whole) or not self._cache_fits(cache, B)):
+        if self.model is None or fast is None:
             return None
-        if mask is not None and not (mask.dtype == torch.float32 and mask.shape == (B, 1, 1, cache.length + 1)
-                                     and mask.stride(-1) == 1):
+        most = fast.f32_max_rows if self.kind == KINDS[torch.float32] else fast.max_rows  # the head kernel's
+        if (turned_off() or cache is None or ids.shape[1] != 1 or not 1 <= B <= min(MAX_ROWS, most)
+                or not ids.is_cpu or ids.dtype != torch.int64 or self.hooked(self.whole) or not self._fits(cache, B, mask)):
             return None
         ids = ids.contiguous()
         if pos is not None:
@@ -194,12 +197,9 @@ class StepPlan:
         fast = kernels.load()
         B, T, D = x.shape
         if (fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS or not x.is_cpu
-                or self.hooked() or not self._cache_fits(cache, B)):
+                or self.hooked() or not self._fits(cache, B, mask)):
             return None
         k, v, past = cache.k, cache.v, cache.length
-        if mask is not None and not (mask.dtype == torch.float32 and mask.shape == (B, 1, 1, past + 1)
-                                     and mask.stride(-1) == 1):
-            return None
         h = x.reshape(B, D).to(torch.float32, copy=True).contiguous()  # (B, D), updated in place
         status = fast.lib.lmhead_step(ctypes.addressof(self.layers), self.L, self.kind, h.data_ptr(), B, D, self.H,
                                       self.inner, self.eps, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
