@@ -4,8 +4,8 @@ random:gpt2 (GPT-2 124M's shapes, random weights: the speed of the real model, o
 * a 4-token request beside a running 240-token request, against its time alone (target <= 4x);
 * 12 streaming clients arriving 0.4 s apart: p90 time to first token against one client's (target <= 5x);
 * 16 concurrent clients generating 64 tokens each: tokens per second against one client's (target >= 4x);
-* single-stream greedy decoding: Model.generate on today's decoding/loop.py against the loop at --base
-  (decoding/generate.py and decoding/loop.py run from git in the same process, alternating; target >= 0.95x).
+* single-stream greedy decoding: Model.generate on today's package against the package at --base
+  (read from git, each run in a fresh process, alternating; target >= 0.95x).
 
 Each phase states the load average (1 min) at its start: the machine may be shared, and other work
 slows the model's rounds and so every wait behind them. For the arrivals the server's own clock
@@ -18,7 +18,6 @@ the rest (the prompt's read and its first token), beside the mean seconds of a r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -99,39 +98,45 @@ def throughput(url: str, clients: int = 16, tokens: int = 64) -> tuple[float, fl
     return one, made / (time.perf_counter() - start)
 
 
-def from_git(base: str, path: str, name: str):
-    """The module at `path` as it was at commit `base`, loaded beside today's modules as `name`."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:{path}"],
-                         capture_output=True, text=True, check=True).stdout
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    exec(compile(src, f"{name}.py", "exec"), mod.__dict__)
-    return mod
+SPEED = """
+import sys, lmhead_cli
+model = lmhead_cli.load("random:gpt2", device="cpu")
+g = model.generate(sys.argv[1], mode="greedy", max_new_tokens=int(sys.argv[2]), ignore_eos=True)
+assert len(g.reading.generated_ids) == int(sys.argv[2])
+print(g.reading.decode_tokens_per_second)
+"""
+
+
+def from_git(base: str, folder: Path) -> Path:
+    """The package as it was at commit `base`, in `folder` (with the compiled kernels built here, which
+    the package at `base` loads if their ABI is its own, and the configs)."""
+    import io
+    import shutil
+    import tarfile
+
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", base, "lmhead_cli", "configs"],
+                          capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(folder, filter="data")
+    for so in (ROOT / "lmhead_cli" / "engine").glob("_kernels*.so"):
+        shutil.copy(so, folder / "lmhead_cli" / "engine" / so.name)
+    return folder
 
 
 def greedy_speed(base: str, tokens: int, rounds: int) -> tuple[float, float]:
-    """Decode tokens per second (after the first token), the loop at `base` and today's, alternating; the
-    best of each. The old run takes decoding/generate.py and decoding/loop.py as they were at `base`
-    (the step loop that generate imports is swapped in while it runs)."""
-    import lmhead_cli
-    from lmhead_cli.decoding import generate as new
-    from lmhead_cli.decoding import loop as new_loop
+    """Decode tokens per second (after the first token) of Model.generate, greedy, the package at `base`
+    and today's, each in a fresh process, alternating; the best of each."""
+    import tempfile
 
-    old = from_git(base, "lmhead_cli/decoding/generate.py", "old_generate")
-    old_loop = from_git(base, "lmhead_cli/decoding/loop.py", "old_loop")
-    model = lmhead_cli.load("random:gpt2", device="cpu")
-    ids = model.encode(PROMPT)
     rates = {"old": [], "new": []}
-    for _ in range(rounds):
-        for name, mod, loop in (("old", old, old_loop), ("new", new, new_loop)):
-            sys.modules["lmhead_cli.decoding.loop"] = loop
-            try:
-                g = mod.generate(model.loaded, ids, mod.make_settings(greedy=True, max_new_tokens=tokens, ignore_eos=True))
-            finally:
-                sys.modules["lmhead_cli.decoding.loop"] = new_loop
-            assert len(g.generated_ids) == tokens
-            rates[name].append(g.decode_tokens_per_second)
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"old": from_git(base, Path(tmp)), "new": ROOT}
+        for _ in range(rounds):
+            for name, tree in trees.items():
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                out = subprocess.run([sys.executable, "-c", SPEED, PROMPT, str(tokens)], env=env, capture_output=True,
+                                     text=True, check=True, cwd=tree).stdout
+                rates[name].append(float(out.strip().splitlines()[-1]))
     return max(rates["old"]), max(rates["new"])
 
 

@@ -83,9 +83,9 @@ def test_beams_that_finish_at_end_of_text_match_transformers(eos_model, prompt):
 
 
 def test_beams_after_a_prompt_longer_than_one_prefill_chunk_match_transformers(tiny):
-    """Beams run on the batch's prefill, which reads a long prompt in chunks (decoding.loop.PREFILL_CHUNK):
+    """Beams run on the batch's prefill, which reads a long prompt in chunks (decoding.prefill.PREFILL_CHUNK):
     a 700-token prompt is read in two forwards, and the beams are still transformers'."""
-    from lmhead_cli.decoding.loop import PREFILL_CHUNK
+    from lmhead_cli.decoding.prefill import PREFILL_CHUNK
 
     folder, model = tiny
     ids = list(range(1000, 1700))
@@ -95,10 +95,10 @@ def test_beams_after_a_prompt_longer_than_one_prefill_chunk_match_transformers(t
 
 
 def test_beams_are_a_group_of_rows_of_the_step_loop(tiny):
-    """Beam search over decoding.loop's step function: one prefill of the prompt, then every step one
+    """Beam search over decoding.batch's step function: one prefill of the prompt, then every step one
     position for each of the n beams in one forward, the head on those positions only, and the cache
     reordered to the surviving beams between steps. Mutant: a loop of its own that re-reads the prompt."""
-    from lmhead_cli.decoding.loop import Batch
+    from lmhead_cli.decoding.batch import Batch
 
     folder, _ = tiny
     loaded = load(folder)
@@ -284,7 +284,7 @@ def test_streamed_text_is_the_whole_text_and_splits_no_character(tiny):
     text = "你好，世界 🙂 naïve"
     ids = loaded.tokenizer.encode(text)
     assert len(ids) > len(text.split())
-    from lmhead_cli.decoding.loop import Text
+    from lmhead_cli.decoding.text import Text
 
     stream = Text(loaded.tokenizer)
     out = [stream.add(i) or stream.piece() for i in ids] + [stream.piece(final=True, flush=True)]
@@ -810,9 +810,10 @@ def test_f32_rounds_to_float32_whatever_torch_s_default_dtype():
 
 
 def test_plain_greedy_figures_from_the_compiled_kernel_match_torchs_record():
-    """generate._greedy_record (the row kernel's two passes) against _record (torch's log-softmax, argmax,
+    """record.greedy_record (the row kernel's two passes) against record.record (torch's log-softmax, argmax,
     entropy and rank): the same choice, the first of equal maxima, rank 1, figures within float32's reach;
-    rows it does not take (a NaN, no kernel) are left to _record."""
+    rows it does not take (a NaN, no kernel) are left to record.record."""
+    from lmhead_cli.decoding import record
     from lmhead_cli.engine import kernels
     from lmhead_cli.head import log_softmax
 
@@ -822,48 +823,48 @@ def test_plain_greedy_figures_from_the_compiled_kernel_match_torchs_record():
     g = torch.Generator().manual_seed(0)
     z = torch.randn(5, 50257, generator=g) * torch.tensor([[0.1], [1.0], [3.0], [10.0], [1.0]])
     z[4, 7] = z[4, 9] = z[4].max() + 1.0  # a tie at the top: the first wins, as argmax
-    chosen, rows = generation._greedy_record(z, fast.score_rows)
+    chosen, rows = record.greedy_record(z, fast.score_rows)
     raw = log_softmax(z)
-    want = generation._record(z, raw, raw, raw.argmax(-1), 0, False).tolist()
+    want = record.record(z, raw, raw, raw.argmax(-1), 0, False).tolist()
     assert chosen.tolist() == raw.argmax(-1).tolist() and chosen[4] == 7
     for got, ref in zip(rows, want):
-        assert got[generation.ID] == ref[generation.ID] and got[generation.RANK] == ref[generation.RANK] == 1
-        assert got[generation.FINITE] == ref[generation.FINITE] == 1.0 and got[generation.REMOVED] == 0.0
-        assert got[generation.LOGIT] == ref[generation.LOGIT]
-        for col in (generation.LOGPROB, generation.RAW_LOGPROB, generation.ENTROPY, generation.RAW_ENTROPY):
+        assert got[record.ID] == ref[record.ID] and got[record.RANK] == ref[record.RANK] == 1
+        assert got[record.FINITE] == ref[record.FINITE] == 1.0 and got[record.REMOVED] == 0.0
+        assert got[record.LOGIT] == ref[record.LOGIT]
+        for col in (record.LOGPROB, record.RAW_LOGPROB, record.ENTROPY, record.RAW_ENTROPY):
             assert got[col] == pytest.approx(ref[col], rel=1e-5, abs=1e-5)
     bad = z.clone()
     bad[2, 3] = float("nan")
-    assert generation._greedy_record(bad, fast.score_rows) is None
+    assert record.greedy_record(bad, fast.score_rows) is None
     bad[2, 3] = float("-inf")  # a filtered-looking logit: torch's record counts it as not finite
-    assert generation._greedy_record(bad, fast.score_rows) is None
-    assert generation._greedy_record(z, None) is None
+    assert record.greedy_record(bad, fast.score_rows) is None
+    assert record.greedy_record(z, None) is None
 
 
 def test_plain_greedy_decoding_is_the_same_with_and_without_the_compiled_figures(tiny, monkeypatch):
     """The loop's fast path changes no token and no figure beyond float32's reach (LMHEAD_KERNELS=0:
     torch's record), whether the record is the loop's kernel call or the one the engine made with the
     step's logits (every step after the prompt's, where the whole step runs in one call)."""
-    from lmhead_cli.decoding import loop
+    from lmhead_cli.decoding import batch as loop
     from lmhead_cli.engine import kernels
 
     loaded = load(tiny[0])
     used, made_by_engine = [], []
-    original = loop._greedy_record
+    original = loop.greedy_record
 
     def seen(z, k, made=None):
         used.append(k is not None)
         made_by_engine.append(made is not None)
         return original(z, k, made)
 
-    monkeypatch.setattr(loop, "_greedy_record", seen)
+    monkeypatch.setattr(loop, "greedy_record", seen)
     a = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
     assert used and all(used)
     if kernels.load() is not None:
         assert made_by_engine == [False] + [True] * 7  # the prompt's step is the loop's own call
-    monkeypatch.setattr(loop, "_greedy_record", lambda z, k, made=None: original(z, k))
+    monkeypatch.setattr(loop, "greedy_record", lambda z, k, made=None: original(z, k))
     c = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
-    monkeypatch.setattr(loop, "_greedy_record", lambda z, k, made=None: None)
+    monkeypatch.setattr(loop, "greedy_record", lambda z, k, made=None: None)
     b = generate(loaded, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=8))
     assert a.generated_ids == b.generated_ids == c.generated_ids
     for x, y, w in zip(a.steps, b.steps, c.steps):

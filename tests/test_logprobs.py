@@ -83,7 +83,7 @@ def test_processed_top_lists_every_kept_token_before_any_dropped_one_however_low
     best has log p -1e6: it still comes before every dropped token (before the fix it came after them,
     its key below the dropped ones' raw log p - 1e6)."""
     from lmhead_cli.decoding import stages
-    from lmhead_cli.decoding.generate import _top
+    from lmhead_cli.decoding.record import top_tokens as _top
 
     z = torch.tensor([[5.0, 3.0, 1.0, 0.5, 0.0, 4.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
     raw = torch.log_softmax(z, -1)
@@ -432,7 +432,7 @@ def test_score_openai_refuses_file(tiny, tmp_path):
 def test_a_step_with_no_stage_records_what_the_full_computation_records(k):
     """With no stage, a step's record takes the raw distribution's figures once (processed=False):
     bit for bit what computing them twice gives, ties, -inf logits and all."""
-    from lmhead_cli.decoding.generate import _record
+    from lmhead_cli.decoding.record import record as _record
     from lmhead_cli.head import log_softmax
 
     g = torch.Generator().manual_seed(5)

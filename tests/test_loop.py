@@ -1,4 +1,4 @@
-"""decoding/loop.py: the one batched step loop. Rows join a running batch between two steps and leave
+"""decoding/batch.py: the one batched step loop. Rows join a running batch between two steps and leave
 it at once; each row computes what it computes alone (transformers' generate() for greedy rows), up
 to float rounding of a padded batch."""
 
@@ -10,7 +10,8 @@ import torch
 from helpers import PROMPT_IDS
 
 import lmhead_cli
-from lmhead_cli.decoding.loop import Batch, Row
+from lmhead_cli.decoding.batch import Batch
+from lmhead_cli.decoding.rows import Row
 from lmhead_cli.decoding.stages import Knobs
 
 

@@ -602,7 +602,7 @@ def test_rank_buckets_include_their_upper_edge():
 
 
 def test_the_default_chunk_fits_the_budget_and_is_never_below_1():
-    from lmhead_cli.readings import chunks
+    from lmhead_cli import chunks
 
     assert chunks.default_chunk(50257) == 83  # two (83, V) float32 buffers within 32 MiB
     assert chunks.default_chunk(10**9) == 1  # a vocabulary too large for two rows still gets one

@@ -493,11 +493,11 @@ def test_a_prompt_that_arrives_while_one_is_read_is_read_before_the_step(budget,
 
 
 def test_a_batch_computes_each_row_as_it_would_alone(tiny):
-    """decoding.loop through Model.complete (prompts prefilled alone, joined right-aligned, rows leaving as they finish) against each row
+    """decoding.batch through Model.complete (prompts prefilled alone, joined right-aligned, rows leaving as they finish) against each row
     alone: the same tokens and text, the same logprobs up to float rounding."""
     import lmhead_cli
     from lmhead_cli.decoding.stages import Knobs
-    from lmhead_cli.decoding.loop import Row
+    from lmhead_cli.decoding.rows import Row
 
     model = lmhead_cli.load(str(tiny[0]), device="cpu")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from lmhead_cli.decoding.stages import STAGES, option  # noqa: F401 - the registry: no torch
 from lmhead_cli.readings.toy import MAX_DRAWS as MAX_TOY_DRAWS  # noqa: F401 - toy --draws' bound
-from lmhead_cli.readings.chunks import CHUNK_BYTES, COMPARE_BUFFERS, FLOAT32_BYTES, SCORE_BUFFERS, default_chunk
+from lmhead_cli.chunks import CHUNK_BYTES, COMPARE_BUFFERS, FLOAT32_BYTES, SCORE_BUFFERS, default_chunk
 
 __all__ = ["STAGES", "option", "offline_sources", "chunk_default", "logits_bytes_per_position", "COMPARE_BUFFERS",
            "FLOAT32_BYTES", "MAX_TOY_DRAWS"]

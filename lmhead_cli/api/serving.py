@@ -16,18 +16,18 @@ class Serving:
     """Mixed into api.Model (which provides `self.loaded`)."""
 
     def complete(self, rows: Sequence, sink, chunk: int | None = None) -> None:
-        """Run decoding.loop.Row's together, results to `sink` (decoding.loop.Sink, rows keyed 0 … len - 1)
+        """Run decoding.rows.Row's together, results to `sink` (decoding.rows.Sink, rows keyed 0 … len - 1)
         as they are made: each prompt prefilled once (echo scored in head chunks of `chunk` positions),
         then one forward per step for every row that generates. torch's thread count is chosen by timing."""
-        from lmhead_cli.decoding.loop import run
+        from lmhead_cli.decoding.batch import run
 
         rows = list(rows)
         self.loaded.execution.run(lambda: run(self.loaded, rows, sink, chunk),
                                 units=sum(len(r.ids) + r.max_tokens for r in rows))
 
     def decoding_batch(self, chunk: int | None = None):
-        """An empty running batch (decoding.loop.Batch): `add(key, row)` queues a Row; `prefill` and `step` run it."""
-        from lmhead_cli.decoding.loop import Batch
+        """An empty running batch (decoding.batch.Batch): `add(key, row)` queues a Row; `prefill` and `step` run it."""
+        from lmhead_cli.decoding.batch import Batch
 
         return Batch(self.loaded, chunk)
 
@@ -103,10 +103,10 @@ class Serving:
 
 
 def __getattr__(name: str):
-    # The server's row and result types (decoding.loop), reached through the API (serve/ imports nothing
+    # The server's row and result types (decoding/rows.py), reached through the API (serve/ imports nothing
     # from decoding/: tests/test_startup.py), imported with torch only when asked for.
     if name in ("Row", "Echo", "Token", "Sink"):
-        from lmhead_cli.decoding import loop
+        from lmhead_cli.decoding import rows
 
-        return getattr(loop, name)
+        return getattr(rows, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

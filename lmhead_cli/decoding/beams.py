@@ -1,7 +1,7 @@
-"""Beam search over the one step function: the beams are a group of rows of a decoding.loop.Batch.
+"""Beam search over the one step function: the beams are a group of rows of a decoding.batch.Batch.
 
 The prompt is prefilled once by the batch (as any row's); each step then takes the batch's
-distributions (its head half: raw and processed log-probabilities per row, decoding.loop), ranks
+distributions (its head half: raw and processed log-probabilities per row, decoding/batch.py), ranks
 every beam's candidates by summed processed log p, regroups the rows to the survivors (a beam kept
 twice is copied with its cache: engine.reorder_cache) and advances them by one position each, all
 beams in one forward. It needs no scheduler: a beam group runs alone, to its end.
@@ -16,17 +16,49 @@ ties break the same way.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from lmhead_cli.decoding.generate import (LENGTH_PENALTY, FinishedBeam, Settings, Step, Top, _Collect, _record,
-                                          _step, _top)
-from lmhead_cli.decoding.loop import Batch
+from lmhead_cli.decoding.batch import Batch
+from lmhead_cli.decoding.record import Step, Top, record, step_of, top_tokens
+from lmhead_cli.decoding.rows import Quiet
+from lmhead_cli.decoding.settings import Settings
 
 FINISHED = -1.0e9  # transformers' penalty that keeps a finished candidate from running on
+LENGTH_PENALTY = 1.0  # transformers' default: a finished beam scores sum(log p) / length
+LENGTH_PENALTY_RULE = ("score = sum(log p) / length ** 1.0, with log p the processed log-probability of each "
+                       "token and length the number of generated tokens (end-of-text included): "
+                       "transformers' length_penalty = 1.0")
+
+
+@dataclass(frozen=True)
+class FinishedBeam:
+    """One of the N finished beams: its tokens, the score of each, and the arithmetic of its score."""
+
+    ids: list[int]
+    text: str  # decoded, without a final end-of-text
+    transition_scores: list[float]  # processed log p of each token, as compute_transition_scores gives
+    logprob: float  # the cumulative log p the search carried (float32, as transformers)
+    score: float  # logprob / length ** LENGTH_PENALTY
+    stop: str  # "eos" or "max_new_tokens"
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def sum_error(self) -> float:
+        """|sum(transition_scores) - logprob|: float32 rounding only, if the bookkeeping is right."""
+        return abs(math.fsum(self.transition_scores) - self.logprob)
+
+    @property
+    def adds_up(self) -> bool:
+        # the search adds float32 numbers, one per step: allow their rounding, ~1e-7 of the total per step
+        return self.sum_error <= 1e-6 * max(1.0, abs(self.logprob)) * max(1, self.length)
 
 
 @dataclass(frozen=True)
@@ -47,7 +79,7 @@ def search(loaded, ids: list[int], s: Settings, max_new: int, stop_at: int | Non
     batch.add(0, replace(s.row(ids, max_tokens=max_new, eos=None), greedy=True, stop=()))
     running = [_Beam(0.0)]
     with torch.inference_mode():
-        batch.prefill(_Collect(None), choose=False)  # the prompt's one row only joins
+        batch.prefill(Quiet(), choose=False)  # the prompt's one row only joins
         cands = _candidates(batch, running, s, 0, max_new, stop_at, token_text)
     first = time.perf_counter()
     finished: list[tuple[float, _Beam]] = []
@@ -91,12 +123,12 @@ def _candidates(batch: Batch, running: list[_Beam], s: Settings, t: int, max_new
     scores = logprobs + torch.tensor([b.score for b in running], device=logprobs.device)[:, None]
     top, flat = scores.view(-1).topk(min(2 * s.beams, scores.numel()))  # (2n,) best over all beams
     rows, tokens = flat // logits.shape[-1], flat % logits.shape[-1]
-    record = _record(logits[rows], raw[rows], logprobs[rows], tokens, s.show_steps, piped)
-    table = torch.cat([top[:, None].double(), rows[:, None].double(), record], dim=-1).tolist()  # one transfer
-    alts = _top(raw, logprobs, s.logprobs, s.top_logprobs)  # per beam, not per candidate
+    rec = record(logits[rows], raw[rows], logprobs[rows], tokens, s.show_steps, piped)
+    table = torch.cat([top[:, None].double(), rows[:, None].double(), rec], dim=-1).tolist()  # one transfer
+    alts = top_tokens(raw, logprobs, s.logprobs, s.top_logprobs)  # per beam, not per candidate
     cands = []
     for score, row, *rec in table:
-        st = _step(rec, token_text, logits, Top(alts[0][int(row)], alts[1][int(row)]) if alts else None)
+        st = step_of(rec, token_text, logits, Top(alts[0][int(row)], alts[1][int(row)]) if alts else None)
         cands.append((score, int(row), st, st.id == stop_at or t + 1 == max_new))
     return cands
 

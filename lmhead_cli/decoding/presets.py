@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from lmhead_cli.decoding.stages import SETTINGS, Knobs, check
+from lmhead_cli.decoding.stages import SETTINGS, Knobs, check, stage_values
 from lmhead_cli.errors import BadValue, UsageError
 
 BUNDLED = "presets.toml"
@@ -103,8 +103,6 @@ def merge(preset: str | None, defaults: dict, flags: dict) -> dict:
 
 def knobs(preset: str | None, **flags) -> Knobs:
     """Checked stage settings from a preset and flags (a preset's max_new_tokens is not a stage)."""
-    from lmhead_cli.decoding.settings import stage_values
-
     values = merge(preset, {}, flags)
     check(values)
     return Knobs(**stage_values(values))  # not max_new_tokens

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmhead_cli.decoding import stages
-from lmhead_cli.decoding.stages import STAGES, Knobs
+from lmhead_cli.decoding.stages import STAGES, Knobs, stage_values
 from lmhead_cli.errors import BadValue, ModeConflict
 
 DEFAULT_MAX_NEW_TOKENS = 40
@@ -56,25 +56,12 @@ class Settings:
         return [None if base is None else (base + j) % 2**63 for j in range(self.n)]
 
     def row(self, ids, *, max_tokens: int, eos: int | None, seed: int | None = None, echo: bool = False):
-        """The loop's Row (decoding.loop) for these settings after the prompt `ids`."""
-        from lmhead_cli.decoding.loop import Row
+        """The batch's Row (decoding/rows.py) for these settings after the prompt `ids`."""
+        from lmhead_cli.decoding.rows import Row
 
         return Row(tuple(ids), echo=echo, max_tokens=max_tokens, top=self.top_logprobs, mode=self.logprobs,
                    knobs=self.knobs, greedy=self.greedy, seed=(self.seed if seed is None else seed) or 0,
                    stop=self.stop, eos=None if self.ignore_eos else eos, alternatives=self.show_steps)
-
-
-def stage_values(values: dict) -> dict:
-    """The stage keys of `values` (a stage's `off` values, e.g. top-k 0, as None); other keys dropped."""
-    out = {}
-    for s in STAGES:
-        v = values.get(s.key)
-        out[s.key] = None if v is not None and _is_off(s, v) else v
-    return out
-
-
-def _is_off(s, v) -> bool:
-    return any(v == off and type(v) is not bool for off in s.off)
 
 
 def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,

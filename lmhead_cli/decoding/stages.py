@@ -208,8 +208,18 @@ def check(values: dict) -> None:
         if value is None or key not in SETTINGS:
             continue
         _check_type(key, value, SETTINGS[key].type)
-        if not any(value == o and type(value) is not bool for o in SETTINGS[key].off):
+        if not _is_off(SETTINGS[key], value):
             SETTINGS[key].rule.check(key, value)
+
+
+def stage_values(values: dict) -> dict:
+    """The stage keys of `values` (a stage's `off` values, e.g. top-k 0, as None); other keys dropped."""
+    return {s.key: None if values.get(s.key) is not None and _is_off(s, values[s.key]) else values.get(s.key)
+            for s in STAGES}
+
+
+def _is_off(s: Setting, v) -> bool:
+    return any(v == off and type(v) is not bool for off in s.off)
 
 
 def _check_type(key: str, value, kind) -> None:
@@ -284,7 +294,7 @@ def choose(logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | No
     import torch
 
     if greedy:
-        return logprobs.argmax(dim=-1)  # a NaN row: the step's record raises NonFiniteLogits (generate._step)
+        return logprobs.argmax(dim=-1)  # a NaN row: the step's record raises NonFiniteLogits (record.step_of)
     probs = logprobs.exp()  # (R, V)
     if bool(probs.isnan().any()):  # before the draw: torch.multinomial's RuntimeError (a device assert on CUDA)
         from lmhead_cli.head import NON_FINITE_ADVICE

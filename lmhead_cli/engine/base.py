@@ -263,7 +263,7 @@ class Engine(ABC):
         """One cache for the rows of several: each part is (cache, first column kept); every part's
         columns from there to its end are right-aligned in a new cache of `max_len` positions, its
         length the longest part's, left-padded with zeros (an attention mask hides them). Rows keep
-        their order, part after part. Continuous batching (decoding/loop.py) joins new rows to a
+        their order, part after part. Continuous batching (decoding/batch.py) joins new rows to a
         running batch with it; None where the engine's cache cannot be joined (the loop then admits
         rows only into an empty batch)."""
         return None

@@ -26,8 +26,8 @@ from lmhead_cli.errors import BadValue, NonFiniteLogits, OneToken, UsageError
 from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.agreement import Statistics, statistics
-from lmhead_cli.readings.chunks import COMPARE_BUFFERS
-from lmhead_cli.readings.chunks import default_chunk as _chunk
+from lmhead_cli.chunks import COMPARE_BUFFERS
+from lmhead_cli.chunks import default_chunk as _chunk
 from lmhead_cli.readings.score import (Window, bos_id, check_chunk, check_stride, check_text, run_means,
                                        text_ids, windows)
 

@@ -7,7 +7,7 @@ the head. The last row is then `ln_f(x_L)` through the head: exactly `inspect`'s
 
 The same forward also gives the position map: every layer's top-1 token and its probability at each
 of up to GRID_POSITIONS prompt positions ending at the one read (rows = layers, columns = positions).
-The head runs on a chunk of positions at a time (readings/chunks.py: GRID_BUFFERS float32 (chunk, V)
+The head runs on a chunk of positions at a time (lmhead_cli/chunks.py: GRID_BUFFERS float32 (chunk, V)
 buffers within its budget), and what is kept is one id and one probability a cell, never a
 (positions, V) table.
 """
@@ -21,7 +21,7 @@ import torch
 from lmhead_cli.errors import BadValue
 from lmhead_cli.engine.base import module_name
 from lmhead_cli.head import Distribution, TargetScore, check_finite, clamp_top_k, encode_targets, kl_divergence
-from lmhead_cli.readings.chunks import default_chunk
+from lmhead_cli.chunks import default_chunk
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
 

@@ -34,8 +34,8 @@ from lmhead_cli.head import check_top_logprobs, nats_to_bits, perplexity, score_
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.readings.inspect import check_prompt
 from lmhead_cli.loading.sources import Loaded
-from lmhead_cli.readings.chunks import SCORE_BUFFERS
-from lmhead_cli.readings.chunks import default_chunk as _chunk
+from lmhead_cli.chunks import SCORE_BUFFERS
+from lmhead_cli.chunks import default_chunk as _chunk
 
 # Alternatives kept per position for the HTML view (12 bytes each a token: 20 → 240 bytes a token).
 MAX_ALTERNATIVES = 20
@@ -96,7 +96,7 @@ def check_chunk(chunk: int | None) -> None:
 
 
 def default_chunk(vocab: int) -> int:
-    """The most positions whose two (chunk, V) float32 buffers fit in CHUNK_BYTES (readings/chunks.py)."""
+    """The most positions whose two (chunk, V) float32 buffers fit in CHUNK_BYTES (lmhead_cli/chunks.py)."""
     return _chunk(vocab, SCORE_BUFFERS)
 
 

@@ -1,7 +1,7 @@
 """`lmhead serve`: an OpenAI-compatible local server with the logprobs other servers don't give.
 
 serve/requests.py checks a request, serve/worker.py batches the work on the model's one thread
-(continuous batching on decoding/loop.py, through the API), serve/answer.py builds the answer with
+(continuous batching on decoding/batch.py, through the API), serve/answer.py builds the answer with
 render/openai.py, serve/app.py holds the routes, serve/door.py is the one door every request comes
 through (Host, body, JSON), serve/connections.py bounds the connections. Nothing heavy is imported
 here: `lmhead --help` stays fast.

@@ -223,7 +223,7 @@ class Sampled(_stage_fields()):
 
     def rows(self, prompts: list[list[int]], info: ModelInfo, limits: Limits, *, echo: bool, max_tokens: int,
              top: int | None) -> tuple[list, int]:
-        """The settings' rows (decoding.loop.Row, one per choice: prompt i's choices are rows i·n … i·n + n - 1;
+        """The settings' rows (decoding.rows.Row, one per choice: prompt i's choices are rows i·n … i·n + n - 1;
         choice j draws with seed + j), and the logprob entries the answer will hold. Whatever depends on
         the model or the server's limits is checked here: token ids, the context, choices and entries."""
         from dataclasses import replace

@@ -1,7 +1,7 @@
 """One model, many requests: a queue of rows and the one thread that runs them, a step at a time.
 
 Every request becomes a `Job` of rows (one per choice). The model's thread keeps one running batch
-(decoding/loop.py through Model.decoding_batch) and, between two decoding steps, admits queued rows
+(decoding/batch.py through Model.decoding_batch) and, between two decoding steps, admits queued rows
 into it while it has fewer than `max_rows`: round-robin across the jobs that wait (one row of each in
 turn), so a request with many choices never holds a one-row request behind all of its rows. An
 admitted prompt is prefilled alone, at most `max_tokens` prompt positions per round between two
@@ -60,7 +60,7 @@ class Job:
 
 
 class _Sink:
-    """decoding.loop's Sink for the running batch: a row's key is (job, i), row i of the job."""
+    """decoding.rows.Sink for the running batch: a row's key is (job, i), row i of the job."""
 
     def __init__(self, worker: Worker):
         self.worker = worker
