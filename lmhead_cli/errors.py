@@ -101,8 +101,19 @@ class OneToken(UsageError):
         self.token = token
 
 
+class BadPath(UsageError):
+    """A path the user gave (a model folder or file, a tuned lens, an input file) that does not exist,
+    cannot be read, or is a folder where a file is wanted (or the other way round): a usage error
+    wherever it is given."""
+
+
 class ModelNotFound(LmheadError):
     """A model source that is neither a cached/reachable hub id, a local folder nor a random: name."""
+
+
+class ModelPathNotFound(ModelNotFound, BadPath):
+    """A model source written as a path (`./x`, `/x`, `~/x`, `a/b/c`, `x.gguf`) that does not exist or is
+    the wrong kind: a ModelNotFound, and a usage error (exit 2) as every bad path is."""
 
 
 class HubUnreachable(ModelNotFound):

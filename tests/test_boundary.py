@@ -127,3 +127,41 @@ def test_a_bad_preset_file_is_one_line(tmp_path, content):
     preset.write_bytes(content)
     got = invoke(["sample", "x", "--preset", str(preset), "-n", "1", "--model", "random:distilgpt2"])
     one_line(got, 2, str(preset))
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", "x", "--model", "{missing}"],
+    ["inspect", "x", "--model", "{missing}.gguf"],
+    ["inspect", "x", "--model", "{folder}.gguf"],
+    ["inspect", "x", "--model", "{file}"],
+    ["lens", "x", "--tuned", "{missing}", "--model", "{tiny}"],
+    ["lens", "x", "--tuned", "{folder}", "--model", "{tiny}"],
+    ["inspect", "--file", "{missing}", "--model", "{tiny}"],
+    ["score", "--file", "{missing}", "--model", "{tiny}"],
+    ["compare", "--file", "{missing}", "--model", "{tiny}"],
+    ["calibrate", "--file", "{missing}", "--model", "{tiny}"],
+    ["generate", "x", "--preset", "{missing}.toml", "--model", "{tiny}"],
+], ids=lambda a: " ".join(a[:1] + [w for w in a if w.startswith("--")][:1]))
+def test_a_path_that_is_missing_or_the_wrong_kind_is_a_usage_error_wherever_it_is_given(tiny, tmp_path, args):
+    """Exit 2 and one line naming the path, for a model folder or file, a tuned lens, an input file and
+    a preset: the same kind of mistake gets the same exit code wherever it is made (docs/errors.md)."""
+    (tmp_path / "a-folder.gguf").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    paths = {"missing": str(tmp_path / "no-such"), "folder": str(tmp_path / "a-folder"),
+             "file": str(tmp_path / "a-file"), "tiny": str(tiny[0])}
+    got = invoke([a.format(**paths) for a in args])
+    one_line(got, 2, str(tmp_path))
+
+
+def test_serve_on_a_busy_port_is_one_line_naming_it_before_any_serving_line(tiny):
+    """A port another program listens on: one `lmhead: error:` line naming host and port, exit 1, and
+    nothing first that says it is serving (it binds before it announces)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        got = invoke(["serve", "--model", str(tiny[0]), "--port", str(port)])
+    one_line(got, 1, f"cannot listen on 127.0.0.1:{port}", "--port")
+    assert "serv" not in got.stdout

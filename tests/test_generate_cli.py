@@ -297,3 +297,31 @@ def test_the_speed_says_what_it_ran_on(tiny, monkeypatch):
     said = cli(*args).stdout
     lines = [line for line in said.splitlines() if "tokens/s" in line]
     assert len(lines) == 1 and "tokens/s (torch's products) ·" in lines[0] and said.count("torch's products") == 1
+
+
+# ---- what the summary and the first line say ---------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["generate", "greedy", "sample", "softcap"])
+def test_without_a_prompt_the_first_line_says_which_prompt_it_continues(tiny, command):
+    """inspect and lens refuse to run without a prompt; the generating commands keep the default one,
+    and say so in their first line (on stderr, so --json stays one document)."""
+    got = run(tiny, command, "-n", "1", "--seed", "1")
+    assert got.exit_code == 0, got.output
+    assert got.stderr.splitlines()[0] == (f'no prompt given: continuing "{PROMPT}" (give one: lmhead {command} '
+                                          '"TEXT")')
+    assert "no prompt given" not in run(tiny, command, PROMPT, "-n", "1", "--seed", "1").output
+    assert json.loads(run(tiny, command, "-n", "1", "--seed", "1", "--json").stdout)["mode"]
+
+
+def test_one_token_is_one_token_and_a_flat_entropy_draws_flat(tiny):
+    """"1 token in", not "1 tokens in"; entropies that the caption prints as one number draw as low
+    bars, not as full-height bars for digits nobody sees."""
+    from lmhead_cli.render import SPARK, plural, sparkline
+
+    got = run(tiny, "greedy", PROMPT, "-n", "1")
+    assert "── 1 token in " in got.stdout, got.stdout
+    assert (plural(1, "token"), plural(2, "token"), plural(1024, "token")) == ("1 token", "2 tokens", "1,024 tokens")
+    flat = [10.6701, 10.6712, 10.6704]
+    assert sparkline(flat) == SPARK[0] + SPARK[-1] + SPARK[2]  # scaled to its own span: full height
+    assert set(sparkline(flat, resolution=0.01)) <= set(SPARK[:2])  # scaled to the caption's digit: flat
+    assert sparkline([1.0, 2.0], resolution=0.01) == SPARK[0] + SPARK[-1]  # a real range still spans the bars

@@ -329,9 +329,9 @@ def test_a_tokenizer_that_does_not_fit_is_refused(gpt2, tmp_path):
 
 def test_a_gguf_that_is_a_folder_or_missing(tmp_path):
     (tmp_path / "dir.gguf").mkdir()
-    assert cli("inspect", PROMPT, "--model", str(tmp_path / "dir.gguf")).exit_code == 1
+    assert cli("inspect", PROMPT, "--model", str(tmp_path / "dir.gguf")).exit_code == 2  # a bad path: usage
     out = cli("inspect", PROMPT, "--model", str(tmp_path / "none.gguf"))
-    assert out.exit_code == 1 and "no such file" in out.stderr and out.stderr.count("\n") == 1
+    assert out.exit_code == 2 and "no such file" in out.stderr and out.stderr.count("\n") == 1
 
 
 # ---- every front end -------------------------------------------------------------------------------

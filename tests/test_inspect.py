@@ -162,7 +162,7 @@ def test_multi_token_target_uses_its_first_token(tiny):
         (["inspect", PROMPT, "-k", "0"], 2, "--top-k must be at least 1 (got 0)"),
         (["inspect", PROMPT, "--target", ""], 2, "encodes to no tokens"),
         (["inspect", PROMPT, "--model", "random:gpt5"], 2, "unknown random model 'random:gpt5'; choose one of: random:distilgpt2"),
-        (["inspect", PROMPT, "--model", "./no/such/folder"], 1, "no such folder"),
+        (["inspect", PROMPT, "--model", "./no/such/folder"], 2, "no such folder"),  # a bad path: usage
         (["inspect", PROMPT, "--model", "random:gpt2", "--dtype", "float8"], 2, "unknown --dtype"),
     ],
 )

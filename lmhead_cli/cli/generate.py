@@ -96,6 +96,8 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, stop, s
     checks.generation(**asked)  # before the load: a bad value fails in an instant
     text = checks.prompt(read_text("the prompt on stdin") if prompt == "-"
                         else DEFAULT_PROMPT if prompt is None else prompt)
+    if prompt is None:  # the first line says so: a run without a prompt is not silently about the keys
+        render.notice(f'no prompt given: continuing "{DEFAULT_PROMPT}" (give one: lmhead {command_name} "TEXT")')
     model = source.load()
 
     def start(ids: list[int], dropped: int, settings) -> None:

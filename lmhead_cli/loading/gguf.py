@@ -99,9 +99,9 @@ class _Meta:
 def read_header(path: Path) -> Header:
     """The checked header of the GGUF file at `path` (a regular file, not a folder nor a FIFO)."""
     if not path.is_file():
-        from lmhead_cli.errors import ModelNotFound
+        from lmhead_cli.errors import ModelPathNotFound
 
-        raise ModelNotFound(f"no such file: {path}" if not path.exists() else f"{path} is not a file")
+        raise ModelPathNotFound(f"no such file: {path}" if not path.exists() else f"{path} is not a file")
     regular_file(path)
     return check_header(path)
 

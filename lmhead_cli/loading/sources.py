@@ -23,8 +23,8 @@ from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
 from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
 from lmhead_cli.engine import pages
 from lmhead_cli.engine.execution import Execution
-from lmhead_cli.errors import (CorruptCheckpoint, HubUnreachable, LmheadError, ModelNotFound, Notice, Param,
-                               UnsupportedModel, UsageError)
+from lmhead_cli.errors import (CorruptCheckpoint, HubUnreachable, LmheadError, ModelNotFound, ModelPathNotFound,
+                               Notice, Param, UnsupportedModel, UsageError)
 from lmhead_cli.loading import bundled, checks, gguf, validate
 from lmhead_cli.loading.model_configs import config_names, load_config
 from lmhead_cli.loading.tie import TieReport, file_tie, tie_report  # noqa: F401 - the tie's own module
@@ -226,11 +226,11 @@ def _find_folder(source: str, allow_pickle: bool) -> tuple[Path, str]:
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ModelNotFound(f"{source!r} is a file; ", Param("source"), " takes a folder holding config.json and "
+            raise ModelPathNotFound(f"{source!r} is a file; ", Param("source"), " takes a folder holding config.json and "
                                 "model.safetensors")
         return path, "local"
     if source.startswith((".", "/", "~")) or source.count("/") > 1:  # a path, not "org/name"
-        raise ModelNotFound(f"no such folder: {source}")
+        raise ModelPathNotFound(f"no such folder: {source}")
     return _hub_folder(source, allow_pickle), "hub"
 
 

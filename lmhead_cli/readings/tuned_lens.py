@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel, WrongLens
+from lmhead_cli.errors import BadPath, CorruptCheckpoint, UnsupportedModel, WrongLens
 from lmhead_cli.loading.sources import Loaded
 
 FORMAT = "lmhead-tuned-lens/1"
@@ -177,13 +177,13 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
 
     path = Path(path)
     name = name or str(path)
-    if path.is_dir():
-        raise _corrupt(name, "it is a folder")
+    if path.is_dir():  # a path that cannot be read as a file is a usage error, as every bad path is
+        raise BadPath(f"the tuned lens {name} cannot be read: it is a folder")
     try:
         with open(path, "rb") as f:
             head = f.read(8)
     except OSError as e:
-        raise _corrupt(name, e.strerror or type(e).__name__) from None
+        raise BadPath(f"the tuned lens {name} cannot be read: {e.strerror or type(e).__name__}") from None
     if len(head) < 8 or int.from_bytes(head, "little") > MAX_HEADER:
         raise _corrupt(name, "it is not a safetensors file (damaged or another format)")
     try:

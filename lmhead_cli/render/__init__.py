@@ -214,13 +214,20 @@ def bar(fraction: float, width: int = BAR_WIDTH) -> str:
     return "█" * full + ("▏▎▍▌▋▊▉"[rest - 1] if rest else "")
 
 
-def sparkline(values: list[float]) -> str:
-    """One character per value, scaled between the values' min and max."""
+def sparkline(values: list[float], resolution: float = 0.0) -> str:
+    """One character per value, scaled between the values' min and max over a span of at least
+    `resolution` (the caption's last printed digit): a range the caption prints as one number (10.67–10.67)
+    draws flat, not as full-height bars for differences in digits nobody sees."""
     if not values:
         return ""
     lo, hi = min(values), max(values)
-    span = hi - lo
+    span = max(hi - lo, resolution)
     return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
+
+
+def plural(n: int, word: str) -> str:
+    """"1 token", "2 tokens", "1,024 tokens": a count and its noun, in agreement."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def knobs_text(knobs, sep: str = " → ") -> str:

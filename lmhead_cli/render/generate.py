@@ -13,7 +13,7 @@ from dataclasses import asdict
 from rich.table import Table
 from rich.text import Text
 
-from lmhead_cli.render import knobs_text, notice, out, provenance_json, safe_text, sparkline
+from lmhead_cli.render import knobs_text, notice, out, plural, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "stop": "a stop string", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -67,11 +67,12 @@ def summary(g, source=None) -> None:
     ent = [s.entropy for s in g.steps]
     on = " (torch's products)" if source is not None and source.device == "cpu" and \
         source.products == "torch's products" else ""
-    con.print(f"[dim]──[/] {len(g.generated_ids)} tokens in {g.elapsed_s:.2f} s · {g.tokens_per_second:.1f} tokens/s{on} "
-              f"· mean entropy {g.mean_entropy:.2f} nats · stop: {STOP[g.stop]}", soft_wrap=True)
+    con.print(f"[dim]──[/] {plural(len(g.generated_ids), 'token')} in {g.elapsed_s:.2f} s · {g.tokens_per_second:.1f} "
+              f"tokens/s{on} · mean entropy {g.mean_entropy:.2f} nats · stop: {STOP[g.stop]}", soft_wrap=True)
     if ent:
-        con.print(f"[dim]entropy per step[/] [cyan]{sparkline(ent)}[/] ({min(ent):.2f}–{max(ent):.2f} nats)",
-                  soft_wrap=True)
+        lo, hi = f"{min(ent):.2f}", f"{max(ent):.2f}"
+        span = f"{lo} nats, every step to 2 decimals" if lo == hi else f"{lo}–{hi} nats"
+        con.print(f"[dim]entropy per step[/] [cyan]{sparkline(ent, resolution=0.01)}[/] ({span})", soft_wrap=True)
     con.print(f"[dim]{_settings_line(g)}[/]", soft_wrap=True)
 
 

@@ -105,10 +105,12 @@ def build(options: Options, model):
 def serve(options: Options, model, say=lambda line: print(line, file=sys.stderr, flush=True)) -> None:
     """Serve until interrupted (uvicorn, one process; the model's work on its own thread)."""
     from lmhead_cli.api import hand_over
-    from lmhead_cli.serve.connections import run
+    from lmhead_cli.serve.connections import listen, run
 
+    sock = listen(options.host, options.port)  # a busy port fails here, before the line that says it serves
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
     app = build(options, model)
     hand_over()  # the model's thread alone runs parallel work from here (the loading ran on this one)
-    say(f"lmhead serve: {app.state.served.name} at http://{options.host}:{options.port}/v1 "
+    say(f"lmhead serve: {app.state.served.name} at http://{options.host}:{port}/v1 "
         f"(OpenAI API; Ctrl-C stops)")
-    run(app, options.host, options.port)
+    run(app, options.host, port, sock=sock)

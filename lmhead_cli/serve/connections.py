@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import resource
 import time
 
@@ -71,8 +72,34 @@ class QuietLoopErrors:
         self.log(line)
 
 
-def run(app, host: str, port: int) -> None:
-    """Serve `app` until interrupted: one uvicorn process, h11, the bounds above."""
+def listen(host: str, port: int):
+    """A socket bound to host:port, before anything says it is serving: a port another program holds
+    (or an address this machine lacks) is one LmheadError naming it, not uvicorn's log line and exit 3."""
+    import socket
+
+    from lmhead_cli.errors import LmheadError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise LmheadError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        advice = ("; another program is listening on it: stop it or choose another port with --port"
+                  if e.errno == errno.EADDRINUSE else "")
+        raise LmheadError(f"cannot listen on {host}:{port}: {e.strerror or e}{advice}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(app, host: str, port: int, sock=None) -> None:
+    """Serve `app` until interrupted: one uvicorn process, h11, the bounds above; on `sock` (from
+    listen()) when given, else on a socket uvicorn binds to host:port."""
     import uvicorn
 
     from lmhead_cli.serve.door import log
@@ -85,6 +112,6 @@ def run(app, host: str, port: int) -> None:
 
     async def main() -> None:
         asyncio.get_running_loop().set_exception_handler(QuietLoopErrors(log))
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
 
     asyncio.run(main())
