@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from lmhead_cli.errors import LmheadError, UsageError
+from lmhead_cli.safe_text import quoted
 
 
 def check_target(path: str, what: str) -> None:
@@ -20,7 +21,6 @@ def check_target(path: str, what: str) -> None:
     import stat
 
     from lmhead_cli.inputs import special_kind
-    from lmhead_cli.render import quoted
 
     try:
         mode = os.lstat(path).st_mode
@@ -38,7 +38,6 @@ def check_target(path: str, what: str) -> None:
 def write_atomically(path: str, text: str, what: str) -> None:
     """Write `text` (UTF-8) to `path` (see above), or LmheadError naming the path; nothing is left behind.
     The new file gets the permissions open() would give it (0666 less the umask)."""
-    from lmhead_cli.render import quoted
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -292,12 +292,12 @@ def test_completion_offers_cached_hub_ids_and_folders(tmp_path, monkeypatch):
 
 def _public_functions():
     """(name, function) for every public Model method (Serving's included) and the API's functions."""
-    from lmhead_cli.api import explore, model as api_model
+    from lmhead_cli.api import arithmetic, explore, model as api_model
 
     methods = [(name, fn) for cls in (api_model.Model, *api_model.Model.__mro__[1:-1])
                for name, fn in vars(cls).items() if callable(fn) and not name.startswith("_")]
     return [*dict(methods).items(), ("api.load", api_model.load), ("api.model_params", api_model.model_params),
-            ("api.params", api_model.params), ("api.toy", api_model.toy), ("explore.settings", explore.settings)]
+            ("api.params", arithmetic.params), ("api.toy", arithmetic.toy), ("explore.settings", explore.settings)]
 
 
 # Parameters checked in the method's body rather than by their declared kind, each with the test below that

@@ -182,7 +182,7 @@ def client(tiny):
     from fastapi.testclient import TestClient
 
     import lmhead_cli
-    from lmhead_cli.page.routes import router
+    from lmhead_cli.serve.page import router
 
     app = FastAPI()
     app.include_router(router(lmhead_cli.load(str(tiny[0]), threads=1)))
@@ -221,7 +221,7 @@ def test_route_errors(client, path, body, status, message):
 
 
 def test_route_body_limit(client):
-    from lmhead_cli.page.routes import MAX_BODY_BYTES
+    from lmhead_cli.serve.page import MAX_BODY_BYTES
 
     got = client.post("/api/score", content=b'{"text": "' + b"a" * MAX_BODY_BYTES + b'"}',
                       headers={"content-type": "application/json"})
@@ -238,7 +238,7 @@ def test_model_error_is_an_answer(tiny, tmp_path):
     from fastapi.testclient import TestClient
 
     import lmhead_cli
-    from lmhead_cli.page.routes import router
+    from lmhead_cli.serve.page import router
 
     app = FastAPI()
     app.include_router(router(lmhead_cli.load(str(nan_checkpoint(tiny[0], tmp_path)), threads=1)))

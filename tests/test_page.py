@@ -424,7 +424,7 @@ def test_served_page_hostile_prompt_and_model(browser, served, control_model):
 
 
 def test_errors_are_shown(browser, served, tiny, tmp_path):
-    from lmhead_cli.page.routes import MAX_TEXT_CHARS
+    from lmhead_cli.serve.page import MAX_TEXT_CHARS
 
     browser.get(served.url + "/")
     browser.execute_script("document.getElementById('score-text').value = 'ab '.repeat(arguments[0])",

@@ -12,9 +12,8 @@ its options offer) without the Model's.
 
 __all__ = ["Model", "Result", "hand_over", "load", "model_params", "own_process", "params", "toy"]
 
-_FROM = {"Model": "model", "load": "model", "model_params": "model", "params": "model", "toy": "model", "own_process": "model",
-         "hand_over": "model",
-         "Result": "results"}
+_FROM = {"Model": "model", "load": "model", "model_params": "model", "params": "arithmetic", "toy": "arithmetic",
+         "own_process": "process", "hand_over": "process", "Result": "results"}
 
 
 def __getattr__(name: str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from lmhead_cli.api.results import ReadingResult, html_table
-from lmhead_cli.errors import BadType, Param, UsageError
+from lmhead_cli.errors import Param, UsageError
 
 SAME = "same"  # --base same: the model's own source
 
@@ -31,46 +31,18 @@ def check_base(base, base_dtype: str) -> None:
         raise UsageError("unknown ", Param("base_dtype"), f" {base_dtype!r}; choose one of: {', '.join(DTYPES)}")
 
 
-def base_model(model, base, base_dtype: str = "float32", *, allow_pickle: bool = False, threads: int | None = None,
-               ignore_memory: bool = False):
-    """The base as a Model: `base` itself if it is one; else `base` (a source; None or "same": the
-    model's own) loaded in `base_dtype` on the model's device. The model itself when that is what it
-    already is (same source and dtype): a model against itself, loaded once."""
-    from lmhead_cli.api.model import Model, load
-
-    if isinstance(base, Model):
-        return base
-    if base is not None and not isinstance(base, str):
-        raise BadType("base", f"must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
-    check_base(base, base_dtype)
-    source = model.source if base in (None, SAME) else base
-    from lmhead_cli.readings.compare import dtype_name
-
-    own = model.provenance
-    if source == model.source and base_dtype == dtype_name(model.loaded):
-        return model
-    return load(source, device=own.device.split(":")[0], dtype=base_dtype,
-                engine=own.engine if source == model.source else "auto", threads=threads,
-                allow_pickle=allow_pickle, ignore_memory=ignore_memory)
-
-
-def compare(model, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
-            stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,
-            progress: Callable[[int, int], None] | None = None) -> CompareResult:
-    """How far this model (Q) moves the next-token distribution from `base` over every token of `text`:
-    PPL of both, ln(PPL(Q)/PPL(base)), mean KLD with its percentiles, Δp, same top p.
-
-    `base`: a loaded Model, a source, or None / "same" for this model's own source, loaded in
-    `base_dtype`. Both must share the vocabulary and the tokenizer. Texts longer than the context go in
-    windows of n_ctx tokens that begin every `stride` tokens; both heads run `chunk` positions at a time.
-    `llama_chunks` = n scores llama-perplexity's positions instead: chunks of n tokens, the second half
-    of each (with `bos`, BOS in place of each chunk's first token)."""
+def compare(model, other, text: str, *, bos: bool = False, stride: int | None = None, chunk: int | None = None,
+            llama_chunks: int | None = None, progress: Callable[[int, int], None] | None = None) -> CompareResult:
+    """How far `model` (Q) moves the next-token distribution from `other` (the base, a loaded Model: see
+    Model.compare) over every token of `text`: PPL of both, ln(PPL(Q)/PPL(base)), mean KLD with its
+    percentiles, Δp, same top p. Both must share the vocabulary and the tokenizer. Texts longer than the
+    context go in windows of n_ctx tokens that begin every `stride` tokens; both heads run `chunk`
+    positions at a time. `llama_chunks` = n scores llama-perplexity's positions instead: chunks of n
+    tokens, the second half of each (with `bos`, BOS in place of each chunk's first token). `text` and
+    `chunk` are checked by the caller, before the base is loaded."""
     from lmhead_cli.api import checks
     from lmhead_cli.readings.compare import check_llama_chunks, compare_text
 
-    checks.text(text)
-    checks.chunk(chunk)
-    other = base_model(model, base, base_dtype)
     n_ctx = min(model.n_ctx, other.n_ctx)
     checks.stride(stride, n_ctx)
     check_llama_chunks(llama_chunks, n_ctx)

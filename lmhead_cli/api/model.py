@@ -15,6 +15,7 @@ import functools
 from typing import Callable, Iterable
 
 from lmhead_cli.api import checks, results
+from lmhead_cli.api.arithmetic import COUNTS, gpt2_only, params_result
 from lmhead_cli.api.checks import kinds
 from lmhead_cli.api.serving import Serving
 from lmhead_cli.errors import BadType, BadValue, UnsupportedModel
@@ -28,7 +29,6 @@ SCORING = {"text": str, **WINDOWS, "top_logprobs": int, "alternatives": int}
 DECODING = {"max_new_tokens": int, "beams": int, "seed": int, "greedy": bool, "ignore_eos": bool, "show_steps": int,
             "top_logprobs": int, "logprobs": ("raw", "processed"), "preset": str, "mode": tuple(checks.MODES),
             "on_start": callable, "on_text": callable}
-COUNTS = {"batch": int, "seq": int, "vocab": int}
 
 
 @kinds(source=str, device=str, dtype=str, engine=str, threads=int, allow_pickle=bool, ignore_memory=bool,
@@ -59,25 +59,6 @@ def load(source: str | None = None, *, device: str = "auto", dtype: str = "float
         from lmhead_cli.render import notice as announce
     return Model(load_model(source, device=device, dtype=dtype, engine=engine, allow_pickle=allow_pickle,
                             threads=threads, ignore_memory=ignore_memory, announce=announce))
-
-
-def own_process() -> None:
-    """For a front end that owns its process (the `lmhead` command), before anything imports torch:
-    OpenMP's threads spin briefly between parallel regions and glibc's mmap threshold is pinned for
-    long loops (engine/execution.py). A program that imports lmhead as a library never calls this."""
-    from lmhead_cli.engine.execution import own_process as own
-
-    own()
-
-
-def hand_over() -> bool:
-    """For a front end that owns its process and hands the model's work to another thread for good
-    (`lmhead serve`, after loading): the calling thread's OpenMP helper threads are ended, so that the
-    other thread's parallel regions keep their spin-wait (engine/execution.py release_thread_pool).
-    Whether they were; nothing where own_process did not run."""
-    from lmhead_cli.engine.execution import process_owned, release_thread_pool
-
-    return process_owned() and release_thread_pool()
 
 
 def scoped(method):
@@ -345,34 +326,10 @@ class Model(Serving):
         beginning-of-text token (seeds seed, seed + 1, …; decoding stages as `generate` takes them:
         temperature, top_k, top_p, min_p, softcap, preset, greedy) and reports their entropy rate, the
         mean -log p of the sampled tokens, against the NLL on the text (Braverman et al. 2020)."""
-        import secrets
-        from dataclasses import asdict
+        from lmhead_cli.api.calibrate import calibrate
 
-        from lmhead_cli.readings.calibrate import Generations, calibrate_text, entropy_rate
-
-        self.check_score(text, stride=stride, chunk=chunk)
-        if isinstance(generations, bool) or not isinstance(generations, int) or generations < 0:
-            raise BadValue("generations", f"must be a whole number, at least 0 (got {generations!r})")
-        settings = None
-        if generations:
-            settings = checks.generation(preset=preset, greedy=greedy, ignore_eos=True, seed=seed,
-                                         max_new_tokens=max_new_tokens, **knobs)
-            if self.bos_token_id is None:
-                raise UnsupportedModel(f"{self.source} declares no beginning-of-text token to sample after")
-        reading = calibrate_text(self.loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)
-        if generations:
-            prompt = self.decode([self.bos_token_id])
-            base = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
-            # one batch of `generations` choices: choice i draws with seed base + i, as it would alone
-            made = [r.reading for r in self.generate([prompt], n=generations, max_new_tokens=max_new_tokens, seed=base,
-                                                     preset=preset, greedy=greedy, ignore_eos=True, **knobs)]
-            tokens, rate = entropy_rate(made)
-            on = {k: v for k, v in asdict(settings.knobs).items() if v is not None}
-            reading.generations = Generations(count=generations, prompt=prompt, max_new_tokens=max_new_tokens,
-                                              seed=base, settings=on | ({"greedy": True} if settings.greedy else {}),
-                                              tokens=tokens, entropy_rate=rate, cross_entropy=reading.nll,
-                                              texts=[g.text for g in made])
-        return results.CalibrateResult(reading)
+        return calibrate(self, text, stride=stride, bos=bos, chunk=chunk, progress=progress, generations=generations,
+                         max_new_tokens=max_new_tokens, seed=seed, preset=preset, greedy=greedy, **knobs)
 
     @scoped
     @kinds(text=str, **WINDOWS, base_dtype=str, llama_chunks=int, bos=bool, progress=callable)
@@ -385,8 +342,29 @@ class Model(Serving):
         tokens, the second half of each scored)."""
         from lmhead_cli.api.compare import compare
 
-        return compare(self, text, base, base_dtype=base_dtype, bos=bos, stride=stride, chunk=chunk,
+        checks.text(text)
+        checks.chunk(chunk)
+        return compare(self, self._base(base, base_dtype), text, bos=bos, stride=stride, chunk=chunk,
                        llama_chunks=llama_chunks, progress=progress)
+
+    def _base(self, base, base_dtype: str) -> Model:
+        """compare's base as a Model: `base` itself if it is one; else `base` (a source; None or "same":
+        this model's own) loaded in `base_dtype` on this model's device; this model itself when that is
+        what it already is (same source and dtype): a model against itself, loaded once."""
+        from lmhead_cli.api.compare import SAME, check_base
+        from lmhead_cli.readings.compare import dtype_name
+
+        if isinstance(base, Model):
+            return base
+        if base is not None and not isinstance(base, str):
+            raise BadType("base", f"must be a model source, {SAME!r} or a loaded Model (got {type(base).__name__})")
+        check_base(base, base_dtype)
+        source = self.source if base in (None, SAME) else base
+        own = self.provenance
+        if source == self.source and base_dtype == dtype_name(self.loaded):
+            return self
+        return load(source, device=own.device.split(":")[0], dtype=base_dtype,
+                    engine=own.engine if source == self.source else "auto")
 
     @kinds(**WINDOWS, bos=bool)
     def score_lines(self, lines: Iterable, *, bos: bool = False, stride: int | None = None,
@@ -473,25 +451,6 @@ def many(key: str, values: Iterable) -> Iterable:
     return values
 
 
-def params_result(model: str, counted_from: str, acc, batch: int = 1, seq: int | None = None,
-                  vocab: int | None = None) -> results.ParamsResult:
-    """A ParamsResult from an account (readings.params): the head's cost and the logits' memory."""
-    from lmhead_cli.readings import params as count
-
-    for key, value in (("batch", batch), ("seq", seq), ("vocab", vocab)):
-        if value is not None:
-            checks.at_least_one(key, value)
-    return results.ParamsResult(model, counted_from, acc, count.head_cost(acc.n_embd, acc.vocab_size),
-                                count.logits_memory(batch, seq or acc.n_positions, vocab or acc.vocab_size))
-
-
-def gpt2_only(source: str, kind: str | None) -> None:
-    """UnsupportedModel unless `kind` (a config's model_type) is GPT-2's: params counts its tensors by name."""
-    if kind != "gpt2":
-        raise UnsupportedModel(f"params counts GPT-2-family tensors (wte, wpe, h.N, ln_f); {source} is a "
-                               f"{kind!r} model")
-
-
 @kinds(source=str, **COUNTS, allow_pickle=bool)
 def model_params(source: str, batch: int = 1, seq: int | None = None, vocab: int | None = None, *,
                  allow_pickle: bool = False) -> results.ParamsResult:
@@ -503,29 +462,3 @@ def model_params(source: str, batch: int = 1, seq: int | None = None, vocab: int
     return load(source, device="cpu", engine="lean", allow_pickle=allow_pickle).params(batch, seq, vocab)
 
 
-@kinds(temperature=float, seed=int, draws=int)
-def toy(hidden: str | Iterable[float] | None = None, temperature: float = 1.0, seed: int = 0, draws: int = 20):
-    """`lmhead toy`: the whole last step on a four-word table (readings.toy.ToyExample); `hidden` is
-    3 numbers, or their text "0.5,1,2" (default 1,0,1). Arithmetic only: no torch."""
-    from lmhead_cli.readings import toy as reading
-
-    if hidden is None:
-        h = reading.HIDDEN
-    elif isinstance(hidden, str):
-        h = reading.parse_hidden(hidden)
-    elif isinstance(hidden, Iterable) and not isinstance(hidden, (bytes, bytearray)):
-        h = reading.parse_hidden(",".join(str(float(checks.typed("hidden", v, float))) for v in hidden))
-    else:
-        raise BadType("hidden", f"must be numbers, or their text \"0.5,1,2\" (got {type(hidden).__name__})")
-    reading.check_temperature(temperature)
-    reading.check_draws(draws)
-    return reading.toy_example(h, temperature, seed, draws)
-
-
-@kinds(config=str, **COUNTS)
-def params(config: str = "gpt2", batch: int = 1, seq: int | None = None, vocab: int | None = None) -> results.ParamsResult:
-    """`lmhead params --config NAME`: a bundled config counted by arithmetic; no torch, no weights."""
-    from lmhead_cli.loading.model_configs import load_config
-    from lmhead_cli.readings import params as count
-
-    return params_result(config, "config", count.account_from_config(load_config(config)), batch, seq, vocab)

@@ -104,7 +104,7 @@ class Serving:
 
 def __getattr__(name: str):
     # The server's row and result types (decoding/rows.py), reached through the API (serve/ imports nothing
-    # from decoding/: tests/test_startup.py), imported with torch only when asked for.
+    # from decoding/: tests/test_imports.py), imported with torch only when asked for.
     if name in ("Row", "Echo", "Token", "Sink"):
         from lmhead_cli.decoding import rows
 

@@ -210,24 +210,3 @@ class Int8Head(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.table.times(h)
-
-
-def quantise_gpt2_(gpt: nn.Module, tied: bool, device: torch.device, announce=lambda line: None) -> None:
-    """Replace every matrix of a lean GPT2 (engine/lean.py) by its int8 table, in place: each block's
-    Conv1Ds, and wte with lm_head (one table when tied). wpe, norms and biases stay float32. Where
-    `device` has no int8 kernel, `announce(line)` names the fallback."""
-    from lmhead_cli.engine.lean import Conv1D
-
-    kernel = kernel_for(device)
-    if not kernel:
-        announce(f"int8 weights on {device.type}: torch has no int8 product kernel there; each product "
-                 "dequantises its weights to float32 instead (the same figures, none of the speed)")
-
-    for block in gpt.h:
-        for parent in (block.attn, block.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Conv1D):
-                    setattr(parent, name, Int8Conv1D(child.weight, child.bias, kernel))
-    table = Int8Table(gpt.wte.weight, kernel)
-    head = table if tied else Int8Table(gpt.lm_head.weight, kernel)
-    gpt.wte, gpt.lm_head = Int8Embedding(table), Int8Head(head)

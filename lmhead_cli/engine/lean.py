@@ -19,8 +19,7 @@ from torch import nn
 
 from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
                                     position_ids)
-from lmhead_cli.engine import kernels
-from lmhead_cli.engine.int8 import Int8Head
+from lmhead_cli.engine import int8, kernels
 from lmhead_cli.engine.step import StepPlan
 
 from lmhead_cli.engine.products import Products, few_cpu_rows, few_rows_product, kernel_rows, products_for
@@ -232,7 +231,7 @@ class LeanGPT2(Engine):
     def __init__(self, config: dict, module: GPT2):
         super().__init__(name="lean", config=config, module=module)
         self.gpt = module
-        self.int8 = isinstance(module.lm_head, Int8Head)  # quantised at load (engine/int8.py)
+        self.int8 = isinstance(module.lm_head, int8.Int8Head)  # quantised at load (engine/int8.py)
         # int8 runs one form (engine/int8.py); the float dtypes' forms are chosen by timing.
         self.products = Products() if self.int8 else products_for(self.dtype, self.device)
         for m in module.modules():
@@ -416,3 +415,22 @@ def init_random_(state: dict[str, torch.Tensor], n_layer: int, seed: int) -> Non
         else:
             std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
             t.normal_(0.0, std, generator=g)
+
+
+def quantise_gpt2_(gpt: nn.Module, tied: bool, device: torch.device, announce=lambda line: None) -> None:
+    """Replace every matrix of a lean GPT2 by its int8 table (engine/int8.py), in place: each block's
+    Conv1Ds, and wte with lm_head (one table when tied). wpe, norms and biases stay float32. Where
+    `device` has no int8 kernel, `announce(line)` names the fallback."""
+    kernel = int8.kernel_for(device)
+    if not kernel:
+        announce(f"int8 weights on {device.type}: torch has no int8 product kernel there; each product "
+                 "dequantises its weights to float32 instead (the same figures, none of the speed)")
+
+    for block in gpt.h:
+        for parent in (block.attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Conv1D):
+                    setattr(parent, name, int8.Int8Conv1D(child.weight, child.bias, kernel))
+    table = int8.Int8Table(gpt.wte.weight, kernel)
+    head = table if tied else int8.Int8Table(gpt.lm_head.weight, kernel)
+    gpt.wte, gpt.lm_head = int8.Int8Embedding(table), int8.Int8Head(head)

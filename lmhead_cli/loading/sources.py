@@ -20,7 +20,7 @@ import torch
 
 from lmhead_cli.engine.base import Engine
 from lmhead_cli.engine.hf import TransformersEngine, check_head_is_known
-from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_
+from lmhead_cli.engine.lean import GPT2, TIE_NAMES, Conv1D, LeanGPT2, conv1d_weight, init_random_, quantise_gpt2_
 from lmhead_cli.engine import pages
 from lmhead_cli.engine.execution import Execution
 from lmhead_cli.errors import (CorruptCheckpoint, HubUnreachable, LmheadError, ModelNotFound, ModelPathNotFound,
@@ -357,8 +357,6 @@ def build_lean(config: dict, state: dict[str, torch.Tensor], tied: bool, files: 
     if tied:
         model.lm_head.weight = model.wte.weight  # assign=True replaced wte's Parameter: tie again
     if int8:
-        from lmhead_cli.engine.int8 import quantise_gpt2_
-
         quantise_gpt2_(model, tied, device, announce)
     model = model.to(device).eval()
     if made:

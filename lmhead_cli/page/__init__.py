@@ -1,7 +1,8 @@
 """The page of `lmhead serve` and the scored-text view of `score --html`: one HTML file, one stylesheet
 and one script, shipped inside the package (nothing is fetched from a CDN or a font service).
 
-`asset(name)` reads one of them; `routes.router(model)` serves them with the JSON routes the page calls."""
+`asset(name)` reads one of them. Files only, importing nothing of lmhead: render/html.py inlines them
+into `score --html`, and the server's serve/page.py serves them with the JSON routes the page calls."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ Consoles are made per call (not at import) so they write to whatever sys.stdout 
 at that moment: a terminal, a pipe, or Typer's CliRunner in tests.
 
 Data (prompts, tokens, targets, file lines, paths, generated text) is untrusted for the terminal.
-It reaches human output only through `safe_text` (control characters such as ESC, BEL, CR, DEL
-and the C1 range made visible as \\x1b, ...) and, inside rich output, only as `Text` objects
-(`data`, `token_cell`, `compose`), so markup in data is never parsed. JSON stays exact.
+It reaches human output only through `safe_text` (lmhead_cli/safe_text.py: control characters such
+as ESC, BEL, CR, DEL and the C1 range made visible as \\x1b, ...) and, inside rich output, only as
+`Text` objects (`data`, `token_cell`, `compose`), so markup in data is never parsed. JSON stays exact.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lmhead_cli.render.big_table import BigTable, as_big_table
+from lmhead_cli.safe_text import quoted, safe_text  # noqa: F401 - the renderers' names for them
 
 BAR_WIDTH = 16
 SPARK = "▁▂▃▄▅▆▇█"
@@ -77,25 +78,7 @@ def notice(message: str) -> None:
     err().print(data(message, "dim"))
 
 
-# ---- terminal-safe text --------------------------------------------------------------------------
-# C0 and C1 controls, DEL, lone surrogates (undecodable bytes), and the characters that reorder or
-# break lines (bidi overrides and isolates, line and paragraph separators).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
-                     "\ud800-\udfff]")
-_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
-def safe_text(text: str, keep: str = "") -> str:
-    """`text` with every control character made visible (ESC as \\x1b, BEL as \\x07, newline as \\n),
-    except those in `keep` (streamed text keeps "\\n\\t"). Nothing else changes."""
-
-    def visible(m: re.Match) -> str:
-        ch = m.group()
-        if ch in keep:
-            return ch
-        return _NAMED.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
-
-    return _UNSAFE.sub(visible, text)
+# ---- terminal-safe text: lmhead_cli/safe_text.py (safe_text, quoted), shown here as rich objects ----
 
 
 def data(text: str, style: str = "") -> Text:
@@ -106,11 +89,6 @@ def data(text: str, style: str = "") -> Text:
 def compose(*parts: str | Text) -> Text:
     """One line from constant markup (str, parsed) and data (Text, as it is)."""
     return Text.assemble(*(p if isinstance(p, Text) else Text.from_markup(p) for p in parts))
-
-
-def quoted(text: str) -> str:
-    """A token or target in quotes for a message: 'are', safe, without repr's doubled backslashes."""
-    return "'" + safe_text(text) + "'"
 
 
 PROMPT_ROWS = 24  # prompt tokens shown at most: the first and the last halves, and a count between

@@ -80,17 +80,10 @@ def check(options: Options) -> list[str]:
     return warnings
 
 
-def model_name(source: str) -> str:
-    """The name /v1/models shows: a local folder by its last part (no path leaves the server)."""
-    from pathlib import Path
-
-    path = Path(source).expanduser()
-    return path.name if path.exists() else source
-
-
 def build(options: Options, model):
     """The FastAPI app serving `model` (an api.Model) with these options."""
     from lmhead_cli.serve.app import Served, build_app
+    from lmhead_cli.serve.door import model_name
     from lmhead_cli.serve.requests import Limits
     from lmhead_cli.serve.worker import Worker
 

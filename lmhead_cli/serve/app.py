@@ -6,7 +6,7 @@
     POST /v1/chat/completions    chat.completion
     POST /tokenize, /detokenize, GET /tokenizer_info   as lm-evaluation-harness's remote tokenizer probes them
     GET  /openapi.json           the request models (serve/requests.py), extension fields included
-    /                            the page (lmhead_cli/page/routes.py, issue 18)
+    /                            the page (serve/page.py; its files in lmhead_cli/page/)
 
 A route reads like a CLI command: its body comes through the door (serve/door.py: Host, content type,
 size, depth) as a pydantic model (serve/requests.py), is converted once to the worker's rows, queued
@@ -82,19 +82,16 @@ class Served:
         return await run_in_threadpool(lambda: self.model.encode(self.model.chat_prompt(messages)))
 
 
-def _page(served: Served, dependencies) -> APIRouter | None:
-    """The page's routes (lmhead_cli/page), their model work in the worker's queue and behind the API
-    key; None where the page is not part of this build."""
-    try:
-        from lmhead_cli.page.routes import router
-    except ImportError:
-        return None
+def _page(served: Served, dependencies) -> APIRouter:
+    """The page's routes (serve/page.py), their model work in the worker's queue and behind the API key."""
+    from lmhead_cli.serve.page import router
+
     return router(served.model, run=served.worker.call, dependencies=dependencies, max_body=served.limits.max_body,
                   name=served.name)
 
 
 def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
-    """The app for one served model; `page` (lmhead_cli/page's routes by default) is mounted at /."""
+    """The app for one served model; `page` (serve/page.py's routes by default) is mounted at /."""
     app = FastAPI(title="lmhead", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   default_response_class=door.Answer)
     app.state.served = served
@@ -179,10 +176,7 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
 
     app.include_router(open_routes)
     app.include_router(api)
-    if page is None:
-        page = _page(served, [Depends(check_key)])
-    if page is not None:
-        app.include_router(page)
+    app.include_router(page if page is not None else _page(served, [Depends(check_key)]))
     if served.cors:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -10,6 +10,7 @@
   MAX_DEPTH deep, no NaN or Infinity, no lone surrogate in any string (400): then the route's
   pydantic model (serve/requests.py) checks the fields, and its errors come out as 400s naming the
   field. A client that goes away in the middle of its body ends its request quietly.
+* **Names.** The model is shown by its name, never by a path (`model_name`: a folder's last part).
 * **Answers.** Every JSON answer, error and log line is written by render.dumps, which escapes DEL,
   the C1 controls and U+2028/9 as the streamed events do.
 
@@ -185,6 +186,15 @@ def route_class(max_body: int = DEFAULT_MAX_BODY) -> type[APIRoute]:
 # ---- the Host ------------------------------------------------------------------------------------
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def model_name(source: str) -> str:
+    """The name the server shows for its model (/v1/models, the page's /api/info): a local folder by its
+    last part, so that no path leaves the server."""
+    from pathlib import Path
+
+    path = Path(source).expanduser()
+    return path.name if path.exists() else source
 
 
 def host_name(header: str) -> str:

@@ -1,6 +1,6 @@
-"""The page's routes for `lmhead serve`: `/` (the page), `/page/page.css` and `/page/page.js` (from the
-package), and the JSON routes the page calls, each a Model method's result turned into a view
-document (render/html.py). The serve app includes them with `app.include_router(router(model, ...))`.
+"""The page's routes for `lmhead serve`: `/` (the page), `/page/page.css` and `/page/page.js` (the files
+of lmhead_cli/page/, shipped in the package), and the JSON routes the page calls, each a Model method's result turned into a view
+document (render/html.py). serve/app.py includes them with `app.include_router(router(model, ...))`.
 
     GET  /api/info      the model's name (a local folder's last part, never its path), its context and
                         the page's text limit
@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from lmhead_cli.errors import LmheadError
 from lmhead_cli.serve import door
+from lmhead_cli.serve.door import model_name
 from lmhead_cli.serve.answer import unless_gone
 from lmhead_cli.serve.requests import Body, RequestError, shaped
 
@@ -91,7 +92,6 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
     from lmhead_cli.page import asset
     from lmhead_cli.render import html
     from lmhead_cli.render.calibrate import calibration_view
-    from lmhead_cli.serve import model_name
 
     lock = threading.Lock()
     shown = name or model_name(model.source)
