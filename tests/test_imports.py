@@ -19,24 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lmhead_cli"
 MAX_LINES = 500
 
-# Known arrows that break the rules today, each with its owner: the test passes with them and fails on
-# any other. An entry whose arrow is gone fails the test too, so the list shrinks as the work lands.
-KNOWN = "owned by issue 47's decoder work"
-ALLOWED_EDGES = {
-    # the decoding circles: the step's record lives in generate.py, the loop drives it, beams drive both
-    ("lmhead_cli.decoding.loop", "lmhead_cli.decoding.generate"): KNOWN,
-    ("lmhead_cli.decoding.generate", "lmhead_cli.decoding.loop"): KNOWN,
-    ("lmhead_cli.decoding.generate", "lmhead_cli.decoding.beams"): KNOWN,
-    ("lmhead_cli.decoding.beams", "lmhead_cli.decoding.generate"): KNOWN,
-    ("lmhead_cli.decoding.settings", "lmhead_cli.decoding.presets"): KNOWN,
-    ("lmhead_cli.decoding.presets", "lmhead_cli.decoding.settings"): KNOWN,
-    ("lmhead_cli.decoding.settings", "lmhead_cli.decoding.loop"): KNOWN,  # settings -> loop.Row
-    # an arrow back up: decoding -> readings (the loop's prefill chunk from readings/score.py)
-    ("lmhead_cli.decoding.loop", "lmhead_cli.readings.score"): KNOWN,
-}
-ALLOWED_LONG = {"lmhead_cli/decoding/loop.py": KNOWN}
-
-
 # ---- the graph -------------------------------------------------------------------------------------
 
 def modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -213,36 +195,23 @@ def test_every_module_has_a_layer():
 
 
 def test_the_import_graph_has_no_circle():
-    """No circle of imports, counting imports inside functions, but for the known arrows (ALLOWED_EDGES)."""
+    """No circle of imports, counting imports inside functions."""
     edges = graph()
     assert len(edges) > 100
     assert "lmhead_cli.api.compare" in edges["lmhead_cli.api.model"]  # an import inside a method, read
-    assert circles(without(edges, ALLOWED_EDGES)) == []
+    assert circles(edges) == []
 
 
 def test_no_arrow_points_back_up():
-    """No module imports one of a later layer (docs/architecture.md's table), but for ALLOWED_EDGES."""
-    layers = layers_from_doc()
-    assert [e for e in arrows_back_up(graph(), layers) if e not in ALLOWED_EDGES] == []
-
-
-def test_every_known_arrow_is_still_there():
-    """An allowed arrow that the code no longer has leaves the list: it must not stay as a licence."""
-    edges = graph()
-    assert sorted(e for e in ALLOWED_EDGES if e[1] not in edges.get(e[0], set())) == []
-    # and each is there for a reason: it is in a circle or points back up
-    layers = layers_from_doc()
-    strongly_connected = {m for part in circles(edges) for m in part}
-    for a, b in ALLOWED_EDGES:
-        assert {a, b} <= strongly_connected or layer_of(b, layers) > layer_of(a, layers), (a, b)
+    """No module imports one of a later layer (docs/architecture.md's table)."""
+    assert arrows_back_up(graph(), layers_from_doc()) == []
 
 
 def test_no_module_is_over_500_lines():
     lengths = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
                for p in modules().values()}
     assert len(lengths) > 100
-    assert {p: n for p, n in lengths.items() if n > MAX_LINES and p not in ALLOWED_LONG} == {}
-    assert {p: lengths[p] for p in ALLOWED_LONG if lengths.get(p, 0) <= MAX_LINES} == {}  # under it: leaves the list
+    assert {p: n for p, n in lengths.items() if n > MAX_LINES} == {}
 
 
 # ---- the front ends call only the API ---------------------------------------------------------------
