@@ -18,6 +18,7 @@ from helpers import (PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, cli
                      write_gguf)
 
 import lmhead_cli
+from lmhead_cli.errors import LmheadError
 from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel
 from lmhead_cli.loading.gguf import read_gguf
 from lmhead_cli.loading.gguf_header import check_header
@@ -299,7 +300,8 @@ def test_an_architecture_lmhead_does_not_run(gpt2, tmp_path):
 def test_metadata_that_is_missing_or_disagrees_with_the_tensors(gpt2, llama, tmp_path):
     model = gpt2[1]
     _refusal(model, tmp_path, "the GGUF metadata lacks gpt2.block_count", drop=("gpt2.block_count",))
-    _refusal(model, tmp_path, "lacks blk.2.attn_norm.weight", meta={"gpt2.block_count": 3})
+    _refusal(model, tmp_path, "gpt2.block_count is 3, but the file holds 2 blocks (blk.0 … blk.1)",
+             meta={"gpt2.block_count": 3})
     _refusal(model, tmp_path, "token_embd.weight is 50,257 × 64, but the metadata makes it 50,257 × 128",
              meta={"gpt2.embedding_length": 128})
     _refusal(model, tmp_path, "gpt2.attention.head_count must be a whole number of at least 1, not 0",
@@ -325,6 +327,131 @@ def test_a_tokenizer_that_does_not_fit_is_refused(gpt2, tmp_path):
              meta={"tokenizer.ggml.model": "llama"})
     _refusal(model, tmp_path, "tokenizer.ggml.pre is 'qwen2'", UnsupportedModel,
              meta={"tokenizer.ggml.pre": "qwen2"})
+
+
+def test_claims_the_metadata_makes_are_bounded_before_anything_is_built(gpt2, llama, tmp_path):
+    """A block count, a head count or an embedding's rank that lies is one line, before a layout of
+    that many blocks (2^40 of them grew memory without bound) or an IndexError."""
+    from gguf.constants import GGUFValueType
+
+    _refusal(gpt2[1], tmp_path, "gpt2.block_count is 1,099,511,627,776, but the file holds 2 blocks (blk.0 … blk.1)",
+             meta={"gpt2.block_count": (2**40, GGUFValueType.UINT64)})
+    _refusal(llama[1], tmp_path, "llama.block_count is 100,000,000, but the file holds 2 blocks (blk.0 … blk.1)",
+             meta={"llama.block_count": 10**8})
+    _refusal(llama[1], tmp_path, "llama.attention.head_count 5 does not divide llama.embedding_length 64, and the "
+             "file gives no llama.attention.key_length", meta={"llama.attention.head_count": 5})
+    table = gpt2[1].transformer.wte.weight.detach()
+    _refusal(gpt2[1], tmp_path, "token_embd.weight is 3,216,448 (1-D); the embedding table is 2-D",
+             tensors={"token_embd.weight": table.flatten(), "output.weight": table})
+
+
+def test_a_llama_context_beyond_the_bound_runs_at_the_bound(llama, tmp_path):
+    """A Llama's context_length is a claim no tensor checks: 2^40 with no end token made n_ctx (and a
+    request without a token limit) unbounded. It runs at MAX_CONTEXT, announced."""
+    from gguf.constants import GGUFValueType
+
+    from lmhead_cli.loading.gguf import MAX_CONTEXT
+
+    path = tmp_path / "long.gguf"
+    write_gguf(llama[1], path, "F32", meta={"llama.context_length": (2**40, GGUFValueType.UINT64)},
+               drop=("tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id"))
+    notes = []
+    m = lmhead_cli.load(str(path), device="cpu", announce=notes.append)
+    assert m.n_ctx == MAX_CONTEXT == 131_072
+    assert any("llama.context_length is 1,099,511,627,776, more than lmhead runs; its context is taken as "
+               "131,072 positions" in str(n) for n in notes), notes
+    out = cli("inspect", PROMPT, "--model", str(path))
+    assert out.exit_code == 0 and "taken as 131,072 positions" in out.stderr
+
+
+def _array(key: str, item: int, count: int, items: bytes) -> bytes:
+    return _kv(key, 9, struct.pack("<IQ", item, count) + items)
+
+
+def test_metadata_lmhead_does_not_read_costs_no_memory(tmp_path):
+    """An unused key holding 4,000,000 bools is walked past (Skipped), not made into a list: the header
+    costs what it costs without it (a list of 4,000,000 bools took 64 MB; 40,000,000, 620 MB)."""
+    import tracemalloc
+
+    from lmhead_cli.loading.gguf import read_header
+    from lmhead_cli.loading.gguf_header import Skipped
+
+    n = 4_000_000
+    plain = raw_gguf(tmp_path / "plain.gguf")
+    big = raw_gguf(tmp_path / "big.gguf", kv=(ARCH, _array("x.unused", 7, n, bytes(n))))
+    peaks = []
+    for path in (plain, big):
+        tracemalloc.start()
+        header = read_header(path)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert header.meta["x.unused"] == Skipped(7, n)
+    assert peaks[1] - peaks[0] < 2 * 1024**2, peaks  # the window it is read through, not the array
+
+
+def test_metadata_arrays_are_bounded_as_they_are_walked(tmp_path, monkeypatch):
+    """3,000,000 empty nested arrays took 10 s to read; an array lmhead reads is at most MAX_ITEMS long."""
+    from lmhead_cli.loading import gguf_header
+    from lmhead_cli.loading.gguf import read_header
+
+    n = 3_000_000
+    nested = raw_gguf(tmp_path / "nested.gguf", kv=(ARCH, _array("x.nested", 9, n, struct.pack("<IQ", 0, 0) * n)))
+    with pytest.raises(CorruptCheckpoint, match="x.nested is an array of 3,000,000 arrays; lmhead reads no array of "
+                       "arrays larger than 65,536 items"):
+        read_header(nested)
+    inner = struct.pack("<IQ", 7, 40_000) + bytes(40_000)
+    wide = raw_gguf(tmp_path / "wide.gguf", kv=(ARCH, _array("x.wide", 9, 2, inner * 2)))
+    with pytest.raises(CorruptCheckpoint, match="x.wide is an array of arrays holding more than 65,536 items"):
+        read_header(wide)
+    monkeypatch.setattr(gguf_header, "MAX_ITEMS", 1000)
+    kept = raw_gguf(tmp_path / "kept.gguf", kv=(ARCH, _array("tokenizer.ggml.token_type", 5, 1001, bytes(4004))))
+    with pytest.raises(CorruptCheckpoint, match="tokenizer.ggml.token_type holds 1,001 items; lmhead reads arrays "
+                       "of at most 1,000 items"):
+        read_header(kept)
+    out = cli("inspect", PROMPT, "--model", str(nested))
+    assert out.exit_code == 1 and "x.nested is an array of 3,000,000 arrays" in out.stderr
+    assert out.stderr.count("\n") == 1
+
+
+def test_a_gguf_symlink_loop_is_named(tmp_path):
+    loop = tmp_path / "loop.gguf"
+    loop.symlink_to(loop)
+    out = cli("inspect", PROMPT, "--model", str(loop))
+    assert out.exit_code == 2 and "is a symbolic link loop" in out.stderr and "no such file" not in out.stderr
+    assert out.stderr.count("\n") == 1
+
+
+TRUNCATE = """
+import sys, gguf.quants
+from pathlib import Path
+import lmhead_cli
+from lmhead_cli.errors import LmheadError
+path = Path(sys.argv[1])
+real = gguf.quants.dequantize
+def cut(*args):  # the file is cut short while lmhead reads it
+    if path.stat().st_size > 4096:
+        with open(path, "r+b") as f:
+            f.truncate(4096)
+    return real(*args)
+gguf.quants.dequantize = cut
+try:
+    lmhead_cli.load(str(path), device="cpu")
+except LmheadError as e:
+    print(e)
+"""
+
+
+def test_a_gguf_cut_short_while_it_is_read_is_one_line(gpt2, tmp_path):
+    """A mapped file cut short killed the process with SIGBUS and no message; it is read, not mapped."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "cut.gguf"
+    write_gguf(gpt2[1], path, "F32")
+    size = path.stat().st_size
+    run = subprocess.run([sys.executable, "-c", TRUNCATE, str(path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert f"{path} changed while lmhead read it: it was {size:,} bytes, it is now 4,096 bytes" in run.stdout
 
 
 def test_a_gguf_that_is_a_folder_or_missing(tmp_path):

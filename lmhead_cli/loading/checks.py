@@ -151,6 +151,42 @@ def regular_file(path: Path) -> Path:
     return path
 
 
+def not_a_file(path) -> str | None:
+    """Why `path` is not a regular file lmhead can open (stat() only: a FIFO is never opened), or None:
+    "no such file", "it is a symbolic link loop" (stat's ELOOP, which Path.exists() reports as no
+    file), "it is a folder", "it is a FIFO (named pipe), not a regular file", ..."""
+    import errno
+    import stat
+
+    from lmhead_cli.inputs import special_kind
+
+    if not os.fspath(path):
+        return "the path is empty"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "it is a symbolic link loop (its links lead back to themselves), not a file"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "no such file" + (" (a symbolic link to nothing)" if os.path.islink(path) else "")
+        return e.strerror or type(e).__name__
+    if stat.S_ISDIR(mode):
+        return "it is a folder, not a file"
+    kind = special_kind(mode)
+    return f"it is {kind}, not a regular file (reading it could wait for ever)" if kind else None
+
+
+def existing_file(path: Path) -> Path:
+    """`path` (a model given as a file), when it is a regular file (or a link to one); otherwise
+    ModelPathNotFound (a usage error, as every bad path is) naming the path and why (not_a_file)."""
+    from lmhead_cli.errors import ModelPathNotFound
+
+    why = not_a_file(path)
+    if why is None:
+        return path
+    raise ModelPathNotFound(f"{why}: {path}" if why.startswith("no such file") else f"{path} cannot be read: {why}")
+
+
 def read_json(path: Path, limit: int = MAX_JSON_BYTES):
     """A checkpoint's JSON file (config.json, the shard index, tokenizer.json), or a CorruptCheckpoint
     naming it: not a regular file, too large, not UTF-8, not JSON, nested too deeply. A UTF-8

@@ -24,15 +24,24 @@ Shapes: numpy's order, the reverse of GGUF's dims (token_embd.weight is (V, D)).
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel
-from lmhead_cli.loading.checks import regular_file
-from lmhead_cli.loading.gguf_header import Header, check_header
+from lmhead_cli.loading.checks import existing_file
+from lmhead_cli.loading.gguf_header import Header, changed, check_header
 
 ARCHITECTURES = ("gpt2", "llama")
+# The metadata lmhead reads; the arrays of any other key are walked past unread (gguf_header.Skipped).
+READ_KEYS = ("general.", "tokenizer.", *(f"{a}." for a in ARCHITECTURES))
+# The most positions lmhead runs a file at: a Llama's context is a claim no tensor checks (RoPE has no
+# table), and n_ctx bounds what a request without a token limit generates. Llama 3.1's 131,072; a file
+# claiming more runs at this, announced.
+MAX_CONTEXT = 1 << 17
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 PLAIN = {0: "<f4", 1: "<f2"}  # F32 and F16: stored as values, not blocks
 SUFFIX = ".gguf"
 
@@ -51,6 +60,7 @@ class GGUFModel:
     tokenizer: object  # loading.tokenizer.GPT2Tokenizer
     file_type: str  # general.file_type's name, e.g. "MOSTLY_Q8_0", or "unset"
     types: dict  # tensor type name -> how many tensors of it ("Q8_0": 8, "F32": 17)
+    notes: tuple[str, ...] = ()  # what the loader announces besides describe(): a context cut to MAX_CONTEXT
 
     def describe(self, path, dtype: str) -> str:
         """The one line the loader announces: the file's own type and what was dequantised to what."""
@@ -97,13 +107,10 @@ class _Meta:
 
 
 def read_header(path: Path) -> Header:
-    """The checked header of the GGUF file at `path` (a regular file, not a folder nor a FIFO)."""
-    if not path.is_file():
-        from lmhead_cli.errors import ModelPathNotFound
-
-        raise ModelPathNotFound(f"no such file: {path}" if not path.exists() else f"{path} is not a file")
-    regular_file(path)
-    return check_header(path)
+    """The checked header of the GGUF file at `path` (a regular file: not a folder, a FIFO nor a link
+    loop), the arrays of keys lmhead does not read walked past unread."""
+    existing_file(path)
+    return check_header(path, keep=READ_KEYS)
 
 
 def architecture(path: Path) -> str:
@@ -137,12 +144,18 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
     tensors = {t.name: t for t in header.tensors}
     if "token_embd.weight" not in tensors:
         raise CorruptCheckpoint(f"{path} holds no token_embd.weight (the embedding table)")
-    V = _shape(tensors["token_embd.weight"])[0]
+    embedding_shape = _shape(tensors["token_embd.weight"])
+    if len(embedding_shape) != 2:
+        raise CorruptCheckpoint(f"{path}: token_embd.weight is {_dims(embedding_shape)} ({len(embedding_shape)}-D); "
+                                "the embedding table is 2-D, vocabulary × width")
+    V = embedding_shape[0]
+    _block_count(meta, f"{arch}.block_count", tensors)  # before a layout of that many blocks is built
     config, layout = (_gpt2 if arch == "gpt2" else _llama)(meta, V)
     config["tie_word_embeddings"] = True  # until output.weight says otherwise (below)
+    notes = _bound_context(meta, arch, config)
     expected = {g: shape for g, (_, shape, _) in layout.items()}
     if "output.weight" in tensors:
-        expected["output.weight"] = (V, _shape(tensors["token_embd.weight"])[1])
+        expected["output.weight"] = embedding_shape
     _check_shapes(path, arch, tensors, expected)
     tokenizer = GPT2Tokenizer.from_gguf(meta, V, path)
     for key in ("bos_token_id", "eos_token_id"):
@@ -151,21 +164,25 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
             config[key] = value
 
     state = {}
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    for gname, t in tensors.items():
-        qtype = GGMLQuantizationType(t.type)
-        raw = mapped[t.start:t.start + t.nbytes]
-        if qtype in PLAIN:  # gguf.quants.dequantize takes these as values, the rest as (rows, bytes)
-            raw = raw.view(PLAIN[qtype])
-        else:
-            raw = raw.reshape(-1, t.nbytes // (math.prod(t.dims) // t.dims[0]))
-        values = dequantize(raw, qtype).reshape(_shape(t))  # float32, numpy's order
-        w = torch.from_numpy(values if values.flags.writeable else values.copy())  # F32 is a view of the map
-        if gname == "output.weight":
-            state["head"] = w
-            continue
-        name, _, transform = layout[gname]
-        state[name] = transform(w) if transform else w
+    # Read, not mapped: a file cut short under a mapping kills the process with SIGBUS; a short read is
+    # one line. One tensor's bytes are held at a time, beside what it dequantises to.
+    with open(path, "rb", buffering=0) as f:
+        _unchanged(f, header, path)
+        for gname, t in tensors.items():
+            qtype = GGMLQuantizationType(t.type)
+            raw = _read(f, t, header, path)
+            if qtype in PLAIN:  # gguf.quants.dequantize takes these as values, the rest as (rows, bytes)
+                raw = raw.view(PLAIN[qtype])
+            else:
+                raw = raw.reshape(-1, t.nbytes // (math.prod(t.dims) // t.dims[0]))
+            values = dequantize(raw, qtype).reshape(_shape(t))  # float32, numpy's order
+            w = torch.from_numpy(values if values.flags.writeable else values.copy())
+            if gname == "output.weight":
+                state["head"] = w
+                continue
+            name, _, transform = layout[gname]
+            state[name] = transform(w) if transform else w
+        _unchanged(f, header, path)
     embedding = "wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
     head = state.pop("head", None)
     if head is not None:
@@ -174,9 +191,54 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
     file_type = meta.get("general.file_type")
     known = isinstance(file_type, int) and file_type in LlamaFileType._value2member_map_
     ftype = "unset" if file_type is None else LlamaFileType(file_type).name if known else f"{file_type!r:.20} (unknown)"
-    del mapped
     types = Counter(GGMLQuantizationType(t.type).name for t in tensors.values())
-    return GGUFModel(config, state, tokenizer, ftype, dict(types))
+    return GGUFModel(config, state, tokenizer, ftype, dict(types), notes)
+
+
+def _unchanged(f, header: Header, path: Path) -> None:
+    """CorruptCheckpoint unless the open file still has the size and time its header was read at."""
+    info = os.fstat(f.fileno())
+    if info.st_size != header.size or (header.mtime_ns and info.st_mtime_ns != header.mtime_ns):
+        raise changed(path, header.size)
+
+
+def _read(f, t, header: Header, path: Path):
+    """The bytes of tensor `t` as a writable numpy uint8 array, read whole, or CorruptCheckpoint when the
+    file ends before them (it shrank since its header was read)."""
+    import numpy as np
+
+    raw = np.empty(t.nbytes, dtype=np.uint8)
+    view, got = memoryview(raw), 0
+    f.seek(t.start)
+    while got < t.nbytes:
+        n = f.readinto(view[got:])
+        if not n:
+            raise changed(path, header.size)
+        got += n
+    return raw
+
+
+def _block_count(meta: _Meta, key: str, tensors: dict) -> int:
+    """`key` (the block count), checked against the blocks the tensors' names hold (blk.0 … blk.N-1)
+    before anything of that size is built: a count of 2^40 over a 17 kB file is one line."""
+    L = meta.int(key)
+    held = sorted({int(m.group(1)) for n in tensors if (m := _BLOCK.match(n))})
+    if len(held) != L or held[-1] != L - 1:
+        what = f"{len(held):,} blocks (blk.{held[0]} … blk.{held[-1]})" if held else "no blocks"
+        raise CorruptCheckpoint(f"{meta.path}: {key} is {L:,}, but the file holds {what}")
+    return L
+
+
+def _bound_context(meta: _Meta, arch: str, config: dict) -> tuple[str, ...]:
+    """A Llama's context cut to MAX_CONTEXT, with the line that says so (GPT-2's is its position table's
+    rows, checked against the tensor)."""
+    P = config.get("max_position_embeddings")
+    if arch != "llama" or P <= MAX_CONTEXT:
+        return ()
+    config["max_position_embeddings"] = MAX_CONTEXT
+    return (f"{meta.path}: {arch}.context_length is {P:,}, more than lmhead runs; its context is taken as "
+            f"{MAX_CONTEXT:,} positions (Llama 3.1's), which bounds what a request without a token limit "
+            "generates",)
 
 
 def _shape(t) -> tuple[int, ...]:
@@ -253,7 +315,10 @@ def _llama(meta: _Meta, V: int) -> tuple[dict, dict]:
     ff = meta.int("llama.feed_forward_length")
     eps = meta.float("llama.attention.layer_norm_rms_epsilon")
     theta = meta.float("llama.rope.freq_base", default=10000.0)
-    hd = meta.int("llama.attention.key_length", default=d // H if d % H == 0 else 0)
+    if d % H and meta.get("llama.attention.key_length") is None:
+        raise CorruptCheckpoint(f"{meta.path}: llama.attention.head_count {H:,} does not divide llama.embedding_length "
+                                f"{d:,}, and the file gives no llama.attention.key_length (the head width)")
+    hd = meta.int("llama.attention.key_length", default=d // H)
     if meta.int("llama.attention.value_length", default=hd) != hd:
         raise UnsupportedModel(f"{meta.path}: llama.attention.value_length differs from key_length; lmhead runs "
                                "Llama files whose heads have one width")

@@ -12,6 +12,12 @@ and the other tensors' data. A lie is one CorruptCheckpoint naming the field, th
 there are; a type that cannot be dequantised is UnsupportedModel naming the tensor and the type. The
 values are decoded as gguf's ReaderField.contents() gives them (tests/test_gguf.py compares the two).
 
+What the header may make lmhead hold is bounded whatever the file claims: at most MAX_KV entries and
+MAX_TENSORS tensors, an array lmhead reads at most MAX_ITEMS long, the inner arrays of an array of
+arrays at most MAX_NESTED items in all; the arrays of keys the caller does not keep are walked past
+unread (Skipped). The file is read a window at a time, never mapped (a mapped file cut short kills the
+process with SIGBUS); a file that shrinks while it is read is one line saying so.
+
 Layout (little-endian, GGUF versions 2 and 3): magic "GGUF", version u32, tensor_count u64, kv_count
 u64; kv_count entries (key: u64 length + UTF-8, type u32, value); tensor_count tensor infos (name,
 n_dims u32, n_dims × u64 dims, type u32, offset u64); padding to the alignment; the tensors' data.
@@ -19,9 +25,9 @@ n_dims u32, n_dims × u64 dims, type u32, offset u64); padding to the alignment;
 
 from __future__ import annotations
 
-import mmap
+import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel
@@ -39,6 +45,26 @@ STRING, ARRAY = 8, 9
 MIN_KV = 8 + 4 + 1  # an empty key, a type, a one-byte value
 MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # an empty name, n_dims 0, a type, an offset
 MAX_ARRAY_DEPTH = 2  # arrays of arrays (none in llama.cpp's files); deeper is refused, not recursed into
+# Bounds on what the metadata may ask lmhead to hold, whatever the file's size (llama.cpp's files hold a
+# few dozen keys, a few hundred tensors, and arrays no longer than a vocabulary or a merge list:
+# 128,256 tokens and 280,147 merges for Llama 3, 262,144 tokens for Gemma 3).
+MAX_KV = 1 << 16  # metadata entries
+MAX_TENSORS = 1 << 16  # tensor infos
+MAX_ITEMS = 1 << 21  # items of one array lmhead reads (2,097,152); a longer one is refused
+MAX_NESTED = 1 << 16  # items in all the inner arrays of one array of arrays, counted as they are walked
+CHUNK = 1 << 20  # bytes read from the file at a time while the header is walked
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A metadata array lmhead does not read (its key is outside the prefixes the caller keeps): walked
+    past without being read, so that an unused 40,000,000-item array costs no memory."""
+
+    item_type: int  # GGUFValueType of its items
+    count: int
+
+    def __repr__(self) -> str:
+        return f"<{self.count:,} items of value type {self.item_type}, not read>"
 
 
 @dataclass(frozen=True)
@@ -59,49 +85,79 @@ class Header:
     kv_count: int
     alignment: int
     data_offset: int
-    meta: dict  # key -> int, float, bool, str or list, as the file stores them
+    meta: dict  # key -> int, float, bool, str or list, as the file stores them (Skipped: not read)
     tensors: tuple[TensorSpan, ...]
     size: int  # the file's size in bytes
+    mtime_ns: int = 0  # the file's modification time when the header was read
 
 
 class _Walk:
-    """A cursor over the mapped file that refuses to read past its end, naming what it was reading."""
+    """A cursor over the file that refuses to read past its end, naming what it was reading. The file is
+    read a window at a time (never mapped: a file cut short under a mapping kills the process with
+    SIGBUS), and what is skipped is never read; a read that comes back short means the file shrank
+    while it was read, and says so."""
 
-    def __init__(self, buf, path: Path):
-        self.buf, self.path, self.at, self.size = buf, path, 0, len(buf)
+    def __init__(self, f, size: int, path: Path):
+        self.fd, self.path, self.at, self.size = f.fileno(), path, 0, size
+        self.win, self.base = b"", 0  # the bytes of the file from offset `base` on
+        self.nested = 0  # items walked in the inner arrays of the current array of arrays
 
     def lie(self, what: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{self.path}: not a GGUF file lmhead can read: {what}")
 
+    def _window(self, n: int) -> None:
+        """Make sure `win` holds the n bytes from `at` on (the caller checked that the file has them)."""
+        if self.base <= self.at and self.at + n <= self.base + len(self.win):
+            return
+        self.win, self.base = os.pread(self.fd, max(n, CHUNK), self.at), self.at
+        if len(self.win) < n:
+            raise changed(self.path, self.size)
+
     def take(self, n: int, what: str) -> int:
+        """Step over the next n bytes, read: their offset in `win`."""
+        self._left(n, what)
+        self._window(n)
+        start, self.at = self.at - self.base, self.at + n
+        return start
+
+    def skip(self, n: int, what: str) -> None:
+        """Step over the next n bytes without reading them."""
+        self._left(n, what)
+        self.at += n
+
+    def _left(self, n: int, what: str) -> None:
         if n > self.size - self.at:
             raise self.lie(f"{what} needs {n:,} bytes at byte {self.at:,}, but the file ends at byte "
                            f"{self.size:,} (truncated?)")
-        start, self.at = self.at, self.at + n
-        return start
 
     def u32(self, what: str) -> int:
-        return struct.unpack_from("<I", self.buf, self.take(4, what))[0]
+        start = self.take(4, what)  # first: it may move the window
+        return struct.unpack_from("<I", self.win, start)[0]
 
     def u64(self, what: str) -> int:
-        return struct.unpack_from("<Q", self.buf, self.take(8, what))[0]
+        start = self.take(8, what)
+        return struct.unpack_from("<Q", self.win, start)[0]
 
     def string(self, what: str) -> str:
         n = self.u64(f"the length of {what}")
         if n > self.size - self.at:
             raise self.lie(f"{what} is {n:,} bytes long by its header, but only {self.size - self.at:,} bytes "
                            "are left in the file")
-        raw = bytes(self.buf[self.take(n, what):self.at])
+        start = self.take(n, what)
+        raw = self.win[start:start + n]
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise self.lie(f"{what} is not UTF-8 ({raw[:40]!r})") from None
 
-    def value(self, vtype: int, key: str, depth: int = 0):
+    def value(self, vtype: int, key: str, keep: bool = True, depth: int = 0):
         """One value of type `vtype` (GGUFValueType) as Python's int, float, bool, str or list, every
-        length checked against the bytes left before it is read."""
+        length checked against the bytes left before it is read. An array under a key not kept is
+        walked past, not read (Skipped); an array lmhead reads holds at most MAX_ITEMS items, and the
+        inner arrays of an array of arrays MAX_NESTED items in all."""
         if vtype in SCALAR:
-            v = struct.unpack_from(FORMAT[vtype], self.buf, self.take(SCALAR[vtype], f"the value of {key}"))[0]
+            start = self.take(SCALAR[vtype], f"the value of {key}")
+            v = struct.unpack_from(FORMAT[vtype], self.win, start)[0]
             return bool(v) if vtype == 7 else v
         if vtype == STRING:
             return self.string(f"{key}'s string")
@@ -117,59 +173,103 @@ class _Walk:
         if count * least > self.size - self.at:
             raise self.lie(f"{key} holds {count:,} items by its header, at least {count * least:,} bytes, but "
                            f"only {self.size - self.at:,} bytes are left in the file")
+        if depth:
+            self.nested += count
+            if self.nested > MAX_NESTED:
+                raise self.lie(f"{key} is an array of arrays holding more than {MAX_NESTED:,} items in all; "
+                               "lmhead reads no array of arrays larger than that (llama.cpp writes none)")
+        if item in SCALAR and not keep:
+            self.skip(count * SCALAR[item], f"the items of {key}")
+            return Skipped(item, count)
+        if item != ARRAY and count > MAX_ITEMS:
+            raise self.lie(f"{key} holds {count:,} items; lmhead reads arrays of at most {MAX_ITEMS:,} items "
+                           "(no vocabulary or merge list is that long)")
         if item in SCALAR:
             import numpy as np
 
             start = self.take(count * SCALAR[item], f"the items of {key}")
-            values = np.frombuffer(self.buf, dtype=NUMPY[item], count=count, offset=start).tolist()
-            return [bool(v) for v in values] if item == 7 else values
+            values = np.frombuffer(self.win, dtype=NUMPY[item], count=count, offset=start)
+            return (values.astype(bool) if item == 7 else values).tolist()
         if item == STRING:  # a vocabulary: 50,257 to 256,000 strings, read in one tight loop
-            return self._strings(count, key)
-        return [self.value(item, key, depth + 1) for _ in range(count)]
+            strings = self._strings(count, key, keep)
+            return strings if keep else Skipped(item, count)
+        if count > MAX_NESTED:
+            raise self.lie(f"{key} is an array of {count:,} arrays; lmhead reads no array of arrays larger than "
+                           f"{MAX_NESTED:,} items (llama.cpp writes none)")
+        self.nested = count
+        values = [self.value(item, key, keep, depth + 1) for _ in range(count)]
+        return values if keep else Skipped(item, count)
 
-    def _strings(self, count: int, key: str) -> list[str]:
-        buf, at, size, out = self.buf, self.at, self.size, []
+    def _strings(self, count: int, key: str, keep: bool) -> list[str] | None:
+        """`count` strings from `at` on, decoded (`keep`) or only walked; the window is refilled as the
+        loop reaches its end."""
+        win, base, at, size = self.win, self.base, self.at, self.size
+        out: list[str] | None = [] if keep else None
         unpack = struct.Struct("<Q").unpack_from
         for i in range(count):
-            if at + 8 > size:
+            if at + 8 - base > len(win) or at < base:
+                if at + 8 > size:
+                    self.at = at
+                    raise self.lie(f"{key}[{i}]'s length needs 8 bytes at byte {at:,}, past the end of the file "
+                                   f"at byte {size:,} (truncated?)")
                 self.at = at
-                raise self.lie(f"{key}[{i}]'s length needs 8 bytes at byte {at:,}, past the end of the file at byte "
-                               f"{size:,} (truncated?)")
-            n = unpack(buf, at)[0]
+                self._window(8)
+                win, base = self.win, self.base
+            n = unpack(win, at - base)[0]
             if n > size - at - 8:
                 raise self.lie(f"{key}[{i}] is {n:,} bytes long by its header, but only {size - at - 8:,} bytes are "
                                "left in the file")
-            try:
-                out.append(buf[at + 8:at + 8 + n].decode("utf-8"))
-            except UnicodeDecodeError:
-                raise self.lie(f"{key}[{i}] is not UTF-8 ({buf[at + 8:at + 8 + min(n, 40)]!r})") from None
-            at += 8 + n
+            end = at + 8 + n
+            if keep:
+                if end - base > len(win):
+                    self.at = at
+                    self._window(8 + n)
+                    win, base = self.win, self.base
+                raw = win[at + 8 - base:end - base]
+                try:
+                    out.append(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    raise self.lie(f"{key}[{i}] is not UTF-8 ({raw[:40]!r})") from None
+            at = end
         self.at = at
         return out
 
 
-def check_header(path: Path) -> Header:
+def changed(path: Path, size: int) -> CorruptCheckpoint:
+    """The file shrank (or was replaced) while lmhead read it."""
+    try:
+        now = f"it is now {os.stat(path).st_size:,} bytes"
+    except OSError as e:
+        now = f"it can no longer be read ({e.strerror or e})"
+    return CorruptCheckpoint(f"{path} changed while lmhead read it: it was {size:,} bytes, {now}; read it again "
+                             "once nothing is writing it")
+
+
+def check_header(path: Path, keep: tuple[str, ...] | None = None) -> Header:
     """The header of the GGUF file at `path`, walked and checked (see the module's docstring); no tensor
-    is read. Raises CorruptCheckpoint naming the field that lies, or UnsupportedModel for a tensor type
-    the gguf reader cannot dequantise."""
+    is read. `keep`: the key prefixes whose arrays are read (None: every key's); the arrays of other
+    keys are walked past and stand as Skipped. Raises CorruptCheckpoint naming the field that lies, or
+    UnsupportedModel for a tensor type the gguf reader cannot dequantise."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import _type_traits
 
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
+        with open(path, "rb", buffering=0) as f:
+            info = os.fstat(f.fileno())
+            size = info.st_size
             if size < 4 + 4 + 8 + 8:
                 raise CorruptCheckpoint(f"{path}: not a GGUF file lmhead can read: it is {size} bytes, shorter "
                                         "than a GGUF header (24 bytes)")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _walk(_Walk(buf, path), GGML_QUANT_SIZES, GGMLQuantizationType, _type_traits)
+            header = _walk(_Walk(f, size, path), keep, GGML_QUANT_SIZES, GGMLQuantizationType, _type_traits)
+            return replace(header, mtime_ns=info.st_mtime_ns)
     except OSError as e:
         raise CorruptCheckpoint(f"{path} cannot be read: {e.strerror or e}") from None
 
 
-def _walk(w: _Walk, sizes, types, traits) -> Header:
-    if bytes(w.buf[w.take(4, "the magic"):w.at]) != MAGIC:
-        raise w.lie(f"it does not begin with the magic {MAGIC!r} but {bytes(w.buf[:4])!r}")
+def _walk(w: _Walk, keep: tuple[str, ...] | None, sizes, types, traits) -> Header:
+    start = w.take(4, "the magic")
+    if w.win[start:start + 4] != MAGIC:
+        raise w.lie(f"it does not begin with the magic {MAGIC!r} but {w.win[start:start + 4]!r}")
     version = w.u32("GGUF.version")
     if version not in VERSIONS:
         raise w.lie(f"GGUF.version is {version}; the reader reads versions {' and '.join(map(str, VERSIONS))}")
@@ -181,6 +281,11 @@ def _walk(w: _Walk, sizes, types, traits) -> Header:
     if tensor_count * MIN_TENSOR_INFO > left:
         raise w.lie(f"GGUF.tensor_count is {tensor_count:,}: at least {tensor_count * MIN_TENSOR_INFO:,} bytes "
                     f"of tensor infos, but the file holds {left:,} bytes after its header")
+    for count, field, most, what in ((kv_count, "GGUF.kv_count", MAX_KV, "metadata entries"),
+                                     (tensor_count, "GGUF.tensor_count", MAX_TENSORS, "tensors")):
+        if count > most:
+            raise w.lie(f"{field} is {count:,}; lmhead reads files of at most {most:,} {what} (llama.cpp's "
+                        "hold a few dozen keys and a few hundred tensors)")
     meta: dict = {}
     for i in range(kv_count):
         key = w.string(f"the key of metadata entry {i}")
@@ -189,7 +294,7 @@ def _walk(w: _Walk, sizes, types, traits) -> Header:
         vtype = w.u32(f"the value type of {key}")
         if key == "general.alignment" and vtype != 4:
             raise w.lie(f"general.alignment has value type {vtype}, not uint32 (4)")
-        meta[key] = w.value(vtype, key)
+        meta[key] = w.value(vtype, key, keep is None or key.startswith(keep))
     alignment = meta.get("general.alignment", DEFAULT_ALIGNMENT)
     if alignment == 0 or alignment & (alignment - 1):
         raise w.lie(f"general.alignment is {alignment}, not a power of two")

@@ -158,6 +158,8 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
             raise UsageError(Param("dtype"), f" int8 runs on the lean engine, which takes GPT-2 only (this GGUF is "
                              f"{config['model_type']!r}); use float32, bfloat16 or float16")
         announce(found.describe(files[0], dtype))
+        for note in found.notes:
+            announce(note)
     else:
         folder, kind = _find_folder(source, allow_pickle)
         config = _read_config(folder)
