@@ -86,6 +86,30 @@ def test_a_bad_lmhead_threads_is_one_line(monkeypatch):
     one_line(got, 2, "LMHEAD_THREADS")
 
 
+@pytest.mark.parametrize("args, env, message", [
+    (["inspect", "x", "--threads", "abc"], {}, "--threads must be a whole number (got 'abc')"),
+    (["inspect", "x"], {"LMHEAD_THREADS": "abc"},
+     "the environment variable LMHEAD_THREADS (for --threads) must be a whole number (got 'abc')"),
+    (["inspect", "x"], {"LMHEAD_THREADS": "0"},
+     "the environment variable LMHEAD_THREADS (for --threads) must be at least 1 (got 0)"),
+    (["inspect", "x", "--threads", "0"], {"LMHEAD_THREADS": "2"}, "--threads must be at least 1 (got 0)"),
+    (["compare", "x", "--llama-chunks", "-99999999999999999999"], {},
+     "--llama-chunks must be a 64-bit integer, at least -9,223,372,036,854,775,808 (got -99,999,999,999,999,999,999)"),
+    (["inspect", "x", "-k", "99999999999999999999"], {},
+     "--top-k must be a 64-bit integer, at most 9,223,372,036,854,775,807 (got 99,999,999,999,999,999,999)"),
+    (["serve", "--port", "-1"], {}, "--port must be between 0 and 65,535 (got -1)"),
+], ids=["threads abc", "env abc", "env 0", "flag 0 over env", "llama-chunks -1e20", "k 1e20", "port -1"])
+def test_a_whole_number_is_refused_naming_its_source_and_the_bound_it_broke(monkeypatch, args, env, message):
+    """Issue 50: `--threads abc` blamed LMHEAD_THREADS, unset; `--llama-chunks -1e20` was told "must be
+    at most"."""
+    monkeypatch.delenv("LMHEAD_THREADS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    got = invoke([*args, "--model", "random:distilgpt2"])
+    one_line(got, 2)
+    assert got.stderr.strip() == f"lmhead: error: {message}"
+
+
 def test_world_size_without_torchrun_is_one_line_with_advice(tiny):
     got = cli("score", "--file", str(REPO / "README.md"), "--model", str(tiny[0]),
               env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""})

@@ -178,6 +178,29 @@ def test_generations_entropy_rate_is_transformers_mean_surprisal_of_the_samples(
     assert g["cross_entropy"] == r.nll and g["gap"] == pytest.approx(g["entropy_rate"] - r.nll, abs=1e-12)
 
 
+def test_generations_past_the_context_report_the_tokens_each_held(model, capsys, monkeypatch):
+    """Issue 50: --max-new-tokens 300 on a 256-token model was reported as "generations of 300 tokens"."""
+    from lmhead_cli.render import calibrate as show
+
+    r = model.calibrate(JONAH, generations=2, max_new_tokens=300, seed=1)
+    g = r.to_dict()["generations"]
+    each = model.n_ctx  # after the one <|endoftext|> token: room(n_ctx, 1) = n_ctx new tokens
+    assert (g["max_new_tokens"], g["tokens"]) == (300, 2 * each)
+    monkeypatch.setenv("COLUMNS", "400")
+    show.report(r.reading)
+    assert f"2 generations of {each} tokens (all the context holds; 300 asked) after" in capsys.readouterr().out
+
+
+def test_generations_that_cannot_fit_are_refused_naming_generations_before_scoring(model, monkeypatch):
+    """Issue 50: --generations 1000000000 was refused as "--n of ... choices", after the text was scored."""
+    import lmhead_cli.readings.calibrate as reading
+
+    monkeypatch.setattr(reading, "calibrate_text", lambda *a, **k: pytest.fail("the text was scored first"))
+    got = cli("calibrate", "x y z", "--generations", "1000000000", "--model", "bundled:tiny")
+    assert got.exit_code == 2 and got.stderr.count("\n") == 1, got.output
+    assert got.stderr.startswith("lmhead: error: --generations of 1,000,000,000 continuations need about ")
+
+
 @pytest.mark.parametrize("args,stdin,message,code", [
     (["calibrate", "Hello"], None, "add --bos", 2),
     (["calibrate", ""], None, "empty", 2),

@@ -191,6 +191,21 @@ def test_bad_input_is_one_line(tiny, args, message):
     assert len(lines) == 1 and message in lines[0]
 
 
+def test_a_layers_table_is_bounded_and_one_neurons_is_capped_at_the_vocabulary(tiny):
+    """Issue 50: `neurons --layer 0 --top 100000` was still running after 15 s at 980 MB."""
+    from lmhead_cli.readings.neurons import MAX_TABLE_TOKENS
+
+    folder, _ = tiny
+    most = MAX_TABLE_TOKENS // (2 * 256)  # the tiny model's 4 × 64 neurons a layer, both sides
+    r = cli("neurons", "--layer", "0", "--top", "100000", "--model", str(folder))
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert r.stderr.startswith(f"lmhead: error: --top must be at most {most} for 256 neurons") and "(got 100,000)" in r.stderr
+    loaded = load_model(str(folder), device="cpu")
+    assert len(layer_neurons(loaded, 0, top=most).neurons[0].promotes) == most
+    one = layer_neurons(loaded, 0, top=100000, indices=[3]).neurons[0]
+    assert len(one.promotes) == len(one.suppresses) == loaded.engine.vocab_size
+
+
 @pytest.mark.parametrize("value", [[1.5], [True], "12", None, [0, "3"]])
 def test_the_api_refuses_neuron_indices_that_are_not_integers(tiny, value):
     import lmhead_cli

@@ -28,6 +28,7 @@ def calibrate(model, text: str, *, stride: int | None = None, bos: bool = False,
     if generations:
         settings = checks.generation(preset=preset, greedy=greedy, ignore_eos=True, seed=seed,
                                      max_new_tokens=max_new_tokens, **knobs)
+        checks.generations_fit(model.loaded, generations, settings)
         if model.bos_token_id is None:
             raise UnsupportedModel(f"{model.source} declares no beginning-of-text token to sample after")
     reading = calibrate_text(model.loaded, text, bos=bos, stride=stride, chunk=chunk, progress=progress)

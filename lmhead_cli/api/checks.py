@@ -289,6 +289,17 @@ def generation_fits(loaded, n_prompt: int, settings, prompts: int = 1) -> None:
     check_fits(loaded.engine, n_prompt, settings, prompts)
 
 
+def generations_fit(loaded, count: int, settings) -> None:
+    """calibrate's `generations`: `count` rows sampled after the one beginning-of-text token, each
+    settings.max_new_tokens long or what the context holds, must fit in memory (BadValue naming
+    `generations`), checked before the text is scored."""
+    from lmhead_cli.decoding.generate import check_rows_memory, room
+
+    eng = loaded.engine
+    check_rows_memory(eng, "generations", count, f"{count:,} continuations",
+                      1 + min(settings.max_new_tokens, room(eng.n_ctx, 1)))
+
+
 def prompts(value) -> tuple[list[str], bool]:
     """generate's `prompt`: one prompt (a string) or several (a list, tuple or other iterable of strings,
     materialised once, at least one); returns (the prompts, whether one string was given). Each must

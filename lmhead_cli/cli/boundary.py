@@ -20,6 +20,10 @@ except ImportError:  # older typer: click itself
     from click.exceptions import NoSuchOption, UsageError as ClickUsageError
 
     NoArgsIsHelpError = None
+try:
+    from typer._click.globals import get_current_context
+except ImportError:
+    from click import get_current_context
 
 from lmhead_cli.api.choices import option  # the registry: no torch
 from lmhead_cli.errors import (BadValue, LmheadError, ModeConflict, NoPrompt, OneToken, is_library_panic,
@@ -77,8 +81,10 @@ class Group(FlagsShowAsFlags, TyperGroup):
 
 
 class Command(FlagsShowAsFlags, TyperCommand):
-    """Typer's command, but a number outside its option's `min=`/`max=` fails like every other bad
-    value: one line, "--threads must be at least 1 (got 0)", exit code 2 (not click's usage panel).
+    """Typer's command, but a whole number that is not one, or is outside its option's `min=`/`max=` or
+    a 64-bit integer, fails like every other bad value: one line that names where the value came from
+    (the flag, or the environment variable that set it) and the bound it broke, "--threads must be at
+    least 1 (got 0)", exit code 2 (not click's usage panel).
 
     Why this re-parses argv: click's BadParameter for a range carries the option but not the value
     the user typed, and the ranges must stay on the options (click shows them in --help as `x>=1`);
@@ -89,41 +95,87 @@ class Command(FlagsShowAsFlags, TyperCommand):
         try:
             ctx = super().make_context(info_name, list(args), parent=parent, **extra)
         except typer.BadParameter as e:
-            fail(self._range_message(e, given, info_name) or one_line(e), 2)
+            fail(self._number_message(e, given, info_name) or one_line(e), 2)
         except ClickUsageError as e:  # an unknown option, a missing value, an extra argument
             if NoArgsIsHelpError is not None and isinstance(e, NoArgsIsHelpError):
                 raise  # `lmhead inspect` alone: click shows the help
             fail(one_line(e), 2)
-        check_whole_numbers(ctx)
+        check_whole_numbers(ctx, info_name)
         return ctx
 
-    def _range_message(self, e, given, info_name) -> str | None:
-        p = e.param
-        low, high = getattr(p, "min", None), getattr(p, "max", None)
-        if p is None or (low is None and high is None):
+    def _number_message(self, e, given, info_name) -> str | None:
+        """The one line for a whole-number option click refused (not a number, or out of its range);
+        None for any other option (click's own reason is shown)."""
+        p, ctx = e.param, e.ctx
+        if p is None or ctx is None or not whole_number(p):
             return None
-        raw = self.make_parser(e.ctx).parse_args(args=given)[0].get(p.name)
+        if from_environment(ctx, p):
+            raw = os.environ.get(p.envvar)
+        else:
+            raw = self.make_parser(ctx).parse_args(args=given)[0].get(p.name)
         try:
             value = int(raw)
         except (TypeError, ValueError):
-            return None  # not a number: click's own reason, on one line
-        must = (f"at least {low:,}" if high is None else f"at most {high:,}" if low is None
-                else f"between {low:,} and {high:,}")
-        return f"{p.opts[0]} must be {must}{GOT.get(info_name, ' (got {})').format(value)}"
+            if raw is None:
+                return None
+            return f"{source(ctx, p)} must be a whole number (got {raw!r})"
+        return bound_message(ctx, p, value, info_name)
 
 
 # The one rule for numbers on the command line: click parses them (a non-number, nan or 1e309 for a
-# whole number is its one-line reason), the option's min=/max= bound them (Command above), the core
-# checks its own ranges (BadValue), and no whole number beyond a 64-bit integer reaches the core,
-# where it would overflow in torch or itertools instead.
+# whole number is refused by Command above, naming the flag or the environment variable it came
+# from), the option's min=/max= bound them, the core checks its own ranges (BadValue), and no whole
+# number beyond a 64-bit integer reaches the core, where it would overflow in torch or itertools.
 MAX_WHOLE = 2**63 - 1
 
 
-def check_whole_numbers(ctx) -> None:
+def whole_number(p) -> bool:
+    """Whether option `p` takes one whole number (typer's type descriptor, or click's INT/IntRange)."""
+    descriptor = getattr(p, "type_descriptor", None)
+    if descriptor is not None:
+        return descriptor.annotation is int
+    return getattr(getattr(p, "type", None), "name", None) in ("integer", "integer range")
+
+
+def from_environment(ctx, p) -> bool:
+    """Whether `p`'s value came from its environment variable, not the command line."""
+    where = ctx.get_parameter_source(p.name)
+    return getattr(p, "envvar", None) is not None and getattr(where, "name", None) == "ENVIRONMENT"
+
+
+def source(ctx, p) -> str:
+    """Where a value came from, as a message names it: the flag, or the environment variable that set it."""
+    flag_name = next((o for o in p.opts if o.startswith("--")), p.opts[0] if p.opts else p.name)
+    if from_environment(ctx, p):
+        return f"the environment variable {p.envvar} (for {flag_name})"
+    return flag_name
+
+
+def bound_message(ctx, p, value: int, info_name: str) -> str | None:
+    """"--x must be at least 1 (got 0)": the bound `value` breaks, on the side it broke: the option's
+    own min=/max=, else a 64-bit integer's; None when it breaks neither."""
+    low, high = getattr(p, "min", None), getattr(p, "max", None)
+    if low is not None and high is not None and not low <= value <= high:
+        must = f"be between {low:,} and {high:,}"
+    elif low is not None and value < low:
+        must = f"be at least {low:,}"
+    elif high is not None and value > high:
+        must = f"be at most {high:,}"
+    elif abs(value) > MAX_WHOLE:
+        side = f"at least {-MAX_WHOLE - 1:,}" if value < 0 else f"at most {MAX_WHOLE:,}"
+        return f"{source(ctx, p)} must be a 64-bit integer, {side} (got {value:,})"
+    else:
+        return None
+    return f"{source(ctx, p)} must {must}{GOT.get(info_name, ' (got {})').format(value)}"
+
+
+def check_whole_numbers(ctx, info_name: str = "") -> None:
     for p in ctx.command.params:
         value = ctx.params.get(p.name)
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_WHOLE:
-            fail(f"{p.opts[0] if p.opts else p.name} must be at most {MAX_WHOLE:,} (got {value:,})", 2)
+        if isinstance(value, int) and not isinstance(value, bool):
+            wrong = bound_message(ctx, p, value, info_name)
+            if wrong is not None:
+                fail(wrong, 2)
 
 
 def one_line(e) -> str:
@@ -173,8 +225,12 @@ FLAGS = {"source": "--model"}
 
 
 def flag(key: str) -> str:
-    """How the command line spells an API parameter or setting: `top_k` -> `--top-k`, `source` -> `--model`."""
-    return FLAGS.get(key) or option(key)
+    """How the command line spells an API parameter or setting: `top_k` -> `--top-k`, `source` -> `--model`;
+    the environment variable instead where the running command took the value from it (LMHEAD_THREADS)."""
+    spelled = FLAGS.get(key) or option(key)
+    ctx = get_current_context(silent=True)
+    given = next((p for p in ctx.command.params if spelled in p.opts), None) if ctx is not None else None
+    return source(ctx, given) if given is not None else spelled
 
 
 def message(e: LmheadError, command: str) -> str:

@@ -31,6 +31,9 @@ from lmhead_cli.readings.attribute import Asked, _asked, attribute_logit
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 
 CHUNK = 256  # neurons read at a time in --layer: (V, CHUNK) float32 readouts, 51 MB for GPT-2's vocabulary
+# A layer's table holds its neurons × 2 sides × `top` tokens; past this many (~200 bytes each held, more
+# as JSON) `top` is refused with the most that fits: GPT-2's 3,072 neurons a layer take top <= 32.
+MAX_TABLE_TOKENS = 200_000
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,11 @@ def layer_neurons(loaded: Loaded, layer: int, top: int = 5, indices: list[int] |
         if not 0 <= i < N:
             raise BadValue("neuron", f"must be 0 to {N - 1} for this model's {N} neurons a layer (got {i})")
     k = clamp_top_k(check_top_k(top), loaded.engine.vocab_size)
+    rows = len(indices) if indices else N
+    if rows * 2 * k > MAX_TABLE_TOKENS:
+        raise BadValue("top", f"must be at most {max(1, MAX_TABLE_TOKENS // (2 * rows)):,} for {rows:,} neurons: "
+                              f"each lists its top tokens on both sides, {MAX_TABLE_TOKENS:,} tokens in all "
+                              f"at most (got {top:,})")
     W, text = _head_matrix(loaded), loaded.tokenizer.token_text
     chosen = list(indices) if indices else list(range(N))
     out = []
@@ -161,12 +169,12 @@ def layer_neurons(loaded: Loaded, layer: int, top: int = 5, indices: list[int] |
         g = lin.apply(values[idx].float(), 1.0)  # (n, D): γ ⊙ centre(v)
         r = W @ g.T  # (V, n)
         _check_readouts(r, layer)
-        hi, hi_ids = r.topk(k, dim=0)  # (k, n)
-        lo, lo_ids = (-r).topk(k, dim=0)
+        hi, hi_ids = (t.T.tolist() for t in r.topk(k, dim=0))  # (n, k) each, as Python numbers at once
+        lo, lo_ids = (t.T.tolist() for t in (-r).topk(k, dim=0))
         for j, i in enumerate(idx):
             out.append(NeuronTokens(layer, i,
-                                    [TokenValue(int(t), text(int(t)), float(v)) for t, v in zip(hi_ids[:, j], hi[:, j])],
-                                    [TokenValue(int(t), text(int(t)), -float(v)) for t, v in zip(lo_ids[:, j], lo[:, j])]))
+                                    [TokenValue(t, text(t), v) for t, v in zip(hi_ids[j], hi[j])],
+                                    [TokenValue(t, text(t), -v) for t, v in zip(lo_ids[j], lo[j])]))
     return _base(loaded, "layer", taps, lin, k, layer=layer, neurons=out)
 
 

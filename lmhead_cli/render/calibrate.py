@@ -79,7 +79,11 @@ def report(cal) -> None:
     if g is not None:
         on = ", ".join(f"{k} {v}" for k, v in g.settings.items()) or "plain sampling (T = 1)"
         verdict = "less sure than the text" if g.gap > 0 else "surer than the text"
-        con.print(f"{g.count:,} generations of {g.max_new_tokens:,} tokens after {safe_text(g.prompt)} ({on}, seed "
+        each = g.tokens / g.count  # what each held: the context may have had room for fewer than asked
+        length = f"{each:,.0f} tokens" if each == int(each) else f"{each:,.1f} tokens on average"
+        if each < g.max_new_tokens:
+            length += f" (all the context holds; {g.max_new_tokens:,} asked)"
+        con.print(f"{g.count:,} generation{'s' if g.count != 1 else ''} of {length} after {safe_text(g.prompt)} ({on}, seed "
                   f"{g.seed}): entropy rate {g.entropy_rate:.4f} nats a token against the text's cross-entropy "
                   f"{g.cross_entropy:.4f}: gap {g.gap:+.4f} ({verdict})", markup=False)
 
