@@ -31,30 +31,85 @@ import importlib.machinery
 import importlib.util
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
 
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
-ABI = 13
-STEP_MAX_ROWS = 16  # csrc/step.c's: the most rows of a compiled step (engine/step.py), and of f32_columns_times
+HEADER = Path(__file__).parent / "csrc" / "kernels.h"  # the interface, declared once (shipped in the package)
+
+
+def header_constants(text: str | None = None) -> dict[str, int]:
+    """The interface's numbers where csrc/kernels.h writes them, their one place: each `#define LMHEAD_X N`
+    and the step's kinds (the enum of LMHEAD_STEP_F32, _BF16 and _INT8)."""
+    text = HEADER.read_text(encoding="utf-8") if text is None else text
+    found = {m[1]: int(m[2]) for m in re.finditer(r"^#define (LMHEAD_\w+) (\d+)\b", text, re.M)}
+    return found | {m[1]: int(m[2]) for m in re.finditer(r"\b(LMHEAD_STEP_[A-Z0-9]+) = (\d+)", text)}
+
+
+_HEADER = header_constants()
+ABI = _HEADER["LMHEAD_KERNELS_ABI"]  # the module must report the same (lmhead_kernels_abi)
+STEP_MAX_ROWS = _HEADER["LMHEAD_STEP_MAX_ROWS"]  # the most rows of a compiled step (engine/step.py), and of f32_columns_times
+STEP_KINDS = {kind: _HEADER[f"LMHEAD_STEP_{name}"] for kind, name in
+              (("float32", "F32"), ("bfloat16", "BF16"), ("int8", "INT8"))}  # lmhead_model's `kind`
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
-_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_i64, _ptr, _int, _float, _text = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 _why: list[str] = []  # why load() returned None, once it has
-FUNCTIONS = ("lmhead_int8_matvec", "lmhead_bf16_matvec", "lmhead_f32_matvec", "lmhead_f32_kn_matvec",
-             "lmhead_score_rows", "lmhead_attend", "lmhead_step", "lmhead_decode")
+
+# csrc/kernels.h's functions as ctypes (restype, argtypes), in the header's order: any pointer is a
+# c_void_p (a tensor's data_ptr(), a structure's address), but `const char *`. tests/test_kernels.py
+# parses the header and compares these, and the structures below, with it.
+MODULE_FUNCTIONS = {  # module.c's own, one of each
+    "lmhead_kernels_abi": (_int, []),
+    "lmhead_release_thread_pool": (_int, []),
+    "lmhead_kernels_max_rows": (_int, []),
+    "lmhead_kernels_f32_max_rows": (_int, []),
+    "lmhead_kernels_variants": (_text, []),
+    "lmhead_kernels_supports": (_int, [_text]),
+}
+KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the variant's (lmhead_attend_avx2)
+    "lmhead_int8_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_bf16_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_f32_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_f32_kn_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_score_rows": (_i64, [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]),
+    "lmhead_attend": (_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                             _float, _int]),
+    # the plan (an array of lmhead_layer), then the step's arguments in order
+    "lmhead_step": (_int, [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, _float, _ptr, _ptr, _i64, _i64, _i64,
+                           _i64, _ptr, _i64, _int]),
+    # the lmhead_model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the logits,
+    # the record's top-1 ids and figures
+    "lmhead_decode": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+                             _ptr, _int]),
+}
+FUNCTIONS = tuple(KERNEL_FUNCTIONS)
+
+
+def _bound(function, signature):
+    """A ctypes function given its header's types (restype, argtypes)."""
+    function.restype, function.argtypes = signature
+    return function
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the module's own functions (MODULE_FUNCTIONS) given their header's types."""
+    for name, signature in MODULE_FUNCTIONS.items():
+        _bound(getattr(lib, name), signature)
+    return lib
 
 
 class Layer(ctypes.Structure):
-    """csrc/step.c's lmhead_layer: one block's weight pointers (engine/step.py fills them)."""
+    """csrc/kernels.h's lmhead_layer: one block's weight pointers (engine/step.py fills them)."""
 
     _fields_ = [("w", _ptr * 4), ("s", _ptr * 4), ("b", _ptr * 4), ("ln1_w", _ptr), ("ln1_b", _ptr),
                 ("ln2_w", _ptr), ("ln2_b", _ptr)]
 
 
 class Model(ctypes.Structure):
-    """csrc/step.c's lmhead_model: the blocks (an array of Layer), the embeddings, ln_f and the head
+    """csrc/kernels.h's lmhead_model: the blocks (an array of Layer), the embeddings, ln_f and the head
     (engine/step.py fills it)."""
 
     _fields_ = [("layers", _ptr), ("L", _i64), ("D", _i64), ("H", _i64), ("inner", _i64), ("V", _i64),
@@ -74,33 +129,12 @@ class Kernels:
 
     def __init__(self, lib: ctypes.CDLL, variant: str = "base"):
         self.variant = variant
-        self.max_rows = lib.lmhead_kernels_max_rows()
+        self.max_rows = _typed(lib).lmhead_kernels_max_rows()
         self.f32_max_rows = lib.lmhead_kernels_f32_max_rows()  # float32's head product takes more rows
         self._release_thread_pool = lib.lmhead_release_thread_pool  # the module's own, not a variant's
         # The chosen variant's functions under their plain names: self.lib.lmhead_int8_matvec, ...
-        self.lib = lib = _Variant(**{name: getattr(lib, f"{name}_{variant}") for name in FUNCTIONS})
-        lib.lmhead_int8_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-        lib.lmhead_int8_matvec.restype = _int
-        lib.lmhead_bf16_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-        lib.lmhead_bf16_matvec.restype = _int
-        lib.lmhead_score_rows.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
-        lib.lmhead_score_rows.restype = _i64
-        lib.lmhead_attend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
-                                      _i64, ctypes.c_float, _int]
-        lib.lmhead_attend.restype = _int
-        lib.lmhead_f32_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-        lib.lmhead_f32_matvec.restype = _int
-        lib.lmhead_f32_kn_matvec.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-        lib.lmhead_f32_kn_matvec.restype = _int
-        # engine/step.py's plan (an array of lmhead_layer), then csrc/step.c's arguments in order
-        lib.lmhead_step.argtypes = [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
-                                    _i64, _i64, _i64, _i64, _ptr, _i64, _int]
-        lib.lmhead_step.restype = _int
-        # engine/step.py's Model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the
-        # logits, the record's top-1 ids and figures
-        lib.lmhead_decode.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                                      _ptr, _ptr, _int]
-        lib.lmhead_decode.restype = _int
+        self.lib = _Variant(**{name: _bound(getattr(lib, f"{name}_{variant}"), signature)
+                               for name, signature in KERNEL_FUNCTIONS.items()})
 
     def release_thread_pool(self) -> bool:
         """End the calling thread's OpenMP helper threads (engine/execution.release_thread_pool); whether
@@ -303,9 +337,7 @@ def _openmp_runtimes() -> set[str]:
 
 def variants(lib: ctypes.CDLL) -> list[str]:
     """The variants built into `lib` that this CPU runs, best first."""
-    lib.lmhead_kernels_supports.argtypes = [ctypes.c_char_p]
-    lib.lmhead_kernels_variants.restype = ctypes.c_char_p
-    built = lib.lmhead_kernels_variants().decode().split()
+    built = _typed(lib).lmhead_kernels_variants().decode().split()
     return [v for v in built if lib.lmhead_kernels_supports(v.encode())]
 
 
@@ -325,7 +357,7 @@ def _open(path: Path, variant: str | None = None) -> Kernels:
     what is wrong with the file."""
     lib = _import(path)
     try:
-        if lib.lmhead_kernels_abi() != ABI:
+        if _typed(lib).lmhead_kernels_abi() != ABI:
             raise RuntimeError(f"it is of another version (ABI {lib.lmhead_kernels_abi()}, not {ABI})")
         runs = variants(lib)
         variant = variant or runs[0]

@@ -34,7 +34,8 @@ from lmhead_cli.engine.kernels import Layer, Model
 
 ENV = "LMHEAD_STEP"
 MAX_ROWS = kernels.STEP_MAX_ROWS
-KINDS = {torch.float32: 0, torch.bfloat16: 1, "int8": 2}  # csrc/step.c's STEP_F32, STEP_BF16, STEP_INT8
+KINDS = {torch.float32: kernels.STEP_KINDS["float32"], torch.bfloat16: kernels.STEP_KINDS["bfloat16"],
+         "int8": kernels.STEP_KINDS["int8"]}  # csrc/kernels.h's LMHEAD_STEP_F32, _BF16, _INT8
 
 
 def turned_off() -> bool:
@@ -82,7 +83,7 @@ def _hook_dicts(modules: list[nn.Module]) -> list[dict]:
 
 
 def _tail(gpt: nn.Module, kind: int, D: int, keep: list[torch.Tensor]) -> dict | None:
-    """The embeddings', ln_f's and the head's fields of csrc/step.c's lmhead_model (their tensors added
+    """The embeddings', ln_f's and the head's fields of csrc/kernels.h's lmhead_model (their tensors added
     to `keep`); None when one is not in the layout lmhead_decode reads."""
     if kind == KINDS["int8"]:
         wte, head = gpt.wte.table, gpt.lm_head.table

@@ -19,6 +19,7 @@
 #ifndef LMHEAD_VARIANT
 #define LMHEAD_VARIANT(name) name##_base
 #endif
+#include "kernels.h" /* the interface, this variant's functions declared: each definition is held to it */
 
 #include <math.h>
 #include <stdint.h>
@@ -32,7 +33,7 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_ROWS 4
+#define MAX_ROWS LMHEAD_MAX_ROWS
 #define ROW_BLOCK 4 /* weight rows per inner step: each activation vector load serves four of them */
 /* Each row is a short stream (768 bytes of int8 in GPT-2), too short for the hardware prefetchers to
    follow: the kernels ask for the weights PREFETCH_BYTES ahead of each load themselves (one thread read
@@ -49,11 +50,6 @@
    so the thread count and the schedule change no bit. 64 rows of GPT-2's 768 float32 are 192 KB. */
 #define PIECE_ROWS 64
 #define PIECE_BLOCKS (PIECE_ROWS / ROW_BLOCK)
-#endif
-
-#include "kernels.h" /* MAX_ROWS, checked against it here */
-#if LMHEAD_MAX_ROWS != MAX_ROWS
-#error "kernels.h and kernels.c disagree on MAX_ROWS"
 #endif
 
 static inline float bf16_to_f32(uint16_t b) {

@@ -1,9 +1,21 @@
-/* What module.c and kernels.c share: the variants compiled into the extension and their public names. */
+/* lmhead's compiled interface, declared once: the constants, structures and functions that module.c,
+   kernels.c and step.c define and that engine/kernels.py calls through ctypes.
+
+   The compiler holds each definition to its declaration here (kernels.c includes this file, once per
+   variant); engine/kernels.py reads LMHEAD_KERNELS_ABI, LMHEAD_STEP_MAX_ROWS and the step's kinds from
+   this file (shipped in the package) and refuses a module that reports another ABI; and
+   tests/test_kernels.py parses this file and compares it with kernels.py's ctypes argument types,
+   return types and structure fields (names, types, order), so that a mismatch fails a test instead of
+   crashing the process. */
 #ifndef LMHEAD_KERNELS_H
 #define LMHEAD_KERNELS_H
 
-#define LMHEAD_MAX_ROWS 4 /* kernels.c's MAX_ROWS: the most rows of x one product takes */
+#include <stdint.h>
+
+#define LMHEAD_KERNELS_ABI 13 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
+#define LMHEAD_STEP_MAX_ROWS 16 /* the most rows of a compiled step (lmhead_step) and of lmhead_f32_kn_matvec */
 
 /* x86-64 with GCC: a variant per instruction-set level (variant_*.c), best first; elsewhere (another
    architecture, or a compiler without GCC's target pragma) the portable C variant alone. */
@@ -13,4 +25,68 @@
 #define LMHEAD_X86_VARIANTS 0
 #endif
 
+/* The weights' kind of a compiled step (lmhead_layer, lmhead_model `kind`). */
+enum { LMHEAD_STEP_F32 = 0, LMHEAD_STEP_BF16 = 1, LMHEAD_STEP_INT8 = 2 };
+
+/* One block's weights, as engine/step.py lays them out (kernels.Layer). For LMHEAD_STEP_F32 w[i] is
+   float32 (K, N) and the biases and norm parameters float32; for LMHEAD_STEP_BF16 w[i] is bfloat16
+   (N, K) rows and the biases and norm parameters bfloat16; for LMHEAD_STEP_INT8 w[i] is int8 (N, K)
+   rows with s[i] (N) float32 scales, and everything else float32. Products in order: c_attn,
+   attn.c_proj, c_fc, mlp.c_proj. */
+typedef struct {
+    const void *w[4];
+    const float *s[4];
+    const void *b[4];
+    const void *ln1_w, *ln1_b, *ln2_w, *ln2_b;
+} lmhead_layer;
+
+/* The model's pointers, as engine/step.py lays them out (kernels.Model): `layers` (L blocks), the
+   embeddings wte (V, D) (float32, bfloat16, or int8 rows with wte_s (V) scales) and wpe (n_pos, D)
+   (float32, or bfloat16 for LMHEAD_STEP_BF16), ln_f's parameters, and the head's rows (V, D) in the
+   weights' kind (int8 with head_s): E's, when tied. */
+typedef struct {
+    const lmhead_layer *layers;
+    int64_t L, D, H, inner, V, n_pos;
+    int kind;
+    float eps;
+    const void *wte, *wpe, *lnf_w, *lnf_b, *head;
+    const float *wte_s, *head_s;
+} lmhead_model;
+
+/* The module's own functions (module.c). */
+int lmhead_kernels_abi(void); /* LMHEAD_KERNELS_ABI, as this module was built */
+int lmhead_release_thread_pool(void); /* 0 done, 1 no omp_pause_resource_all, -1 inside a parallel region */
+int lmhead_kernels_max_rows(void); /* LMHEAD_MAX_ROWS */
+int lmhead_kernels_f32_max_rows(void); /* LMHEAD_F32_MAX_ROWS */
+const char *lmhead_kernels_variants(void); /* the variants built, best first, separated by spaces */
+int lmhead_kernels_supports(const char *variant); /* 1 if this CPU runs `variant` */
+
+#endif /* LMHEAD_KERNELS_H */
+
+/* The kernels, one set per variant: each name ends in its variant's suffix (LMHEAD_VARIANT(name), e.g.
+   lmhead_attend_avx2). Declared where a variant is compiled: kernels.c includes this file again after
+   LMHEAD_VARIANT is defined. What each computes is written above its definition (kernels.c, step.c). */
+#if defined(LMHEAD_VARIANT) && !defined(LMHEAD_KERNELS_VARIANT_DECLARED)
+#define LMHEAD_KERNELS_VARIANT_DECLARED
+int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const float *x, const float *bias, float *y,
+                                       int64_t N, int64_t K, int64_t M, int threads);
+int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
+                                       int64_t N, int64_t K, int64_t M, int threads);
+int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,
+                                      int64_t K, int64_t M, int threads);
+int LMHEAD_VARIANT(lmhead_f32_kn_matvec)(const float *W, const float *x, const float *bias, float *y, int64_t K,
+                                         int64_t N, int64_t M, int threads);
+int64_t LMHEAD_VARIANT(lmhead_score_rows)(const float *z, const int64_t *ids, int64_t N, int64_t V, float *logprob,
+                                          int64_t *rank, float *entropy, int64_t *top_id, float *top_logprob,
+                                          float *varentropy, float *margin, int strict, int threads);
+int LMHEAD_VARIANT(lmhead_attend)(const float *q, int64_t qsb, int64_t qsh, const float *k, const float *v,
+                                  int64_t ksb, int64_t ksh, const float *mask, int64_t msb, float *out, int64_t B,
+                                  int64_t H, int64_t T, int64_t hd, float scale, int threads);
+int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind, float *x, int64_t B, int64_t D,
+                                int64_t H, int64_t inner, float eps, float *kc, float *vc, int64_t csl, int64_t csb,
+                                int64_t csh, int64_t past, const float *mask, int64_t msb, int threads);
+int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, const int64_t *pos, int64_t B,
+                                  float *kc, float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
+                                  const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,
+                                  int threads);
 #endif

@@ -12,8 +12,6 @@
 #include <omp.h>
 #endif
 
-#define LMHEAD_KERNELS_ABI 13 /* engine/kernels.py's ABI: raised when a signature or a name changes */
-
 int lmhead_kernels_abi(void) { return LMHEAD_KERNELS_ABI; }
 
 /* The calling thread's OpenMP helper threads ended (engine/execution.py release_thread_pool): 0 done,

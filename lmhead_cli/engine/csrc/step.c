@@ -19,24 +19,13 @@
    GELU's, the residual after each add, the attention's output), and runs attention in float32 over the
    float32 cache, as engine/lean.py's `attention_dtype` does: the same figures up to the order of sums. */
 
-#define STEP_MAX_ROWS 16
+#define STEP_MAX_ROWS LMHEAD_STEP_MAX_ROWS
 
-enum { STEP_F32 = 0, STEP_BF16 = 1, STEP_INT8 = 2 };
-
-/* One block's weights, as engine/step.py lays them out (ctypes.Structure lmhead_layer). For STEP_F32
-   w[i] is float32 (K, N) and the biases and norm parameters float32; for STEP_BF16 w[i] is bfloat16
-   (N, K) rows and the biases and norm parameters bfloat16; for STEP_INT8 w[i] is int8 (N, K) rows with
-   s[i] (N) float32 scales, and everything else float32. Products in order: c_attn, attn.c_proj, c_fc,
-   mlp.c_proj. */
-typedef struct {
-    const void *w[4];
-    const float *s[4];
-    const void *b[4];
-    const void *ln1_w, *ln1_b, *ln2_w, *ln2_b;
-} lmhead_layer;
+/* lmhead_layer (one block's weights) and lmhead_model (the blocks, embeddings, ln_f and head) are declared
+   in kernels.h. */
 
 static inline float step_param(const void *p, int64_t i, int kind) {
-    return kind == STEP_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return kind == LMHEAD_STEP_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
@@ -55,7 +44,7 @@ static void step_norm(const float *x, float *y, int64_t B, int64_t D, const void
         float rstd = (float)(1.0 / sqrt(var / (double)D + (double)eps)), mu = (float)mean;
         for (int64_t d = 0; d < D; d++) {
             float v = (xm[d] - mu) * rstd * step_param(w, d, kind) + step_param(b, d, kind);
-            ym[d] = kind == STEP_BF16 ? round_bf16(v) : v;
+            ym[d] = kind == LMHEAD_STEP_BF16 ? round_bf16(v) : v;
         }
     }
 }
@@ -78,7 +67,7 @@ static void step_gelu(float *x, int64_t n, int kind) {
         float v = x[i];
         x[i] = 0.5f * v * (1.0f + tanhf(c * (v + a * v * v * v)));
     }
-    if (kind == STEP_BF16)
+    if (kind == LMHEAD_STEP_BF16)
         for (i = 0; i < n; i++) x[i] = round_bf16(x[i]);
 }
 
@@ -254,17 +243,17 @@ int LMHEAD_VARIANT(lmhead_f32_kn_matvec)(const float *W, const float *x, const f
 }
 
 /* Product i of a block: x (B, K) float32 -> y (B, N) float32, in the block's weight kind; `xb` and `yb`
-   are bfloat16 scratch rows for STEP_BF16 (whose kernel takes and gives bfloat16). Rows in groups of
+   are bfloat16 scratch rows for LMHEAD_STEP_BF16 (whose kernel takes and gives bfloat16). Rows in groups of
    MAX_ROWS for the row kernels. Returns -1 where a kernel could not allocate its buffer. */
 static int step_product(const lmhead_layer *l, int i, int kind, const float *x, float *y, int64_t B, int64_t K,
                         int64_t N, uint16_t *xb, uint16_t *yb, float *part, int threads) {
-    if (kind == STEP_F32) {
+    if (kind == LMHEAD_STEP_F32) {
         f32_kn_matvec((const float *)l->w[i], x, (const float *)l->b[i], y, K, N, B, threads, part);
         return 0;
     }
     for (int64_t m0 = 0; m0 < B; m0 += MAX_ROWS) {
         int64_t M = B - m0 < MAX_ROWS ? B - m0 : MAX_ROWS;
-        if (kind == STEP_INT8) {
+        if (kind == LMHEAD_STEP_INT8) {
             if (LMHEAD_VARIANT(lmhead_int8_matvec)((const int8_t *)l->w[i], l->s[i], x + m0 * K, (const float *)l->b[i],
                                                    y + m0 * N, N, K, M, threads))
                 return -1;
@@ -284,7 +273,7 @@ static int step_product(const lmhead_layer *l, int i, int kind, const float *x, 
 static void *step_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 /* x (B, D) float32, the residual stream of B rows at their new position (bfloat16 values for
-   STEP_BF16), through the L blocks `layers`, in place. The KV cache: k, v float32 at
+   LMHEAD_STEP_BF16), through the L blocks `layers`, in place. The KV cache: k, v float32 at
    k + l * csl + b * csb + h * csh + t * hd (t < past filled; position `past` written here). mask: an
    additive (B, past + 1) float32 row per b, msb apart, or NULL. Returns 0, or -1 where a buffer could
    not be allocated (x then partly updated: the caller raises). */
@@ -298,8 +287,8 @@ int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind,
     uint16_t *xb = step_alloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest)),
              *yb = step_alloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest));
     /* one row of float32: each block's sums over all of a product's columns (kn_vec) */
-    float *part = kind == STEP_F32 && B == 1 ? step_alloc(sizeof(float) * (size_t)(KN_CHUNKS * widest)) : NULL;
-    int failed = !(h && big && a && xb && yb && (part || kind != STEP_F32 || B != 1));
+    float *part = kind == LMHEAD_STEP_F32 && B == 1 ? step_alloc(sizeof(float) * (size_t)(KN_CHUNKS * widest)) : NULL;
+    int failed = !(h && big && a && xb && yb && (part || kind != LMHEAD_STEP_F32 || B != 1));
     for (int64_t li = 0; li < L && !failed; li++) {
         const lmhead_layer *l = layers + li;
         float *kl = kc + li * csl, *vl = vc + li * csl;
@@ -313,15 +302,15 @@ int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind,
             }
         if (LMHEAD_VARIANT(lmhead_attend)(big, 3 * D, hd, kl, vl, csb, csh, mask, msb, a, B, H, past + 1, hd,
                                           (float)(1.0 / sqrt((double)hd)), threads)) { failed = 1; break; }
-        if (kind == STEP_BF16)
+        if (kind == LMHEAD_STEP_BF16)
             for (int64_t j = 0; j < B * D; j++) a[j] = round_bf16(a[j]);
         if (step_product(l, 1, kind, a, h, B, D, D, xb, yb, part, threads)) { failed = 1; break; }
-        for (int64_t j = 0; j < B * D; j++) x[j] = kind == STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
+        for (int64_t j = 0; j < B * D; j++) x[j] = kind == LMHEAD_STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
         step_norm(x, h, B, D, l->ln2_w, l->ln2_b, eps, kind);
         if (step_product(l, 2, kind, h, big, B, D, inner, xb, yb, part, threads)) { failed = 1; break; }
         step_gelu(big, B * inner, kind);
         if (step_product(l, 3, kind, big, h, B, inner, D, xb, yb, part, threads)) { failed = 1; break; }
-        for (int64_t j = 0; j < B * D; j++) x[j] = kind == STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
+        for (int64_t j = 0; j < B * D; j++) x[j] = kind == LMHEAD_STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
     }
     free(h), free(big), free(a), free(xb), free(yb), free(part);
     return failed ? -1 : 0;
@@ -336,18 +325,6 @@ int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind,
    dispatched some twenty ops and Python calls, each waiting on memory the products had evicted:
    measured on an AVX2 Zen 3, 1.0-1.5 ms of a token (an int8 token took 8.5 ms). */
 
-/* The model's pointers, as engine/step.py lays them out (ctypes.Structure Model): `layers` (L blocks),
-   the embeddings wte (V, D) (float32, bfloat16, or int8 rows with wte_s (V) scales) and wpe
-   (n_pos, D) (float32, or bfloat16 for STEP_BF16), ln_f's parameters, and the head's rows (V, D) in
-   the weights' kind (int8 with head_s): E's, when tied. */
-typedef struct {
-    const lmhead_layer *layers;
-    int64_t L, D, H, inner, V, n_pos;
-    int kind;
-    float eps;
-    const void *wte, *wpe, *lnf_w, *lnf_b, *head;
-    const float *wte_s, *head_s;
-} lmhead_model;
 
 /* logits (B, V) float32 for tokens ids (B) at positions pos (B; NULL: every row at `past`), writing each
    layer's key and value at `past` (the cache and mask as lmhead_step's). B is at most STEP_MAX_ROWS, and
@@ -363,13 +340,13 @@ int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, con
                                   const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,
                                   int threads) {
     int64_t D = m->D, V = m->V;
-    if (B < 1 || B > (m->kind == STEP_F32 ? LMHEAD_F32_MAX_ROWS : MAX_ROWS) || B > STEP_MAX_ROWS) return -2;
+    if (B < 1 || B > (m->kind == LMHEAD_STEP_F32 ? LMHEAD_F32_MAX_ROWS : MAX_ROWS) || B > STEP_MAX_ROWS) return -2;
     for (int64_t b = 0; b < B; b++) {
         int64_t p = pos ? pos[b] : past;
         if (ids[b] < 0 || ids[b] >= V || p < 0 || p >= m->n_pos) return -2;
     }
     float *x = step_alloc(sizeof(float) * (size_t)(B * D)), *h = step_alloc(sizeof(float) * (size_t)(B * D));
-    int bf16 = m->kind == STEP_BF16; /* the head's kernel takes and gives bfloat16 */
+    int bf16 = m->kind == LMHEAD_STEP_BF16; /* the head's kernel takes and gives bfloat16 */
     uint16_t *xb = bf16 ? step_alloc(sizeof(uint16_t) * (size_t)(B * D)) : NULL,
              *yb = bf16 ? step_alloc(sizeof(uint16_t) * (size_t)(B * V)) : NULL;
     int status = x && h && ((xb && yb) || !bf16) ? 0 : -1;
@@ -377,10 +354,10 @@ int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, con
         float *xr = x + b * D;
         int64_t p = pos ? pos[b] : past;
         for (int64_t d = 0; d < D; d++) {
-            float e = m->kind == STEP_INT8 ? (float)((const int8_t *)m->wte)[ids[b] * D + d] * m->wte_s[ids[b]]
+            float e = m->kind == LMHEAD_STEP_INT8 ? (float)((const int8_t *)m->wte)[ids[b] * D + d] * m->wte_s[ids[b]]
                                            : step_param(m->wte, ids[b] * D + d, m->kind);
             float v = e + step_param(m->wpe, p * D + d, m->kind);
-            xr[d] = m->kind == STEP_BF16 ? round_bf16(v) : v;
+            xr[d] = m->kind == LMHEAD_STEP_BF16 ? round_bf16(v) : v;
         }
     }
     if (!status)
@@ -388,9 +365,9 @@ int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, con
                                              csl, csb, csh, past, mask, msb, threads) ? -1 : 0;
     if (!status) {
         step_norm(x, h, B, D, m->lnf_w, m->lnf_b, m->eps, m->kind);
-        if (m->kind == STEP_F32) {
+        if (m->kind == LMHEAD_STEP_F32) {
             LMHEAD_VARIANT(lmhead_f32_matvec)((const float *)m->head, h, NULL, logits, V, D, B, threads);
-        } else if (m->kind == STEP_INT8) {
+        } else if (m->kind == LMHEAD_STEP_INT8) {
             status = LMHEAD_VARIANT(lmhead_int8_matvec)((const int8_t *)m->head, m->head_s, h, NULL, logits, V, D, B,
                                                         threads) ? -1 : 0;
         } else {
