@@ -25,7 +25,7 @@ def both(*args: str, **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.
     ["toy", "--json"],
     ["inspect", PROMPT, "--json", "-t", " is"],
     ["inspect", PROMPT, "--top-k", "0"],  # a usage error: exit 2, one line
-    ["inspect", PROMPT, "--model", "/nonexistent/folder"],  # a runtime error: exit 1
+    ["inspect", PROMPT, "--model", "/"],  # a folder that holds no model: a runtime error, exit 1
 ])
 def test_a_forked_lmhead_writes_what_a_fresh_one_writes(tiny, args):
     forked, fresh = both(*args, env={"LMHEAD_MODEL": str(tiny[0])}, text=True)

@@ -58,10 +58,10 @@ def test_no_control_byte_in_files_explore_and_paths(hostile_model, tmp_path):
     odd = tmp_path / "br[" / "]k [bold]x \x1b[2J"  # a path with markup and ESC: shown as it is, escaped
     odd.parent.mkdir()
     os.symlink(hostile_model, odd)
-    got = invoke(["tie", "--model", str(odd)])
+    got = invoke(["tie", "--model", str(odd)], env={"COLUMNS": "200"})  # (the path's cell unwrapped)
     assert got.exit_code == 0 and "[bold]x \\x1b[2J" in got.stdout and control_bytes(got.stdout) == []
     got = invoke(["inspect", "x", "--model", str(tmp_path / "gone \x1b[2J")])
-    assert got.exit_code == 1 and "gone \\x1b[2J" in got.stderr and control_bytes(got.stderr) == []
+    assert got.exit_code == 2 and "gone \\x1b[2J" in got.stderr and control_bytes(got.stderr) == []
 
 
 def test_json_stays_exact(hostile_model):
@@ -251,7 +251,12 @@ def test_a_big_table_is_drawn_as_rich_draws_it(shape, colour, monkeypatch):
     by_rich = _printed(monkeypatch, table, colour=colour, fast=False)
     assert _printed(monkeypatch, table, colour=colour, fast=True) == by_rich
     assert drawn[0] is None and drawn[1] is not None and ("\x1b[" in by_rich) == colour
-    assert _printed(monkeypatch, table, colour=colour, fast=True, width=30) == by_rich  # its own width: nothing cut
+    from rich.cells import cell_len
+    from rich.text import Text
+
+    narrow = _printed(monkeypatch, table, colour=colour, fast=True, width=30)  # fitted by rich, or whole
+    assert narrow == by_rich or max(cell_len(Text.from_ansi(line).plain) for line in narrow.splitlines()) <= 30
+    assert _printed(monkeypatch, table, colour=colour, fast=True) == by_rich  # fitting left the table as it was
 
 
 BIG_TABLE_RUNS = {  # lmhead's own tables through the CLI; explore with targets (a bold section) and a stage
@@ -281,3 +286,49 @@ def test_commands_print_the_same_whoever_draws_their_tables(tiny, monkeypatch, c
     timing = re.compile(r"; \d+ ms\)")  # explore's one figure that changes from run to run
     assert timing.sub("", by_lines.stdout) == timing.sub("", by_rich.stdout)
     assert ("\x1b[" in by_lines.stdout) == colour
+
+
+WIDE_OUTPUTS = [  # the commands whose tables and captions overflowed 80 columns (issue 51), and their kin
+    ["score", "The keys on the table are here.", "--table", "--model", "{tiny}"],
+    ["lens", "The keys on the table", "--tuned", "bundled", "--model", "bundled:tiny"],
+    ["lens", "The keys on the table", "--target", " are", "--model", "{tiny}"],
+    ["neurons", "--layer", "1", "--model", "bundled:tiny"],
+    ["neurons", "The keys on the table", "--layer", "1", "--target", " are", "--model", "{tiny}"],
+    ["generate", "The keys on the table", "--beams", "4", "-n", "5", "--model", "{tiny}"],
+    ["generate", "The keys on the table", "-n", "3", "--seed", "1", "--show-steps", "3", "--model", "{tiny}"],
+    ["inspect", "The keys on the table", "--explain", "1", "--model", "{tiny}"],
+    ["inspect", "The keys on the table", "--stages", "--top-p", "0.9", "--model", "{tiny}"],
+    ["calibrate", "The keys on the table are on the table.", "--model", "{tiny}"],
+]
+
+
+@pytest.mark.parametrize("args", WIDE_OUTPUTS, ids=lambda a: " ".join(w for w in a[:4] if w.startswith("-") or
+                                                                        w == a[0]))
+def test_at_80_columns_every_line_fits(tiny, monkeypatch, args):
+    """At COLUMNS=80 no line of stdout is wider than 80 cells: tables wrap their text cells and leave
+    columns out in their stated order (saying which), captions wrap at words, and no figure is cut."""
+    from rich.cells import cell_len
+
+    monkeypatch.setenv("COLUMNS", "80")
+    got = invoke([a.format(tiny=tiny[0]) for a in args])
+    assert got.exit_code == 0, got.output
+    wide = [line for line in got.stdout.splitlines() if cell_len(line) > 80]
+    assert not wide, wide
+    assert not any("…" in line for line in got.stdout.splitlines() if "│" in line)
+
+
+def test_a_table_leaves_columns_out_in_its_stated_order_and_says_so(tiny, monkeypatch):
+    """score's token table at 80 columns: bits, varentropy and margin leave (in that order) and a line
+    says so; at 200 columns every column is there and no such line."""
+    from lmhead_cli.render.score import DROP_ORDER
+
+    args = ["score", "The keys on the table are here.", "--table", "--model", str(tiny[0])]
+    monkeypatch.setenv("COLUMNS", "200")
+    wide = invoke(args).stdout
+    assert "varentropy" in wide and "left out" not in wide
+    monkeypatch.setenv("COLUMNS", "80")
+    narrow = invoke(args).stdout
+    said = [line for line in narrow.splitlines() if line.startswith("at 80 columns, left out: ")]
+    assert said, narrow
+    gone = said[0].removeprefix("at 80 columns, left out: ").split(", ")
+    assert gone == list(DROP_ORDER[:len(gone)]) and "varentropy" not in narrow.split("left out")[0]

@@ -20,10 +20,10 @@ from typing import Any
 
 from rich.cells import cell_len
 from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from lmhead_cli.render import fit
 from lmhead_cli.render.big_table import BigTable, as_big_table
 from lmhead_cli.safe_text import quoted, safe_text  # noqa: F401 - the renderers' names for them
 
@@ -38,24 +38,45 @@ class _Console(Console):
         raise BrokenPipeError
 
     def print(self, *objects, **kwargs) -> None:
-        """A table narrower than it needs would have rich cut its cells with "…", figures included
-        (38,597… at COLUMNS=60): it is printed at its own width instead, and the terminal wraps the
-        lines. Nothing is ever cut. A table of thousands of rows is drawn line by line (render.big_table:
-        the same lines, in seconds where rich took a minute)."""
-        if not kwargs:  # (print's own settings, markup=False or a style, would change what rich draws)
-            objects = tuple(as_big_table(self, o) or o if isinstance(o, Table) else o for o in objects)
-        need = max((o.width if isinstance(o, BigTable) else
-                    Measurement.get(self, self.options.update_width(1 << 16), o).maximum
-                    for o in objects if isinstance(o, (Table, BigTable))), default=0)
+        """A table wider than the console is fitted to it (render.fit): its cells wrap at their spaces,
+        then the columns its renderer named leave, in that order, and a line under it says which. rich
+        would instead cut cells with "…", figures included (38,597… at COLUMNS=60): a table that cannot
+        fit is printed at its own width, and the terminal wraps the lines. Nothing is ever cut. A table
+        of thousands of rows is drawn line by line (render.big_table: the same lines, in seconds where
+        rich took a minute)."""
+        left_out: list[str] = []
+        need = 0
+        drawn = []
+        for o in objects:
+            if isinstance(o, Table):  # (print's own settings, markup=False or a style, change what rich draws)
+                big = None if kwargs else as_big_table(self, o)
+                if big is not None and big.width <= self.width:
+                    o = big
+                elif (big.width if big is not None else fit.needs(self, o)) > self.width:
+                    fitted = fit.fit(self, o, self.width)  # rich lays it out, its cells wrapped
+                    if fitted is None:  # it cannot fit: drawn whole at its own width
+                        o = big or o
+                        need = max(need, fit.needs(self, o) if isinstance(o, Table) else 0)
+                    else:
+                        o, dropped = fitted
+                        left_out += dropped
+                else:
+                    o = big or o
+            need = max(need, o.width) if isinstance(o, BigTable) else need
+            drawn.append(o)
+        objects = tuple(drawn)
         if objects and all(isinstance(o, BigTable) for o in objects):
             kwargs["crop"] = False  # its lines are as wide as it is: cropping measured each of them again
         if need <= self.width:
-            return super().print(*objects, **kwargs)
-        width, self.width = self.width, need
-        try:
             super().print(*objects, **kwargs)
-        finally:
-            self.width = width
+        else:
+            width, self.width = self.width, need
+            try:
+                super().print(*objects, **kwargs)
+            finally:
+                self.width = width
+        if left_out:
+            super().print(Text(f"at {self.width} columns, left out: {', '.join(left_out)}", style="dim"))
 
 
 def out() -> Console:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from rich.table import Table
 from rich.text import Text
 
-from lmhead_cli.render import knobs_text, notice, out, plural, provenance_json, safe_text, sparkline
+from lmhead_cli.render import fit, knobs_text, notice, out, plural, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as _tok
 
 STOP = {"eos": "end of text", "stop": "a stop string", "max_new_tokens": "--max-new-tokens", "context": "the context limit"}
@@ -68,12 +68,12 @@ def summary(g, source=None) -> None:
     on = " (torch's products)" if source is not None and source.device == "cpu" and \
         source.products == "torch's products" else ""
     con.print(f"[dim]──[/] {plural(len(g.generated_ids), 'token')} in {g.elapsed_s:.2f} s · {g.tokens_per_second:.1f} "
-              f"tokens/s{on} · mean entropy {g.mean_entropy:.2f} nats · stop: {STOP[g.stop]}", soft_wrap=True)
+              f"tokens/s{on} · mean entropy {g.mean_entropy:.2f} nats · stop: {STOP[g.stop]}")
     if ent:
         lo, hi = f"{min(ent):.2f}", f"{max(ent):.2f}"
         span = f"{lo} nats, every step to 2 decimals" if lo == hi else f"{lo}–{hi} nats"
-        con.print(f"[dim]entropy per step[/] [cyan]{sparkline(ent, resolution=0.01)}[/] ({span})", soft_wrap=True)
-    con.print(f"[dim]{_settings_line(g)}[/]", soft_wrap=True)
+        con.print(f"[dim]entropy per step[/] [cyan]{sparkline(ent, resolution=0.01)}[/] ({span})")
+    con.print(f"[dim]{_settings_line(g)}[/]")
 
 
 def steps_table(g) -> None:
@@ -83,18 +83,26 @@ def steps_table(g) -> None:
     out().print(f"steps: the chosen token's raw probability (softmax of the logits) and processed one (after "
                 f"the stages: what it was drawn from), its rank by raw logit, the raw probability the filters "
                 f"removed, the entropy in nats before (H raw) and after (H) the stages, and the {k} most "
-                f"probable tokens (processed)", soft_wrap=True)
+                f"probable tokens (processed)")
+    con = out()
+    table = _steps(g, "  ")
+    if fit.needs(con, table) > con.width:  # narrow: one alternative a line, never a token apart from its p
+        table = _steps(g, "\n")
+    con.print(table)
+
+
+def _steps(g, between: str) -> Table:
     table = Table(show_edge=False)
     for name, justify in (("step", "right"), ("chosen", "left"), ("raw p", "right"), ("p", "right"),
                           ("rank", "right"), ("removed", "right"), ("H raw", "right"), ("H", "right"),
                           ("the most probable", "left")):
         table.add_column(name, justify=justify)
     for i, s in enumerate(g.steps, 1):
-        alts = Text("  ").join(_tok(a.token, "bold" if a.id == s.id else "") + Text(f" {_pct(a.prob)}",
-                               "bold" if a.id == s.id else "") for a in s.alternatives)
+        alts = Text(between).join(_tok(a.token, "bold" if a.id == s.id else "") + Text(f" {_pct(a.prob)}",
+                                  "bold" if a.id == s.id else "") for a in s.alternatives)
         table.add_row(str(i), _tok(s.token), _pct(s.raw_prob), _pct(s.prob), f"{s.rank:,}",
                       _pct(s.removed_mass), f"{s.raw_entropy:.2f}", f"{s.entropy:.2f}", alts)
-    out().print(table)
+    return fit.drop_order(table, "H raw", "removed", "rank")  # on a narrow terminal these leave, in this order
 
 
 def beams_table(g) -> None:
@@ -104,7 +112,7 @@ def beams_table(g) -> None:
 
     con = out()
     con.print(f"finished beams, best first; {LENGTH_PENALTY_RULE}. check: the beam's transition scores "
-              f"(each token's processed log p) sum to its sum log p", soft_wrap=True)
+              f"(each token's processed log p) sum to its sum log p")
     t = Table(show_edge=False)
     for name, justify in (("beam", "right"), ("score", "right"), ("sum log p", "right"), ("tokens", "right"),
                           ("check", "left")):
@@ -200,7 +208,7 @@ def stage_report(table, own_softcap: float | None = None) -> None:
     if own_softcap:
         con.print(f"raw: the model's logits, already soft-capped by the model itself at c = {own_softcap:g}")
     on = knobs_text(table.knobs) or "none (T = 1)"
-    con.print(f"through the stages: {on} → softmax", soft_wrap=True)
+    con.print(f"through the stages: {on} → softmax")
     t = Table(show_edge=False)
     t.add_column("token")
     for col in table.columns:
@@ -211,7 +219,7 @@ def stage_report(table, own_softcap: float | None = None) -> None:
         t.add_row(_tok(r.token), *cells, _pct(r.prob))
     con.print(t)
     con.print(f"{table.kept:,} of {table.vocab:,} tokens survive the filters; entropy at the end "
-              f"{table.entropy:.4f} nats; #n is the rank at that stage", soft_wrap=True)
+              f"{table.entropy:.4f} nats; #n is the rank at that stage")
 
 
 def stages_json(table, own_softcap: float | None = None) -> dict:

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from lmhead_cli.render import compact_table, compose, elided, out, provenance_json, show_token, text_cell
 from lmhead_cli.render import token_cell as tok
+from lmhead_cli.render.fit import drop_order
 from lmhead_cli.render.inspect import random_banner
 
 SHADES = " ░▒▓█"
@@ -106,6 +107,10 @@ def lens_table(lens) -> None:
             cells += [f"{row.kl_to_final['logit']:.4f}", tok(row.tuned.top_token), f"{row.tuned.top_prob:.4%}", f"{row.kl_to_final['tuned']:.4f}"]
             cells += [f"{t.prob:.4%}" for t in row.tuned.targets]
         table.add_row(*cells)
+    # on a narrow terminal these leave first (render.fit): the id, the entropy, the targets' ranks, the
+    # probabilities; the layer, the top tokens and the KL divergences stay
+    drop_order(table, "id", "entropy", *(f"{show_token(t.token)} rank" for t in targets), "prob", "prob",
+               *(f"{show_token(t.token)} prob" for t in targets))
     out().print(table)
     if tuned:
         out().print(compose("tuned lens: ", text_cell(lens.tuned_lens), "; each layer read through its "

@@ -14,6 +14,7 @@ from rich.text import Text
 from lmhead_cli.readings.ranks import BUCKETS, bucket
 from lmhead_cli.render import _plain, dumps, err, out, provenance_json, safe_text, sparkline
 from lmhead_cli.render import token_cell as tok
+from lmhead_cli.render.fit import drop_order
 from lmhead_cli.render.inspect import random_banner
 
 # GLTR's colours (top-10 green, top-100 yellow, top-1000 red, the rest purple), with top-1 set apart.
@@ -110,6 +111,9 @@ COLUMNS = (("#", "right"), ("id", "right"), ("token", "left"), ("logprob", "righ
 LEGEND = ("logprob, entropy and margin (log p of the top-1 minus the second's) in nats, varentropy (the variance "
           "of -log p) in nats²; bits: surprisal, -log2 prob; top-1: the model's own choice there")
 SHRINKS = ("token", "top-1")  # on a narrow terminal these give way; figures are never cut
+# then these columns leave, in this order (render.fit): the ones another column already implies first
+# (bits = -logprob / ln 2), --json keeps every one
+DROP_ORDER = ("bits", "varentropy", "margin", "prob", "p(top-1)", "id")
 
 
 def _cells(r) -> list[str]:
@@ -133,7 +137,7 @@ def _token_table(rows: list[list[str]], title: str | None = None) -> Table:
                      max_width=TOKEN_WIDTH if shrinks else None)
     for r in rows:
         t.add_row(*r)
-    return t
+    return drop_order(t, *DROP_ORDER)
 
 
 def table(score) -> None:
