@@ -97,7 +97,9 @@ def test_inspect_json_matches_the_forward(arch):
     assert target["prob"] == pytest.approx(float(logprobs[target["id"]].exp()), abs=1e-6)
     assert target["rank"] == 1 + int((ref > ref[target["id"]]).sum())
     assert d["entropy"] == pytest.approx(float(-(logprobs.exp() * logprobs).sum()), abs=1e-4)
-    assert d["engine"] == "transformers" and d["shapes"]["logits"] == [1, 1, 50257]
+    # Llama runs on lmhead's own engine (engine/llama.py), Gemma-2 on transformers'
+    assert d["engine"] == ("lean" if model.config.model_type == "llama" else "transformers")
+    assert d["shapes"]["logits"] == [1, 1, 50257]
 
 
 def test_tie_report_names_the_models_own_parameters(llama, gemma2):
@@ -383,7 +385,7 @@ def test_a_wrong_model_type_is_an_error_naming_both_sizes_not_an_allocation(tmp_
     n_file = sum(p.numel() for p in gpt2.parameters())  # the tied head is stored once, as wte
     assert n_llama > 6e9
     message = str(e.value)
-    assert f"LlamaForCausalLM (llama) with {n_llama:,} parameters, the file holds {n_file:,}" in message
+    assert f"lmhead's llama with {n_llama:,} parameters, the file holds {n_file:,}" in message
     assert "it lacks model.embed_tokens.weight" in message and "\n" not in message
     got = cli("inspect", PROMPT, "--model", str(tmp_path))
     assert got.exit_code == 1 and got.stderr.startswith("lmhead: error: ") and got.stderr.count("\n") == 1
@@ -420,7 +422,7 @@ def test_a_model_without_a_findable_piece_refuses_the_reading_that_needs_it(llam
     from lmhead_cli.readings.inspect import inspect_prompt
     from lmhead_cli.readings.lens import lens_prompt
 
-    loaded = load_model(str(llama[0]), device="cpu")
+    loaded = load_model(str(llama[0]), device="cpu", engine="transformers")
     top = inspect_prompt(loaded, PROMPT, 1).top[0].id
     loaded.engine.norm = nn.Identity()  # a final norm that is neither a LayerNorm nor an RMSNorm
     with pytest.raises(UnsupportedModel, match="final norm as a LayerNorm or an RMSNorm; this model's is Identity"):

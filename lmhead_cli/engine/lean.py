@@ -120,6 +120,22 @@ class KVCache:
         self._split()
 
 
+def join_kv_caches(parts: list[tuple[KVCache, int]], max_len: int, new_cache) -> KVCache:
+    """Engine.join_caches for a KVCache: `new_cache(rows, max_len)` makes the joined one."""
+    length = max(c.length - first for c, first in parts)
+    joined = new_cache(sum(c.k.shape[1] for c, _ in parts), max(length, max_len))
+    joined.k.zero_()  # padding: an attention mask hides it, and zeros keep q·k finite under it
+    joined.v.zero_()
+    b = 0
+    for c, first in parts:
+        n, rows = c.length - first, c.k.shape[1]  # (L, rows, H, n, hd) copied to the right end
+        joined.k[:, b:b + rows, :, length - n:length] = c.k[:, :, :, first:c.length]
+        joined.v[:, b:b + rows, :, length - n:length] = c.v[:, :, :, first:c.length]
+        b += rows
+    joined.length = length
+    return joined
+
+
 class Attention(nn.Module):
     def __init__(self, d: int, n_head: int):
         super().__init__()
@@ -293,18 +309,7 @@ class LeanGPT2(Engine):
         return cache
 
     def join_caches(self, parts: list[tuple[KVCache, int]], max_len: int) -> KVCache:
-        length = max(c.length - first for c, first in parts)
-        joined = self.new_cache(sum(c.k.shape[1] for c, _ in parts), max(length, max_len))
-        joined.k.zero_()  # padding: an attention mask hides it, and zeros keep q·k finite under it
-        joined.v.zero_()
-        b = 0
-        for c, first in parts:
-            n, rows = c.length - first, c.k.shape[1]  # (L, rows, H, n, hd) copied to the right end
-            joined.k[:, b:b + rows, :, length - n:length] = c.k[:, :, :, first:c.length]
-            joined.v[:, b:b + rows, :, length - n:length] = c.v[:, :, :, first:c.length]
-            b += rows
-        joined.length = length
-        return joined
+        return join_kv_caches(parts, max_len, self.new_cache)
 
     def embed(self, ids: torch.Tensor, past: int = 0, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token plus position embeddings, (B, T, D). Positions skip left padding when a mask is given."""

@@ -5,8 +5,8 @@ The header (metadata and tensor infos) is read and checked against the file's by
 loading/gguf_header.py (the gguf package's GGUFReader trusts it, and is slow on a vocabulary); the
 tensors' data are views of the file mapped in memory. Then, before any tensor is dequantised:
 
-* the architecture (general.architecture) must be one lmhead runs: gpt2 (the lean engine) or llama
-  (transformers' LlamaForCausalLM);
+* the architecture (general.architecture) must be one lmhead runs: gpt2 (lean GPT-2), llama or qwen2
+  (lmhead's own Llama engine, engine/llama.py);
 * the metadata lmhead reads must be whole numbers (or floats) in range, and every tensor's shape must
   be the one the metadata makes, with no tensor missing or left over;
 * the tokenizer is built from tokenizer.ggml.* (loading/tokenizer.py) and checked on a probe.
@@ -15,7 +15,9 @@ Each tensor is then dequantised to float32 by gguf.quants.dequantize, the packag
 ggml's own dequantisation, and laid out under the names and layouts of the Hugging Face checkpoint
 that llama.cpp's convert_hf_to_gguf.py made it from: GPT-2's Conv1D weights transposed back to
 [in, out], Llama's q and k projections un-permuted (the converter interleaves each head's rotary
-halves for ggml's rope). The tie: output.weight absent (llama.cpp then reads token_embd.weight as the
+halves for ggml's rope). For lmhead's own Llama engine (`keep`) a quantised matrix is not dequantised:
+it stays the file's blocks, read into memory as they are, and engine/quant.py multiplies them a chunk of
+rows at a time. The tie: output.weight absent (llama.cpp then reads token_embd.weight as the
 head), or present and equal to token_embd.weight after dequantisation, is a tied head.
 
 Shapes: numpy's order, the reverse of GGUF's dims (token_embd.weight is (V, D)).
@@ -27,14 +29,14 @@ import math
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel
 from lmhead_cli.loading.checks import existing_file
 from lmhead_cli.loading.gguf_header import Header, changed, check_header
 
-ARCHITECTURES = ("gpt2", "llama")
+ARCHITECTURES = ("gpt2", "llama", "qwen2")
 # The metadata lmhead reads; the arrays of any other key are walked past unread (gguf_header.Skipped).
 READ_KEYS = ("general.", "tokenizer.", *(f"{a}." for a in ARCHITECTURES))
 # The most positions lmhead runs a file at: a Llama's context is a claim no tensor checks (RoPE has no
@@ -61,12 +63,17 @@ class GGUFModel:
     file_type: str  # general.file_type's name, e.g. "MOSTLY_Q8_0", or "unset"
     types: dict  # tensor type name -> how many tensors of it ("Q8_0": 8, "F32": 17)
     notes: tuple[str, ...] = ()  # what the loader announces besides describe(): a context cut to MAX_CONTEXT
+    kept: dict = field(default_factory=dict)  # type name -> how many matrices stay the file's blocks
 
     def describe(self, path, dtype: str) -> str:
         """The one line the loader announces: the file's own type and what was dequantised to what."""
         held = ", ".join(f"{n} {t}" for t, n in sorted(self.types.items(), key=lambda kv: -kv[1]))
         then = ("" if dtype == "float32" else ", then quantised to lmhead's int8 (a scale per row)" if dtype == "int8"
                 else f", then cast to {dtype}")
+        if self.kept:
+            kept = ", ".join(f"{n} {t}" for t, n in sorted(self.kept.items(), key=lambda kv: -kv[1]))
+            return (f"{path}: a GGUF {self.config['model_type']} of file type {self.file_type} ({held} tensors): "
+                    f"{kept} matrices kept as the file's blocks, the rest float32")
         return (f"{path}: a GGUF {self.config['model_type']} of file type {self.file_type} ({held} tensors), "
                 f"dequantised to float32 by gguf.quants{then}")
 
@@ -128,9 +135,11 @@ def _arch(meta: _Meta) -> str:
     return arch
 
 
-def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
+def read_gguf(path: Path, header: Header | None = None, keep: bool = False) -> GGUFModel:
     """The GGUF file at `path` checked, its tokenizer built, its tensors dequantised to float32
-    (`header`: read_header(path), when the caller has it already)."""
+    (`header`: read_header(path), when the caller has it already). `keep`: a Llama's or Qwen2's
+    quantised matrices stay the file's blocks (engine/quant.py Blocks), for lmhead's own engine;
+    `materialise` dequantises them for another."""
     import numpy as np
     import torch
     from gguf.constants import GGMLQuantizationType, LlamaFileType
@@ -150,8 +159,10 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
                                 "the embedding table is 2-D, vocabulary × width")
     V = embedding_shape[0]
     _block_count(meta, f"{arch}.block_count", tensors)  # before a layout of that many blocks is built
-    config, layout = (_gpt2 if arch == "gpt2" else _llama)(meta, V)
+    config, layout = (_gpt2 if arch == "gpt2" else _llama)(meta, V, arch)
     config["tie_word_embeddings"] = True  # until output.weight says otherwise (below)
+    if arch != "gpt2" and "rope_freqs.weight" in tensors:  # Llama 3.1's rope scaling, as llama.cpp stores it
+        layout["rope_freqs.weight"] = ("rope_freqs", (config["head_dim"] // 2,), None)
     notes = _bound_context(meta, arch, config)
     expected = {g: shape for g, (_, shape, _) in layout.items()}
     if "output.weight" in tensors:
@@ -164,6 +175,7 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
             config[key] = value
 
     state = {}
+    keep = keep and arch != "gpt2"  # GPT-2's matrices are transposed for its Conv1D: dequantised
     # Read, not mapped: a file cut short under a mapping kills the process with SIGBUS; a short read is
     # one line. One tensor's bytes are held at a time, beside what it dequantises to.
     with open(path, "rb", buffering=0) as f:
@@ -175,8 +187,13 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
                 raw = raw.view(PLAIN[qtype])
             else:
                 raw = raw.reshape(-1, t.nbytes // (math.prod(t.dims) // t.dims[0]))
-            values = dequantize(raw, qtype).reshape(_shape(t))  # float32, numpy's order
-            w = torch.from_numpy(values if values.flags.writeable else values.copy())
+            if keep and qtype not in PLAIN and qtype != GGMLQuantizationType.BF16 and len(t.dims) == 2:
+                from lmhead_cli.engine.quant import Blocks
+
+                w = Blocks(torch.from_numpy(raw), qtype, t.dims[0])  # the file's bytes, as they are
+            else:
+                values = dequantize(raw, qtype).reshape(_shape(t))  # float32, numpy's order
+                w = torch.from_numpy(values if values.flags.writeable else values.copy())
             if gname == "output.weight":
                 state["head"] = w
                 continue
@@ -187,12 +204,25 @@ def read_gguf(path: Path, header: Header | None = None) -> GGUFModel:
     head = state.pop("head", None)
     if head is not None:
         state["lm_head.weight"] = head
-        config["tie_word_embeddings"] = bool(torch.equal(head, state[embedding]))
+        same = getattr(head, "same_as", None)  # quantised blocks: the same type and bytes
+        config["tie_word_embeddings"] = bool(same(state[embedding]) if same else torch.equal(head, state[embedding]))
+    if "rope_freqs" in state:  # a divisor per rotary frequency (llama.cpp's form of Llama 3.1's scaling)
+        config["rope_freqs"] = state.pop("rope_freqs").tolist()
     file_type = meta.get("general.file_type")
     known = isinstance(file_type, int) and file_type in LlamaFileType._value2member_map_
     ftype = "unset" if file_type is None else LlamaFileType(file_type).name if known else f"{file_type!r:.20} (unknown)"
     types = Counter(GGMLQuantizationType(t.type).name for t in tensors.values())
-    return GGUFModel(config, state, tokenizer, ftype, dict(types), notes)
+    kept = Counter(t.kind for t in state.values() if hasattr(t, "kind"))
+    return GGUFModel(config, state, tokenizer, ftype, dict(types), notes, dict(kept))
+
+
+def materialise(state: dict, config: dict, path: Path) -> dict:
+    """`state` with every quantised matrix (Blocks) dequantised to float32, for an engine other than
+    lmhead's own Llama; UnsupportedModel for rope_freqs, which only that engine applies."""
+    if config.get("rope_freqs"):
+        raise UnsupportedModel(f"{path} holds rope_freqs.weight (llama.cpp's form of Llama 3.1's rope scaling), "
+                               "which transformers' Llama does not read; run it on the lean engine")
+    return {k: t.dequantise() if hasattr(t, "dequantise") else t for k, t in state.items()}
 
 
 def _unchanged(f, header: Header, path: Path) -> None:
@@ -233,7 +263,7 @@ def _bound_context(meta: _Meta, arch: str, config: dict) -> tuple[str, ...]:
     """A Llama's context cut to MAX_CONTEXT, with the line that says so (GPT-2's is its position table's
     rows, checked against the tensor)."""
     P = config.get("max_position_embeddings")
-    if arch != "llama" or P <= MAX_CONTEXT:
+    if arch == "gpt2" or P <= MAX_CONTEXT:
         return ()
     config["max_position_embeddings"] = MAX_CONTEXT
     return (f"{meta.path}: {arch}.context_length is {P:,}, more than lmhead runs; its context is taken as "
@@ -272,7 +302,7 @@ def _transpose(w):
 
 # ---- the architectures: metadata -> a config.json dict, and GGUF name -> (HF name, shape, transform) ----
 
-def _gpt2(meta: _Meta, V: int) -> tuple[dict, dict]:
+def _gpt2(meta: _Meta, V: int, arch: str = "gpt2") -> tuple[dict, dict]:
     """GPT-2 as convert_hf_to_gguf.py writes it: c_attn, c_proj, c_fc stored as [out, in]."""
     P = meta.int("gpt2.context_length")
     d = meta.int("gpt2.embedding_length")
@@ -301,54 +331,66 @@ def _unpermute(heads: int):
     """The inverse of convert_hf_to_gguf.py's LlamaModel.permute for `heads` heads: (n, D) -> (n, D)."""
     def undo(w):
         n = w.shape[0]
+        if hasattr(w, "qtype"):  # quantised blocks: whole rows move (a copy of q's and k's blocks)
+            import torch
+
+            return w.take(torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(n))
         return w.reshape(heads, n // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).contiguous()
     return undo
 
 
-def _llama(meta: _Meta, V: int) -> tuple[dict, dict]:
-    """Llama as convert_hf_to_gguf.py writes it: q and k permuted for ggml's rope, no biases."""
-    P = meta.int("llama.context_length")
-    d = meta.int("llama.embedding_length")
-    L = meta.int("llama.block_count")
-    H = meta.int("llama.attention.head_count")
-    KV = meta.int("llama.attention.head_count_kv", default=H)
-    ff = meta.int("llama.feed_forward_length")
-    eps = meta.float("llama.attention.layer_norm_rms_epsilon")
-    theta = meta.float("llama.rope.freq_base", default=10000.0)
-    if d % H and meta.get("llama.attention.key_length") is None:
-        raise CorruptCheckpoint(f"{meta.path}: llama.attention.head_count {H:,} does not divide llama.embedding_length "
-                                f"{d:,}, and the file gives no llama.attention.key_length (the head width)")
-    hd = meta.int("llama.attention.key_length", default=d // H)
-    if meta.int("llama.attention.value_length", default=hd) != hd:
-        raise UnsupportedModel(f"{meta.path}: llama.attention.value_length differs from key_length; lmhead runs "
-                               "Llama files whose heads have one width")
-    rot = meta.int("llama.rope.dimension_count", default=hd)
+def _llama(meta: _Meta, V: int, arch: str = "llama") -> tuple[dict, dict]:
+    """Llama as convert_hf_to_gguf.py writes it: q and k permuted for ggml's rope, no biases; Qwen2 the
+    same keys under qwen2.*, q and k as transformers has them, with biases on q, k and v."""
+    P = meta.int(f"{arch}.context_length")
+    d = meta.int(f"{arch}.embedding_length")
+    L = meta.int(f"{arch}.block_count")
+    H = meta.int(f"{arch}.attention.head_count")
+    KV = meta.int(f"{arch}.attention.head_count_kv", default=H)
+    ff = meta.int(f"{arch}.feed_forward_length")
+    eps = meta.float(f"{arch}.attention.layer_norm_rms_epsilon")
+    theta = meta.float(f"{arch}.rope.freq_base", default=10000.0)
+    if d % H and meta.get(f"{arch}.attention.key_length") is None:
+        raise CorruptCheckpoint(f"{meta.path}: {arch}.attention.head_count {H:,} does not divide "
+                                f"{arch}.embedding_length {d:,}, and the file gives no {arch}.attention.key_length "
+                                "(the head width)")
+    hd = meta.int(f"{arch}.attention.key_length", default=d // H)
+    if meta.int(f"{arch}.attention.value_length", default=hd) != hd:
+        raise UnsupportedModel(f"{meta.path}: {arch}.attention.value_length differs from key_length; lmhead runs "
+                               f"{arch} files whose heads have one width")
+    rot = meta.int(f"{arch}.rope.dimension_count", default=hd)
     if rot != hd:
-        raise UnsupportedModel(f"{meta.path}: llama.rope.dimension_count is {rot}, not the head width {hd}; partial "
+        raise UnsupportedModel(f"{meta.path}: {arch}.rope.dimension_count is {rot}, not the head width {hd}; partial "
                                "rotary embeddings are not a Llama transformers builds")
-    scaling = meta.string("llama.rope.scaling.type", default="none")
-    if scaling != "none":
-        raise UnsupportedModel(f"{meta.path}: llama.rope.scaling.type is {scaling!r}; lmhead runs Llama GGUF files "
-                               "without rope scaling")
+    rope = {"rope_type": "default", "rope_theta": theta}
+    scaling = meta.string(f"{arch}.rope.scaling.type", default="none")
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "rope_theta": theta, "factor": meta.float(f"{arch}.rope.scaling.factor")}
+    elif scaling != "none":
+        raise UnsupportedModel(f"{meta.path}: {arch}.rope.scaling.type is {scaling!r}; lmhead runs {arch} GGUF files "
+                               "without rope scaling, with linear scaling, or with llama.cpp's rope_freqs (Llama 3.1)")
     if H % KV or hd % 2:
-        raise CorruptCheckpoint(f"{meta.path}: llama.attention.head_count {H} is not a multiple of head_count_kv "
+        raise CorruptCheckpoint(f"{meta.path}: {arch}.attention.head_count {H} is not a multiple of head_count_kv "
                                 f"{KV}, or the head width {hd} is odd")
-    config = {"model_type": "llama", "vocab_size": V, "hidden_size": d, "intermediate_size": ff,
+    config = {"model_type": arch, "vocab_size": V, "hidden_size": d, "intermediate_size": ff,
               "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV, "head_dim": hd,
               "max_position_embeddings": P, "rms_norm_eps": eps, "hidden_act": "silu",
-              "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-              "bos_token_id": None, "eos_token_id": None}
+              "rope_parameters": rope, "bos_token_id": None, "eos_token_id": None}
+    qwen = arch == "qwen2"
     layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, d), None),
               "output_norm.weight": ("model.norm.weight", (d,), None)}
     for i in range(L):
         p = f"model.layers.{i}."
         for g, hf, shape, t in (("attn_norm", "input_layernorm", (d,), None),
-                                ("attn_q", "self_attn.q_proj", (H * hd, d), _unpermute(H)),
-                                ("attn_k", "self_attn.k_proj", (KV * hd, d), _unpermute(KV)),
+                                ("attn_q", "self_attn.q_proj", (H * hd, d), None if qwen else _unpermute(H)),
+                                ("attn_k", "self_attn.k_proj", (KV * hd, d), None if qwen else _unpermute(KV)),
                                 ("attn_v", "self_attn.v_proj", (KV * hd, d), None),
                                 ("attn_output", "self_attn.o_proj", (d, H * hd), None),
                                 ("ffn_norm", "post_attention_layernorm", (d,), None),
                                 ("ffn_gate", "mlp.gate_proj", (ff, d), None), ("ffn_up", "mlp.up_proj", (ff, d), None),
                                 ("ffn_down", "mlp.down_proj", (d, ff), None)):
             layout[f"blk.{i}.{g}.weight"] = (p + hf + ".weight", shape, t)
+        if qwen:
+            for g, hf, n in (("attn_q", "q_proj", H * hd), ("attn_k", "k_proj", KV * hd), ("attn_v", "v_proj", KV * hd)):
+                layout[f"blk.{i}.{g}.bias"] = (f"{p}self_attn.{hf}.bias", (n,), None)
     return config, layout

@@ -147,12 +147,19 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
         files = [Path(source).expanduser()]
         header = gguf.read_header(files[0])
         n = sum(math.prod(t.dims) for t in header.tensors)
-        checks.check_memory(checks.plan_memory(n, dtype, 4 * n, dev.type), source, ignore_memory, announce)
-        found = gguf.read_gguf(files[0], header)
+        # a Llama's or Qwen2's quantised matrices stay blocks on the lean engine in float32 (engine/quant.py)
+        keep = dtype == "float32" and engine != "transformers" and gguf.architecture(files[0]) != "gpt2"
+        held = sum(t.nbytes for t in header.tensors)  # the file's blocks, mapped (at most all of them float32)
+        plan = (checks.MemoryPlan(n, held, held, dev.type, checks.available_memory(dev.type)) if keep
+                else checks.plan_memory(n, dtype, 4 * n, dev.type))
+        checks.check_memory(plan, source, ignore_memory, announce)
+        found = gguf.read_gguf(files[0], header, keep=keep)
         config, state, tokenizer = found.config, found.state, found.tokenizer
         checks.check_config(config, files[0])
         engine_name = validate.checkpoint_engine(engine, config, announce)
-        if engine_name == "transformers":
+        if engine_name != "lean":
+            state, found.kept = gguf.materialise(state, config, files[0]), {}
+        if engine_name == "transformers" or config.get("model_type") != "gpt2":
             validate.check_config_for(config, files[0])
         if int8 and engine_name != "lean":
             raise UsageError(Param("dtype"), f" int8 runs on the lean engine, which takes GPT-2 only (this GGUF is "
@@ -167,7 +174,7 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
         # (refused, or routed with a note), the config as transformers will build it, the files' dtypes,
         # names, shapes and layer count, the memory.
         engine_name = validate.checkpoint_engine(engine, config, announce)
-        if engine_name == "transformers":
+        if engine_name == "transformers" or config.get("model_type") != "gpt2":
             validate.check_config_for(config, folder / "config.json")
         tokenizer = GPT2Tokenizer.from_folder(folder) or GPT2Tokenizer.bundled()
         if int8 and engine_name != "lean":
@@ -178,7 +185,7 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
         if all(f.suffix == ".safetensors" for f in files):
             header = checks.read_header(files)
             validate.check_tensors(config, validate.header_tensors(header), folder / "config.json")
-            if engine_name == "lean":  # transformers' GPT-2 is checked against its own skeleton (fit_state)
+            if engine_name == "lean" and config.get("model_type") == "gpt2":  # the others against their skeletons
                 checks.check_gpt2_header(config, header, files, folder / "config.json", _NOT_WEIGHTS)
             weights = {k: t for k, t in header.items() if not k.endswith(_NOT_WEIGHTS)}
             n, size = sum(math.prod(t.shape) for t in weights.values()), sum(t.nbytes for t in weights.values())
@@ -190,7 +197,14 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
         if not all(f.suffix == ".safetensors" for f in files):
             validate.check_tensors(config, validate.state_tensors(state, files[0]), folder / "config.json")
 
-    if engine_name == "lean":
+    if engine_name == "lean" and config.get("model_type") != "gpt2":  # Llama, Qwen2 (loading/llama.py)
+        from lmhead_cli.engine.llama import TIE_NAMES as LLAMA_TIE_NAMES
+        from lmhead_cli.loading.llama import build_llama
+
+        stored = file_tie(state, LLAMA_TIE_NAMES) if files else None
+        eng = build_llama(config, state, files, dev, dt)
+        config_tied = bool(config.get("tie_word_embeddings", False))
+    elif engine_name == "lean":
         config_tied = bool(config.get("tie_word_embeddings", True))
         stored = file_tie(state, TIE_NAMES) if files else None  # before build_lean consumes the state
         eng: Engine = LeanGPT2(config, build_lean(config, state, config_tied, files, dev, dt, int8, announce))

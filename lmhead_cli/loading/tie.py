@@ -33,6 +33,8 @@ def file_tie(state: dict[str, torch.Tensor], names: TieNames) -> tuple[bool, boo
     """What the checkpoint file stores: (its own head weight?, that head equal to the stored embedding?
     None when either is absent)."""
     head, embedding = _stored(state, names.head), _stored(state, names.embedding)
+    if hasattr(head, "same_as"):  # a GGUF's quantised blocks (engine/quant.py): the same type and bytes
+        return True, head.same_as(embedding) if hasattr(embedding, "same_as") else False
     return head is not None, (torch.equal(head, embedding) if head is not None and embedding is not None else None)
 
 

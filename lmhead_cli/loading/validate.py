@@ -39,22 +39,26 @@ _LIST_ITEM = re.compile(r"^(.*?)\.(\d+)\.")
 
 def checkpoint_engine(engine: str, config: dict, announce) -> str:
     """"lean" or "transformers" for `engine` ("auto", "lean" or "transformers") and this config.
-    A GPT-2 config with a field the lean engine does not compute (gpt2_fields.ROUTED) runs on
-    transformers' GPT-2, announced; `--engine lean` refuses it, naming the fields."""
-    is_gpt2 = config.get("model_type") == "gpt2"
-    if engine == "lean" and not is_gpt2:
-        raise UsageError(f"the lean engine runs GPT-2-family checkpoints only (this is "
-                         f"{config.get('model_type')!r}); use ", Param("engine"), " transformers")
-    lacks = gpt2_fields.lean_cannot_run(config) if is_gpt2 else []
+    GPT-2, Llama and Qwen2 run on the lean engines; a config with a field they do not compute
+    (gpt2_fields.ROUTED, loading/llama.py lean_cannot_run) runs on transformers, announced;
+    `--engine lean` refuses it, naming the fields."""
+    from lmhead_cli.loading.llama import ARCHITECTURES, lean_cannot_run
+
+    kind = config.get("model_type")
+    is_gpt2, is_llama = kind == "gpt2", kind in ARCHITECTURES
+    if engine == "lean" and not (is_gpt2 or is_llama):
+        raise UsageError(f"the lean engine runs GPT-2, Llama and Qwen2 checkpoints (this is {kind!r}); use ",
+                         Param("engine"), " transformers")
+    lacks = gpt2_fields.lean_cannot_run(config) if is_gpt2 else lean_cannot_run(config) if is_llama else []
     if engine == "lean" and lacks:
-        raise UsageError(f"the lean engine computes plain GPT-2, and this config asks for {', '.join(lacks)}; "
-                         "use ", Param("engine"), " transformers")
+        raise UsageError(f"the lean engine computes plain {'GPT-2' if is_gpt2 else kind}, and this config asks for "
+                         f"{', '.join(lacks)}; use ", Param("engine"), " transformers")
     if engine == "auto":
-        if is_gpt2 and lacks:
-            announce(f"running on transformers' GPT-2: the config asks for {', '.join(lacks)}, which the lean "
-                     "engine does not compute")
+        if (is_gpt2 or is_llama) and lacks:
+            announce(f"running on transformers' {'GPT-2' if is_gpt2 else kind}: the config asks for "
+                     f"{', '.join(lacks)}, which the lean engine does not compute")
             return "transformers"
-        return "lean" if is_gpt2 else "transformers"
+        return "lean" if is_gpt2 or is_llama else "transformers"
     return engine
 
 

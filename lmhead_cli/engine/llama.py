@@ -1,0 +1,348 @@
+"""LeanLlama: Llama and Qwen2 in plain torch, llama2.c's run.c in modules.
+
+RMSNorm, rotary position embeddings (RoPE, with Llama 3's frequency scaling), grouped-query attention
+over a preallocated KV cache, a SwiGLU MLP, the head on the positions asked for. Mistral, TinyLlama
+and SmolLM2 are Llama; Qwen2 is Llama with biases on q, k and v. Module names mirror the Hugging Face
+checkpoint keys (model.embed_tokens, model.layers.{i}.self_attn.q_proj, model.norm, lm_head), so
+`model.safetensors` loads by name and transformers' LlamaForCausalLM / Qwen2ForCausalLM are the
+parity reference (tests/test_llama_engine.py).
+
+A projection holds either a float weight (nn.Linear) or a GGUF file's quantised blocks
+(engine/quant.py `QuantLinear`, multiplied a bounded chunk of rows at a time); the engine does not
+care which. Shapes: B batch, T positions, D width, H query heads, K key/value heads, hd head width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm, position_ids
+from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
+from lmhead_cli.engine.lean import attend_one as attend_heads
+
+ARCHITECTURES = ("llama", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")  # the rope scalings LeanLlama computes
+TIE_NAMES = TieNames(head="lm_head.weight", embedding="model.embed_tokens.weight")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes and options of a Llama-family config.json, read once."""
+
+    vocab: int
+    width: int  # D
+    inner: int  # the MLP's width
+    layers: int
+    heads: int  # H
+    kv_heads: int  # K, a divisor of H
+    head_dim: int
+    eps: float
+    qkv_bias: bool  # Qwen2, or Llama's attention_bias
+    o_bias: bool  # Llama's attention_bias
+    mlp_bias: bool
+    positions: int
+
+    @classmethod
+    def of(cls, config: dict) -> "LlamaShape":
+        D, H = config["hidden_size"], config["num_attention_heads"]
+        qwen = config.get("model_type") == "qwen2"
+        bias = bool(config.get("attention_bias", False))
+        return cls(vocab=config["vocab_size"], width=D, inner=config["intermediate_size"],
+                   layers=config["num_hidden_layers"], heads=H, kv_heads=config.get("num_key_value_heads") or H,
+                   head_dim=config.get("head_dim") or D // H, eps=float(config.get("rms_norm_eps", 1e-6)),
+                   qkv_bias=qwen or bias, o_bias=bias and not qwen, mlp_bias=bool(config.get("mlp_bias", False)),
+                   positions=config.get("max_position_embeddings") or 2048)
+
+
+def rope_parameters(config: dict) -> dict:
+    """The rope's parameters in transformers 5's form ({"rope_type", "rope_theta", ...}), from either
+    `rope_parameters` or the older `rope_theta` + `rope_scaling` ("type" or "rope_type")."""
+    p = config.get("rope_scaling") or config.get("rope_parameters")  # rope_scaling first, as transformers
+    p = dict(p) if isinstance(p, dict) else {}
+    p["rope_type"] = p.get("rope_type", p.get("type")) or "default"
+    p.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return p
+
+
+def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
+    """The rotary inverse frequencies (hd/2,) float32, as transformers computes them for rope types
+    default, linear (divided by the factor) and llama3 (Llama 3.1's wavelength-banded scaling), and as
+    llama.cpp does for a GGUF's rope_freqs (each divided by its own factor)."""
+    p = rope_parameters(config)
+    inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if config.get("rope_freqs"):  # a GGUF's rope_freqs.weight: llama.cpp divides each frequency by it
+        inv = inv / torch.tensor(config["rope_freqs"], dtype=torch.float32)
+    if p["rope_type"] == "linear":
+        return inv / p["factor"]
+    if p["rope_type"] == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """γ ⊙ x / √(mean x² + eps), computed in float32 as transformers' LlamaRMSNorm."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d))
+        self.variance_epsilon = eps  # the name engine/base.py's linearise_norm reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.H, self.K, self.hd = s.heads, s.kv_heads, s.head_dim
+        self.q_proj = nn.Linear(s.width, s.heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.width, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.width, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.width, bias=s.o_bias)
+
+    def forward(self, x, layer, cache, mask, rope):
+        B, T, _ = x.shape
+        cos, sin = rope  # (B, 1, T, hd) each
+        adt = cos.dtype  # attention (and the cache) run in this dtype: float32 for half weights on the CPU
+        q = self.q_proj(x).view(B, T, self.H, self.hd).transpose(1, 2).to(adt)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.K, self.hd).transpose(1, 2).to(adt)  # (B, K, T, hd)
+        v = self.v_proj(x).view(B, T, self.K, self.hd).transpose(1, 2).to(adt)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # (B, K, T_past + T, hd)
+        if T == 1:
+            y = attend_one(q, k, v, mask)  # a decoding step
+        else:
+            causal = mask is None and k.shape[2] == T
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               enable_gqa=self.K != self.H)
+            y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(y.to(x.dtype))
+
+
+def attend_one(q, k, v, mask) -> torch.Tensor:
+    """One new position's grouped-query attention: q (B, H, 1, hd), k, v (B, K, T, hd), mask (B, 1, 1, T)
+    or None -> (B, 1, H·hd). Each key head serves H/K query heads, read as G = H/K rows of one product,
+    so the keys are never repeated in memory (as llama2.c's run.c indexes them)."""
+    B, H, _, hd = q.shape
+    K, T = k.shape[1], k.shape[2]
+    if K == H:
+        return attend_heads(q, k, v, mask)
+    qg = q.reshape(B, K, H // K, hd)  # (B, K, G, hd)
+    att = torch.matmul(qg, k.transpose(-1, -2)).mul_(1 / math.sqrt(hd))  # (B, K, G, T)
+    if mask is not None:
+        att = att.add_(mask.view(B, 1, 1, T))
+    y = torch.matmul(att.softmax(-1), v)  # (B, K, G, hd)
+    return y.reshape(B, 1, H * hd)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) ⊙ up(x))."""
+
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.width, s.inner, bias=s.mlp_bias)
+        self.up_proj = nn.Linear(s.width, s.inner, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.inner, s.width, bias=s.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.width, s.eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.width, s.eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, layer, cache, mask, rope):
+        x = x + self.self_attn(self.input_layernorm(x), layer, cache, mask, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab, s.width, _weight=torch.empty(s.vocab, s.width))
+        self.layers = nn.ModuleList(Layer(s) for _ in range(s.layers))
+        self.norm = RMSNorm(s.width, s.eps)
+
+
+class Llama(nn.Module):
+    """Llama with checkpoint key names. Tied: `self.lm_head.weight = self.model.embed_tokens.weight`."""
+
+    def __init__(self, config: dict, tied: bool):
+        super().__init__()
+        s = LlamaShape.of(config)
+        self.model = Body(s)
+        self.lm_head = nn.Linear(s.width, s.vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight  # W_out is E, the very same tensor
+        self.register_buffer("inv_freq", rope_inv_freq(config, s.head_dim), persistent=False)
+
+
+class LeanLlama(Engine):
+    """lmhead's own Llama / Qwen2 engine (see the module's docstring)."""
+
+    def __init__(self, config: dict, module: Llama):
+        super().__init__(name="lean", config=config, module=module)
+        self.llama = module
+        self.shape = LlamaShape.of(config)
+
+    # -- weights ----------------------------------------------------------------------------
+    @property
+    def embedding_weight(self):
+        return self.llama.model.embed_tokens.weight
+
+    @property
+    def head_weight(self):
+        return self.llama.lm_head.weight
+
+    @property
+    def head_module(self) -> nn.Module:
+        return self.llama.lm_head
+
+    @property
+    def tie_names(self) -> TieNames:
+        return TIE_NAMES
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights'): float32 for quantised weights."""
+        return self.llama.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.llama.model.norm.weight.device
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        return torch.float32 if self.device.type == "cpu" and self.dtype in HALF else self.dtype
+
+    @property
+    def weight_format(self) -> str:
+        """The weights' dtype, or the GGUF block types held quantised ("Q8_0", "Q4_K+Q6_K")."""
+        from lmhead_cli.engine.quant import block_types
+
+        types = block_types(self.llama)
+        return "+".join(types) if types else super().weight_format
+
+    def head_rows(self, ids) -> torch.Tensor:
+        """Rows `ids` of W_out (n, D) in the activations' dtype (quantised rows dequantised)."""
+        w = self.head_weight
+        rows = torch.as_tensor(ids, device=self.device)
+        return w.rows(rows) if hasattr(w, "rows") else w[rows]
+
+    # -- the forward pass -------------------------------------------------------------------
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, 1, T, hd) for positions (B, T), in the attention dtype."""
+        freqs = pos[..., None].float() * self.llama.inv_freq.to(pos.device)  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(self.attention_dtype), emb.sin().to(self.attention_dtype)
+
+    def _start(self, ids, past: int, attention_mask):
+        """The embeddings (B, T, D), the additive mask or None, and the rope for the new positions."""
+        T = ids.shape[1]
+        if attention_mask is None:
+            pos = torch.arange(past, past + T, device=ids.device)[None].expand(ids.shape[0], -1)
+            mask = None
+        else:
+            pos = position_ids(attention_mask, T)
+            mask = _mask(attention_mask, T, self.attention_dtype)
+        return self.llama.model.embed_tokens(ids).to(self.dtype), mask, self._rope(pos)
+
+    @torch.inference_mode()
+    def body(self, ids: torch.Tensor, cache: KVCache | None = None,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final RMSNorm for the new positions `ids` (B, T) -> (B, T, D); fills `cache`."""
+        past = cache.length if cache is not None else 0
+        if past + ids.shape[1] > self.n_ctx:
+            raise ValueError(f"{past + ids.shape[1]} positions exceed the context of {self.n_ctx}")
+        x, mask, rope = self._start(ids, past, attention_mask)
+        for i, layer in enumerate(self.llama.model.layers):
+            x = layer(x, i, cache, mask, rope)
+        if cache is not None:
+            cache.length += ids.shape[1]
+        return self.llama.model.norm(x)
+
+    @torch.inference_mode()
+    def residuals(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """The residual stream after the embeddings and after each layer, before the final norm."""
+        x, mask, rope = self._start(ids, 0, attention_mask)
+        yield x
+        for i, layer in enumerate(self.llama.model.layers):
+            x = layer(x, i, None, mask, rope)
+            yield x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.llama.model.norm(x)
+
+    @property
+    def final_norm_module(self) -> nn.Module:
+        return self.llama.model.norm
+
+    def components(self, ids: torch.Tensor) -> Components:
+        """The last position's final residual as the token embedding + each head of each layer (o_proj's
+        rows per head) + o_proj's bias + each MLP; RMSNorm linearised."""
+        return capture_components(lambda: self.body(ids), self.shape.heads, self.layer_taps(),
+                                  self.llama.model.layers, linearise_norm(self.llama.model.norm), None)
+
+    def layer_taps(self) -> list[LayerTaps]:
+        """Each layer's o_proj (its weight as (H·hd, D)) and MLP, down_proj's columns as the value vectors
+        (N, D). Quantised weights are dequantised here, a layer's two matrices at a time."""
+        taps = []
+        for layer in self.llama.model.layers:
+            o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+            taps.append(LayerTaps(out_proj=o, weight=_matrix(o).t(), bias=_bias(o), mlp=layer.mlp, mlp_out=down,
+                                  values=_matrix(down).t(), mlp_bias=_bias(down)))
+        return taps
+
+    @torch.inference_mode()
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits z = h · W_outᵀ: (..., D) -> (..., V)."""
+        return self.llama.lm_head(h)
+
+    # -- the KV cache ----------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        s = self.shape
+        return KVCache(s.layers, batch, s.kv_heads, min(max_len, self.n_ctx), s.head_dim, self.device,
+                       self.attention_dtype)
+
+    def reorder_cache(self, cache: KVCache, rows: torch.Tensor) -> KVCache:
+        cache.reorder(rows)
+        return cache
+
+    def join_caches(self, parts: list[tuple[KVCache, int]], max_len: int) -> KVCache:
+        return join_kv_caches(parts, max_len, self.new_cache)
+
+
+def _matrix(linear: nn.Module) -> torch.Tensor:
+    """A projection's weight (out, in) as float numbers (quantised blocks dequantised)."""
+    w = linear.weight
+    return w.dequantise() if hasattr(w, "dequantise") else w.detach()
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
