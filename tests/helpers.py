@@ -778,7 +778,9 @@ def gguf_names(cfg) -> list[tuple[str, str, str | None]]:
                           ("attn_output", "self_attn.o_proj"), ("ffn_norm", "post_attention_layernorm"),
                           ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
                 names.append((f"blk.{i}.{g}.weight", f"model.layers.{i}.{hf}.weight",
-                              {"attn_q": "q", "attn_k": "k"}.get(g)))
+                              None if cfg.model_type == "qwen2" else {"attn_q": "q", "attn_k": "k"}.get(g)))
+            if cfg.model_type == "qwen2":  # Qwen2: biases on q, k, v; no permutation (ggml's NEOX rope)
+                names += [(f"blk.{i}.attn_{x}.bias", f"model.layers.{i}.self_attn.{x}_proj.bias", None) for x in "qkv"]
     if not cfg.tie_word_embeddings:
         names.append(("output.weight", "lm_head.weight", None))
     return names
@@ -858,14 +860,15 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = 
         kv = {"gpt2.context_length": cfg.n_positions, "gpt2.embedding_length": d, "gpt2.block_count": L,
               "gpt2.feed_forward_length": ff, "gpt2.attention.head_count": cfg.n_head,
               "gpt2.attention.layer_norm_epsilon": float(cfg.layer_norm_epsilon)}
-    else:
-        kv = {"llama.context_length": cfg.max_position_embeddings, "llama.embedding_length": cfg.hidden_size,
-              "llama.block_count": cfg.num_hidden_layers, "llama.feed_forward_length": cfg.intermediate_size,
-              "llama.attention.head_count": cfg.num_attention_heads,
-              "llama.attention.head_count_kv": cfg.num_key_value_heads,
-              "llama.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-              "llama.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-              "llama.rope.dimension_count": cfg.head_dim}
+    else:  # llama, or qwen2 (the same keys under its own name)
+        a = arch
+        kv = {f"{a}.context_length": cfg.max_position_embeddings, f"{a}.embedding_length": cfg.hidden_size,
+              f"{a}.block_count": cfg.num_hidden_layers, f"{a}.feed_forward_length": cfg.intermediate_size,
+              f"{a}.attention.head_count": cfg.num_attention_heads,
+              f"{a}.attention.head_count_kv": cfg.num_key_value_heads,
+              f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+              f"{a}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+              f"{a}.rope.dimension_count": cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads}
     kv |= {"general.name": "tiny", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
            "tokenizer.ggml.bos_token_id": 50256, "tokenizer.ggml.eos_token_id": 50256}

@@ -218,12 +218,12 @@ def test_the_transformers_engine_and_other_models_are_refused(tiny, tmp_path):
         load_model(str(tiny[0]), dtype="int8", engine="transformers")
     LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 vocab_size=50257).save_pretrained(tmp_path)
-    with pytest.raises(UsageError, match="^dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only"):
+    with pytest.raises(UsageError, match="^dtype int8 is lean GPT-2's"):
         load_model(str(tmp_path), dtype="int8")
     got = cli("tie", "--model", str(tmp_path), "--dtype", "int8")
     assert got.exit_code == 2 and got.stderr.strip().splitlines() == [
-        "lmhead: error: --dtype int8 runs on the lean engine, which takes GPT-2 checkpoints only (this is 'llama', "
-        "run on transformers); use float32, bfloat16 or float16"]
+        "lmhead: error: --dtype int8 is lean GPT-2's (this is 'llama', run on lean); use float32, bfloat16 or "
+        "float16"]
 
 
 def test_the_command_line_says_int8_and_how_the_tie_is_stored(tiny):

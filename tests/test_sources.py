@@ -193,10 +193,10 @@ def test_bad_device_dtype_engine():
         assert message(e.value, "inspect").startswith(f"unknown --{key} {value!r}; choose one of: ")
 
 
-def test_non_gpt2_architecture_needs_transformers_engine(tmp_path):
+def test_an_architecture_the_lean_engines_do_not_run_needs_transformers_engine(tmp_path):
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
     with pytest.raises(UsageError, match="use engine transformers$") as e:
         load_model(str(tmp_path), device="cpu", engine="lean")
     assert message(e.value, "inspect").endswith("use --engine transformers")

@@ -276,8 +276,7 @@ class Model(Serving):
         memory for batch × seq × vocab (seq: n_positions, vocab: the model's, by default)."""
         from lmhead_cli.readings import params as count
 
-        if self.loaded.engine.name != "lean":
-            gpt2_only(self.source, self.loaded.config.get("model_type"))
+        gpt2_only(self.source, self.loaded.config.get("model_type"))  # the lean engine runs Llama too
         acc = count.account_from_tensors(self.loaded.module.named_parameters(remove_duplicate=False))
         return params_result(self.source, "tensors", acc, batch, seq, vocab)
 

@@ -25,7 +25,7 @@ from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capt
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
 from lmhead_cli.engine.lean import attend_one as attend_heads
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")  # the rope scalings LeanLlama computes
 TIE_NAMES = TieNames(head="lm_head.weight", embedding="model.embed_tokens.weight")
 

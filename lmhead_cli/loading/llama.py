@@ -27,7 +27,8 @@ def lean_cannot_run(config: dict) -> list[str]:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         lacks.append(f"hidden_act {act!r}")
-    if config.get("model_type") == "qwen2" and config.get("use_sliding_window"):
+    if (config.get("model_type") == "qwen2" and config.get("use_sliding_window")) or (
+            config.get("model_type") == "mistral" and config.get("sliding_window", 4096) is not None):
         lacks.append("sliding-window attention")
     if (config.get("pretraining_tp") or 1) != 1:
         lacks.append(f"pretraining_tp {config['pretraining_tp']}")

@@ -161,9 +161,9 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
             state, found.kept = gguf.materialise(state, config, files[0]), {}
         if engine_name == "transformers" or config.get("model_type") != "gpt2":
             validate.check_config_for(config, files[0])
-        if int8 and engine_name != "lean":
+        if int8 and not (engine_name == "lean" and config["model_type"] == "gpt2"):
             raise UsageError(Param("dtype"), f" int8 runs on the lean engine, which takes GPT-2 only (this GGUF is "
-                             f"{config['model_type']!r}); use float32, bfloat16 or float16")
+                             f"{config['model_type']!r}); use float32, which keeps its quantised blocks as they are")
         announce(found.describe(files[0], dtype))
         for note in found.notes:
             announce(note)
@@ -173,14 +173,16 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
         # Every check before any tensor is read or any model built (loading/validate.py): the engine
         # (refused, or routed with a note), the config as transformers will build it, the files' dtypes,
         # names, shapes and layer count, the memory.
+        gpt2 = config.get("model_type") == "gpt2"
+        if not gpt2:  # before a note on the engine, which reads the config
+            validate.check_config_for(config, folder / "config.json")
         engine_name = validate.checkpoint_engine(engine, config, announce)
-        if engine_name == "transformers" or config.get("model_type") != "gpt2":
+        if engine_name == "transformers" and gpt2:
             validate.check_config_for(config, folder / "config.json")
         tokenizer = GPT2Tokenizer.from_folder(folder) or GPT2Tokenizer.bundled()
-        if int8 and engine_name != "lean":
-            raise UsageError(Param("dtype"), " int8 runs on the lean engine, which takes GPT-2 checkpoints only "
-                             f"(this is {config.get('model_type')!r}, run on transformers); use float32, bfloat16 "
-                             "or float16")
+        if int8 and not (engine_name == "lean" and gpt2):
+            raise UsageError(Param("dtype"), " int8 is lean GPT-2's (this is "
+                             f"{config.get('model_type')!r}, run on {engine_name}); use float32, bfloat16 or float16")
         files = weight_files(folder, allow_pickle)
         if all(f.suffix == ".safetensors" for f in files):
             header = checks.read_header(files)

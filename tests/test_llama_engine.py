@@ -1,0 +1,135 @@
+"""lmhead's own Llama engine (engine/llama.py, LeanLlama) against transformers: LlamaForCausalLM (grouped
+and plain attention, tied and untied heads, Llama 3's rope scaling), Qwen2ForCausalLM (q/k/v biases)
+and MistralForCausalLM without a sliding window, each a tiny random checkpoint saved by transformers.
+The logits at every position are transformers' forward (allclose), greedy ids its generate() (equal)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import PROMPT, _tokenizer_files, cli
+
+import lmhead_cli
+
+SIZES = dict(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128, initializer_range=0.15, bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+CASES = {
+    "llama-gqa-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama3-rope": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_parameters=LLAMA3)),
+    "qwen2-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-untied-one-kv-head": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "mistral": ("mistral", dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None)),
+}
+IDS = [464, 8251, 319, 262, 3084, 11, 290, 262, 3290, 318, 257, 1310, 286, 262, 1110, 13, 383, 3290, 318, 845]
+
+
+def build(folder, kind: str, seed: int = 0, **sizes):
+    """A random transformers checkpoint of `kind` saved in `folder` (GPT-2's tokenizer files beside it),
+    its final and layer norms' gains and its biases random too, so that each is really read."""
+    import transformers
+
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[kind]
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{name}Config")(**(SIZES | sizes))
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(seed + 1)
+    for n, p in model.named_parameters():
+        if "norm" in n:
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+        elif n.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    _tokenizer_files(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    kind, sizes = CASES[request.param]
+    return build(tmp_path_factory.mktemp(request.param), kind, **sizes)
+
+
+def test_logits_at_every_position_are_transformers_forward(case):
+    folder, model = case
+    m = lmhead_cli.load(str(folder), device="cpu")
+    eng = m.loaded.engine
+    assert type(eng).__name__ == "LeanLlama" and eng.name == "lean"
+    assert eng.tied == model.config.tie_word_embeddings
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        want = model(ids).logits[0]
+    got = eng.head(eng.body(ids))[0]
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_greedy_ids_are_transformers_generate(case):
+    folder, model = case
+    m = lmhead_cli.load(str(folder), device="cpu")
+    got = m.generate(PROMPT, greedy=True, max_new_tokens=20, ignore_eos=True).to_dict()
+    ids = torch.tensor([got["prompt_ids"]])
+    want = model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert got["generated_ids"] == want
+
+
+def test_rows_of_a_batch_decode_as_they_do_alone(case):
+    """Two prompts of different lengths in one batch (left-padded, a mask, the grouped-query step over
+    the shared cache) make the ids each makes alone."""
+    folder, _ = case
+    m = lmhead_cli.load(str(folder), device="cpu")
+    prompts = [PROMPT, "And it came to pass in those days that"]
+    together = [r.to_dict()["generated_ids"] for r in m.generate(prompts, greedy=True, max_new_tokens=8,
+                                                                 ignore_eos=True)]
+    alone = [m.generate(p, greedy=True, max_new_tokens=8, ignore_eos=True).to_dict()["generated_ids"]
+             for p in prompts]
+    assert together == alone
+
+
+def test_llama3_rope_scaling_is_read(tmp_path):
+    """The llama3 case's logits are transformers' (above); here, the same weights without the scaling
+    give other logits, so the scaling was not ignored."""
+    _, scaled = build(tmp_path / "scaled", "llama", num_key_value_heads=2, rope_parameters=LLAMA3)
+    folder, plain = build(tmp_path / "plain", "llama", num_key_value_heads=2)
+    ids = torch.tensor([IDS])
+    eng = lmhead_cli.load(str(tmp_path / "scaled"), device="cpu").loaded.engine
+    got = eng.head(eng.body(ids))[0]
+    with torch.no_grad():
+        assert torch.allclose(got, scaled(ids).logits[0], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(got, plain(ids).logits[0], atol=1e-3)
+
+
+def test_the_residual_stream_splits_into_its_parts(case):
+    """attribute's parts (the embedding, each head, each MLP) sum to the residual, and the head on the
+    final norm of that residual is the forward's last logits."""
+    folder, model = case
+    eng = lmhead_cli.load(str(folder), device="cpu").loaded.engine
+    ids = torch.tensor([IDS[:7]])
+    c = eng.components(ids)
+    parts = sum(c.embed.values()) + c.heads.sum((1, 2)) + c.attn_bias.sum(0) + c.mlp.sum(1)
+    assert torch.allclose(parts, c.resid, atol=1e-4)
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True)
+    assert torch.allclose(eng.head(eng.final_norm(c.resid)), want.logits[:, -1], atol=1e-5)
+    for got, ref in zip(eng.residuals(ids), want.hidden_states[:-1]):
+        assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_a_config_the_lean_engine_does_not_compute_runs_on_transformers_with_a_note(tmp_path):
+    folder, model = build(tmp_path / "yarn", "llama", num_key_value_heads=2,
+                          rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                           "original_max_position_embeddings": 64})
+    got = cli("inspect", PROMPT, "--model", str(folder), "--json")
+    assert got.exit_code == 0, got.output
+    assert "running on transformers' llama: the config asks for rope type 'yarn'" in got.stderr
+    assert json.loads(got.stdout)["engine"] == "transformers"
+    got = cli("inspect", PROMPT, "--model", str(folder), "--engine", "lean")
+    assert got.exit_code == 2 and got.stderr.strip().splitlines() == [
+        "lmhead: error: the lean engine computes plain llama, and this config asks for rope type 'yarn'; use "
+        "--engine transformers"]
