@@ -91,6 +91,25 @@ def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
     return inv
 
 
+def lean_cannot_run(config: dict) -> list[str]:
+    """What in a llama / qwen2 config the lean engine does not compute (empty: it runs it)."""
+    lacks = []
+    rope = rope_parameters(config)
+    if rope["rope_type"] not in ROPE_TYPES:
+        lacks.append(f"rope type {rope['rope_type']!r}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        lacks.append("partial rotary embeddings")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        lacks.append(f"hidden_act {act!r}")
+    if (config.get("model_type") == "qwen2" and config.get("use_sliding_window")) or (
+            config.get("model_type") == "mistral" and config.get("sliding_window", 4096) is not None):
+        lacks.append("sliding-window attention")
+    if (config.get("pretraining_tp") or 1) != 1:
+        lacks.append(f"pretraining_tp {config['pretraining_tp']}")
+    return lacks
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

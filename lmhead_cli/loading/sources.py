@@ -148,8 +148,8 @@ def _load(source: str, execution: Execution, dev: torch.device, dt: torch.dtype,
         header = gguf.read_header(files[0])
         n = sum(math.prod(t.dims) for t in header.tensors)
         # a Llama's or Qwen2's quantised matrices stay blocks on the lean engine in float32 (engine/quant.py)
-        keep = dtype == "float32" and engine != "transformers" and gguf.architecture(files[0]) != "gpt2"
-        held = sum(t.nbytes for t in header.tensors)  # the file's blocks, mapped (at most all of them float32)
+        keep = dtype == "float32" and engine != "transformers" and header.meta.get("general.architecture") != "gpt2"
+        held = sum(t.nbytes for t in header.tensors)  # the file's blocks as they are (the F32 ones too)
         plan = (checks.MemoryPlan(n, held, held, dev.type, checks.available_memory(dev.type)) if keep
                 else checks.plan_memory(n, dtype, 4 * n, dev.type))
         checks.check_memory(plan, source, ignore_memory, announce)
