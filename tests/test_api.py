@@ -307,7 +307,7 @@ CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines
                        ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
                        ("calibrate", "knobs"), ("neurons", "neurons"),
                        ("generate", "stop"), ("generate", "stages"), ("generate", "prompt")}
-SERVERS_OWN = {"complete", "chat_prompt", "decode", "decoding_batch", "prefill", "step"}
+SERVERS_OWN = {"decoder", "chat_prompt", "decode"}
 
 
 def test_every_public_parameter_has_a_kind_or_a_check_of_its_own():

@@ -7,6 +7,7 @@ position per step and the head sees the last position only.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -205,16 +206,18 @@ def test_a_drawn_seed_spans_32_bits_and_its_generator_is_made_on_the_model_s_dev
 
 
 def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
-    """The first step (the prompt's prefill) runs as it is; each later step, one position, goes through
-    loaded.execution.run, which times those steps to choose the thread count. Mutants: every step, or none."""
+    """The prompt's prefill runs on the model's thread count (execution.scope), untimed; each step, one
+    position (the first runs the token chosen from the prompt's logits), goes through loaded.execution.run,
+    which times those steps to choose the thread count. Mutants: the prefill too, or none."""
     from dataclasses import replace
 
     loaded = load(tiny[0])
     calls = []
     timed = replace(loaded, execution=SimpleNamespace(run=lambda f, units=1: calls.append(1) or f(),
+                                                      scope=contextlib.nullcontext,
                                                       row_kernel=loaded.execution.row_kernel))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
-    assert len(g.steps) == 5 and len(calls) == 4  # the 4 later steps
+    assert len(g.steps) == 5 and len(calls) == 5  # 4 steps that run a token and choose the next, 1 that chooses the last
 
 
 def test_greedy_ignores_the_seed_and_beams_agree_with_greedy_at_one(tiny):
@@ -496,7 +499,7 @@ def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
     tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
                                 decode=lambda ids: "".join(map(text, ids)))
-    execution = SimpleNamespace(run=lambda f, units=1: f(), row_kernel=lambda: None)
+    execution = SimpleNamespace(run=lambda f, units=1: f(), scope=contextlib.nullcontext, row_kernel=lambda: None)
     return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=execution)
 
 

@@ -331,16 +331,22 @@ def test_key_body_limit_and_logprobs_cap(strict):
 
 def test_full_queue_is_503_with_retry_after_and_a_gone_client_stops_its_work(strict):
     auth = {"Authorization": f"Bearer {KEY}"}
-    # 4 rows of 1,000 tokens, run one at a time: while the first runs, 3 wait
+    # 4 rows of 1,000 tokens, run one at a time: while the first runs, 3 wait. A 1-row request sent next runs
+    # at once beside it (a request with no row running joins a full batch, up to twice --max-batch rows);
+    # one more 1-row request then waits: 4 queued, and the queue is full
     long = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "n": 4}
     health = lambda: web.get(strict.url + "/health").json()  # noqa: E731
+    send = lambda body: threading.Thread(target=lambda: web.post(  # noqa: E731
+        strict.url + "/v1/completions", headers=auth, timeout=300, json=body))
     with web.stream("POST", strict.url + "/v1/completions", json=long, headers=auth, timeout=120) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the response, and so the connection
         next(lines)  # its first row runs
-        queued = threading.Thread(target=lambda: web.post(strict.url + "/v1/completions", headers=auth, timeout=300,
-                                                            json={"prompt": PROMPT, "max_tokens": 1}))
-        queued.start()
+        beside, queued = send({"prompt": PROMPT, "max_tokens": 800}), send({"prompt": PROMPT, "max_tokens": 1})
+        beside.start()
         deadline = time.monotonic() + 30
+        while health()["running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        queued.start()
         while health()["queued"] < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         busy = web.post(strict.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=auth)
@@ -348,7 +354,8 @@ def test_full_queue_is_503_with_retry_after_and_a_gone_client_stops_its_work(str
         assert busy.json()["error"]["code"] == "overloaded"
     # the stream is closed: its row leaves the batch, the queued request runs, generation stops
     queued.join(timeout=60)
-    assert not queued.is_alive()
+    beside.join(timeout=60)
+    assert not queued.is_alive() and not beside.is_alive()
     first = health()["generated"]
     time.sleep(1.0)
     assert health()["generated"] == first < 4000
@@ -413,128 +420,6 @@ def test_other_work_runs_on_the_model_thread_between_batches():
             asyncio.run(worker.call(lambda: 1 / 0))
     finally:
         worker.stop()
-
-
-class _Rounds:
-    """A model for serve/worker.py that logs its calls: `prefill` reads every queued row (one position
-    each), the first read held until `gate` is set; `step` ends every running row."""
-
-    n_ctx = 16
-
-    def __init__(self):
-        self.log: list = []
-        self.entered, self.gate = threading.Event(), threading.Event()
-
-    def decoding_batch(self):
-        class Batch:
-            queued, live = [], []
-
-            def add(self, key, row):
-                self.queued = self.queued + [key]
-
-            def __len__(self):
-                return len(self.queued) + len(self.live)
-
-            def keys(self):
-                return self.queued + self.live
-
-        return Batch()
-
-    def prefill(self, batch, sink, budget):
-        read, batch.queued = batch.queued, []
-        self.log.append(("prefill", [key[0].rows[key[1]] for key in read]))
-        if not self.entered.is_set():
-            self.entered.set()
-            self.gate.wait(10)
-        batch.live = batch.live + read
-        for key in read:
-            sink.token(key, None)
-        return len(read)
-
-    def step(self, batch, sink):
-        self.log.append(("step", [key[0].rows[key[1]] for key in batch.live]))
-        for key in batch.live:
-            sink.finish(key, "length", "")
-        batch.live = []
-        return 1
-
-
-@pytest.mark.parametrize("budget, calls", [
-    (4096, [("prefill", ["a"]), ("prefill", ["b"]), ("step", ["a", "b"])]),
-    (1, [("prefill", ["a"]), ("step", ["a"]), ("prefill", ["b"]), ("step", ["b"])])])
-def test_a_prompt_that_arrives_while_one_is_read_is_read_before_the_step(budget, calls):
-    """Prefill before the step: a request queued while another's prompt is read is read in the same round,
-    before the running rows step, while the round's prompt positions (--batch-tokens) last; past them the
-    step comes first. The worker's clock counts both first tokens, each after its wait in the queue."""
-    import asyncio
-
-    from lmhead_cli.serve.worker import Job, Worker
-
-    model, loop = _Rounds(), asyncio.new_event_loop()
-    worker = Worker(model, max_tokens=budget)
-    try:
-        worker.submit(Job(["a"], loop))
-        assert model.entered.wait(10)
-        worker.submit(Job(["b"], loop))  # queued while a's prompt is read
-        time.sleep(0.2)
-        model.gate.set()
-        deadline = time.monotonic() + 10
-        while worker.timing.rounds < len(calls) - 2 and time.monotonic() < deadline:  # a round: prefills, a step
-            time.sleep(0.01)
-        time.sleep(0.05)
-        assert model.log == calls
-        t = worker.timing
-        # b waited in the queue through a's read (0.2 s at least), and each first token came after its wait
-        assert t.firsts == 2 and t.rounds == len(calls) - 2 and 0.2 <= t.queue_s <= t.first_token_s
-        assert t.prefill_s >= 0.2 and t.step_s >= 0
-    finally:
-        worker.stop()
-        loop.close()
-
-
-def test_a_batch_computes_each_row_as_it_would_alone(tiny):
-    """decoding.batch through Model.complete (prompts prefilled alone, joined right-aligned, rows leaving as they finish) against each row
-    alone: the same tokens and text, the same logprobs up to float rounding."""
-    import lmhead_cli
-    from lmhead_cli.decoding.stages import Knobs
-    from lmhead_cli.decoding.rows import Row
-
-    model = lmhead_cli.load(str(tiny[0]), device="cpu")
-
-    class Sink:
-        def __init__(self):
-            self.got: dict[int, list] = {}
-
-        def echo(self, b, echo):
-            self.got.setdefault(b, []).append(("echo", echo.logprob[1:].tolist(), echo.top_ids[1:].tolist()))
-
-        def token(self, b, t):
-            self.got.setdefault(b, []).append(("token", t.id, t.text, t.logprob, t.top_ids))
-
-        def finish(self, b, reason, tail):
-            self.got.setdefault(b, []).append(("finish", reason, tail))
-
-        def cancelled(self, b):
-            return False
-
-    rows = [Row(tuple(PROMPT_IDS), echo=True, max_tokens=3, top=2),
-            Row((40, 1101, 257), max_tokens=9, top=1, greedy=False, seed=5, knobs=Knobs(temperature=0.8, top_p=0.9)),
-            Row(tuple(range(300, 340)), echo=True, max_tokens=0, top=3),
-            Row(tuple(PROMPT_IDS[:2]), max_tokens=6, stop=(" ",), top=0, mode="processed", knobs=Knobs(top_k=40)),
-            Row((464,), max_tokens=12, greedy=False, seed=9)]
-    together = Sink()
-    model.complete(rows, together)
-    for b, row in enumerate(rows):
-        alone = Sink()
-        model.complete([row], alone)
-        for a, t in zip(alone.got[0], together.got[b], strict=True):
-            assert t[0] == a[0]
-            if a[0] == "echo":  # (kind, logprobs, top ids)
-                assert t[2] == a[2] and t[1] == pytest.approx(a[1], abs=1e-5)
-            elif a[0] == "token":  # (kind, id, text, logprob, top ids)
-                assert (t[1], t[2], t[4]) == (a[1], a[2], a[4]) and t[3] == pytest.approx(a[3], abs=1e-5)
-            else:  # (kind, reason, tail)
-                assert t == a
 
 
 # ---- lmhead's `uncertainty` field -------------------------------------------------------------------

@@ -326,6 +326,31 @@ def test_whole_steps_equal_transformers_and_the_torch_path_around_the_blocks(rag
 
 
 @needs_kernels
+def test_more_rows_than_a_step_takes_run_in_groups_of_compiled_steps(ragged, monkeypatch):
+    """21 left-padded rows (a server's batch past MAX_ROWS): the whole step runs them as two compiled calls
+    (16 and 5 rows, each on its rows of the cache), with the torch path's logits and cache within float
+    rounding and transformers' logits. Mutant: no groups (the torch path: no compiled call)."""
+    folder, model = ragged
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean").engine
+    prompts = PROMPTS[16] + [[2000 + i, 7] for i in range(5)]
+    assert len(prompts) > step.MAX_ROWS
+    calls = []
+    real = step.StepPlan.logits
+    monkeypatch.setattr(step.StepPlan, "logits", lambda self, ids, *a: calls.append(ids.shape[0]) or real(self, ids, *a))
+    whole, cache = decode_whole(eng, prompts, 4)
+    assert calls == [21, 16, 5] * 4
+    plain, plain_cache = decode_whole(eng, prompts, 4, plain=True)
+    torch.testing.assert_close(whole, plain, atol=ATOL["float32"][1], rtol=0)
+    torch.testing.assert_close(cache, plain_cache, atol=ATOL["float32"][1], rtol=0)
+    new = whole.argmax(-1).t().tolist()
+    for b in (0, 15, 16, 20):
+        p = prompts[b]
+        with torch.inference_mode():
+            expected = model(torch.tensor([p + new[b][:-1]])).logits[0, len(p) - 1:]
+        torch.testing.assert_close(whole[:, b], expected, atol=ATOL["float32"][0], rtol=0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("module", ["wte", "wpe", "ln_f", "lm_head", "h.2.mlp"])
 def test_a_hook_on_any_module_the_whole_step_replaces_sends_it_back(ragged, module, monkeypatch):
     """A hook on the embeddings, ln_f, the head or a block sees every step: the one-call step stands

@@ -1,4 +1,4 @@
-"""The Model methods a server needs (lmhead serve): batches of completions, chat prompts, tokens.
+"""The Model methods a server needs (lmhead serve): the decoder, chat prompts, tokens.
 
 `Model` takes these from the `Serving` mixin, so that the API stays the one door a front end goes
 through: serve/ calls these methods and never a reading or an engine directly.
@@ -15,33 +15,17 @@ from lmhead_cli.decoding.settings import Settings, from_openai  # noqa: F401 - t
 class Serving:
     """Mixed into api.Model (which provides `self.loaded`)."""
 
-    def complete(self, rows: Sequence, sink, chunk: int | None = None) -> None:
-        """Run decoding.rows.Row's together, results to `sink` (decoding.rows.Sink, rows keyed 0 … len - 1)
-        as they are made: each prompt prefilled once (echo scored in head chunks of `chunk` positions),
-        then one forward per step for every row that generates. torch's thread count is chosen by timing."""
-        from lmhead_cli.decoding.batch import run
+    def decoder(self, *, max_rows: int | None = None, budget: int | None = None, chunk: int | None = None,
+                arrivals=None, cancelled=None):
+        """The model's decoder (decoding/decoder.py): `submit(key, Request)`, then `round()` (rows admitted
+        fairly across requests, at most `max_rows` but one for a request with none running; prompts read,
+        at most `budget` positions a round; one step) yields the Events as they are made. `arrivals()`
+        gives the requests that came meanwhile, `cancelled(key)` whether a request's caller has gone. The
+        server's worker drives one on the model's thread."""
+        from lmhead_cli.decoding.decoder import Decoder
 
-        rows = list(rows)
-        self.loaded.execution.run(lambda: run(self.loaded, rows, sink, chunk),
-                                units=sum(len(r.ids) + r.max_tokens for r in rows))
-
-    def decoding_batch(self, chunk: int | None = None):
-        """An empty running batch (decoding.batch.Batch): `add(key, row)` queues a Row; `prefill` and `step` run it."""
-        from lmhead_cli.decoding.batch import Batch
-
-        return Batch(self.loaded, chunk)
-
-    def prefill(self, batch, sink, budget: int | None = None) -> int:
-        """A running batch's queued prompts read (at most `budget` positions) and joined, each joined row's
-        first token handed to `sink` at once. Returns the positions read. On the model's thread count,
-        untimed: the count is chosen on the steps, which a prompt's read would make look slow."""
-        with self.loaded.execution.scope():
-            return batch.prefill(sink, budget)
-
-    def step(self, batch, sink) -> int:
-        """One decoding step for every running row (timed per row for the thread count). Returns the rows
-        that stepped."""
-        return self.loaded.execution.run(lambda: batch.step(sink), units=max(len(batch.live), 1))
+        return Decoder(self.loaded, max_rows=max_rows, budget=budget, chunk=chunk, arrivals=arrivals,
+                       cancelled=cancelled)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -103,9 +87,14 @@ class Serving:
 
 
 def __getattr__(name: str):
-    # The server's row and result types (decoding/rows.py), reached through the API (serve/ imports nothing
-    # from decoding/: tests/test_imports.py), imported with torch only when asked for.
-    if name in ("Row", "Echo", "Token", "Sink"):
+    # The server's request and event types (decoding/request.py, torch-free) and the results an event
+    # carries (decoding/rows.py: Echo, Token, imported with torch only when asked for), reached through
+    # the API: serve/ imports nothing from decoding/ (tests/test_imports.py).
+    if name in ("Request", "Event"):
+        from lmhead_cli.decoding import request
+
+        return getattr(request, name)
+    if name in ("Echo", "Token"):
         from lmhead_cli.decoding import rows
 
         return getattr(rows, name)

@@ -29,7 +29,7 @@ def serve_cmd(
         "peak.")] = 500_000,
     max_queue: Annotated[int, typer.Option(
         "--max-queue", min=1, help="Choices (prompts × n) waiting at most; past it, 503 with Retry-After.")] = 1024,
-    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Choices run together in one batch.")] = 16,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Choices run together in one batch (a request with none running may join a full batch, up to twice this).")] = 16,
     max_body: Annotated[int, typer.Option("--max-body", min=1, help="The largest request body, bytes (else 413).")]
     = 8 * 2**20,
     cors: Annotated[Optional[list[str]], typer.Option(

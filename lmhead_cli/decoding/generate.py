@@ -15,12 +15,13 @@ goes to an `on_text` callback.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from lmhead_cli.decoding.beams import LENGTH_PENALTY, LENGTH_PENALTY_RULE, FinishedBeam, search  # noqa: F401
-from lmhead_cli.decoding.batch import Batch
+from lmhead_cli.decoding.decoder import decode
 from lmhead_cli.decoding.record import Step
+from lmhead_cli.decoding.request import Request
 from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, DISTRIBUTIONS, Settings, make, resolve  # noqa: F401
 from lmhead_cli.decoding.text import Text
 from lmhead_cli.engine.base import config_value
@@ -97,8 +98,8 @@ def generate(loaded: Loaded, ids: list[int], s: Settings, on_text: Callable[[str
 
 def generate_many(loaded: Loaded, prompts: list[list[int]], s: Settings,
                   on_text: Callable[[str], None] | None = None, eos_token_id: int | None = None) -> list[Generation]:
-    """Every prompt's s.n choices, one row each, as one batch (decoding.batch.Batch): prompt i's choices
-    are generations i·n … i·n + n - 1, and choice j draws with seed + j (the server's rule), so each
+    """Every prompt's s.n choices, one row each, as one request to the decoder (decoding/decoder.py, all
+    rows at once): prompt i's choices are generations i·n … i·n + n - 1, and choice j draws with seed + j (the server's rule), so each
     is what the same settings with its own seed give alone. Beam search runs one prompt's beams at a
     time. `on_text` hears the text of a single generation (one prompt, n = 1) as it is made."""
     eng = loaded.engine
@@ -111,12 +112,12 @@ def generate_many(loaded: Loaded, prompts: list[list[int]], s: Settings,
     seeds = s.choice_seeds()  # one draw for the whole call: prompt i's choice j draws with seed + j
     keys = [(ids, max_new, seed) for ids, max_new in zip(prompts, rooms) for seed in seeds]
     sink = _Collect(on_text if len(keys) == 1 else None, len(keys))
-    batch = Batch(loaded)
-    for k, (ids, max_new, seed) in enumerate(keys):
-        batch.add(k, s.row(ids, max_tokens=max_new, eos=eos, seed=seed))
-    batch.round(sink)  # the prefills and each row's first token
-    while batch.live:  # one position per row and step: these steps choose the thread count
-        loaded.execution.run(lambda: batch.step(sink), units=len(batch.live))
+    request = Request.of(s if seeds[0] is None else replace(s, seed=seeds[0]), prompts, rooms, eos=eos)
+    for event in decode(loaded, [request]):
+        if event.kind == "token":
+            sink.token(event.index, event.token)
+        elif event.kind == "finish":
+            sink.finish(event.index, event.reason, event.tail)
     elapsed = time.perf_counter() - sink.start
     out = []
     for k, (ids, max_new, seed) in enumerate(keys):
@@ -132,7 +133,7 @@ def generate_many(loaded: Loaded, prompts: list[list[int]], s: Settings,
 
 
 class _Collect:
-    """decoding.rows.Sink for rows 0 … rows - 1: their Steps, texts, why each ended and when its first
+    """The decoder's events for choices 0 … rows - 1: their Steps, texts, why each ended and when its first
     token came (seconds from `start`); `on_text` hears each piece."""
 
     def __init__(self, on_text: Callable[[str], None] | None, rows: int = 1):
@@ -141,9 +142,6 @@ class _Collect:
         self.text: list[str] = [""] * rows
         self.reason: list[str | None] = [None] * rows  # "eos", "stop" or "length" once the row ends
         self.first: list[float | None] = [None] * rows
-
-    def echo(self, key, echo) -> None:
-        pass
 
     def token(self, key, token) -> None:
         if self.first[key] is None:
@@ -154,9 +152,6 @@ class _Collect:
     def finish(self, key, reason: str, tail: str) -> None:
         self.reason[key] = reason
         self._piece(key, tail)
-
-    def cancelled(self, key) -> bool:
-        return False
 
     def _piece(self, key, piece: str) -> None:
         if piece:

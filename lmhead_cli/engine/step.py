@@ -161,12 +161,15 @@ class StepPlan:
         (top_id (B,) int64, (3, B) float32: the top-1's log p, the entropy, the top-1's logit), None
         where a logit is not finite (the caller records them itself, as it does without `record`).
         mask as `run`'s; at most as many rows as the head's kernel takes (float32's f32_max_rows, the
-        others' max_rows). None (nothing done) where the step does not apply, or a token or position is
-        out of range: the caller runs the torch path."""
+        others' max_rows); more than MAX_ROWS run in groups of MAX_ROWS, a call each (`_groups`). None
+        (nothing done) where the step does not apply, or a token or position is out of range: the caller
+        runs the torch path."""
         fast = kernels.load()
         B = ids.shape[0]
         if self.model is None or fast is None:
             return None
+        if B > MAX_ROWS and cache is not None and ids.shape[1] == 1:
+            return self._groups(ids, cache, mask, pos, record)
         most = fast.f32_max_rows if self.kind == KINDS[torch.float32] else fast.max_rows  # the head kernel's
         if (turned_off() or cache is None or ids.shape[1] != 1 or not 1 <= B <= min(MAX_ROWS, most)
                 or not ids.is_cpu or ids.dtype != torch.int64 or self.hooked(self.whole) or not self._fits(cache, B, mask)):
@@ -189,6 +192,28 @@ class StepPlan:
         if status < 0:
             raise MemoryError("the compiled decoding step could not allocate its buffers")
         return z, ((top_id, top) if record and status == 0 else None)
+
+    def _groups(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
+                record: bool) -> tuple[torch.Tensor, tuple | None] | None:
+        """`logits` for B > MAX_ROWS rows (a server's batch past them): a call per group of MAX_ROWS rows,
+        each on its rows' view of the cache (rows are the cache's dimension 1: a view keeps its strides) and of the mask; the logits
+        (B, V) and records joined in row order (a record only where every group made one)."""
+        from types import SimpleNamespace
+
+        zs, records = [], []
+        for a in range(0, ids.shape[0], MAX_ROWS):
+            b = min(a + MAX_ROWS, ids.shape[0])
+            part = SimpleNamespace(k=cache.k[:, a:b], v=cache.v[:, a:b], length=cache.length)
+            out = self.logits(ids[a:b], part, None if mask is None else mask[a:b], None if pos is None else pos[a:b],
+                              record)
+            if out is None:
+                return None
+            zs.append(out[0])
+            records.append(out[1])
+        made = None
+        if record and all(r is not None for r in records):
+            made = (torch.cat([r[0] for r in records]), torch.cat([r[1] for r in records], dim=1))
+        return torch.cat(zs), made
 
     def run(self, x: torch.Tensor, cache, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The residual stream x (B, 1, D) of one new position through every block, writing each layer's

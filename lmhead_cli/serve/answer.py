@@ -70,7 +70,7 @@ async def _events(job: Job, request=None):
     """The job's events until every row has finished; Disconnected if the client goes first (watched
     here when `request` is given; a stream is cancelled by Starlette's own watch instead, and one
     reader of the connection at a time is what the ASGI server expects)."""
-    left = len(job.rows)
+    left = job.choices
     watcher = asyncio.ensure_future(_disconnect(request) if request is not None else asyncio.Event().wait())
     try:
         while left:
@@ -120,7 +120,7 @@ def _usage(plan: Plan, choices: list[Choice]) -> dict:
 
 async def collect(job: Job, plan: Plan, tokenizer, request, model: str) -> dict:
     """The whole answer as one document."""
-    choices = [Choice(i, plan, tokenizer) for i in range(len(plan.rows))]
+    choices = [Choice(i, plan, tokenizer) for i in range(plan.request.choices)]
     async for event in _events(job, request):
         kind, i = event[0], event[1]
         c = choices[i]
@@ -149,7 +149,7 @@ def sse(data: dict | str) -> bytes:
 
 async def stream(job: Job, plan: Plan, tokenizer, request, model: str):
     """The answer as server-sent events: one chunk per event, then `data: [DONE]`."""
-    choices = [Choice(i, plan, tokenizer) for i in range(len(plan.rows))]
+    choices = [Choice(i, plan, tokenizer) for i in range(plan.request.choices)]
     cid, created = doc.new_id("chatcmpl" if plan.chat else "cmpl"), int(time.time())
     try:
         if plan.chat:

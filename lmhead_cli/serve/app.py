@@ -9,7 +9,7 @@
     /                            the page (serve/page.py; its files in lmhead_cli/page/)
 
 A route reads like a CLI command: its body comes through the door (serve/door.py: Host, content type,
-size, depth) as a pydantic model (serve/requests.py), is converted once to the worker's rows, queued
+size, depth) as a pydantic model (serve/requests.py), is converted once to the decoder's Request, queued
 (serve/worker.py), and answered (serve/answer.py with render/openai.py's builders). Prompts are
 tokenized off the event loop, after a refusal of any text whose characters alone cannot fit.
 """
@@ -188,14 +188,14 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
 
 
 async def _answer(served: Served, plan, request: Request):
-    """Queue the plan's rows and answer: a document, or server-sent events. Its logprob entries count
+    """Queue the plan's request and answer: a document, or server-sent events. Its logprob entries count
     against the server's budget until the document is written (or the stream ends)."""
     import asyncio
 
     served.reserve(plan.entries)
     streaming = False
     try:
-        job = Job(plan.rows, asyncio.get_running_loop())
+        job = Job(plan.request, asyncio.get_running_loop())
         try:
             served.worker.submit(job)
         except Busy:

@@ -1,5 +1,5 @@
-"""Request bodies as pydantic models, and the one conversion of a checked request to the rows the
-worker computes.
+"""Request bodies as pydantic models, and the one conversion of a checked request to the decoder's
+Request (api.serving.Request: the one Settings and the prompts) that the worker runs.
 
 As vLLM's entrypoints/openai/protocol.py does: each endpoint's body is a model whose fields carry
 their types and ranges (lmhead's extension fields declared beside OpenAI's, so /openapi.json shows
@@ -7,7 +7,7 @@ them), FastAPI validates the body against it after the door (serve/door.py) has 
 value is a 400 naming the field (OpenAI's `param`) and the accepted range (`validation_error`).
 What depends on the model or the server's limits (token ids against the vocabulary, a prompt plus
 max_tokens against the context, the logprobs asked for against the server's budget) is checked by
-the one conversion, `Sampled.rows`, before any work starts.
+the one conversion, `Sampled.request`, before any work starts.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the answer in a
 way lmhead does not do (penalties, logit_bias, best_of, suffix; chat's tools, tool_choice and a JSON
@@ -62,9 +62,9 @@ class ModelInfo:
 
 @dataclass
 class Plan:
-    """A checked request: one row per choice (prompt-major, n per prompt), and how to answer."""
+    """A checked request: the decoder's Request (its choices prompt-major, n per prompt), and how to answer."""
 
-    rows: list  # api.serving.Row
+    request: Any  # api.serving.Request
     prompts: list[list[int]]  # each prompt's ids
     n: int
     echo: bool
@@ -221,12 +221,12 @@ class Sampled(_stage_fields()):
         except BadValue as e:
             raise bad(e.key if e.key != "logprobs" else "logprobs_mode", str(e)) from None
 
-    def rows(self, prompts: list[list[int]], info: ModelInfo, limits: Limits, *, echo: bool, max_tokens: int,
-             top: int | None) -> tuple[list, int]:
-        """The settings' rows (decoding.rows.Row, one per choice: prompt i's choices are rows i·n … i·n + n - 1;
-        choice j draws with seed + j), and the logprob entries the answer will hold. Whatever depends on
-        the model or the server's limits is checked here: token ids, the context, choices and entries."""
-        from dataclasses import replace
+    def request(self, prompts: list[list[int]], info: ModelInfo, limits: Limits, *, echo: bool, max_tokens: int,
+                top: int | None) -> tuple[Any, int]:
+        """The decoder's request (api.serving.Request: the settings, each prompt's n choices; choice j draws
+        with seed + j), and the logprob entries the answer will hold. Whatever depends on the model or the
+        server's limits is checked here: token ids, the context, choices and entries."""
+        from lmhead_cli.api.serving import Request
 
         for i, ids in enumerate(prompts):
             check_ids(ids, info, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
@@ -236,12 +236,9 @@ class Sampled(_stage_fields()):
         if len(prompts) * self.n > limits.max_choices:
             raise bad("n", f"prompts × n is {len(prompts) * self.n:,} choices; the server answers at most "
                            f"{limits.max_choices:,} in one request")
-        rows = []
-        for ids in prompts:
-            for seed in settings.choice_seeds():  # choice j draws with seed + j; a drawn seed per prompt
-                row = settings.row(ids, max_tokens=max_tokens, eos=info.eos, seed=seed, echo=echo and top is not None)
-                rows.append(replace(row, top=top or 0, alternatives=0, uncertainty=self.uncertainty))
-        return rows, check_cost(rows, top, limits)
+        request = Request.of(settings, prompts, max_tokens, eos=info.eos, echo=echo and top is not None,
+                             top=top or 0, uncertainty=self.uncertainty)
+        return request, check_cost(request, top, limits)
 
 
 # ---- the endpoints' bodies ----------------------------------------------------------------------
@@ -294,8 +291,9 @@ class CompletionRequest(Sampled):
 
     def plan(self, prompts: list[list[int]], info: ModelInfo, limits: Limits) -> Plan:
         self.needs_logprobs(self.logprobs is not None, "logprobs (0 or more)")
-        rows, entries = self.rows(prompts, info, limits, echo=self.echo, max_tokens=self.max_tokens, top=self.logprobs)
-        return Plan(rows=rows, prompts=prompts, n=self.n, echo=self.echo, logprobs=self.logprobs, stream=self.stream,
+        request, entries = self.request(prompts, info, limits, echo=self.echo, max_tokens=self.max_tokens,
+                                        top=self.logprobs)
+        return Plan(request=request, prompts=prompts, n=self.n, echo=self.echo, logprobs=self.logprobs, stream=self.stream,
                     include_usage=self.include_usage, entries=entries, uncertainty=self.uncertainty)
 
 
@@ -389,8 +387,8 @@ class ChatRequest(Sampled):
         check_top(self.top_logprobs, "top_logprobs", info, limits)
         top = (self.top_logprobs or 0) if self.logprobs else None
         self.needs_logprobs(self.logprobs, "logprobs: true")
-        rows, entries = self.rows([prompt], info, limits, echo=False, max_tokens=max_tokens, top=top)
-        return Plan(rows=rows, prompts=[prompt], n=self.n, echo=False, logprobs=top, stream=self.stream,
+        request, entries = self.request([prompt], info, limits, echo=False, max_tokens=max_tokens, top=top)
+        return Plan(request=request, prompts=[prompt], n=self.n, echo=False, logprobs=top, stream=self.stream,
                     include_usage=self.include_usage, chat=True, entries=entries, uncertainty=self.uncertainty)
 
 
@@ -447,11 +445,11 @@ def check_chars(texts: list[str], room: int, info: ModelInfo, param: str, where:
                              f"model's context of {info.n_ctx:,} can hold (at most {most:,} characters)")
 
 
-def check_cost(rows: list, top: int | None, limits: Limits) -> int:
+def check_cost(request, top: int | None, limits: Limits) -> int:
     """The answer's logprob entries (positions × (top + 1)) before any work, against --max-entries."""
     if top is None:
         return 0
-    positions = sum((len(r.ids) if r.echo else 0) + r.max_tokens for r in rows)
+    positions = request.positions
     entries = positions * (top + 1)
     if entries > limits.max_entries:
         raise bad("logprobs", f"{positions:,} positions × ({top:,} logprobs + 1) is {entries:,} entries; the "

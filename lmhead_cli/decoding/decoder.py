@@ -1,0 +1,191 @@
+"""The decoder: decoding's one component with one entry. Requests in (checked Settings and prompts:
+decoding/request.py), events out (each token with its record, each choice's finish).
+
+The roles are vLLM v1's. The scheduler (`Decoder._admit`, here) turns requests into rows and decides
+which rows join the running batch before each step; the batch (decoding/batch.py) owns the step; a
+caller sees only `Request` and `Event`. `generate_many` (one call's prompts and choices), explore's
+`:gen` (through it) and the server's worker are its callers: they submit requests and read events,
+round after round, and never see a row, a batch or a step.
+
+The scheduler is fair across requests. Before each step it admits waiting rows while the batch holds
+fewer than `max_rows`, round-robin across the requests that wait (one row of each in turn), so a
+request with many choices never holds a one-row request behind all of its rows. And a request with no
+row running yet is admitted one row even when the batch is full, up to `SPARE` × `max_rows` rows: a
+newcomer never waits for another request's rows to finish (the step then runs the rows in groups of
+the compiled step's 16, engine.step_logits). Admitted prompts are read before the step, at most
+`budget` positions a round (a long prompt is read over several rounds while the running rows go on);
+requests that arrive while a prompt is read (`arrivals`) are admitted and read in the same round while
+the budget lasts, so a new request's first token never waits behind a step it did not need. Each
+joined row hands out its first token at once, from its prompt's logits.
+
+One thread drives a decoder; `arrivals` and `cancelled` are how other threads reach it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterator
+
+from lmhead_cli.decoding.batch import Batch
+from lmhead_cli.decoding.request import Event, Request
+
+SPARE = 2  # rows a full batch may grow to, in multiples of max_rows, for requests with no row running
+
+
+class Decoder:
+    """Requests' rows, scheduled fairly into one running batch, a round (reads, then one step) at a time."""
+
+    def __init__(self, loaded, *, max_rows: int | None = None, budget: int | None = None, chunk: int | None = None,
+                 arrivals: Callable[[], list[tuple[object, Request]]] | None = None,
+                 cancelled: Callable[[object], bool] | None = None):
+        """max_rows: rows the batch takes (None: every row at once, one call's choices); budget: prompt
+        positions read per round (None: all); chunk: echo's head chunk; arrivals(): requests that came
+        meanwhile, as (key, Request); cancelled(key): whether a request's caller has gone."""
+        self.loaded, self.batch = loaded, Batch(loaded, chunk)
+        self.max_rows, self.budget = max_rows, budget
+        self.arrivals = arrivals or (lambda: [])
+        self.gone = cancelled or (lambda key: False)
+        self.queue: deque[list] = deque()  # [key, rows, next row] of each request with rows not admitted, in turn
+        self.waiting = 0  # rows submitted, not yet admitted
+        self.running: dict = {}  # key -> its rows admitted and not finished
+        self.out: list[Event] = []
+        self.prefill_s = self.step_s = 0.0  # seconds reading prompts and stepping (the server's /health)
+
+    def submit(self, key, request: Request) -> None:
+        """Queue a request's rows (one per choice); they are admitted at the next round."""
+        rows = request.rows()
+        if rows:
+            self.queue.append([key, rows, 0])
+            self.waiting += len(rows)
+
+    def __len__(self) -> int:
+        """Rows waiting, being read or running."""
+        return self.waiting + len(self.batch)
+
+    @property
+    def rows(self) -> int:
+        """Rows admitted: being read or running."""
+        return len(self.batch)
+
+    def events(self) -> Iterator[Event]:
+        """Every event of the requests submitted (and arriving), round after round, until none is left."""
+        self._take()
+        while len(self):
+            yield from self.round()
+            self._take()
+
+    def round(self) -> Iterator[Event]:
+        """One round: waiting rows admitted and their prompts read (their first tokens out at once), then
+        one step of every running row. Events come as they are made."""
+        import time
+
+        self._take()
+        admitted = self._admit()
+        if admitted or self.batch.queued:
+            start = time.perf_counter()
+            self._read(admitted)
+            self.prefill_s += time.perf_counter() - start
+            yield from self._drain()
+        if self.batch.live:
+            start = time.perf_counter()
+            batch = self.batch
+            self.loaded.execution.run(lambda: batch.step(self), units=max(len(batch.live), 1))
+            self.step_s += time.perf_counter() - start
+            for key in [k for k in self.running if self.gone(k)]:  # their rows left at this step
+                del self.running[key]
+            yield from self._drain()
+
+    def drop(self) -> list:
+        """After a round that failed: every request in flight or waiting (their keys), all dropped."""
+        keys = list(dict.fromkeys([k for k in self.running] + [e[0] for e in self.queue]))
+        self.batch = Batch(self.loaded, self.batch.chunk)
+        self.queue.clear()
+        self.running.clear()
+        self.waiting, self.out = 0, []
+        return keys
+
+    # ---- the scheduler ----------------------------------------------------------------------------
+
+    def _take(self) -> None:
+        for key, request in self.arrivals():
+            self.submit(key, request)
+
+    def _admit(self) -> list[tuple[object, int, object]]:
+        """Waiting rows that join now, round-robin across requests: while the batch has fewer than
+        max_rows, and one row of a request with none running up to SPARE × max_rows."""
+        admitted = []
+        rows = len(self.batch)
+        moved = True
+        while self.queue and moved:
+            moved = False
+            for _ in range(len(self.queue)):
+                entry = self.queue.popleft()
+                key, reqrows, i = entry
+                if self.gone(key):
+                    self.waiting -= len(reqrows) - i
+                    continue
+                if self.max_rows is not None and not (
+                        rows < self.max_rows or (not self.running.get(key) and rows < SPARE * self.max_rows)):
+                    self.queue.append(entry)
+                    continue
+                admitted.append((key, i, reqrows[i]))
+                self.running[key] = self.running.get(key, 0) + 1
+                self.waiting -= 1
+                rows += 1
+                moved = True
+                if i + 1 < len(reqrows):
+                    entry[2] = i + 1
+                    self.queue.append(entry)
+        return admitted
+
+    def _read(self, admitted: list) -> None:
+        """The admitted rows join the batch, their prompts read before the step: with them the rows of
+        requests that arrive meanwhile, while the round's `budget` positions last."""
+        left = self.budget
+        with self.loaded.execution.scope():  # untimed: the thread count is chosen on the steps
+            while True:
+                for key, i, row in admitted:
+                    self.out.append(Event(key, i, "admit"))
+                    self.batch.add((key, i), row)
+                if not self.batch.queued:
+                    break
+                read = self.batch.prefill(self, left)
+                if left is not None:
+                    left -= read
+                    if left <= 0:
+                        break
+                self._take()
+                admitted = self._admit()
+                if not admitted:
+                    break
+
+    def _drain(self) -> Iterator[Event]:
+        out, self.out = self.out, []
+        yield from out
+
+    # ---- decoding.rows.Sink: the batch's results as events -----------------------------------------
+
+    def echo(self, key, echo) -> None:
+        self.out.append(Event(key[0], key[1], "echo", echo=echo))
+
+    def token(self, key, token) -> None:
+        self.out.append(Event(key[0], key[1], "token", token=token))
+
+    def finish(self, key, reason: str, tail: str) -> None:
+        left = self.running.get(key[0], 0) - 1
+        if left > 0:
+            self.running[key[0]] = left
+        else:
+            self.running.pop(key[0], None)
+        self.out.append(Event(key[0], key[1], "finish", reason=reason, tail=tail))
+
+    def cancelled(self, key) -> bool:
+        return self.gone(key[0])
+
+
+def decode(loaded, requests: list[Request]) -> Iterator[Event]:
+    """Every event of `requests` (keys 0 … len - 1), all rows at once: one call's prompts and choices."""
+    decoder = Decoder(loaded)
+    for key, request in enumerate(requests):
+        decoder.submit(key, request)
+    return decoder.events()
