@@ -1,4 +1,4 @@
-"""Files lmhead writes (score --html): written whole or not at all, and only where a file may be.
+"""Files lmhead writes (score --html, tune-lens --out): written whole or not at all, and only where a file may be.
 
 A file is written to a temporary file in the same folder and renamed over the path, so that a reader
 never sees half a file, a failed write leaves the old one, and a symbolic link at the path is replaced by
@@ -16,23 +16,28 @@ from lmhead_cli.safe_text import quoted
 
 
 def check_target(path: str, what: str) -> None:
-    """UsageError unless `path` can become the file `what` names (`--html`): in a folder that exists, and
-    either new, a regular file or a link (which the file will replace). Checked before any work."""
+    """UsageError unless `path` can become the file `what` names (`--html`, or a Param): not empty, in a
+    folder that exists, and either new, a regular file or a link (which the file will replace). Checked
+    before any work."""
     import stat
 
     from lmhead_cli.inputs import special_kind
 
+    if not path:
+        raise UsageError(what, " is empty; give the name of the file to write")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         mode = None
     except OSError as e:
-        raise UsageError(f"{what} cannot be written to {quoted(path)}: {e.strerror or e}") from None
+        raise UsageError(what, f" cannot be written to {quoted(path)}: {e.strerror or e}") from None
     if mode is not None and not stat.S_ISLNK(mode) and (kind := special_kind(mode)) is not None:
-        raise UsageError(f"{what} {quoted(path)} is {kind}, not a regular file; give a new file's name (lmhead "
+        raise UsageError(what, f" {quoted(path)} is {kind}, not a regular file; give a new file's name (lmhead "
                          "replaces only a regular file or a link)")
-    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or "."):
-        raise UsageError(f"{what} needs a file in a folder that exists (got {quoted(path)})")
+    if os.path.isdir(path):
+        raise UsageError(what, f" {quoted(path)} is a folder; give the name of a file to write")
+    if not os.path.isdir(os.path.dirname(path) or "."):
+        raise UsageError(what, f" needs a file in a folder that exists (got {quoted(path)})")
 
 
 def write_atomically(path: str, text: str, what: str) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import PROMPT, PROMPT_IDS, build_checkpoint, cli, with_ln_f
 
+from lmhead_cli.errors import BadValue, CorruptCheckpoint, UsageError
 from lmhead_cli.loading.sources import load_model
 from lmhead_cli.readings.lens import lens_prompt
 from lmhead_cli.readings.tune_lens import TextSource, TuneSettings, tune_lens
@@ -243,14 +244,16 @@ def test_an_int8_model_refuses_a_lens_it_cannot_check_naming_why(tmp_path, ckpt)
     assert r.exit_code == 1 and "whose embedding table is not" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def _shapes_file(path, weight_shape, bias_shape, meta) -> None:
+def _shapes_file(path, weight_shape, bias_shape, meta, dtype=torch.float32) -> None:
     from safetensors.torch import save_file
 
-    save_file({"weight": torch.zeros(weight_shape), "bias": torch.zeros(bias_shape)}, str(path), metadata=meta)
+    save_file({"weight": torch.zeros(weight_shape, dtype=dtype), "bias": torch.zeros(bias_shape, dtype=dtype)},
+              str(path), metadata=meta)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "huge header", "no identity", "wrong shape",
-                                    "not a lens", "nan", "folder", "missing"])
+                                    "not a lens", "nan", "folder", "missing", "I8", "BOOL", "huge values",
+                                    "nested record"])
 def test_a_damaged_lens_file_is_one_line_naming_it(tmp_path, loaded, ckpt, damage):
     good = save_lens(random_lens(loaded), tmp_path / "good.safetensors")
     path = tmp_path / "bad.safetensors"
@@ -274,10 +277,61 @@ def test_a_damaged_lens_file_is_one_line_naming_it(tmp_path, loaded, ckpt, damag
         save_lens(lens, path)
     elif damage == "folder":
         path.mkdir()
+    elif damage in ("I8", "BOOL"):  # read as a float lens before: the dtype was never looked at
+        kind = torch.int8 if damage == "I8" else torch.bool
+        _shapes_file(path, (N_LAYER, 64, 64), (N_LAYER, 64), {"format": "lmhead-tuned-lens/1", **ident}, kind)
+    elif damage == "huge values":  # accepted before, then blamed on the model as non-finite logits
+        lens = random_lens(loaded)
+        lens.weight[0, 0, 0] = 1e30
+        save_lens(lens, path)
+    elif damage == "nested record":  # under the header's 1 MiB: json.loads raised RecursionError
+        _shapes_file(path, (N_LAYER, 64, 64), (N_LAYER, 64),
+                     {"format": "lmhead-tuned-lens/1", **ident, "trained": "[" * 100_000 + "]" * 100_000})
     r = cli("lens", PROMPT, "--tuned", str(path), "--model", str(ckpt[0]))
     assert r.exit_code == (2 if damage in ("folder", "missing") else 1), r.output  # a bad path is a usage error
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"lmhead: error: the tuned lens {path} cannot be read: "), lines
+    says = {"I8": "weight holds I8 values; a lens holds floating-point numbers",
+            "BOOL": "weight holds BOOL values", "huge values": "weight holds a value of size 1e+30",
+            "nested record": "its training record (metadata 'trained') nests 100,000 deep"}
+    assert says.get(damage, "") in lines[0]
+
+
+def test_a_lens_path_is_named_as_given_and_never_opened_unless_a_file(tmp_path, ckpt):
+    """`--tuned ''` was read as '.' ("it is a folder"); a FIFO blocked in open() for ever."""
+    import os
+    import threading
+    import time
+
+    folder = tmp_path / "lenses"
+    folder.mkdir()
+    for given, says in (("", "the tuned lens path is empty; give a file from lmhead tune-lens, or 'bundled'"),
+                        (f"{folder}/", f"the tuned lens {folder}/ cannot be read: it is a folder, not a file")):
+        r = cli("lens", PROMPT, "--tuned", given, "--model", str(ckpt[0]))
+        assert r.exit_code == 2 and r.stderr.strip() == f"lmhead: error: {says}", r.output
+    fifo = tmp_path / "lens.fifo"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def unblock() -> None:  # if lens opened the FIFO, a writer comes after 5 s, so the test fails, not hangs
+        deadline = time.monotonic() + 5
+        while not done.is_set():
+            try:
+                if time.monotonic() > deadline:
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+            time.sleep(0.1)
+
+    writer = threading.Thread(target=unblock, daemon=True)
+    writer.start()
+    start = time.monotonic()
+    try:
+        r = cli("lens", PROMPT, "--tuned", str(fifo), "--model", str(ckpt[0]))
+    finally:
+        done.set()
+    assert r.exit_code == 2 and "is a FIFO (named pipe), not a regular file" in r.stderr, r.output
+    assert time.monotonic() - start < 5  # refused without waiting for the writer
 
 
 def test_the_bundled_lens_is_refused_for_another_model(tiny):
@@ -323,6 +377,61 @@ def test_tune_lens_bad_input_is_one_line(tiny, args, message):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.parametrize("out, says", [("folder", "--out '{tmp}/folder' is a folder"),
+                                       ("missing/lens.safetensors", "--out needs a file in a folder that exists"),
+                                       ("", "--out is empty")])
+def test_tune_lens_checks_its_output_before_it_trains(tiny, tmp_path, monkeypatch, out, says):
+    """A folder took 7 s of training and left a .tuned-lens-* file; '' failed with 'Device or resource busy'."""
+    from lmhead_cli.readings import tune_lens as training
+
+    (tmp_path / "folder").mkdir()
+    monkeypatch.setattr(training, "tune_lens", lambda *a, **k: pytest.fail("trained before checking --out"))
+    monkeypatch.chdir(tmp_path)
+    r = cli("tune-lens", "The keys on the table", "--out", str(tmp_path / out) if out else "", "--steps", "2",
+            "--model", str(tiny[0]))
+    assert r.exit_code == 2 and says.format(tmp=tmp_path) in r.stderr and r.stderr.count("\n") == 1, r.output
+    import lmhead_cli
+
+    with pytest.raises(UsageError, match=says.format(tmp=tmp_path).replace("--out", "out")):
+        lmhead_cli.load(str(tiny[0]), device="cpu").tune_lens("The keys", out=str(tmp_path / out) if out else "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # no temporary file left
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, loaded, monkeypatch):
+    import os
+
+    lens = random_lens(loaded)
+    (tmp_path / "lens.safetensors").mkdir()  # appears between the check and the write
+    with pytest.raises(CorruptCheckpoint, match="cannot write the tuned lens"):
+        save_lens(lens, tmp_path / "lens.safetensors")
+    assert os.listdir(tmp_path) == ["lens.safetensors"]
+
+
+def test_tune_lens_plans_a_steps_memory_and_refuses_a_batch_that_does_not_fit(tiny, monkeypatch):
+    """--batch 2000 grew past 2.5 GB with no plan; the refusal names the figures (computed here too)."""
+    from lmhead_cli.loading import checks
+
+    monkeypatch.setattr(checks, "available_memory", lambda device: 8 * 10**9)
+    r = cli("tune-lens", "The keys on the table", "--out", "x.safetensors", "--batch", "2000", "--model",
+            str(tiny[0]))
+    V, D, L, seq = 50257, 64, 2, 128
+    per_window = 4 * seq * (4 * V + 2 * (L + 1) * D)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip() == (f"lmhead: error: --batch of 2,000 windows of 128 tokens need about "
+                                f"{2000 * per_window / 1e9:.1f} GB a step ({per_window / 1e6:.0f} MB per window: the "
+                                "vocabulary's logits and the residual stream), but 8.0 GB is available; at most "
+                                f"{8 * 10**9 // per_window:,} windows fit")
+
+
+def test_tune_lens_takes_generates_seed_rule(tiny):
+    import lmhead_cli
+
+    r = cli("tune-lens", "The keys on the table", "--out", "x.safetensors", "--seed", "-1", "--model", str(tiny[0]))
+    assert r.exit_code == 2 and "--seed must be between 0 and 2**63 - 1 (got -1)" in r.stderr, r.output
+    with pytest.raises(BadValue, match=r"seed must be between 0 and 2\*\*63 - 1 \(got 1180591620717411303424\)"):
+        lmhead_cli.load(str(tiny[0]), device="cpu").tune_lens("The keys", seed=2**70)
 
 
 def test_tune_lens_on_a_model_with_nan_weights_is_one_line_and_writes_nothing(tiny, tmp_path):

@@ -18,7 +18,7 @@ from lmhead_cli.api import checks, results
 from lmhead_cli.api.arithmetic import COUNTS, gpt2_only, params_result
 from lmhead_cli.api.checks import kinds
 from lmhead_cli.api.serving import Serving
-from lmhead_cli.errors import BadType, BadValue, UnsupportedModel
+from lmhead_cli.errors import BadType, BadValue, Param, UnsupportedModel
 
 # The kinds (api.checks.typed) of parameters that several methods share.
 ONE_PROMPT = {"prompt": str, "top_k": int, "targets": list}
@@ -211,6 +211,10 @@ class Model(Serving):
         settings.check()
         if text is not None:
             checks.text(text)
+        if out is not None:  # before the training, not after it
+            from lmhead_cli.outputs import check_target
+
+            check_target(out, Param("out"))
         tuning = tune_lens(self.loaded, TextSource(text, file), settings, progress)
         if out is not None:
             save_lens(tuning.lens, out)

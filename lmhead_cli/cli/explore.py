@@ -100,6 +100,9 @@ def tune_lens_cmd(
                          "--out lens.safetensors")
     if out_path is None:
         raise UsageError("give --out PATH: where to write the lens")
+    from lmhead_cli.outputs import check_target
+
+    check_target(out_path, "--out")  # before the model loads; the API checks it again before training
     from lmhead_cli.render.score import Progress
 
     model = source.load()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,11 @@ BUNDLED = "bundled"  # `--tuned bundled`: the lens that ships for bundled:tiny
 BUNDLED_FOR = "bundled:tiny"
 BUNDLED_FILE = "tuned-lens.safetensors"  # in lmhead_cli/data/bundled-tiny/
 MAX_HEADER = 1 << 20  # bytes of JSON header a lens file may have: its metadata is a few hundred
+FLOATING = ("F16", "BF16", "F32", "F64")  # the dtypes a lens's tensors may be stored in
+# A lens's values lie within ±MAX_VALUE: trained translators stay near 0 (the bundled lens's largest is
+# 0.13); larger ones would carry a residual vector past float32's range in the final norm's squares.
+MAX_VALUE = 1e6
+MAX_TRAINED_DEPTH = 8  # the training record is a flat object of numbers and short lists
 
 
 @dataclass(frozen=True)
@@ -142,28 +148,22 @@ def bundled_path() -> Path:
 
 
 def save_lens(lens: TunedLens, path: str | Path) -> Path:
-    """Write `lens` as safetensors (weight, bias; the identity and training record as metadata),
-    atomically: a file that is there is whole."""
-    import os
-    import tempfile
-
+    """Write `lens` as safetensors (weight, bias; the identity and training record as metadata), whole or
+    not at all (outputs.replace_with: a temporary file beside it, renamed over it, removed on failure)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
+    from lmhead_cli.outputs import replace_with
+
     meta = {"format": FORMAT, **{k: str(v) for k, v in vars(lens.identity).items() if v is not None}}
     if lens.trained:
         meta["trained"] = json.dumps(lens.trained)
     tensors = {"weight": lens.weight.detach().float().contiguous().cpu(),
                "bias": lens.bias.detach().float().contiguous().cpu()}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tuned-lens-", dir=path.parent or ".")
-        os.close(fd)
-        save_file(tensors, tmp, metadata=meta)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        replace_with(path, lambda tmp: save_file(tensors, tmp, metadata=meta), 0o644)
     except OSError as e:
         raise CorruptCheckpoint(f"cannot write the tuned lens to {path}: {e.strerror or e}") from None
-    return path
+    return Path(path)
 
 
 def _corrupt(name: str, why: str) -> CorruptCheckpoint:
@@ -171,14 +171,21 @@ def _corrupt(name: str, why: str) -> CorruptCheckpoint:
 
 
 def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
-    """A lens file, checked for what it claims (format, identity, the tensors' shapes and values)
-    before its tensors are read; one line naming the file otherwise."""
+    """A lens file, checked for what it claims before its tensors are read (a regular file, the format,
+    the identity, the tensors' names, dtypes and shapes), then for its values (finite, within
+    ±MAX_VALUE); one line naming the file as it was given otherwise: BadPath for a path that is not a
+    file (missing, empty, a folder, a FIFO: never opened), CorruptCheckpoint for a damaged file."""
     from safetensors import safe_open
 
+    from lmhead_cli.loading.checks import not_a_file
+
+    name = name or os.fspath(path)
+    if not name:
+        raise BadPath("the tuned lens path is empty; give a file from lmhead tune-lens, or 'bundled'")
+    why = not_a_file(path)  # stat() only: a FIFO is refused, never opened (it would wait for a writer)
+    if why is not None:
+        raise BadPath(f"the tuned lens {name} cannot be read: {why}")
     path = Path(path)
-    name = name or str(path)
-    if path.is_dir():  # a path that cannot be read as a file is a usage error, as every bad path is
-        raise BadPath(f"the tuned lens {name} cannot be read: it is a folder")
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -189,36 +196,73 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise _corrupt(name, f"it is not a tuned lens (its metadata has no format {FORMAT!r})")
-            try:
-                ident = Identity(model=meta["model"], architecture=meta["architecture"], n_layer=int(meta["n_layer"]),
-                                 d_model=int(meta["d_model"]), vocab=int(meta["vocab"]), embedding=meta["embedding"],
-                                 embedding_int8=meta.get("embedding_int8"))
-            except (KeyError, ValueError) as e:
-                raise _corrupt(name, f"its metadata lacks the model's identity ({e})") from None
+            ident = _identity(meta, name)
             L, D = ident.n_layer, ident.d_model
             want = {"weight": [L, D, D], "bias": [L, D]}
             if sorted(f.keys()) != sorted(want):
                 raise _corrupt(name, f"it holds {sorted(f.keys())}, not weight and bias")
             for key, shape in want.items():
-                got = list(f.get_slice(key).get_shape())
+                part = f.get_slice(key)
+                if part.get_dtype() not in FLOATING:
+                    raise _corrupt(name, f"{key} holds {part.get_dtype()} values; a lens holds floating-point "
+                                         f"numbers ({', '.join(FLOATING)}; tune-lens writes F32)")
+                got = list(part.get_shape())
                 if got != shape:
                     raise _corrupt(name, f"{key} has shape {got}, not {shape} for {L} layers of width {D}")
-            weight, bias = f.get_tensor("weight").float(), f.get_tensor("bias").float()
-    except CorruptCheckpoint:
+            weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
+    except (CorruptCheckpoint, BadPath):
         raise
     except Exception as e:  # safetensors' own error for a truncated or garbled file
         raise _corrupt(name, f"damaged ({type(e).__name__}: {str(e)[:120]})") from None
-    if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
-        raise _corrupt(name, "it holds NaN or infinite values")
-    trained = None
-    if meta.get("trained"):
-        try:
-            trained = json.loads(meta["trained"])
-        except ValueError:
-            trained = None
-    return TunedLens(ident, weight, bias, name=name, trained=trained)
+    for key, t in (("weight", weight), ("bias", bias)):  # in the stored dtype: an F64 1e300 is not "infinite"
+        if not torch.isfinite(t).all():
+            raise _corrupt(name, f"{key} holds NaN or infinite values")
+        largest = float(t.abs().max()) if t.numel() else 0.0
+        if largest > MAX_VALUE:
+            raise _corrupt(name, f"{key} holds a value of size {largest:.3g}; a lens's values lie within "
+                                 f"±{MAX_VALUE:g} (trained ones stay near 0), or the translated vectors leave "
+                                 "float32's range in the final norm")
+    return TunedLens(ident, weight.float(), bias.float(), name=name, trained=_trained(meta, name))
+
+
+def _identity(meta: dict, name: str) -> Identity:
+    """The model's identity from a lens file's metadata (safetensors' metadata: strings only)."""
+    if meta.get("format") != FORMAT:
+        raise _corrupt(name, f"it is not a tuned lens (its metadata has no format {FORMAT!r})")
+    try:
+        ident = Identity(model=meta["model"], architecture=meta["architecture"], n_layer=int(meta["n_layer"]),
+                         d_model=int(meta["d_model"]), vocab=int(meta["vocab"]), embedding=meta["embedding"],
+                         embedding_int8=meta.get("embedding_int8"))
+    except (KeyError, ValueError) as e:
+        raise _corrupt(name, f"its metadata lacks the model's identity ({e})") from None
+    if min(ident.n_layer, ident.d_model, ident.vocab) < 1:
+        raise _corrupt(name, "its metadata gives a layer count, width or vocabulary below 1")
+    return ident
+
+
+def _trained(meta: dict, name: str) -> dict | None:
+    """How the lens was trained (metadata "trained": a JSON object), None when the file does not say.
+    Nesting is bounded before json.loads (a deeply nested record made it raise RecursionError)."""
+    text = meta.get("trained")
+    if not text:
+        return None
+    depth = most = 0
+    for ch in text:  # brackets inside strings count too: a bound, not a parse
+        if ch in "[{":
+            depth += 1
+            most = max(most, depth)
+        elif ch in "]}":
+            depth -= 1
+    if most > MAX_TRAINED_DEPTH:
+        raise _corrupt(name, f"its training record (metadata 'trained') nests {most:,} deep; lmhead reads one "
+                             f"nested at most {MAX_TRAINED_DEPTH} deep")
+    try:
+        trained = json.loads(text)
+    except ValueError:
+        trained = None
+    if not isinstance(trained, dict):
+        raise _corrupt(name, "its training record (metadata 'trained') is not a JSON object")
+    return trained
 
 
 def check_lens(loaded: Loaded, lens: TunedLens) -> TunedLens:
