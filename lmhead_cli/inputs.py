@@ -6,6 +6,7 @@ UsageError naming where the first bad byte is, never a TypeError deep in a token
 
 from __future__ import annotations
 
+import re
 import sys
 
 from lmhead_cli.errors import LmheadError, UsageError
@@ -50,6 +51,26 @@ def decode_utf8(data: bytes, what: str, line: int | None = None, offset: int = 0
                          f"{advice}") from None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where the first lone surrogate (U+D800-U+DFFF) in `text` is, or None: a str Python allows but that
+    no UTF-8 text holds, so no tokenizer takes it. One pass, no copy (an ASCII text is not searched)."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    return None if found is None else found.start()
+
+
+def surrogate_problem(text: str) -> str | None:
+    """What is wrong with a text that holds a lone surrogate, in words ("must be valid Unicode text: ..."),
+    or None when it holds none."""
+    at = lone_surrogate(text)
+    if at is None:
+        return None
+    return (f"must be valid Unicode text: character {at:,} is a lone surrogate (U+{ord(text[at]):04X}), which no "
+            "UTF-8 text holds")
+
+
 def check_text(value: str | None, what: str) -> str | None:
     """An argument as the shell gave it, as text. Python decodes argv with surrogateescape, so a byte
     it could not decode arrives as a lone surrogate (U+DC80-U+DCFF). Under a C or POSIX locale
@@ -58,11 +79,13 @@ def check_text(value: str | None, what: str) -> str | None:
     the byte and its position, instead of a TypeError in the tokenizer later."""
     if value is None:
         return None
+    if lone_surrogate(value) is None:
+        return value
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return decode_utf8(value.encode("utf-8", "surrogateescape"), what, advice="pass text in UTF-8")
-    return value
+        data = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte: not from argv, from a program
+        raise UsageError(f"{what} {surrogate_problem(value)}") from None
+    return decode_utf8(data, what, advice="pass text in UTF-8")
 
 
 def check_args(values: dict, spelled=lambda name: f"--{name.replace('_', '-')}") -> None:

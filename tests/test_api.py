@@ -367,6 +367,54 @@ def test_every_parameter_refuses_a_wrong_value_naming_itself(model, name, param,
     assert isinstance(e.value, (TypeError, ValueError)) and isinstance(e.value, LmheadError)
 
 
+# What a program may hand any parameter by mistake: a number, bytes, a list of a number, a dict, an object,
+# and text no tokenizer takes (a lone surrogate), alone and in a list.
+HOSTILE = [123, b"x", [1], {"a": 1}, object(), "\ud800", ["ok", "\ud800"]]
+
+
+def _hostile_calls():
+    import inspect as py_inspect
+
+    for name, fn in _public_functions():
+        if name in SERVERS_OWN - {"chat_prompt", "decode"}:
+            continue  # the running batch's machinery: rows the server's request models made
+        method = "." not in name
+        for p in list(py_inspect.signature(fn).parameters.values())[method:]:
+            param = "temperature" if p.kind is p.VAR_KEYWORD else p.name  # **stages: a stage's value
+            for i, value in enumerate(HOSTILE):
+                if value == 123 and getattr(fn, "kinds", {}).get(param) in (int, float):
+                    continue  # a fine value there: calibrate(generations=123) would only take its time
+                yield pytest.param(name, param, value, id=f"{name}-{param}-{i}")
+
+
+VALID.update(decode=dict(ids=[464]), chat_prompt=dict(messages=[{"role": "user", "content": "hi"}]), tuned_lens={},
+             warm_up={}, tie={})
+
+
+@pytest.mark.parametrize("name, param, value", list(_hostile_calls()))
+def test_every_public_parameter_given_a_hostile_value_answers_with_a_domain_error(model, name, param, value):
+    """Issue 50: `lens(tuned=123)` raised a raw TypeError, `score_lines([1])` an AttributeError, a lone
+    surrogate a TypeError in the tokenizer or a UnicodeEncodeError. Every public parameter, given each
+    value of HOSTILE, either takes it (123 is a fine top_k) or refuses it with lmhead's own error, which
+    names the parameter; never a Python error from inside."""
+    from lmhead_cli.api import explore
+
+    fn = dict(_public_functions())[name]
+    args = {**VALID[name], param: value}
+    if name in ("explore_reading", "explore_generate") and param != "settings":
+        args["settings"] = explore.settings()
+    if name == "tune_lens" and param in ("steps", "warmup"):
+        args["steps"] = args["warmup"] = 1  # 123 training steps are a fine value: no need to run them
+    try:
+        got = (fn if "." in name else getattr(model, name))(**args)
+        if name in ("score_lines", "inspect_lines"):
+            list(got)  # lazy: the lines are read as the results are
+    except BadValue as e:
+        assert e.key in (param, "source" if param == "base" else param), (e.key, str(e))
+    except LmheadError:
+        pass
+
+
 @pytest.mark.parametrize("call, key", [
     (lambda m: m.inspect(123), "prompt"),
     (lambda m: m.inspect(b"abc"), "prompt"),

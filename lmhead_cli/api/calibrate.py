@@ -24,10 +24,10 @@ def calibrate(model, text: str, *, stride: int | None = None, bos: bool = False,
     model.check_score(text, stride=stride, chunk=chunk)
     if isinstance(generations, bool) or not isinstance(generations, int) or generations < 0:
         raise BadValue("generations", f"must be a whole number, at least 0 (got {generations!r})")
-    settings = None
+    # checked with or without generations: a wrong or unknown setting is never passed over in silence
+    settings = checks.generation(preset=preset, greedy=greedy, ignore_eos=True, seed=seed,
+                                 max_new_tokens=max_new_tokens, **knobs)
     if generations:
-        settings = checks.generation(preset=preset, greedy=greedy, ignore_eos=True, seed=seed,
-                                     max_new_tokens=max_new_tokens, **knobs)
         checks.generations_fit(model.loaded, generations, settings)
         if model.bos_token_id is None:
             raise UnsupportedModel(f"{model.source} declares no beginning-of-text token to sample after")

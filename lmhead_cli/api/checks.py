@@ -48,6 +48,8 @@ def typed(key: str, value, kind, rule=None, *, optional: bool = False):
             value = list(value)
             wrong = next((v for v in value if not isinstance(v, str)), value)
             if wrong is value:
+                for v in value:
+                    unicode(key, v)
                 return value
             raise BadType(key, f"must be {KIND_NAMES[list]} (got {_shown(wrong)} in it)")
     elif kind is float:
@@ -59,10 +61,83 @@ def typed(key: str, value, kind, rule=None, *, optional: bool = False):
     elif kind is callable:
         if callable(value):
             return value
+    elif kind is str:
+        if isinstance(value, str):
+            return _ranged(key, unicode(key, value), rule)
     elif isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return _ranged(key, value, rule)
     names = f"one of: {', '.join(kind)}" if isinstance(kind, tuple) else KIND_NAMES[kind]
     raise BadType(key, f"must be {names} (got {_shown(value)})")
+
+
+def unicode(key: str, value: str) -> str:
+    """`value`, or BadValue when it holds a lone surrogate (no tokenizer takes it: a TypeError or a
+    UnicodeEncodeError deep inside one otherwise)."""
+    from lmhead_cli.inputs import surrogate_problem
+
+    problem = surrogate_problem(value)
+    if problem is not None:
+        raise BadValue(key, problem)
+    return value
+
+
+def text_item(key: str, value, n: int) -> str:
+    """Item `n` (from 1) of an iterable of texts (score_lines', inspect_lines' `lines`), checked as it
+    is reached: a string that is valid Unicode, else BadValue naming `key` and the item."""
+    if not isinstance(value, str):
+        raise BadType(key, f"must hold texts (got {_shown(value)} as item {n:,})")
+    from lmhead_cli.inputs import surrogate_problem
+
+    problem = surrogate_problem(value)
+    if problem is not None:
+        raise BadValue(key, f"item {n:,} {problem}")
+    return value
+
+
+def token_ids(key: str, values, vocab: int) -> list[int]:
+    """Token ids (Model.decode's): integers from 0 to vocab - 1, materialised once."""
+    ids = indices(key, values)
+    wrong = next((i for i in ids if not 0 <= i < vocab), None)
+    if wrong is not None:
+        raise BadValue(key, f"must be token ids from 0 to {vocab - 1:,} (got {wrong:,})")
+    return ids
+
+
+def chat_messages(value) -> list[dict]:
+    """Chat messages (Model.chat_prompt's): a list of {"role": text, "content": text}, materialised once."""
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray, Mapping)):
+        value = list(value)
+        for n, m in enumerate(value, 1):
+            if not (isinstance(m, Mapping) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
+                raise BadType("messages", f"must be a list of {{\"role\": text, \"content\": text}} (got "
+                                          f"{_shown(m)} as message {n:,})")
+            for k in ("role", "content"):
+                unicode("messages", m[k])
+        return value
+    raise BadType("messages", f"must be a list of {{\"role\": text, \"content\": text}} (got {_shown(value)})")
+
+
+def explore_settings(value):
+    """An explore session's settings (Model.explore_reading's, explore_generate's): what
+    lmhead_cli.api.explore.settings() returns, else BadType naming `settings`."""
+    from lmhead_cli.readings.explore import Settings
+
+    if not isinstance(value, Settings):
+        raise BadType("settings", f"must be lmhead_cli.api.explore.settings(...) (got {_shown(value)})")
+    return value
+
+
+def lens_file(key: str, value):
+    """A tuned-lens file as a program names it (Model.lens `tuned`, Model.tuned_lens `where`; a TunedLens
+    object is the caller's to pass on): a path (a str or an os.PathLike of str) or "bundled"; anything
+    else is BadType naming `key`."""
+    import os
+
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if isinstance(path, str):
+        unicode(key, path)
+        return value
+    raise BadType(key, f"must be a path (a string or os.PathLike), \"bundled\" or a TunedLens (got {_shown(value)})")
 
 
 def _ranged(key: str, value, rule):
@@ -307,7 +382,7 @@ def prompts(value) -> tuple[list[str], bool]:
     from lmhead_cli.readings.inspect import check_prompt
 
     if isinstance(value, str):
-        return [check_prompt(value)], True
+        return [check_prompt(unicode("prompt", value))], True
     if isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, Mapping)):
         value = list(value)
         wrong = next((v for v in value if not isinstance(v, str)), value)
@@ -315,7 +390,7 @@ def prompts(value) -> tuple[list[str], bool]:
             raise BadType("prompt", f"must be a string or a list of strings (got {_shown(wrong)} in it)")
         if not value:
             raise BadValue("prompt", "must be a string or a list of at least one string (got an empty list)")
-        return [check_prompt(v) for v in value], False
+        return [check_prompt(unicode("prompt", v)) for v in value], False
     raise BadType("prompt", f"must be a string or a list of strings (got {_shown(value)})")
 
 

@@ -181,18 +181,21 @@ class Model(Serving):
         from lmhead_cli.readings.lens import lens_prompt
 
         checks.one_prompt(prompt, targets, top_k)
-        lens = self.tuned_lens(tuned) if tuned is not None else None
+        lens = self._tuned_lens(tuned, "tuned") if tuned is not None else None
         return results.LensResult(lens_prompt(self.loaded, prompt, list(targets), top_k, position, lens, grid))
 
     def tuned_lens(self, where):
         """A tuned lens for this model: `where` is a path, "bundled", or a TunedLens (checked against
         this model either way). WrongLens if it was trained for another model; CorruptCheckpoint if the
-        file is damaged."""
+        file is damaged; BadType for anything else (a number, bytes, a list)."""
+        return self._tuned_lens(where, "where")
+
+    def _tuned_lens(self, where, key: str):
         from lmhead_cli.readings import tuned_lens
 
         if isinstance(where, tuned_lens.TunedLens):
             return tuned_lens.check_lens(self.loaded, where)
-        return tuned_lens.load_lens(self.loaded, where)
+        return tuned_lens.load_lens(self.loaded, checks.lens_file(key, where))
 
     @scoped
     @kinds(text=str, file=str, out=str, steps=int, batch=int, seq=int, lr=float, warmup=int, seed=int,
@@ -252,7 +255,7 @@ class Model(Serving):
         a readings.explore.Reading."""
         from lmhead_cli.readings.explore import read
 
-        return read(self.loaded, prompt, settings)
+        return read(self.loaded, prompt, checks.explore_settings(settings))
 
     @scoped
     @kinds(prompt=str, n=int, on_text=callable)
@@ -260,7 +263,7 @@ class Model(Serving):
         """`n` tokens after `prompt`, sampled with the session's stages and seed (decoding.generate.Generation)."""
         from lmhead_cli.readings.explore import generate_after
 
-        return generate_after(self.loaded, prompt, n, settings, on_text)
+        return generate_after(self.loaded, prompt, n, checks.explore_settings(settings), on_text)
 
     @scoped
     def warm_up(self) -> int:
@@ -380,7 +383,7 @@ class Model(Serving):
 
         lines = many("lines", lines)
         self.check_score(stride=stride, chunk=chunk)
-        numbered = (line if isinstance(line, Line) else Line(n, line if line.strip() else None)
+        numbered = (line if isinstance(line, Line) else Line(n, checks.text_item("lines", line, n).strip() and line or None)
                     for n, line in enumerate(lines, 1))
         totals = Corpus()
         lines = score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk)
@@ -396,7 +399,8 @@ class Model(Serving):
 
         lines = many("lines", lines)
         targets = checks.prompt_file(top_k, batch_size, targets)
-        numbered = (line if isinstance(line, PromptLine) else PromptLine(n, line) for n, line in enumerate(lines, 1))
+        numbered = (line if isinstance(line, PromptLine) else PromptLine(n, checks.text_item("lines", line, n))
+                    for n, line in enumerate(lines, 1))
         tie, stats = self.loaded.tie, BatchStats(batch_size, targets)
         batches = inspect_stream(self.loaded, numbered, top_k, targets, batch_size, stats)
         return results.LineResults(self.loaded.execution.iterate(

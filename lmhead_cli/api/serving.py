@@ -47,8 +47,10 @@ class Serving:
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text for chat `messages` ([{"role", "content"}]) through the chat template."""
+        from lmhead_cli.api import checks
         from lmhead_cli.loading import chat
 
+        messages = checks.chat_messages(messages)
         text = self.tokenizer.token_text
         eos = "" if self.eos_token_id is None else text(self.eos_token_id)
         bos = "" if self.bos_token_id is None else text(self.bos_token_id)
@@ -83,7 +85,10 @@ class Serving:
         return list(self.tokenizer.encode_long(text))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        """The text of token ids (each from 0 to the vocabulary's size - 1; BadValue otherwise)."""
+        from lmhead_cli.api import checks
+
+        return self.tokenizer.decode(checks.token_ids("ids", ids, self.loaded.engine.vocab_size))
 
 
 def __getattr__(name: str):

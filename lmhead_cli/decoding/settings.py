@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.stages import STAGES, Knobs, stage_values
-from lmhead_cli.errors import BadValue, ModeConflict
+from lmhead_cli.errors import BadType, BadValue, ModeConflict
 
 DEFAULT_MAX_NEW_TOKENS = 40
 DISTRIBUTIONS = ("raw", "processed")  # which one top_logprobs (and the OpenAI document) reports
@@ -74,7 +74,7 @@ def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: in
     drawn) greedy, temperature 0 or beams are a ModeConflict."""
     unknown = sorted(set(knobs) - {s.key for s in STAGES})
     if unknown:
-        raise TypeError(f"unknown decoding setting {unknown[0]!r}; the stages are {', '.join(s.key for s in STAGES)}")
+        raise BadType(unknown[0], f"is not a decoding setting; the stages are {', '.join(s.key for s in STAGES)}")
     zero = knobs.get("temperature") == 0 and not isinstance(knobs.get("temperature"), bool)
     if zero:
         knobs = {**knobs, "temperature": None}
@@ -99,9 +99,18 @@ def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: in
 
 def check_stop(stop) -> tuple[str, ...]:
     """Stop strings: a string or a sequence of at most MAX_STOPS non-empty strings."""
+    from collections.abc import Iterable, Mapping
+
+    from lmhead_cli.inputs import surrogate_problem
+
+    if not isinstance(stop, str) and stop and (not isinstance(stop, Iterable) or isinstance(stop, (bytes, Mapping))):
+        raise BadType("stop", f"must be a string or a list of strings (got {type(stop).__name__})")
     items = [stop] if isinstance(stop, str) else list(stop or ())
     if not all(isinstance(s, str) for s in items):
-        raise BadValue("stop", "must be a string or a list of strings")
+        raise BadType("stop", "must be a string or a list of strings")
+    wrong = next((p for p in map(surrogate_problem, items) if p is not None), None)
+    if wrong is not None:
+        raise BadValue("stop", f"strings {wrong}")
     if len(items) > MAX_STOPS:
         raise BadValue("stop", f"holds at most {MAX_STOPS} strings (got {len(items)})")
     if any(s == "" for s in items):
