@@ -868,7 +868,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = 
               f"{a}.attention.head_count_kv": cfg.num_key_value_heads,
               f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
               f"{a}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-              f"{a}.rope.dimension_count": cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads}
+              f"{a}.rope.dimension_count": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
     kv |= {"general.name": "tiny", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
            "tokenizer.ggml.bos_token_id": 50256, "tokenizer.ggml.eos_token_id": 50256}
@@ -918,3 +918,25 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = 
     w.write_tensors_to_file()
     w.close()
     return written
+
+
+def dequantised(written: dict) -> dict[str, torch.Tensor]:
+    """What each tensor the writer stored dequantises to, by gguf.quants (the oracle's weights)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return {name: torch.from_numpy(np.array(dequantize(data, GGMLQuantizationType[kind]), dtype=np.float32))
+            for name, (kind, data) in written.items()}
+
+
+def gguf_oracle(model, written: dict):
+    """A copy of `model` holding the file's dequantised weights (the head tied or not, as the file)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    state = from_gguf_layout(model, dequantised(written))
+    with torch.no_grad():
+        for name, t in state.items():
+            twin.get_parameter(name).copy_(t.reshape(twin.get_parameter(name).shape))
+    return twin, state

@@ -14,8 +14,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from helpers import (PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, cli, from_gguf_layout, gpt2_tokens, web,
-                     write_gguf)
+from helpers import (PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, cli, gguf_oracle,
+                     gpt2_tokens, web, write_gguf)
 
 import lmhead_cli
 from lmhead_cli.errors import LmheadError
@@ -52,27 +52,6 @@ def llama(tmp_path_factory):
     return folder, model
 
 
-def dequantised(written: dict) -> dict[str, torch.Tensor]:
-    """What each tensor the writer stored dequantises to, by gguf.quants (the oracle's weights)."""
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    return {name: torch.from_numpy(np.array(dequantize(data, GGMLQuantizationType[kind]), dtype=np.float32))
-            for name, (kind, data) in written.items()}
-
-
-def oracle(model, written: dict):
-    """A copy of `model` holding the file's dequantised weights (the head tied or not, as the file)."""
-    import copy
-
-    twin = copy.deepcopy(model)
-    state = from_gguf_layout(model, dequantised(written))
-    with torch.no_grad():
-        for name, t in state.items():
-            twin.get_parameter(name).copy_(t.reshape(twin.get_parameter(name).shape))
-    return twin, state
-
-
 def lmhead_logits(m, ids=IDS) -> torch.Tensor:
     eng = m.loaded.engine
     with torch.no_grad():
@@ -88,7 +67,7 @@ def test_logits_equal_transformers_on_the_dequantised_weights(arch, qtype, reque
     path = tmp_path / f"tiny-{qtype}.gguf"
     written = write_gguf(model, path, qtype)
     assert qtype == "F32" or qtype in {kind for kind, _ in written.values()}  # the type is really in the file
-    twin, state = oracle(model, written)
+    twin, state = gguf_oracle(model, written)
     # The weights: each tensor exactly its type's dequantisation, in transformers' layout.
     loaded = read_gguf(path).state
     for name, t in state.items():
@@ -473,7 +452,7 @@ def test_the_cli_says_what_was_dequantised_and_inspect_is_the_forward(gpt2, tmp_
     assert out.exit_code == 0, out.output
     assert (f"{path}: a GGUF gpt2 of file type MOSTLY_Q8_0 (18 F32, 10 Q8_0 tensors), dequantised to float32 by "
             "gguf.quants") in out.stderr
-    twin, _ = oracle(model, written)
+    twin, _ = gguf_oracle(model, written)
     with torch.no_grad():
         ref = twin(torch.tensor([PROMPT_IDS])).logits[0, -1]
     top = json.loads(out.stdout)["top"]
@@ -492,7 +471,7 @@ def test_the_server_serves_a_gguf(gpt2, tmp_path):
 
     _, model = gpt2
     path = tmp_path / "served.gguf"
-    twin, _ = oracle(model, write_gguf(model, path, "Q4_0"))
+    twin, _ = gguf_oracle(model, write_gguf(model, path, "Q4_0"))
     with serving(path) as s:
         doc = web.post(s.url + "/v1/completions", timeout=120, json={
             "model": "m", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
@@ -510,7 +489,7 @@ def test_a_gpt2_gguf_on_transformers_engine_is_the_same_model(gpt2, tmp_path):
     the same logits as the oracle, and the same tie."""
     _, model = gpt2
     path = tmp_path / "q4.gguf"
-    twin, _ = oracle(model, write_gguf(model, path, "Q4_0"))
+    twin, _ = gguf_oracle(model, write_gguf(model, path, "Q4_0"))
     m = lmhead_cli.load(str(path), device="cpu", engine="transformers")
     assert m.loaded.engine.__class__.__name__ == "TransformersEngine" and m.loaded.tie.tied
     with torch.no_grad():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-CHUNK_VALUES = 1 << 22  # float32 values dequantised at once: 16 MiB, whatever the matrix
+CHUNK_VALUES = 1 << 20  # float32 values dequantised at once: 4 MiB, whatever the matrix
 
 
 def type_name(qtype: int) -> str:
