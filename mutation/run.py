@@ -53,7 +53,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
               "tests/test_attribute.py", "tests/test_int8.py", "tests/test_kernels.py"]),
     # test_html: the alternatives; test_logprobs: top log-probs handed over chunk by chunk (on_rows);
     # test_compare: compare walks the windows through score's Window
-    "score": (["lmhead_cli/readings/score.py", "lmhead_cli/readings/ranks.py", "lmhead_cli/readings/chunks.py"],
+    "score": (["lmhead_cli/readings/score.py", "lmhead_cli/readings/ranks.py", "lmhead_cli/chunks.py"],
               ["tests/test_score.py", "tests/test_html.py", "tests/test_logprobs.py",
                "tests/test_compare.py"]),
     # test_architectures: the RMSNorm branch (no beta) on Llama, and Gemma-2's refusal
