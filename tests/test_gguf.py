@@ -343,6 +343,10 @@ def test_a_llama_context_beyond_the_bound_runs_at_the_bound(llama, tmp_path):
                "131,072 positions" in str(n) for n in notes), notes
     out = cli("inspect", PROMPT, "--model", str(path))
     assert out.exit_code == 0 and "taken as 131,072 positions" in out.stderr
+    from helpers import serving
+
+    with serving(path) as s:  # a real server process: its page's /api/info said n_ctx 1,099,511,627,776
+        assert web.get(s.url + "/api/info", timeout=60).json()["n_ctx"] == MAX_CONTEXT
 
 
 def _array(key: str, item: int, count: int, items: bytes) -> bytes:
