@@ -120,6 +120,31 @@ def read_text(what: str, stream=None) -> str:
     return read_stdin(what, stream=stream).removesuffix("\n").removesuffix("\r")
 
 
+def read_small_file(name: str, what: str, limit: int = 1 << 20) -> str:
+    """A small text file given by path (`-`: stdin), whole: at most `limit` bytes, UTF-8 (a byte-order mark
+    dropped). A missing file, a folder, a FIFO or other special file (never opened: a FIFO with no writer
+    waits for ever) or a longer file is a UsageError naming it as `what`."""
+    import os
+
+    if name == "-":
+        return read_stdin(what, limit)
+    try:
+        kind = special_kind(os.stat(name).st_mode)
+        if kind is not None:
+            raise UsageError(f"the {what} {name} is {kind}, not a regular file")
+        with open(name, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise UsageError(f"no such {what}: {name}") from None
+    except IsADirectoryError:
+        raise UsageError(f"the {what} {name} is a folder, not a file") from None
+    except OSError as e:
+        raise UsageError(f"cannot read the {what} {name}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise UsageError(f"the {what} {name} is longer than {limit:,} bytes")
+    return decode_utf8(data.removeprefix(b"\xef\xbb\xbf"), f"the {what} {name}")
+
+
 def bounded_lines(stream, label: str, max_bytes: int | None = None):
     """(line number, bytes read so far, text without its line break) for every line of a binary
     stream, read one at a time with a limit (MAX_LINE_BYTES): a longer line, or one that is not

@@ -411,6 +411,7 @@ class Model(Serving):
     def generate(self, prompt: str | Iterable[str], *, n: int = 1, max_new_tokens: int | None = None, beams: int = 1,
                  seed: int | None = None, greedy: bool = False, ignore_eos: bool = False, stop=(), show_steps: int = 0,
                  top_logprobs: int = 0, logprobs: str = "raw", preset: str | None = None, mode: str = "generate",
+                 json_schema: dict | str | None = None, regex: str | None = None,
                  on_start: Callable[[list[int], int, object], None] | None = None,
                  on_text: Callable[[str], None] | None = None,
                  **stages) -> results.GenerateResult | list[results.GenerateResult]:
@@ -419,7 +420,8 @@ class Model(Serving):
         temperature=0.8, top_p=0.95). Samples (seeded by `seed`, or a drawn seed that is reported) unless
         greedy, temperature=0 or beams > 1. None = not given (a preset's value, or the stage off). `stop`:
         strings that end the text (not included). `mode`: generate, greedy, sample or softcap, as the CLI's
-        commands. `on_start(prompt_ids, tokens_dropped, settings)` runs before the first token (the
+        commands. `json_schema` (a dict, or its JSON text) or `regex`: the text must follow it, a mask each
+        step after temperature (docs/grammar.md); each step records what it removed. `on_start(prompt_ids, tokens_dropped, settings)` runs before the first token (the
         prompt's ids as read: its last n_ctx); `on_text(piece)` sees the text as made.
 
         One prompt and n = 1 return one GenerateResult. `n` choices, or a list of prompts, run as one
@@ -432,7 +434,8 @@ class Model(Serving):
         texts, one = checks.prompts(prompt)
         settings = checks.generation(mode=mode, preset=preset, greedy=greedy, beams=beams, n=n, ignore_eos=ignore_eos,
                                      seed=seed, stop=stop, show_steps=show_steps, max_new_tokens=max_new_tokens,
-                                     top_logprobs=top_logprobs, logprobs=logprobs, **stages)
+                                     top_logprobs=top_logprobs, logprobs=logprobs, json_schema=json_schema,
+                                     regex=regex, **stages)
         single = one and settings.n == 1
         for key, given in (("on_start", on_start), ("on_text", on_text)):
             if given is not None and not single:

@@ -27,6 +27,14 @@ class Serving:
         return Decoder(self.loaded, max_rows=max_rows, budget=budget, chunk=chunk, arrivals=arrivals,
                        cancelled=cancelled)
 
+    def prepare_grammar(self, grammar) -> None:
+        """Compile a request's grammar (decoding/grammar.py) for this model's tokenizer now, where a
+        request waits for it, and keep it: its rows then start in the decoding thread without compiling.
+        BadValue("response_format") when this tokenizer cannot follow it."""
+        from lmhead_cli.decoding.grammar import Matcher
+
+        Matcher(grammar, self.tokenizer, self.loaded.engine.vocab_size, self.eos_token_id, key="response_format")
+
     @property
     def eos_token_id(self) -> int | None:
         return self.loaded.engine.eos_token_id

@@ -41,6 +41,18 @@ def decoding_options(
     output_format: FormatOpt = None,
     top_logprobs: TopLogprobsOpt = 0,
     logprobs: LogprobsOpt = None,
+    json_schema: Annotated[
+        Optional[str], typer.Option("--json-schema", help="The text must be JSON that this JSON Schema file "
+                                    "validates (- reads stdin); compiled with llguidance (docs/grammar.md).")
+    ] = None,
+    regex: Annotated[
+        Optional[str], typer.Option("--regex", help="The text must match this regular expression whole (Rust's "
+                                    "syntax: no look-around, no back-references).")
+    ] = None,
+    stages: Annotated[
+        bool, typer.Option("--stages", help="After the text, a table per step of what the stages took: what the "
+                           "grammar removed (and the tokens it forced), what the filters removed, raw and processed p.")
+    ] = False,
 ) -> None:
     """The options the four decoding commands share (`knobs`: one per stage of the registry)."""
 
@@ -80,11 +92,12 @@ _decoding_command("softcap", """Sample after Gemma-style soft-capping z -> c·ta
 
 
 def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, stop, seed, show_steps, max_new_tokens,
-           knobs: dict, source: ModelChoice, json_out, output_format, top_logprobs, logprobs) -> None:
+           knobs: dict, source: ModelChoice, json_out, output_format, top_logprobs, logprobs, json_schema, regex,
+           stages) -> None:
     """parse -> load -> generate (streaming) -> summary, shared by the four decoding commands."""
     from lmhead_cli import render
     from lmhead_cli.api import checks
-    from lmhead_cli.inputs import read_text
+    from lmhead_cli.inputs import read_small_file, read_text
     from lmhead_cli.render import generate as show
     from lmhead_cli.render.inspect import random_banner
 
@@ -92,7 +105,8 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, stop, s
     json_out = kind != "text"
     asked = dict(mode=command_name, preset=preset, greedy=greedy, beams=beams, ignore_eos=ignore_eos, seed=seed,
                  stop=tuple(stop or ()), show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
-                 logprobs=logprobs or "raw", **knobs)
+                 logprobs=logprobs or "raw", regex=regex,
+                 json_schema=None if json_schema is None else read_small_file(json_schema, "JSON schema file"), **knobs)
     checks.generation(**asked)  # before the load: a bad value fails in an instant
     text = checks.prompt(read_text("the prompt on stdin") if prompt == "-"
                         else DEFAULT_PROMPT if prompt is None else prompt)
@@ -121,6 +135,8 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, stop, s
         return
     if g.settings.show_steps:
         show.steps_table(g)
+    if stages:
+        show.stages_per_step(g)
     if g.beams:
         show.beams_table(g)
     show.summary(g, result.source)

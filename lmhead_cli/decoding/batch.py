@@ -110,15 +110,20 @@ class Batch(Joining):
         else:
             if not all(r.row.greedy for r in live):  # a draw from NaN fails obscurely; greedy rows: the record's check
                 check_finite_rows(logits)
-            raw, used, piped = self.distributions(logits, live)
-            if len(live) == 1:
-                chosen = stages.choose(used, live[0].row.greedy, live[0].generator)  # (1,)
+            allowed = _allowed(live, logits)  # (R, V) bool, None where no row has a grammar
+            forced = [False] * len(live) if allowed is None else (allowed.sum(-1) == 1).tolist()
+            raw, used, piped = self.distributions(logits, live, allowed)
+            if len(live) == 1:  # a forced token is the one finite logprob: no draw
+                chosen = stages.choose(used, live[0].row.greedy or forced[0], live[0].generator)  # (1,)
             else:
-                chosen = used.argmax(-1)  # (R,) greedy rows; drawn rows replaced below, each with its generator
+                chosen = used.argmax(-1)  # (R,) greedy and forced rows; drawn rows replaced below, each with its generator
                 for i, r in enumerate(live):
-                    if not r.row.greedy:
+                    if not (r.row.greedy or forced[i]):
                         chosen[i] = stages.choose(used[i:i + 1], False, r.generator)[0]
-            table = record(logits, raw, used, chosen, k, bool(piped)).tolist()  # one transfer for every row
+            table = record(logits, raw, used, chosen, k, bool(piped), allowed).tolist()  # one transfer for every row
+            for i, r in enumerate(live):
+                if r.matcher is not None:
+                    r.matcher.advance(int(table[i][0]))
         ended = set()
         for i, r in enumerate(live):
             top = None
@@ -147,13 +152,13 @@ class Batch(Joining):
                 sink.finish(r.key, reason, r.text.piece(final=True))
         return chosen, ended
 
-    def distributions(self, logits: torch.Tensor | None = None, live: list[Live] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def distributions(self, logits: torch.Tensor | None = None, live: list[Live] | None = None,
+                      allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The head half of a step for the live rows (or rows `live` with their `logits`), from their
         logits (R, V): raw (R, V), the model's own log-softmax, and processed (R, V), the log-softmax
         after each row's stages (rows with the same stages processed together; raw itself where no row
-        has a stage), and whether any stage ran. `step` chooses from them; beam search
-        (decoding.beams) ranks its candidates by them."""
+        has a stage), and whether any stage ran. `allowed` (R, V) bool: each row's grammar mask for this
+        step (`_allowed`). `step` chooses from them; beam search (decoding.beams) ranks its candidates by them."""
         if live is None:
             live, logits = self.live, self.logits
         raw = log_softmax(logits)  # (R, V) the model's own distribution
@@ -161,12 +166,13 @@ class Batch(Joining):
         if not piped:
             return raw, raw, False
         used = raw.clone()
-        groups: dict[Knobs, list[int]] = {}
+        groups: dict[tuple[Knobs, bool], list[int]] = {}
         for i in piped:
-            groups.setdefault(live[i].row.knobs, []).append(i)
-        for idx in groups.values():
+            groups.setdefault((live[i].row.knobs, live[i].matcher is not None), []).append(i)
+        for (_, masked), idx in groups.items():
             at = torch.tensor(idx, device=logits.device)
-            used[at] = log_softmax(stages.process(logits[at], live[idx[0]].pipeline))
+            used[at] = log_softmax(stages.process(logits[at], live[idx[0]].pipeline,
+                                                  allowed[at] if masked else None))
         return raw, used, True
 
     def regroup(self, rows: list[int]) -> None:
@@ -233,6 +239,18 @@ class Batch(Joining):
         """Every row added, to its end."""
         while self.queued or self.live:
             self.round(sink, budget)
+
+
+def _allowed(live: list[Live], logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's grammar mask for this step, (R, V) bool on the logits' device (every token for a row
+    without a grammar); None when no row has one, so those rows pay nothing."""
+    if all(r.matcher is None for r in live):
+        return None
+    allowed = torch.ones(logits.shape, dtype=torch.bool)
+    for i, r in enumerate(live):
+        if r.matcher is not None:
+            allowed[i] = r.matcher.allowed()
+    return allowed.to(logits.device)
 
 
 def _plain(live: list[Live]) -> bool:

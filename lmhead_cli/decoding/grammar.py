@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lmhead_cli.errors import BadValue
+from lmhead_cli.errors import BadValue, Param, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,9 @@ def make(*, json_schema: Any = None, regex: Any = None, json_object: bool = Fals
     asked = [k for k, v in (("json_schema", json_schema), ("regex", regex), ("json_object", json_object or None))
              if v is not None]
     if len(asked) > 1:
-        raise BadValue(asked[1], f"and {asked[0]} were both given; text follows one grammar")
+        e = UsageError(Param(asked[1]), " and ", Param(asked[0]), " were both given; text follows one grammar")
+        e.key = asked[1]
+        raise e
     if not asked:
         return None
     return from_json_object() if asked[0] == "json_object" else \

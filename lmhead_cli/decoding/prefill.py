@@ -169,7 +169,7 @@ class Joining:
             if r.max_tokens == 0:
                 sink.finish(key, "length", "")
             else:
-                p.live.append(Live(key, r, self.loaded.tokenizer, self.eng.device))
+                p.live.append(Live(key, r, self.loaded.tokenizer, self.eng.device, self.eng.vocab_size))
         p.echo, p.rows = {}, []
         if not p.live:
             p.cache = None

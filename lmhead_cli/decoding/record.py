@@ -7,7 +7,7 @@ Each generated token is recorded under two distributions, because they answer di
              the token was drawn from (greedy and beam search rank by it too).
 With no stage active the two are the same distribution.
 
-`record` makes every row's figures on the device as one (R, 9 + 2k) table, so a step has one
+`record` makes every row's figures on the device as one (R, 11 + 2k) table, so a step has one
 device-to-host transfer; `greedy_record` makes the same rows for plain greedy rows from the compiled
 row kernel (or takes the ones the engine made with the logits); `step_of` turns a row of the table
 into a `Step`; `top_tokens` gives the top-N (logprobs, echo's and a step's); `spread` the entropy,
@@ -25,8 +25,9 @@ import torch
 from lmhead_cli.head import check_finite, entropy, margin, ranks, varentropy
 
 # columns of a step record, then K alternative ids and K alternative log-probabilities
-ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE, RAW_LOGPROB, RAW_ENTROPY, REMOVED = range(9)
-FIXED = 9
+ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE, RAW_LOGPROB, RAW_ENTROPY, REMOVED, GRAMMAR, FORCED = range(11)
+FIXED = 11
+NO_GRAMMAR = -1.0  # the grammar column of a row without one (a mass is never negative)
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,11 @@ class Step:
     logprob: float  # log of prob: after the stage chain
     raw_logprob: float  # log softmax of the raw logits
     raw_entropy: float  # nats, of the raw distribution
-    removed_mass: float  # raw probability of the tokens the filters set to -inf (0 with no filter)
+    removed_mass: float  # raw probability of the tokens the stages set to -inf (0 with no filter nor grammar)
     alternatives: list[Choice] = field(default_factory=list)  # the K most probable, processed (show_steps)
     top: Top | None = None  # the top_logprobs most probable, raw or processed (Settings.logprobs)
+    grammar_removed: float | None = None  # raw probability of the tokens the grammar forbade; None: no grammar
+    forced: bool = False  # the grammar allowed this token alone (no draw; the forward still ran)
 
     @property
     def raw_prob(self) -> float:
@@ -69,9 +72,11 @@ class Step:
 
 
 def record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, chosen: torch.Tensor,
-            k: int, processed: bool = True) -> torch.Tensor:
-    """(R, 9 + 2k) float64 on the device: id, log p, raw logit, entropy, rank, finite, raw log p, raw
-    entropy, removed mass, then the k most probable ids and their log p (processed).
+            k: int, processed: bool = True, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, 11 + 2k) float64 on the device: id, log p, raw logit, entropy, rank, finite, raw log p, raw
+    entropy, removed mass, the grammar's removed mass (NO_GRAMMAR: no grammar), forced (1: the grammar
+    allowed one token), then the k most probable ids and their log p (processed). allowed (R, V) bool:
+    the rows' grammar masks (None: no row has a grammar; a row without one allows every token).
     logits, raw (their log-softmax), logprobs (processed) (R, V); chosen (R,). `processed` False: no
     stage ran, logprobs are raw's, and what is raw's is not computed twice (nothing was removed)."""
     idx = chosen[:, None]
@@ -86,6 +91,12 @@ def record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, chos
             lp_entropy.double(), ranks(logits, idx).double(),
             torch.isfinite(logits).all(-1, keepdim=True).double(), raw_lp.double(),
             raw_entropy.double(), removed.double()]
+    if allowed is None:
+        cols += [torch.full_like(removed, NO_GRAMMAR).double(), torch.zeros_like(removed).double()]
+    else:
+        free = allowed.all(-1, keepdim=True)  # rows without a grammar
+        by_grammar = raw.exp().masked_fill(allowed, 0.0).sum(-1, keepdim=True)  # (R, 1) raw mass it forbade
+        cols += [by_grammar.masked_fill(free, NO_GRAMMAR).double(), (allowed.sum(-1, keepdim=True) == 1).double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         cols += [alt_ids.double(), alt_lp.double()]
@@ -138,7 +149,7 @@ def greedy_record(logits: torch.Tensor, kernel, made: tuple | None = None) -> tu
             return None
         top_logprob, h = top_logprob.tolist(), h.tolist()
         logit = z.numpy()[range(z.shape[0]), top_id.numpy()].tolist()
-    rows = [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0]
+    rows = [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0, NO_GRAMMAR, 0.0]
             for i, lp, zz, e in zip(top_id.tolist(), top_logprob, logit, h)]
     return top_id, rows
 
@@ -152,7 +163,8 @@ def step_of(row: list[float], token_text, logits: torch.Tensor, top: Top | None 
             for a, lp in zip(row[FIXED:FIXED + k], row[FIXED + k:])]
     return Step(id=i, token=token_text(i), prob=math.exp(row[LOGPROB]), logit=row[LOGIT],
                 entropy=row[ENTROPY], rank=int(row[RANK]), logprob=row[LOGPROB], raw_logprob=row[RAW_LOGPROB],
-                raw_entropy=row[RAW_ENTROPY], removed_mass=row[REMOVED], alternatives=alts, top=top)
+                raw_entropy=row[RAW_ENTROPY], removed_mass=row[REMOVED], alternatives=alts, top=top,
+                grammar_removed=None if row[GRAMMAR] == NO_GRAMMAR else row[GRAMMAR], forced=bool(row[FORCED]))
 
 
 def spread(logprobs: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class Request:
                                top=s.top_logprobs if self.top is None else self.top, mode=s.logprobs,
                                knobs=s.knobs, greedy=s.greedy, seed=seed or 0, stop=s.stop,
                                eos=None if s.ignore_eos else self.eos, alternatives=s.show_steps,
-                               uncertainty=self.uncertainty))
+                               uncertainty=self.uncertainty, grammar=s.grammar))
         return out
 
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from lmhead_cli.decoding.grammar import Grammar, Matcher
 from lmhead_cli.decoding.record import Step
 from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.decoding.text import Text
@@ -36,6 +37,7 @@ class Row:
     eos: int | None = None  # the token that ends the row (not text), None to run to max_tokens
     alternatives: int = 0  # the K most probable (processed) tokens kept in each Step (--show-steps)
     uncertainty: bool = False  # also each position's entropy, varentropy and margin (raw or processed, as `mode`)
+    grammar: Grammar | None = None  # what the text must follow (decoding/grammar.py): a mask each step
 
 
 @dataclass(frozen=True)
@@ -105,13 +107,15 @@ class Quiet:
 
 
 class Live:
-    """One row while it generates: its key, generator, text and count."""
+    """One row while it generates: its key, generator, text, count and place in its grammar."""
 
-    __slots__ = ("key", "row", "pipeline", "generator", "text", "count", "length", "pending")
+    __slots__ = ("key", "row", "pipeline", "generator", "text", "count", "length", "pending", "matcher")
 
-    def __init__(self, key, row: Row, tokenizer, device):
+    def __init__(self, key, row: Row, tokenizer, device, vocab: int):
         self.key, self.row = key, row
-        self.pipeline = row.knobs.pipeline()
+        self.pipeline = row.knobs.pipeline(grammar=row.grammar is not None)
+        # the row's own place in its grammar (None: no grammar, nothing to pay)
+        self.matcher = None if row.grammar is None else Matcher(row.grammar, tokenizer, vocab, row.eos)
         self.generator = None if row.greedy else torch.Generator(device=device).manual_seed(row.seed)
         self.text = Text(tokenizer, row.stop)
         self.count = 0
@@ -126,4 +130,6 @@ class Live:
         if self.generator is not None:
             twin.generator = torch.Generator(device=self.generator.device).set_state(self.generator.get_state())
         twin.text = self.text.copy()
+        if self.matcher is not None:
+            twin.matcher = self.matcher.copy()
         return twin

@@ -16,10 +16,14 @@ off, the most likely token every step; the settings say `greedy`), and a stage's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lmhead_cli.decoding import stages
 from lmhead_cli.decoding.stages import STAGES, Knobs, stage_values
 from lmhead_cli.errors import BadType, BadValue, ModeConflict
+
+if TYPE_CHECKING:
+    from lmhead_cli.decoding.grammar import Grammar
 
 DEFAULT_MAX_NEW_TOKENS = 40
 DISTRIBUTIONS = ("raw", "processed")  # which one top_logprobs (and the OpenAI document) reports
@@ -42,6 +46,7 @@ class Settings:
     top_logprobs: int = 0  # how many of the most probable tokens to keep per step, 0..V
     logprobs: str = "raw"  # the distribution those come from: raw or processed
     zero_temperature: bool = False  # greedy because temperature 0 was asked for (said once, in the output)
+    grammar: Grammar | None = None  # a JSON schema, any JSON object or a regex the text must follow (decoding/grammar.py)
 
     @property
     def mode(self) -> str:
@@ -61,17 +66,21 @@ class Settings:
 
         return Row(tuple(ids), echo=echo, max_tokens=max_tokens, top=self.top_logprobs, mode=self.logprobs,
                    knobs=self.knobs, greedy=self.greedy, seed=(self.seed if seed is None else seed) or 0,
-                   stop=self.stop, eos=None if self.ignore_eos else eos, alternatives=self.show_steps)
+                   stop=self.stop, eos=None if self.ignore_eos else eos, alternatives=self.show_steps,
+                   grammar=self.grammar)
 
 
 def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
          ignore_eos: bool = False, seed: int | None = None, stop=(), show_steps: int = 0, top_logprobs: int = 0,
-         logprobs: str = "raw", draws: bool = False, **knobs) -> Settings:
+         logprobs: str = "raw", draws: bool = False, json_schema=None, regex=None, json_object: bool = False,
+         grammar: Grammar | None = None, **knobs) -> Settings:
     """The one place decoding settings are checked: BadValue names the first value out of range, with
     the registry's advice (top_logprobs' upper bound, the vocabulary size, needs the model: check_fits).
     `knobs`: a value per stage key (None = off); an unknown key is a TypeError, as for any keyword.
     temperature 0 is greedy (the temperature stage off); with `draws` (sample, softcap: the tokens must be
-    drawn) greedy, temperature 0 or beams are a ModeConflict."""
+    drawn) greedy, temperature 0 or beams are a ModeConflict. `json_schema` (a dict or its JSON text),
+    `regex` or `json_object`: the grammar the text follows (decoding/grammar.py), at most one; or `grammar`,
+    one compiled already (explore's :schema)."""
     unknown = sorted(set(knobs) - {s.key for s in STAGES})
     if unknown:
         raise BadType(unknown[0], f"is not a decoding setting; the stages are {', '.join(s.key for s in STAGES)}")
@@ -92,9 +101,26 @@ def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: in
     if n > 1 and beams > 1:
         raise BadValue("n", f"must be 1 with beam search (got {n}): beams give one answer per prompt, the best "
                             "of the finished beams, which the result lists")
+    grammar = _grammar(json_schema, regex, json_object, beams, ignore_eos) if grammar is None else grammar
     return Settings(knobs=Knobs(**values), greedy=greedy, beams=beams, n=n, max_new_tokens=max_new_tokens,
                     ignore_eos=ignore_eos, seed=seed, stop=stop, show_steps=show_steps,
-                    top_logprobs=top_logprobs, logprobs=logprobs, zero_temperature=zero)
+                    top_logprobs=top_logprobs, logprobs=logprobs, zero_temperature=zero, grammar=grammar)
+
+
+def _grammar(json_schema, regex, json_object: bool, beams: int, ignore_eos: bool):
+    """The grammar asked for (decoding/grammar.py, checked and compiled there), or None."""
+    if json_schema is None and regex is None and not json_object:
+        return None
+    from lmhead_cli.decoding import grammar
+
+    g = grammar.make(json_schema=json_schema, regex=regex, json_object=json_object)
+    key = "regex" if regex is not None else "json_schema"
+    if beams > 1:
+        raise BadValue(key, f"is followed by greedy and sampled text; beam search (beams {beams}) does not follow "
+                            "a grammar")
+    if ignore_eos:
+        raise BadValue("ignore_eos", "cannot go with a grammar: its text ends at end-of-text once it is complete")
+    return g
 
 
 def check_stop(stop) -> tuple[str, ...]:
@@ -124,7 +150,7 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
     from lmhead_cli.decoding.presets import merge
 
     loop = {k: given.pop(k) for k in ("greedy", "beams", "n", "ignore_eos", "seed", "stop", "show_steps", "top_logprobs",
-                                      "logprobs") if k in given}
+                                      "logprobs", "json_schema", "regex", "json_object") if k in given}
     values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, given)
     return make(draws=draws, **{k: v for k, v in loop.items() if v is not None}, **values)
 
@@ -132,7 +158,9 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
 def from_openai(values: dict) -> Settings:
     """An OpenAI request body's decoding fields (each already of its JSON type: serve/requests.py) as
     Settings: every stage by its key (temperature, top_p, top_k, min_p, softcap and any stage added to
-    the registry), seed, n, stop, logprobs_mode. An absent temperature is 1 (the stage off) and 0 is greedy,
-    as OpenAI's; max_tokens is the server's to check (0 scores without generating)."""
+    the registry), seed, n, stop, logprobs_mode, and the grammar of response_format (json_schema: the
+    schema; json_object: True). An absent temperature is 1 (the stage off) and 0 is greedy, as OpenAI's;
+    max_tokens is the server's to check (0 scores without generating)."""
     return make(seed=values.get("seed"), n=values.get("n") or 1, stop=values.get("stop") or (),
-                logprobs=values.get("logprobs_mode") or "raw", **{s.key: values.get(s.key) for s in STAGES})
+                logprobs=values.get("logprobs_mode") or "raw", json_schema=values.get("json_schema"),
+                json_object=bool(values.get("json_object")), **{s.key: values.get(s.key) for s in STAGES})

@@ -4,6 +4,9 @@ The order of stages is fixed and documented (STAGES, the registry):
 
     soft-cap -> temperature -> top-k -> top-p -> min-p -> softmax -> choose
 
+with a row's grammar (a JSON schema or a regex: decoding/grammar.py), when it has one, masking the
+logits after temperature and before the filters (BEFORE_GRAMMAR says why).
+
 Each entry of STAGES declares a stage once: its key (the Knobs field, the preset key and the JSON
 key), its rule with the advice its error gives, its command-line options and help, and its column
 in `inspect --stages`. Knobs, presets, the CLI options and the stage table all derive from it.
@@ -236,9 +239,14 @@ def _check_type(key: str, value, kind) -> None:
 
 # ---- the knobs: one optional field per stage, in order ----------------------------------------
 
-def _pipeline(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-    """The active stages, in order, with their settings bound."""
-    return [_bind(s.apply, getattr(self, s.key)) for s in STAGES if getattr(self, s.key) is not None]
+def _pipeline(self, grammar: bool = False) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """The active stages, in order, with their settings bound; with `grammar`, the grammar's mask in its
+    place (`grammar_mask`, which `process` gives each step's mask)."""
+    bound = [(s.key, _bind(s.apply, getattr(self, s.key))) for s in STAGES if getattr(self, s.key) is not None]
+    if grammar:
+        at = sum(key in BEFORE_GRAMMAR for key, _ in bound)
+        bound.insert(at, ("grammar", grammar_mask))
+    return [fn for _, fn in bound]
 
 
 def _active(self) -> dict[str, float]:
@@ -262,7 +270,7 @@ if TYPE_CHECKING:
         top_p: float | None = None
         min_p: float | None = None
 
-        def pipeline(self) -> list[Callable[[torch.Tensor], torch.Tensor]]: ...
+        def pipeline(self, grammar: bool = False) -> list[Callable[[torch.Tensor], torch.Tensor]]: ...
 
         def active(self) -> dict[str, float]: ...
 else:
@@ -280,12 +288,24 @@ def _bind(fn, value):
 
 # ---- all stages, and the choice -----------------------------------------------------------------
 
-def process(logits: torch.Tensor, pipeline) -> torch.Tensor:
-    """Run the active stages in order: (..., V) -> (..., V) float32."""
+def process(logits: torch.Tensor, pipeline, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the active stages in order: (..., V) -> (..., V) float32; `allowed` (..., V) bool is the
+    grammar's mask for this step, where the pipeline holds `grammar_mask`."""
     z = logits.float()
     for stage in pipeline:
-        z = stage(z)
+        z = stage(z) if stage is not grammar_mask else grammar_mask(z, allowed)
     return z
+
+
+# The grammar's mask (decoding/grammar.py: a JSON schema or a regex) runs after these stages and before the
+# filters: soft-capping after it would lift its -inf to -c, and a filter before it could keep only tokens
+# the grammar forbids, leaving nothing to choose. Temperature commutes with it.
+BEFORE_GRAMMAR = ("softcap", "temperature")
+
+
+def grammar_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The grammar stage: tokens the grammar does not allow next become -inf. (..., V), (..., V) bool."""
+    return logits.float().masked_fill(~allowed, float("-inf"))
 
 
 def choose(logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -37,6 +37,7 @@ class Settings:
     softcap: float | None = None
     targets: tuple[str, ...] = ()
     seed: int = DEFAULT_GEN_SEED  # for :gen, so a script gets the same text every run
+    grammar: object = None  # for :gen: a decoding.grammar.Grammar (:schema FILE, :regex PATTERN), or None
 
     @property
     def knobs(self):
@@ -53,7 +54,7 @@ class Settings:
         from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, make
 
         return make(max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
-                    seed=self.seed, softcap=self.softcap, temperature=self.temperature)
+                    seed=self.seed, softcap=self.softcap, temperature=self.temperature, grammar=self.grammar)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "target": (("t",), '" are"|clear', "follow a token's rank and probability (repeatable)"),
     "gen": (("generate",), "N", "sample N tokens after the last prompt with these settings"),
     "seed": ((), "N", "the seed :gen samples with"),
+    "schema": ((), "FILE|off", "the text :gen makes is JSON that this JSON Schema file validates"),
+    "regex": ((), "PATTERN|off", "the text :gen makes matches this regular expression whole"),
     "lens": ((), "", "the logit lens of the last prompt"),
     "settings": (("set",), "", "show the settings"),
     "help": (("h", "?"), "", "this list"),
@@ -92,7 +95,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
 _ALIASES = {alias: name for name, (aliases, _, _) in COMMANDS.items() for alias in (name, *aliases)}
 # setting key (as the core names it in a BadValue) -> the command that sets it
 SETS = {"temperature": "temp", "softcap": "softcap", "top_k": "top-k", "target": "target", "seed": "seed",
-        "max_new_tokens": "gen"}
+        "max_new_tokens": "gen", "json_schema": "schema", "regex": "regex"}
 
 
 def parse_command(line: str) -> Command:
@@ -145,6 +148,8 @@ def _set(settings: Settings, cmd: Command) -> Settings:
         return replace(settings, top_k=rows)
     if cmd.name == "seed":
         return replace(settings, seed=_number(cmd, "42", int))
+    if cmd.name in ("schema", "regex"):
+        return replace(settings, grammar=None if off else _grammar(cmd))
     if cmd.name == "target":
         text = _one(cmd, '" are"')
         if text.lower() in ("clear", "off", "none"):
@@ -153,6 +158,16 @@ def _set(settings: Settings, cmd: Command) -> Settings:
             raise UsageError(':target takes a token, e.g. :target " are" (quotes keep the space)')
         return replace(settings, targets=settings.targets + (text,))
     raise ValueError(f"not a setting command: {cmd.name}")
+
+
+def _grammar(cmd: Command):
+    """:schema FILE or :regex PATTERN as a checked grammar (decoding/grammar.py)."""
+    from lmhead_cli.decoding import grammar
+    from lmhead_cli.inputs import read_small_file
+
+    if cmd.name == "regex":
+        return grammar.from_regex(_one(cmd, "'[0-9]{3}'"))
+    return grammar.from_json_schema(read_small_file(_one(cmd, "person.json"), "JSON schema file"))
 
 
 def read(loaded, prompt: str, settings: Settings) -> Reading:

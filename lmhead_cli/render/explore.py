@@ -19,7 +19,8 @@ def describe(s) -> str:
     temp = "off" if s.temperature is None else f"{s.temperature:g}"
     cap = "off" if s.softcap is None else f"{s.softcap:g}"
     targets = ", ".join(repr(t) for t in s.targets) or "none"
-    return f"top-k {s.top_k}, temperature {temp}, softcap {cap}, targets {targets}, seed {s.seed}"
+    grammar = "" if s.grammar is None else f", :gen follows the {s.grammar.describe()}"
+    return f"top-k {s.top_k}, temperature {temp}, softcap {cap}, targets {targets}, seed {s.seed}{grammar}"
 
 
 class Terminal:
@@ -110,7 +111,10 @@ class Terminal:
     @staticmethod
     def generation_end(gen) -> None:
         sys.stdout.write("\n")
-        out().print(f"[dim]{len(gen.generated_ids)} tokens sampled (seed {gen.seed}), stop: {gen.stop}, "
+        ruled = gen.settings.grammar
+        follows = "" if ruled is None else (f", the {ruled.describe()} complete" if gen.stop == "eos" else
+                                            f", cut short: it does not follow the {ruled.describe()}")
+        out().print(f"[dim]{len(gen.generated_ids)} tokens sampled (seed {gen.seed}), stop: {gen.stop}{escape(follows)}, "
                     f"{gen.tokens_per_second:.1f} tokens/s[/]")
 
 

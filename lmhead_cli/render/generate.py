@@ -37,10 +37,14 @@ def stream(piece: str) -> None:
 
 
 def stop_notice(g, n_ctx: int) -> None:
-    """On stderr, when the run stopped because the context was full rather than as asked."""
+    """On stderr, when the run stopped because the context was full rather than as asked, and when a
+    grammar's text ended before its structure was complete (it is then not valid)."""
     if g.stop == "context":
         notice(f"stopped at the context limit: {len(g.prompt_ids)} prompt tokens + {len(g.generated_ids)} "
                f"new fill the model's {n_ctx} positions")
+    if g.settings.grammar is not None and g.stop != "eos":
+        notice(f"the text ended at {STOP[g.stop]} before the {g.settings.grammar.describe()} was complete: it does "
+               "not follow it (more tokens would finish it)")
 
 
 def _settings_line(g) -> str:
@@ -48,6 +52,7 @@ def _settings_line(g) -> str:
               "greedy": "greedy (temperature 0, deterministic)" if g.settings.zero_temperature else "greedy (deterministic)",
               "sample": "sampled"}[g.mode]]
     parts += [knobs_text(g.settings.knobs, " · ")] if g.settings.knobs.active() else []
+    parts += [f"grammar: {g.settings.grammar.describe()}"] if g.settings.grammar is not None else []
     if g.mode == "sample":
         parts.append(f"seed {g.seed} (replay with --seed {g.seed})")
     if g.beam_score is not None:
@@ -105,6 +110,31 @@ def _steps(g, between: str) -> Table:
     return fit.drop_order(table, "H raw", "removed", "rank")  # on a narrow terminal these leave, in this order
 
 
+def stages_per_step(g) -> None:
+    """One row per step: what the grammar and the filters removed of the model's own (raw) probability,
+    whether the grammar forced the token, and the chosen token's raw and processed probability."""
+    grammar = g.settings.grammar
+    out().print("stages: per step, the raw probability (the model's own) of the tokens the grammar forbade"
+                + (f" ({grammar.describe()})" if grammar is not None else " (no grammar)")
+                + " and of those the filters then dropped; forced: the grammar allowed one token (not drawn; "
+                "the forward still ran); p: the chosen token's processed probability, renormalised over what "
+                "was kept", soft_wrap=True)
+    table = Table(show_edge=False)
+    for name, justify in (("step", "right"), ("chosen", "left"), ("raw p", "right"), ("grammar removed", "right"),
+                          ("forced", "left"), ("filters removed", "right"), ("p", "right")):
+        table.add_column(name, justify=justify)
+    for i, s in enumerate(g.steps, 1):
+        by_grammar = s.grammar_removed
+        table.add_row(str(i), _tok(s.token), _pct(s.raw_prob), "—" if by_grammar is None else _pct(by_grammar),
+                      "forced" if s.forced else "", _pct(max(s.removed_mass - (by_grammar or 0.0), 0.0)), _pct(s.prob))
+    out().print(table)
+    if grammar is not None and g.steps:
+        forced = sum(s.forced for s in g.steps)
+        mean = sum(s.grammar_removed or 0.0 for s in g.steps) / len(g.steps)
+        out().print(f"the grammar removed {_pct(mean)} of the raw probability per step on average; it forced "
+                    f"{forced} of {len(g.steps)} tokens", soft_wrap=True)
+
+
 def beams_table(g) -> None:
     """Beam search: every finished beam's score, its summed transition scores, and the check that
     they add up (the arithmetic transformers #15869 and #16413 asked for)."""
@@ -134,13 +164,15 @@ def generation_json(result) -> dict:
         "preset": result.preset,
         "settings": {**asdict(s.knobs), "greedy": s.greedy, "beams": s.beams, "max_new_tokens": s.max_new_tokens,
                      "ignore_eos": s.ignore_eos, "stop": list(s.stop),
-                     "greedy_because": "temperature 0" if s.zero_temperature else None},
+                     "greedy_because": "temperature 0" if s.zero_temperature else None,
+                     "grammar": None if s.grammar is None else s.grammar.to_dict()},
         "seed": g.seed,
         "prompt": result.prompt,
         "prompt_ids": g.prompt_ids,
         "generated_ids": g.generated_ids,
         "text": g.text,
         "stop": g.stop,
+        "grammar_complete": None if s.grammar is None else g.stop == "eos",
         "tokens_generated": len(g.generated_ids),
         "elapsed_s": g.elapsed_s,
         "first_token_s": g.first_token_s,
@@ -171,6 +203,8 @@ def _step_json(step, show_steps: int) -> dict:
     doc = {"id": step.id, "token": step.token, "prob": step.prob, "logprob": step.logprob, "logit": step.logit,
            "entropy": step.entropy, "rank": step.rank, "raw_logprob": step.raw_logprob,
            "raw_entropy": step.raw_entropy, "removed_mass": step.removed_mass}
+    if step.grammar_removed is not None:
+        doc.update(grammar_removed=step.grammar_removed, forced=step.forced)
     if show_steps:
         doc["alternatives"] = [asdict(a) for a in step.alternatives]
     return doc

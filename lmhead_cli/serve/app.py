@@ -141,13 +141,13 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
         texts = body.texts
         prompts = body.ids if texts is None else await served.encode(texts, served.info.n_ctx - body.max_tokens,
                                                                      "prompt")
-        return await _answer(served, body.plan(prompts, served.info, served.limits), request)
+        return await _answer(served, await run_in_threadpool(body.plan, prompts, served.info, served.limits), request)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         room = served.info.n_ctx - (body.max_tokens or body.max_completion_tokens or 1)
         prompt = await served.chat_prompt(body.message_list, room)
-        return await _answer(served, body.plan(prompt, served.info, served.limits), request)
+        return await _answer(served, await run_in_threadpool(body.plan, prompt, served.info, served.limits), request)
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -192,6 +192,9 @@ async def _answer(served: Served, plan, request: Request):
     against the server's budget until the document is written (or the stream ends)."""
     import asyncio
 
+    grammar = plan.request.settings.grammar
+    if grammar is not None:  # compiled for the model's tokenizer off the event loop, before its rows queue
+        await run_in_threadpool(served.model.prepare_grammar, grammar)
     served.reserve(plan.entries)
     streaming = False
     try:

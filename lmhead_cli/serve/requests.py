@@ -10,8 +10,10 @@ max_tokens against the context, the logprobs asked for against the server's budg
 the one conversion, `Sampled.request`, before any work starts.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the answer in a
-way lmhead does not do (penalties, logit_bias, best_of, suffix; chat's tools, tool_choice and a JSON
-response_format) are refused, never ignored. `model` is a label only: no request can name a file or
+way lmhead does not do (penalties, logit_bias, best_of, suffix; chat's tools and tool_choice) are
+refused, never ignored. response_format json_schema and json_object constrain the text (a grammar
+compiled with llguidance, decoding/grammar.py), in chat and, as vLLM and llama-server accept it, in
+completions. `model` is a label only: no request can name a file or
 make the server load another model.
 """
 
@@ -151,6 +153,23 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    """response_format.json_schema: OpenAI's {name, description, schema, strict}; the schema is followed."""
+
+    name: Optional[str] = Field(None, description="A label (OpenAI requires it; lmhead does not read it).")
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="The JSON Schema the text follows.")
+    strict: Optional[bool] = Field(None, description="lmhead always follows the schema (docs/serve.md lists what "
+                                                     "it cannot follow, which is refused).")
+
+
+class ResponseFormat(Body):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 def _stage_fields() -> type[Body]:
     """A body with one optional field per decoding stage of the registry (decoding/stages.py STAGES), of
     the stage's type: a stage added to the registry is a server field with no other edit."""
@@ -185,6 +204,9 @@ class Sampled(_stage_fields()):
     logit_bias: Optional[dict[str, Any]] = Field(None, description="Refused unless empty.")
     uncertainty: bool = Field(False, description="lmhead: entropy, varentropy and margin per position of the "
                                                  "logprobs, raw or processed as logprobs_mode says (needs logprobs).")
+    response_format: Optional[ResponseFormat] = Field(
+        None, description="json_schema ({type, json_schema: {name, schema}}) or json_object: the text follows it, "
+                          "a grammar compiled with llguidance (docs/grammar.md); text: no constraint.")
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -215,11 +237,26 @@ class Sampled(_stage_fields()):
 
         values = {st.key: getattr(self, st.key, None) for st in STAGES}
         values.update(seed=self.seed, n=self.n, logprobs_mode=self.logprobs_mode,
-                      stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
+                      stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()), **self._format())
         try:
             return from_openai(values)
         except BadValue as e:
+            if e.key in ("json_schema", "json_object"):  # the grammar's: named as the body names it
+                where = "response_format.json_schema.schema" if e.key == "json_schema" else "response_format"
+                raise bad("response_format", f"{where} {e.problem}") from None
             raise bad(e.key if e.key != "logprobs" else "logprobs_mode", str(e)) from None
+
+    def _format(self) -> dict:
+        """response_format as from_openai's keys: {"json_schema": schema} or {"json_object": True}, or {}."""
+        f = self.response_format
+        if f is None or f.type == "text":
+            return {}
+        if f.type == "json_object":
+            return {"json_object": True}
+        if f.json_schema is None or f.json_schema.schema_ is None:
+            raise bad("response_format", "response_format.json_schema.schema is required with type json_schema: "
+                                         "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return {"json_schema": f.json_schema.schema_}
 
     def request(self, prompts: list[list[int]], info: ModelInfo, limits: Limits, *, echo: bool, max_tokens: int,
                 top: int | None) -> tuple[Any, int]:
@@ -233,6 +270,9 @@ class Sampled(_stage_fields()):
             check_context(ids, max_tokens, info, "the prompt" if len(prompts) == 1 else f"prompt[{i}]")
         check_top(top, "logprobs", info, limits)
         settings = self.settings()
+        if settings.grammar is not None and info.eos is None:
+            raise bad("response_format", "response_format needs the model's end-of-text token to end the text, and "
+                                         "this model has none")
         if len(prompts) * self.n > limits.max_choices:
             raise bad("n", f"prompts × n is {len(prompts) * self.n:,} choices; the server answers at most "
                            f"{limits.max_choices:,} in one request")
@@ -329,7 +369,6 @@ class ChatRequest(Sampled):
     tool_choice: Optional[Any] = Field(None, description="Refused unless \"none\".")
     functions: Optional[list[Any]] = Field(None, description="Refused.")
     function_call: Optional[Any] = Field(None, description="Refused unless \"none\".")
-    response_format: Optional[dict[str, Any]] = Field(None, description="Only {\"type\": \"text\"}.")
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -356,14 +395,6 @@ class ChatRequest(Sampled):
     def _tool_choice(cls, v, info):
         return _refuse_unless(v, (None, "none"), info.field_name, "is not supported (only \"none\"): lmhead does "
                               "not call tools")
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.get("type") != "text":
-            raise ValueError(f"response_format {v.get('type')!r} is not supported (only \"text\"): lmhead does not "
-                             "constrain the text to JSON")
-        return v
 
     @property
     def message_list(self) -> list[dict]:
