@@ -306,8 +306,9 @@ CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines
                        ("inspect_lines", "lines"), ("api.toy", "hidden"), ("explore_reading", "settings"),
                        ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
                        ("calibrate", "knobs"), ("neurons", "neurons"),
-                       ("generate", "stop"), ("generate", "stages"), ("generate", "prompt")}
-SERVERS_OWN = {"decoder", "chat_prompt", "decode"}
+                       ("generate", "stop"), ("generate", "stages"), ("generate", "prompt"),
+                       ("generate", "json_schema"), ("generate", "regex")}  # decoding/grammar.py checks both
+SERVERS_OWN = {"decoder", "chat_prompt", "decode", "prepare_grammar"}
 
 
 def test_every_public_parameter_has_a_kind_or_a_check_of_its_own():

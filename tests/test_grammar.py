@@ -141,6 +141,9 @@ def test_a_token_outside_the_mask_is_lmheads_error_not_the_users(tok):
     (dict(regex=r"(a)\1"), "regex is not a regular expression lmhead can follow: backreferences are not supported"),
     (dict(regex=""), "regex is empty: it would allow only the empty text"),
     (dict(regex=5), "regex must be a string (got a number)"),
+    (dict(regex="a\ud800"), "regex is not UTF-8 text: it holds a lone surrogate (U+D800) at character 1"),
+    (dict(json_schema={"const": "\ud800"}),
+     "json_schema is not UTF-8 text: it holds a lone surrogate (U+D800) at character 11"),
     (dict(regex="a", json_object=True), "json_object and regex were both given; text follows one grammar"),
 ])
 def test_bad_grammars_are_usage_errors_naming_the_problem(kwargs, message):

@@ -95,8 +95,8 @@ def from_json_schema(schema: Any, key: str = "json_schema") -> Grammar:
         source = json.dumps(schema, allow_nan=False, ensure_ascii=False)
     except (ValueError, TypeError, RecursionError) as e:
         raise BadValue(key, f"is not JSON: {_first_line(e)}") from None
-    if len(source.encode()) > MAX_SOURCE_BYTES:
-        raise _too_large(key, len(source.encode()))
+    if len(_utf8(source, key)) > MAX_SOURCE_BYTES:
+        raise _too_large(key, len(_utf8(source, key)))
     return _compiled("json_schema", source, key)
 
 
@@ -112,8 +112,8 @@ def from_regex(pattern: Any, key: str = "regex") -> Grammar:
         raise BadValue(key, f"must be a string (got {_json_type(pattern)})")
     if not pattern:
         raise BadValue(key, "is empty: it would allow only the empty text")
-    if len(pattern.encode()) > MAX_SOURCE_BYTES:
-        raise _too_large(key, len(pattern.encode()))
+    if len(_utf8(pattern, key)) > MAX_SOURCE_BYTES:
+        raise _too_large(key, len(_utf8(pattern, key)))
     return _compiled("regex", pattern, key)
 
 
@@ -289,6 +289,15 @@ def _shifts() -> torch.Tensor:
 
 
 # ---- messages ---------------------------------------------------------------------------------
+
+def _utf8(text: str, key: str) -> bytes:
+    """The text's UTF-8 bytes; BadValue(key) for a lone surrogate (no UTF-8 text holds one)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadValue(key, f"is not UTF-8 text: it holds a lone surrogate (U+{ord(text[e.start]):04X}) at "
+                            f"character {e.start:,}") from None
+
 
 def _too_large(key: str, n: int) -> BadValue:
     return BadValue(key, f"is {n:,} bytes; lmhead compiles grammars of at most {MAX_SOURCE_BYTES:,} bytes")
