@@ -398,12 +398,14 @@ def test_metadata_arrays_are_bounded_as_they_are_walked(tmp_path, monkeypatch):
     assert out.stderr.count("\n") == 1
 
 
-def test_a_gguf_symlink_loop_is_named(tmp_path):
-    loop = tmp_path / "loop.gguf"
+@pytest.mark.parametrize("name", ["loop.gguf", "loop"])
+def test_a_model_path_that_is_a_symlink_loop_is_named(tmp_path, name):
+    """A GGUF (or a folder) path that is a symlink loop was reported as "no such file" ("no such folder")."""
+    loop = tmp_path / name
     loop.symlink_to(loop)
     out = cli("inspect", PROMPT, "--model", str(loop))
-    assert out.exit_code == 2 and "is a symbolic link loop" in out.stderr and "no such file" not in out.stderr
-    assert out.stderr.count("\n") == 1
+    assert out.exit_code == 2 and out.stderr == (f"lmhead: error: {loop} cannot be read: it is a symbolic link loop "
+                                                 "(its links lead back to themselves)\n"), out.output
 
 
 TRUNCATE = """

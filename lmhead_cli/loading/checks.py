@@ -166,7 +166,7 @@ def not_a_file(path) -> str | None:
         mode = os.stat(path).st_mode
     except OSError as e:
         if e.errno == errno.ELOOP:
-            return "it is a symbolic link loop (its links lead back to themselves), not a file"
+            return "it is a symbolic link loop (its links lead back to themselves)"
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return "no such file" + (" (a symbolic link to nothing)" if os.path.islink(path) else "")
         return e.strerror or type(e).__name__

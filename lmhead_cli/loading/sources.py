@@ -242,6 +242,8 @@ def _find_folder(source: str, allow_pickle: bool) -> tuple[Path, str]:
     if bundled.is_bundled(source):
         return bundled.folder(source), "bundled"
     path = Path(source).expanduser()
+    if not path.exists() and path.is_symlink():  # a loop, or a link to nothing: exists() says only False
+        raise ModelPathNotFound(f"{source} cannot be read: {checks.not_a_file(path)}")
     if path.exists():
         if not path.is_dir():
             raise ModelPathNotFound(f"{source!r} is a file; ", Param("source"), " takes a folder holding config.json and "
