@@ -274,7 +274,7 @@ def _refusal(model, tmp_path, says, error=CorruptCheckpoint, **kwargs):
 
 
 def test_an_architecture_lmhead_does_not_run(gpt2, tmp_path):
-    _refusal(gpt2[1], tmp_path, "general.architecture is 'falcon'; lmhead runs GGUF files of gpt2 and llama",
+    _refusal(gpt2[1], tmp_path, "general.architecture is 'falcon'; lmhead runs GGUF files of gpt2, llama and qwen2",
              UnsupportedModel, arch="falcon")
 
 

@@ -131,7 +131,7 @@ def _arch(meta: _Meta) -> str:
         raise CorruptCheckpoint(f"{meta.path}: the GGUF metadata lacks general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(f"{meta.path}: general.architecture is {arch!r}; lmhead runs GGUF files of "
-                               f"{' and '.join(ARCHITECTURES)}")
+                               f"{', '.join(ARCHITECTURES[:-1])} and {ARCHITECTURES[-1]}")
     return arch
 
 
