@@ -186,6 +186,18 @@ def test_a_lens_for_another_model_is_refused_by_name(tmp_path, loaded, tiny):
     assert r.exit_code == 1 and "whose embedding table is not" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_lens_of_another_shape_is_refused_before_its_tensors_are_read(tmp_path, loaded, tiny):
+    """The identity is compared with the model's shape first: a NaN in the tensors (found only by reading
+    them) is never reached, so a lens file of any size for another model costs its header only."""
+    from lmhead_cli.errors import WrongLens
+
+    lens = random_lens(loaded)
+    lens.weight[0, 0, 0] = float("nan")
+    path = save_lens(lens, tmp_path / "lens.safetensors")
+    with pytest.raises(WrongLens, match="is for .* 3 layers, width 64"):
+        load_lens(load_model(str(tiny[0]), device="cpu"), path)
+
+
 def test_a_float_lens_reads_the_same_model_loaded_in_int8(tmp_path, ckpt):
     """The translators are float and the int8 model's residual stream is float: the lens trained on the
     float model applies, and its readings are transformers' (float weights, translators applied by hand)

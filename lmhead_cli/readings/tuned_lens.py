@@ -170,11 +170,13 @@ def _corrupt(name: str, why: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"the tuned lens {name} cannot be read: {why}")
 
 
-def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
+def read_lens(path: str | Path, name: str | None = None, model: Identity | None = None) -> TunedLens:
     """A lens file, checked for what it claims before its tensors are read (a regular file, the format,
     the identity, the tensors' names, dtypes and shapes), then for its values (finite, within
     ±MAX_VALUE); one line naming the file as it was given otherwise: BadPath for a path that is not a
-    file (missing, empty, a folder, a FIFO: never opened), CorruptCheckpoint for a damaged file."""
+    file (missing, empty, a folder, a FIFO: never opened), CorruptCheckpoint for a damaged file.
+    `model` (identity_of without fingerprints): a lens of another shape is WrongLens before its
+    tensors, however large, are read."""
     from safetensors import safe_open
 
     from lmhead_cli.loading.checks import not_a_file
@@ -197,6 +199,8 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             ident = _identity(meta, name)
+            if model is not None:
+                _same_shape(ident, model, name)
             L, D = ident.n_layer, ident.d_model
             want = {"weight": [L, D, D], "bias": [L, D]}
             if sorted(f.keys()) != sorted(want):
@@ -210,7 +214,7 @@ def read_lens(path: str | Path, name: str | None = None) -> TunedLens:
                 if got != shape:
                     raise _corrupt(name, f"{key} has shape {got}, not {shape} for {L} layers of width {D}")
             weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
-    except (CorruptCheckpoint, BadPath):
+    except (CorruptCheckpoint, BadPath, WrongLens):
         raise
     except Exception as e:  # safetensors' own error for a truncated or garbled file
         raise _corrupt(name, f"damaged ({type(e).__name__}: {str(e)[:120]})") from None
@@ -270,10 +274,7 @@ def check_lens(loaded: Loaded, lens: TunedLens) -> TunedLens:
     check_readable(loaded)
     mine = identity_of(loaded, fingerprints=False)
     theirs = lens.identity
-    same_shape = (theirs.architecture, theirs.n_layer, theirs.d_model, theirs.vocab) == \
-        (mine.architecture, mine.n_layer, mine.d_model, mine.vocab)
-    if not same_shape:
-        raise WrongLens(f"the tuned lens {lens.name} is for {theirs.describe()}; this model is {mine.describe()}")
+    _same_shape(theirs, mine, lens.name)
     eng = loaded.engine
     if is_int8(eng):  # its table is codes: compared code for code with the lens's model quantised alike
         if theirs.embedding_int8 is None:
@@ -289,6 +290,12 @@ def check_lens(loaded: Loaded, lens: TunedLens) -> TunedLens:
                     f"{mine.model}'s (same shape, other weights)")
 
 
+def _same_shape(theirs: Identity, mine: Identity, name: str) -> None:
+    if (theirs.architecture, theirs.n_layer, theirs.d_model, theirs.vocab) != \
+            (mine.architecture, mine.n_layer, mine.d_model, mine.vocab):
+        raise WrongLens(f"the tuned lens {name} is for {theirs.describe()}; this model is {mine.describe()}")
+
+
 def load_lens(loaded: Loaded, where: str | Path) -> TunedLens:
     """The lens at `where` (a path, or "bundled": the one that ships for bundled:tiny), checked against
     the loaded model: WrongLens, naming both, if it was trained for another one."""
@@ -299,7 +306,7 @@ def load_lens(loaded: Loaded, where: str | Path) -> TunedLens:
                             f"train one with lmhead tune-lens --model {loaded.source}")
         lens = read_lens(bundled_path(), name=BUNDLED)
     else:
-        lens = read_lens(where)
+        lens = read_lens(where, model=identity_of(loaded, fingerprints=False))
     return check_lens(loaded, lens)
 
 
