@@ -325,14 +325,43 @@ def _step_check(k: Kernels) -> bool:
             and torch.allclose(cache_v, v_want, rtol=1e-4, atol=1e-4))
 
 
-def _openmp_runtimes() -> set[str]:
-    """The OpenMP runtimes mapped into this process (Linux; elsewhere none are seen)."""
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _openmp_of(lib: ctypes.CDLL) -> str | None:
+    """The file of the OpenMP runtime that `lib`'s omp_get_max_threads binds to (dlsym searches the
+    library, then what it links), or None where that cannot be told (no such symbol, no dladdr)."""
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/lib" in line}
+        addr = ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value
+        info = _DlInfo()
+        dladdr = ctypes.CDLL(None).dladdr
+    except (AttributeError, OSError):
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    if not addr or not dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(os.fsdecode(info.dli_fname))
+
+
+def _torch_openmp() -> str | None:
+    """The OpenMP runtime torch's CPU library binds to, or None where it cannot be told."""
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        return _openmp_of(ctypes.CDLL(str(lib))) if lib.is_file() else None
     except OSError:
-        return set()
-    return {p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))}
+        return None
+
+
+def _check_openmp(lib: ctypes.CDLL) -> None:
+    """RuntimeError when the kernels' OpenMP calls would go to another runtime than torch's (their
+    threads would then fight torch's for the cores). Another copy that some other package loaded
+    for itself (sentencepiece's wheel brings its own libgomp) is not one the kernels use: it is
+    left alone, so no other package in the process turns the kernels off."""
+    mine, torchs = _openmp_of(lib), _torch_openmp()
+    if mine and torchs and mine != torchs:
+        raise RuntimeError(f"they would run a second OpenMP runtime beside torch's: {mine} (torch's is {torchs})")
 
 
 def variants(lib: ctypes.CDLL) -> list[str]:
@@ -366,9 +395,7 @@ def _open(path: Path, variant: str | None = None) -> Kernels:
         k = Kernels(lib, variant)
     except AttributeError as e:  # a library without the kernels' symbols
         raise RuntimeError(f"it lacks the kernels ({e})") from None
-    runtimes = _openmp_runtimes()
-    if len(runtimes) > 1:
-        raise RuntimeError("they would run a second OpenMP runtime beside torch's: " + ", ".join(sorted(runtimes)))
+    _check_openmp(lib)
     with torch.device("cpu"):  # the checks' tensors are the CPU's whatever the caller's default device
         checked = _self_check(k) and _step_check(k)
     if not checked:
