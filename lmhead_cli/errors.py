@@ -79,6 +79,16 @@ class NoPrompt(UsageError):
         self.given = given
 
 
+class NoTokens(UsageError):
+    """A prompt with text in it that the model's tokenizer turns into no token at all (a normalizer that
+    drops every character it holds): there is nothing to run the model on."""
+
+    def __init__(self, chars: int):
+        super().__init__(f"the prompt ({chars:,} characters) encodes to no tokens with this model's tokenizer; "
+                         "give text that it keeps")
+        self.chars = chars
+
+
 class ModeConflict(UsageError):
     """A decoding mode that draws at random was asked to choose deterministically (greedy or beams).
 

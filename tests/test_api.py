@@ -334,7 +334,7 @@ VALID = {
     "score": dict(text="The keys are"), "check_score": {}, "compare": dict(text="The keys are"),
     "score_lines": dict(lines=["The keys are"]), "inspect_lines": dict(lines=[PROMPT]),
     "generate": dict(prompt=PROMPT, max_new_tokens=1), "scored_positions": dict(n_tokens=5),
-    "encode": dict(text=PROMPT), "api.load": dict(source="random:gpt2"),
+    "encode": dict(text=PROMPT), "prompt_ids": dict(text=PROMPT), "wants_bos": {}, "api.load": dict(source="random:gpt2"),
     "api.model_params": dict(source="random:gpt2"), "api.params": dict(config="gpt2"), "api.toy": {},
     "explore.settings": {}, "calibrate": dict(text="The keys are"), "neurons": dict(layer=0),
     "tune_lens": dict(text="The keys are on the table", steps=1, batch=1, seq=4),

@@ -419,10 +419,13 @@ def test_bos_id_takes_the_first_of_a_list():
 
     from lmhead_cli.readings.score import bos_id
 
-    engine = SimpleNamespace(eos_token_id=50256)
-    assert bos_id(SimpleNamespace(config={"bos_token_id": [7, 9]}, engine=engine, source="m")) == 7
-    assert bos_id(SimpleNamespace(config={"bos_token_id": 11}, engine=engine, source="m")) == 11
-    assert bos_id(SimpleNamespace(config={}, engine=engine, source="m")) == 50256
+    engine, tok = SimpleNamespace(eos_token_id=50256), SimpleNamespace(bos_id=None)
+    assert bos_id(SimpleNamespace(config={"bos_token_id": [7, 9]}, engine=engine, tokenizer=tok, source="m")) == 7
+    assert bos_id(SimpleNamespace(config={"bos_token_id": 11}, engine=engine, tokenizer=tok, source="m")) == 11
+    assert bos_id(SimpleNamespace(config={}, engine=engine, tokenizer=tok, source="m")) == 50256
+    # the tokenizer's own BOS (tokenizer_config.json's bos_token, a GGUF's tokenizer.ggml.bos_token_id) first
+    assert bos_id(SimpleNamespace(config={"bos_token_id": 11}, engine=engine, tokenizer=SimpleNamespace(bos_id=1),
+                                  source="m")) == 1
 
 
 def test_alternatives_up_to_the_limit_itself():

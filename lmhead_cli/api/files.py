@@ -101,7 +101,7 @@ def read_text_file(file: str, what: str = "text file") -> str:
 
 
 def score_file(file: str, load: Callable[[str], object], write: Callable[[object, Iterator, object, int | None], None],
-               *, bos: bool = False, stride: int | None = None, chunk: int | None = None,
+               *, bos: bool | None = None, stride: int | None = None, chunk: int | None = None,
                device: str = "auto") -> None:
     """`score --file`: each line of `file` (`-`: stdin) scored as its own text, streamed, through run_file
     (under torchrun each rank scores every N-th group of SCORE_LINES_PER_ROUND lines).

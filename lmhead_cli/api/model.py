@@ -290,7 +290,7 @@ class Model(Serving):
     # ---- text ------------------------------------------------------------------------------------
     @scoped
     @kinds(**SCORING, bos=bool, progress=callable, on_rows=callable)
-    def score(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
+    def score(self, text: str, *, stride: int | None = None, bos: bool | None = None, chunk: int | None = None,
               top_logprobs: int = 0, progress: Callable[[int, int], None] | None = None,
               on_rows=None, alternatives: int = 0) -> results.ScoreResult:
         """Every token of `text`: log-probability, rank, entropy; perplexity and bits per byte.
@@ -301,7 +301,7 @@ class Model(Serving):
         from lmhead_cli.readings.score import score_text
 
         self.check_score(text, stride=stride, chunk=chunk, top_logprobs=top_logprobs, alternatives=alternatives)
-        return results.ScoreResult(score_text(self.loaded, text, bos=bos, stride=stride, chunk=chunk,
+        return results.ScoreResult(score_text(self.loaded, text, bos=self.wants_bos(bos), stride=stride, chunk=chunk,
                                               progress=progress, top_logprobs=top_logprobs, on_rows=on_rows,
                                               alternatives=alternatives))
 
@@ -321,7 +321,7 @@ class Model(Serving):
     @scoped
     @kinds(text=str, **WINDOWS, bos=bool, progress=callable, generations=int, max_new_tokens=int, seed=int,
            preset=str, greedy=bool)
-    def calibrate(self, text: str, *, stride: int | None = None, bos: bool = False, chunk: int | None = None,
+    def calibrate(self, text: str, *, stride: int | None = None, bos: bool | None = None, chunk: int | None = None,
                   progress: Callable[[int, int], None] | None = None, generations: int = 0,
                   max_new_tokens: int = 64, seed: int | None = None, preset: str | None = None,
                   greedy: bool = False, **knobs) -> results.CalibrateResult:
@@ -334,12 +334,13 @@ class Model(Serving):
         mean -log p of the sampled tokens, against the NLL on the text (Braverman et al. 2020)."""
         from lmhead_cli.api.calibrate import calibrate
 
-        return calibrate(self, text, stride=stride, bos=bos, chunk=chunk, progress=progress, generations=generations,
-                         max_new_tokens=max_new_tokens, seed=seed, preset=preset, greedy=greedy, **knobs)
+        return calibrate(self, text, stride=stride, bos=self.wants_bos(bos), chunk=chunk, progress=progress,
+                         generations=generations, max_new_tokens=max_new_tokens, seed=seed, preset=preset,
+                         greedy=greedy, **knobs)
 
     @scoped
     @kinds(text=str, **WINDOWS, base_dtype=str, llama_chunks=int, bos=bool, progress=callable)
-    def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool = False,
+    def compare(self, text: str, base=None, *, base_dtype: str = "float32", bos: bool | None = None,
                 stride: int | None = None, chunk: int | None = None, llama_chunks: int | None = None,
                 progress: Callable[[int, int], None] | None = None):
         """This model (Q) against `base` over every token of `text`: llama-perplexity --kl-divergence's
@@ -350,7 +351,7 @@ class Model(Serving):
 
         checks.text(text)
         checks.chunk(chunk)
-        return compare(self, self._base(base, base_dtype), text, bos=bos, stride=stride, chunk=chunk,
+        return compare(self, self._base(base, base_dtype), text, bos=self.wants_bos(bos), stride=stride, chunk=chunk,
                        llama_chunks=llama_chunks, progress=progress)
 
     def _base(self, base, base_dtype: str) -> Model:
@@ -373,7 +374,7 @@ class Model(Serving):
                     engine=own.engine if source == self.source else "auto")
 
     @kinds(**WINDOWS, bos=bool)
-    def score_lines(self, lines: Iterable, *, bos: bool = False, stride: int | None = None,
+    def score_lines(self, lines: Iterable, *, bos: bool | None = None, stride: int | None = None,
                     chunk: int | None = None) -> results.LineResults:
         """score_text over many texts, lazily, one at a time: `lines` are texts (numbered from 1) or
         the lines of a file (readings.score.read_lines). Yields a readings.score.FileItem per line
@@ -386,7 +387,7 @@ class Model(Serving):
         numbered = (line if isinstance(line, Line) else Line(n, checks.text_item("lines", line, n).strip() and line or None)
                     for n, line in enumerate(lines, 1))
         totals = Corpus()
-        lines = score_lines(self.loaded, numbered, totals, bos=bos, stride=stride, chunk=chunk)
+        lines = score_lines(self.loaded, numbered, totals, bos=self.wants_bos(bos), stride=stride, chunk=chunk)
         return results.LineResults(self.loaded.execution.iterate(lines), totals)
 
     @kinds(top_k=int, targets=list, batch_size=int)

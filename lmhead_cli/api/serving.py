@@ -41,8 +41,22 @@ class Serving:
 
     @property
     def bos_token_id(self) -> int | None:
-        bos = self.loaded.config.get("bos_token_id", self.eos_token_id)
+        """The beginning-of-text token: the tokenizer's own, else the config's, else the end-of-text token."""
+        bos = self.loaded.tokenizer.bos_id
+        bos = self.loaded.config.get("bos_token_id", self.eos_token_id) if bos is None else bos
         return bos[0] if isinstance(bos, list) else bos
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether this model's tokenizer puts its beginning-of-text token before every text (Llama's do:
+        tokenizer_config.json's add_bos_token, a GGUF's tokenizer.ggml.add_bos_token; GPT-2's does not).
+        Every reading then reads the prompt after it, as transformers and llama.cpp do."""
+        return self.loaded.tokenizer.add_bos
+
+    @kinds(bos=bool)
+    def wants_bos(self, bos: bool | None = None) -> bool:
+        """`bos` as given (a reading's --bos / --no-bos), else what the model's tokenizer does (`adds_bos`)."""
+        return self.adds_bos if bos is None else bool(bos)
 
     @property
     def chat_template(self) -> str:
@@ -65,12 +79,12 @@ class Serving:
         return chat.render(self.chat_template, messages, bos_token=bos, eos_token=eos)
 
     @kinds(n_tokens=int, bos=bool, stride=int)
-    def scored_positions(self, n_tokens: int, *, bos: bool = False, stride: int | None = None) -> list[range]:
+    def scored_positions(self, n_tokens: int, *, bos: bool | None = None, stride: int | None = None) -> list[range]:
         """Which of a text's n_tokens positions `score` gives a logprob (the rest have nothing before them
         in their window): ranges of text positions, in order."""
         from lmhead_cli.readings.score import windows
 
-        n_ctx = self.n_ctx
+        n_ctx, bos = self.n_ctx, self.wants_bos(bos)
         return [range(w.first - bos, w.end - bos)
                 for w in windows(n_tokens + bos, n_ctx, n_ctx // 2 if stride is None else stride)]
 
@@ -91,6 +105,13 @@ class Serving:
     def encode(self, text: str) -> list[int]:
         """A text's token ids (any length; long texts are encoded in pieces, with the same ids)."""
         return list(self.tokenizer.encode_long(text))
+
+    @kinds(text=str)
+    def prompt_ids(self, text: str) -> list[int]:
+        """The ids a completion of prompt `text` reads: its tokens, after the beginning-of-text token where
+        the model's tokenizer puts one (`adds_bos`), as transformers and llama-server do."""
+        ids = self.encode(text)
+        return [self.bos_token_id] + ids if self.adds_bos else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (each from 0 to the vocabulary's size - 1; BadValue otherwise)."""

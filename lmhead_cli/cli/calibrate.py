@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, command, one_text, stage_options
+from lmhead_cli.cli.options import (BosOpt, JsonOpt, ModelChoice, NoBosOpt, StrideOpt, bos_choice, command, one_text,
+                                    stage_options)
 from lmhead_cli.cli.score import ChunkOpt
 from lmhead_cli.errors import UsageError
 
@@ -19,6 +20,7 @@ def calibrate_cmd(
         Optional[str], typer.Option("--file", "-f", help="Read the whole file as one text (- for stdin).")
     ] = None,
     bos: BosOpt = False,
+    no_bos: NoBosOpt = False,
     stride: StrideOpt = None,
     chunk: ChunkOpt = None,
     generations: Annotated[
@@ -54,6 +56,7 @@ def calibrate_cmd(
     from lmhead_cli.render.score import Progress
 
     text = one_text(text, file, 'lmhead calibrate "The keys on the table are here."')
+    bos = bos_choice(bos, no_bos)
     checks.chunk(chunk)
     if generations:
         checks.generation(ignore_eos=True, seed=seed, max_new_tokens=max_new_tokens, **knobs)

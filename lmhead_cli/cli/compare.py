@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import BosOpt, JsonOpt, ModelChoice, StrideOpt, chunk_option, command, one_text
+from lmhead_cli.cli.options import (BosOpt, JsonOpt, ModelChoice, NoBosOpt, StrideOpt, bos_choice, chunk_option,
+                                    command, one_text)
 from lmhead_cli.api.choices import COMPARE_BUFFERS, FLOAT32_BYTES
 from lmhead_cli.errors import UsageError
 
@@ -30,6 +31,7 @@ def compare_cmd(
         str, typer.Option("--base-dtype", help="The base's dtype: float32, bfloat16 or float16.")
     ] = "float32",
     bos: BosOpt = False,
+    no_bos: NoBosOpt = False,
     stride: StrideOpt = None,
     llama_chunks: Annotated[
         Optional[int], typer.Option("--llama-chunks", metavar="N", help="Score exactly llama-perplexity's "
@@ -55,6 +57,7 @@ def compare_cmd(
     from lmhead_cli.render.score import Progress
 
     text = one_text(text, file, 'lmhead compare "The keys on the table are here." --dtype bfloat16')
+    bos = bos_choice(bos, no_bos)
     checks.chunk(chunk)
     check_base(base, base_dtype)
     if llama_chunks is not None and stride is not None:

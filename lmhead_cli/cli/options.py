@@ -65,8 +65,19 @@ LogprobsOpt = Annotated[
 
 # ---- the options of the commands that read a whole text in windows (score, compare) --------------
 BosOpt = Annotated[
-    bool, typer.Option("--bos", help="Put <|endoftext|> before the text so its first token is predicted too.")
+    bool, typer.Option("--bos", help="Put the BOS token (GPT-2: <|endoftext|>) before the text so its first token "
+                       "is predicted too; the default where the model's tokenizer adds BOS (Llama).")
 ]
+NoBosOpt = Annotated[bool, typer.Option("--no-bos", help="No BOS token, even where the model's tokenizer adds one.")]
+
+
+def bos_choice(bos: bool, no_bos: bool) -> bool | None:
+    """--bos (True), --no-bos (False), or neither (None: as the model's tokenizer says)."""
+    if bos and no_bos:
+        from lmhead_cli.errors import UsageError
+
+        raise UsageError("--bos and --no-bos contradict each other; give one of them")
+    return True if bos else False if no_bos else None
 StrideOpt = Annotated[
     Optional[int], typer.Option("--stride", help="Texts longer than the context go in windows of n_ctx tokens "
                                 "that begin every S tokens, 1 ≤ S ≤ n_ctx.", show_default="n_ctx / 2", min=1)

@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmhead_cli.cli.options import (BosOpt, FormatOpt, JsonOpt, ModelChoice, StrideOpt, TopLogprobsOpt, chunk_option,
-                                    command, output_kind)
+from lmhead_cli.cli.options import (BosOpt, FormatOpt, JsonOpt, ModelChoice, NoBosOpt, StrideOpt, TopLogprobsOpt,
+                                    bos_choice, chunk_option, command, output_kind)
 from lmhead_cli.api.choices import FLOAT32_BYTES, logits_bytes_per_position
 from lmhead_cli.errors import UsageError
 
@@ -25,6 +25,7 @@ def score_cmd(
                                     "text, streamed; a corpus summary at the end.")
     ] = None,
     bos: BosOpt = False,
+    no_bos: NoBosOpt = False,
     stride: StrideOpt = None,
     chunk: ChunkOpt = None,
     show_table: Annotated[
@@ -50,6 +51,7 @@ def score_cmd(
     from lmhead_cli.render.html import ALTERNATIVES
     from lmhead_cli.render import score as show
 
+    bos = bos_choice(bos, no_bos)
     kind = output_kind(json_out, output_format, top_logprobs, None)
     checks.settings({"top_logprobs": top_logprobs})
     if file is not None and kind == "openai":
@@ -67,6 +69,7 @@ def score_cmd(
     text = checks.text(read_text("the text on stdin") if text == "-" else text)
     model = source.load()
     model.check_score(stride=stride, chunk=chunk, top_logprobs=top_logprobs)
+    bos = model.wants_bos(bos)  # --bos / --no-bos, else as the model's tokenizer
     doc = show.openai_document(model, text, bos, stride) if kind == "openai" else None
     with show.Progress("scoring") as progress:  # the OpenAI document is written as each chunk is scored
         result = model.score(text, bos=bos, stride=stride, chunk=chunk, progress=progress,
@@ -103,7 +106,7 @@ def write_html(result, path: str, what: str | None = None) -> None:
     notice(f"wrote {path}: {what}; open it in a browser")
 
 
-def score_file(file: str, bos: bool, stride, chunk, source: ModelChoice, as_json: bool) -> None:
+def score_file(file: str, bos: bool | None, stride, chunk, source: ModelChoice, as_json: bool) -> None:
     """`score --file`: each line scored as its own text, streamed (api/files.py, torchrun included)."""
     from lmhead_cli.api.files import score_file as score_lines
     from lmhead_cli.render import score as show

@@ -9,7 +9,7 @@ tensors' data are views of the file mapped in memory. Then, before any tensor is
   (lmhead's own Llama engine, engine/llama.py);
 * the metadata lmhead reads must be whole numbers (or floats) in range, and every tensor's shape must
   be the one the metadata makes, with no tensor missing or left over;
-* the tokenizer is built from tokenizer.ggml.* (loading/tokenizer.py) and checked on a probe.
+* the tokenizer is built from tokenizer.ggml.* (loading/gguf_tokenizer.py) and checked on a probe.
 
 Each tensor is then dequantised to float32 by gguf.quants.dequantize, the package's numpy port of
 ggml's own dequantisation, and laid out under the names and layouts of the Hugging Face checkpoint
@@ -145,7 +145,7 @@ def read_gguf(path: Path, header: Header | None = None, keep: bool = False) -> G
     from gguf.constants import GGMLQuantizationType, LlamaFileType
     from gguf.quants import dequantize
 
-    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+    from lmhead_cli.loading.gguf_tokenizer import tokenizer_from_gguf
 
     header = header or read_header(path)
     meta = _Meta(header.meta, path)
@@ -168,7 +168,7 @@ def read_gguf(path: Path, header: Header | None = None, keep: bool = False) -> G
     if "output.weight" in tensors:
         expected["output.weight"] = embedding_shape
     _check_shapes(path, arch, tensors, expected)
-    tokenizer = GPT2Tokenizer.from_gguf(meta, V, path)
+    tokenizer = tokenizer_from_gguf(meta, V, path, arch)
     for key in ("bos_token_id", "eos_token_id"):
         value = meta.get(f"tokenizer.ggml.{key.removesuffix('_token_id')}_token_id")
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < V:

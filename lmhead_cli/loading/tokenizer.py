@@ -11,15 +11,14 @@ import hashlib
 import re
 import threading
 from array import array
-from collections import Counter
 from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from lmhead_cli.errors import CorruptCheckpoint, UnsupportedModel, UsageError, is_library_panic
-from lmhead_cli.loading.checks import regular_file
+from lmhead_cli.errors import CorruptCheckpoint, UsageError, is_library_panic
+from lmhead_cli.loading.checks import read_json, regular_file
 
 EOT = "<|endoftext|>"
 PIECE_CHARS = 1 << 16  # characters per piece when a long text is encoded
@@ -50,9 +49,12 @@ def _byte_decoder() -> dict[str, int]:
 class GPT2Tokenizer:
     """encode / decode, and each token's raw bytes and readable text."""
 
-    def __init__(self, tok: Tokenizer, origin: str):
+    def __init__(self, tok: Tokenizer, origin: str, *, bos_id: int | None = None, add_bos: bool = False):
         self.tok = tok
         self.origin = origin  # where the files came from, for reports
+        # The beginning-of-text token, and whether this tokenizer puts it before every text (Llama's
+        # do: tokenizer_config.json's add_bos_token, a GGUF's tokenizer.ggml.add_bos_token; GPT-2's not).
+        self.bos_id, self.add_bos = bos_id, add_bos and bos_id is not None
         # GPT-2's byte-level pieces map back to bytes through its table; SentencePiece-style ones
         # (Llama, Gemma: "▁the", byte fallback "<0x0A>") through their own rules.
         self.byte_level = tok.decoder is None or isinstance(tok.decoder, decoders.ByteLevel)
@@ -66,7 +68,9 @@ class GPT2Tokenizer:
         naming the file and the library's reason."""
         if (folder / "tokenizer.json").exists():
             path = regular_file(folder / "tokenizer.json")
-            return cls(_checked(path, lambda: _parsed((path,), lambda: Tokenizer.from_file(str(path)))), str(path))
+            tok = checked(path, lambda: _parsed((path,), lambda: Tokenizer.from_file(str(path))))
+            bos_id, add_bos = _folder_bos(folder, tok)
+            return cls(tok, str(path), bos_id=bos_id, add_bos=add_bos)
         vocab, merges = folder / "vocab.json", folder / "merges.txt"
         if vocab.exists() and merges.exists():
             regular_file(vocab), regular_file(merges)
@@ -74,61 +78,8 @@ class GPT2Tokenizer:
             def blame(reason: str) -> Path:  # the library names no file: its reason tells which
                 return merges if "out of vocabulary" in reason or "merges" in reason.lower() else vocab
 
-            return cls(_checked(blame, lambda: _parsed((vocab, merges), lambda: _bpe(vocab, merges))), str(folder))
+            return cls(checked(blame, lambda: _parsed((vocab, merges), lambda: _bpe(vocab, merges))), str(folder))
         return None
-
-    @classmethod
-    def from_gguf(cls, meta, vocab_size: int, path: Path) -> GPT2Tokenizer:
-        """The tokenizer a GGUF file describes in its metadata (`meta.get(key)`: tokenizer.ggml.model,
-        .pre, .tokens, .token_type, .merges), as llama.cpp builds it: byte-level BPE ("gpt2") with
-        GPT-2's pre-tokenizer, control tokens (type 3) special, user-defined ones (type 4) added.
-
-        Checked before use: one token per embedding row, no token twice, every merge two tokens of the
-        table; then the probe text must encode without error and decode back to itself."""
-        model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-        if model != "gpt2":
-            raise UnsupportedModel(f"{path}: tokenizer.ggml.model is {model!r}; lmhead builds GGUF tokenizers of "
-                                   "byte-level BPE ('gpt2') only")
-        if pre not in (None, "default", "gpt-2"):
-            raise UnsupportedModel(f"{path}: tokenizer.ggml.pre is {pre!r}; lmhead builds GPT-2's pre-tokenizer "
-                                   "('gpt-2' or 'default') only")
-        tokens, kinds = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
-        merges = meta.get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.tokens is missing or not a list of strings")
-        if len(tokens) != vocab_size:
-            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.tokens holds {len(tokens):,} tokens but token_embd.weight "
-                                    f"has {vocab_size:,} rows; each token needs one row")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        if len(vocab) != len(tokens):
-            twice = next(t for t, n in Counter(tokens).items() if n > 1)
-            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.tokens holds {twice!r} twice")
-        kinds = kinds if kinds is not None else [1] * len(tokens)
-        if not isinstance(kinds, list) or len(kinds) != len(tokens):
-            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.token_type must list one type per token")
-        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
-            raise CorruptCheckpoint(f"{path}: tokenizer.ggml.merges is missing or not a list of strings")
-        pairs = []
-        for i, m in enumerate(merges):
-            a, sep, b = m.partition(" ")
-            if not sep or a not in vocab or b not in vocab or a + b not in vocab:
-                raise CorruptCheckpoint(f"{path}: tokenizer.ggml.merges[{i}] {m[:40]!r} is not two tokens of the "
-                                        "table whose join is one")
-            pairs.append((a, b))
-
-        def build() -> Tokenizer:
-            tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            tok.decoder = decoders.ByteLevel()
-            tok.add_special_tokens([t for t, k in zip(tokens, kinds) if k == 3])
-            tok.add_tokens([t for t, k in zip(tokens, kinds) if k == 4])
-            return tok
-
-        tok = _checked(path, build)
-        if tok.decode(tok.encode(PROBE, add_special_tokens=False).ids, skip_special_tokens=False) != PROBE:
-            raise CorruptCheckpoint(f"{path}: the tokenizer in its metadata does not give the probe text back "
-                                    "(tokenizer.ggml.tokens is not GPT-2's byte-level table)")
-        return cls(tok, f"{path} (tokenizer.ggml.*)")
 
     @classmethod
     def bundled(cls) -> GPT2Tokenizer:
@@ -277,7 +228,7 @@ def _cut(text: str, at: int) -> int:
 PROBE = "The keys on the table, don't they? 2024 — café ☕\n\t<|endoftext|>"
 
 
-def _checked(path, load) -> Tokenizer:
+def checked(path, load) -> Tokenizer:
     """`load()`'s tokenizer, tried on PROBE; its failure (an exception, or a Rust panic, which is a
     BaseException) is a CorruptCheckpoint naming `path` (or `path(reason)`, the file it blames)."""
     try:
@@ -293,6 +244,26 @@ def _checked(path, load) -> Tokenizer:
     if tok.get_vocab_size(with_added_tokens=True) == 0:
         raise CorruptCheckpoint(f"{path if not callable(path) else path('')} holds no tokens")
     return tok
+
+
+def _folder_bos(folder: Path, tok: Tokenizer) -> tuple[int | None, bool]:
+    """(BOS id, whether to put it before every text) for a folder's tokenizer.json, as transformers
+    reads them: tokenizer_config.json's add_bos_token and bos_token where it says; else whatever
+    tokenizer.json's own post-processor puts first (Llama's TemplateProcessing puts <s>; GPT-2's none)."""
+    config = folder / "tokenizer_config.json"
+    doc = read_json(config) if config.exists() else {}
+    doc = doc if isinstance(doc, dict) else {}
+    bos = doc.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    bos_id = tok.token_to_id(bos) if isinstance(bos, str) else None
+    add = doc.get("add_bos_token")
+    if add is not None and not isinstance(add, bool):
+        raise CorruptCheckpoint(f"{config}: add_bos_token must be true or false, not {str(add)[:20]}")
+    if add is None:  # the tokenizer's post-processor decides: a special token it puts before the text
+        plain, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a", add_special_tokens=True).ids
+        first = full[0] if len(full) > len(plain) and full[1:len(plain) + 1] == plain else None
+        add, bos_id = first is not None, first if first is not None else bos_id
+    return bos_id, add
 
 
 # Parsed tokenizers by their files' content: parsing GPT-2's 50,257 tokens and 50,000 merges takes ~0.1 s,

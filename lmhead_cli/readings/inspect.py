@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmhead_cli.errors import NoPrompt
+from lmhead_cli.errors import NoPrompt, NoTokens
 from lmhead_cli.head import (Distribution, TargetScore, TokenScore, check_finite, check_top_k, clamp_top_k,
                              encode_target, encode_targets)
 from lmhead_cli.loading.sources import Loaded
@@ -75,10 +75,18 @@ def check_request(prompt: str | None, targets: list[str] | None, top_k: int) -> 
 
 def encode_prompt(loaded: Loaded, prompt: str) -> tuple[list[int], int]:
     """Token ids of `prompt`, keeping the last n_ctx; returns (ids, number dropped from the front).
+    Where the model's tokenizer puts a beginning-of-text token before every text (Llama's), the ids
+    begin with it, as transformers and llama.cpp read a prompt, and the text keeps the last n_ctx - 1.
+    NoTokens when there is nothing to run on (a tokenizer that keeps no character of the prompt).
 
     Memory is bounded by n_ctx, not by the prompt: the tokenizer cuts a long text at boundaries its
     BPE cannot cross and keeps only the last ids (GPT2Tokenizer.encode_tail has the proof)."""
-    return loaded.tokenizer.encode_tail(check_prompt(prompt), loaded.engine.n_ctx)
+    tok, text = loaded.tokenizer, check_prompt(prompt)
+    ids, dropped = tok.encode_tail(text, loaded.engine.n_ctx - tok.add_bos)
+    ids = [tok.bos_id, *ids] if tok.add_bos else ids
+    if not ids:
+        raise NoTokens(len(text))
+    return ids, dropped
 
 
 def shape_walk(T: int, D: int, V: int) -> ShapeWalk:

@@ -251,9 +251,11 @@ def check_text(text: str, source: str = "the text") -> str:
 
 
 def bos_id(loaded: Loaded) -> int:
-    """The token that opens a text for this model (GPT-2: <|endoftext|>, 50256)."""
+    """The token that opens a text for this model: its tokenizer's BOS, else the config's (GPT-2:
+    <|endoftext|>, 50256)."""
     cfg = loaded.config
-    tid = cfg.get("bos_token_id", loaded.engine.eos_token_id)
+    tid = loaded.tokenizer.bos_id
+    tid = cfg.get("bos_token_id", loaded.engine.eos_token_id) if tid is None else tid
     if tid is None:
         raise UsageError(f"{loaded.source} declares no beginning-of-text token to put before the text")
     return int(tid[0] if isinstance(tid, list) else tid)

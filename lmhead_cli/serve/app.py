@@ -75,7 +75,8 @@ class Served:
         """Texts to ids on a worker thread, never on the event loop; refused first when their characters
         alone cannot fit `room` tokens."""
         check_chars(texts, room, self.info, param)
-        return await run_in_threadpool(lambda: [self.model.encode(t) for t in texts])
+        # a completion reads its prompt after BOS where the model's tokenizer puts one (Model.prompt_ids)
+        return await run_in_threadpool(lambda: [self.model.prompt_ids(t) for t in texts])
 
     async def chat_prompt(self, messages: list[dict], room: int) -> list[int]:
         check_chars(["".join(m["content"] for m in messages)], room, self.info, "messages", "the messages")
