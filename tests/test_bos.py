@@ -103,6 +103,10 @@ def test_the_server_reads_a_completion_prompt_after_bos(llama):
     with serving(folder) as s:
         doc = web.post(s.url + "/v1/completions", timeout=120, json={
             "model": "m", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+        tokenized = web.post(s.url + "/tokenize", timeout=60, json={"prompt": PROMPT}).json()["tokens"]
+        plain = web.post(s.url + "/tokenize", timeout=60,  # lm-evaluation-harness's remote tokenizer asks so
+                         json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert tokenized == ids and plain == ids[1:]
     lp = doc["choices"][0]["logprobs"]
     assert doc["usage"]["prompt_tokens"] == len(ids)
     assert lp["tokens"][0] == "<s>" and lp["token_logprobs"][0] is None

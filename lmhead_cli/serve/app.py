@@ -153,11 +153,12 @@ def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         body.check()
-        if body.messages is not None:
+        if body.messages is not None:  # the chat template writes its own BOS where it wants one
             text = await run_in_threadpool(served.model.chat_prompt, body.message_list)
-        else:
-            text = body.prompt
-        tokens = await run_in_threadpool(served.model.encode, text)
+            tokens = await run_in_threadpool(served.model.encode, text)
+        else:  # add_special_tokens (vLLM's, default true): the ids a completion of the prompt reads
+            encode = served.model.prompt_ids if body.add_special_tokens else served.model.encode
+            tokens = await run_in_threadpool(encode, body.prompt)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": served.info.n_ctx}
 
     @api.post("/detokenize")
