@@ -170,7 +170,8 @@ def test_a_prompt_that_arrives_while_one_is_read_is_read_before_the_step(budget,
 
 def test_the_worker_clock_counts_the_wait_and_the_first_token():
     """serve/worker.py on the decoder: a request queued while another's prompt is read waits in the queue
-    through that read, and each first token comes after its wait."""
+    through that read, and each first token comes after its wait; a request's read counts after its
+    admission (Event.at), not in its wait."""
     from lmhead_cli.serve.worker import Job, Worker
 
     log: list = []
@@ -199,6 +200,7 @@ def test_the_worker_clock_counts_the_wait_and_the_first_token():
         t = worker.timing
         assert log[:2] == [("prefill", ["a"]), ("prefill", ["b"])] and log[2][0] == "step"
         assert t.firsts == 2 and 0.2 <= t.queue_s <= t.first_token_s
+        assert t.queue_s <= t.first_token_s - 0.2  # a's read (0.2 s) was after its admission, not in the queue
         assert t.prefill_s >= 0.2 and t.step_s >= 0
     finally:
         worker.stop()

@@ -23,6 +23,7 @@ One thread drives a decoder; `arrivals` and `cancelled` are how other threads re
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Iterator
 
@@ -77,8 +78,6 @@ class Decoder:
     def round(self) -> Iterator[Event]:
         """One round: waiting rows admitted and their prompts read (their first tokens out at once), then
         one step of every running row. Events come as they are made."""
-        import time
-
         self._take()
         admitted = self._admit()
         if admitted or self.batch.queued:
@@ -144,8 +143,9 @@ class Decoder:
         left = self.budget
         with self.loaded.execution.scope():  # untimed: the thread count is chosen on the steps
             while True:
+                now = time.perf_counter()
                 for key, i, row in admitted:
-                    self.out.append(Event(key, i, "admit"))
+                    self.out.append(Event(key, i, "admit", at=now))
                     self.batch.add((key, i), row)
                 if not self.batch.queued:
                     break

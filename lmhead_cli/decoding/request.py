@@ -70,3 +70,4 @@ class Event:
     token: Any = None  # decoding.rows.Token
     reason: str | None = None
     tail: str = ""
+    at: float | None = None  # "admit": time.perf_counter() when the choice was admitted

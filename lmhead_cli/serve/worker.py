@@ -176,7 +176,7 @@ class Worker:
         elif event.kind == "echo":
             job.put(("echo", event.index, event.echo))
         elif event.kind == "admit" and job.admitted is None:
-            job.admitted = time.perf_counter()
+            job.admitted = event.at
 
     def _loop(self) -> None:
         while not self.stopping:
