@@ -15,7 +15,7 @@ from lmhead_cli import render
 from lmhead_cli.readings import explore
 from lmhead_cli.render.big_table import as_big_table
 from lmhead_cli.errors import UsageError
-from lmhead_cli.readings.explore import Command, Settings, apply, parse_command
+from lmhead_cli.readings.explore import Command, apply, parse_command, state
 from lmhead_cli.loading.sources import load_model
 import subprocess
 import textwrap
@@ -79,7 +79,7 @@ def test_softcap_top_k_and_target(tiny):
 
 def test_read_matches_arithmetic(tiny):
     loaded = load_model(str(tiny[0]), device="cpu")
-    r = explore.read(loaded, PROMPT, Settings(top_k=4, temperature=2.0, softcap=3.0, targets=(" is",)))
+    r = explore.read(loaded, PROMPT, state(top_k=4, temperature=2.0, softcap=3.0, targets=(" is",)))
     z = reference(tiny)
     scaled = 3.0 * torch.tanh(z / 3.0) / 2.0  # soft-cap first, then the temperature
     logp = torch.log_softmax(scaled, -1)
@@ -115,7 +115,7 @@ def test_gen_and_lens_on_the_last_prompt(tiny):
     assert got.exit_code == 0, got.output
     assert "4 tokens sampled (seed 7)" in got.stdout
     loaded = load_model(str(tiny[0]), device="cpu")
-    expected = explore.generate_after(loaded, PROMPT, 4, Settings(seed=7), lambda _: None)
+    expected = explore.generate_after(loaded, PROMPT, 4, state(seed=7), lambda _: None)
     assert PROMPT + expected.text + "\n" in got.stdout  # the same tokens a script gets every run
     assert "embeddings" in got.stdout and "block 2" in got.stdout
     assert "never read" not in got.stdout  # :quit ends the session
@@ -163,7 +163,7 @@ def test_parse_command_unclosed_quote():
 
 
 def test_apply_settings_and_off():
-    s = apply(Settings(), Command("temp", ["0.8"]))
+    s = apply(state(), Command("temp", ["0.8"]))
     s = apply(s, Command("softcap", ["30"]))
     s = apply(apply(s, Command("target", [" are"])), Command("target", [" is"]))
     assert (s.temperature, s.softcap, s.targets) == (0.8, 30.0, (" are", " is"))
@@ -210,7 +210,7 @@ def test_ctrl_c_while_computing_cancels_that_line_only():
             return True
 
     show = Show()
-    Interrupted(None, Settings(), show).run(["slow", "next"])
+    Interrupted(None, state(), show).run(["slow", "next"])
     assert show.events == ["cancelled", "next"]
 
 
@@ -346,12 +346,12 @@ def test_every_explore_setting_goes_through_the_one_settings_conversion(monkeypa
     seen = []
     real = decoding.make
     monkeypatch.setattr(decoding, "make", lambda **values: seen.append(values) or real(**values))
-    s = apply(Settings(), Command("temp", ["0.5"]))
+    s = apply(state(), Command("temp", ["0.5"]))
     s = apply(s, Command("softcap", ["20"]))
     s = apply(s, Command("seed", ["9"]))
-    assert [(v["temperature"], v["softcap"], v["seed"]) for v in seen] == [(0.5, None, 0), (0.5, 20.0, 0),
-                                                                              (0.5, 20.0, 9)]
-    assert s.decoding(max_new_tokens=3).max_new_tokens == 3 and seen[-1]["max_new_tokens"] == 3
+    assert [(v["temperature"], v["softcap"], v["seed"]) for v in seen][-3:] == [(0.5, None, 0), (0.5, 20.0, 0),
+                                                                                   (0.5, 20.0, 9)]
+    assert s.generation(3).max_new_tokens == 3 and seen[-1]["max_new_tokens"] == 3
     seen.clear()
     start = api_explore.settings(5, temperature=0.7, softcap=30.0)
     assert seen and (seen[0]["temperature"], seen[0]["softcap"]) == (0.7, 30.0) and start.top_k == 5
@@ -363,11 +363,11 @@ def test_explore_refuses_and_accepts_what_generate_does():
     from lmhead_cli.decoding.settings import make
     from lmhead_cli.errors import BadValue
 
-    s = apply(Settings(), Command("temp", ["0"]))
-    assert s.temperature == 0 and s.decoding().greedy and s.decoding().zero_temperature
+    s = apply(state(), Command("temp", ["0"]))
+    assert s.temperature == 0 and s.decoding.greedy and s.decoding.zero_temperature
     for value in ("1e-7", "inf", "-1"):
         with pytest.raises(BadValue) as e:
-            apply(Settings(), Command("temp", [value]))
+            apply(state(), Command("temp", [value]))
         with pytest.raises(BadValue) as want:
             make(temperature=float(value))
         assert str(e.value) == str(want.value) and "0 is greedy" in str(e.value)

@@ -5,27 +5,28 @@ A front end picks where the lines come from (piped_lines, terminal_lines) and ho
 from __future__ import annotations
 
 from lmhead_cli.api.checks import kinds
-from lmhead_cli.readings.explore import (History, Session, Settings, View, history_file, piped_lines,  # noqa: F401
+from lmhead_cli.readings.explore import (History, Session, State, View, history_file, piped_lines,  # noqa: F401
                                          terminal_lines)
 
-__all__ = ["History", "Session", "Settings", "View", "history_file", "piped_lines", "settings", "session",
+__all__ = ["History", "Session", "State", "View", "history_file", "piped_lines", "settings", "session",
            "terminal_lines"]
 
 
 @kinds(top_k=int, temperature=float, softcap=float, targets=list, threads=int)
 def settings(top_k: int = 10, *, temperature: float | None = None, softcap: float | None = None,
-             targets=(), threads: int | None = None) -> Settings:
+             targets=(), threads: int | None = None) -> State:
     """A session's starting settings, every value checked (api/checks.py) before any model loads;
     `threads` (the load's own) is checked here too, so that a bad count fails before the wait."""
     from lmhead_cli.api import checks
 
+    from lmhead_cli.readings.explore import state
+
     checks.at_least_one("top_k", top_k)
-    start = Settings(top_k=top_k, temperature=temperature, softcap=softcap, targets=tuple(checks.targets(targets)))
-    start.decoding()  # the stages checked as every door's are: decoding.settings.make
+    start = state(top_k=top_k, temperature=temperature, softcap=softcap, targets=checks.targets(targets))
     checks.threads(threads)
     return start
 
 
-def session(model, start: Settings, view: View) -> Session:
+def session(model, start: State, view: View) -> Session:
     """A session over `model` (an api.Model) from the settings `start`; `session.run(lines)` answers each."""
     return Session(model, start, view)

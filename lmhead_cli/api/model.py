@@ -251,7 +251,7 @@ class Model(Serving):
     @scoped
     @kinds(prompt=str)
     def explore_reading(self, prompt: str, settings):
-        """The top-k table (and targets) after the stages `settings` (readings.explore.Settings) turn on:
+        """The top-k table (and targets) after the stages `settings` (readings.explore.State) turn on:
         a readings.explore.Reading."""
         from lmhead_cli.readings.explore import read
 

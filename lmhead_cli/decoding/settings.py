@@ -158,9 +158,11 @@ def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | 
 def from_openai(values: dict) -> Settings:
     """An OpenAI request body's decoding fields (each already of its JSON type: serve/requests.py) as
     Settings: every stage by its key (temperature, top_p, top_k, min_p, softcap and any stage added to
-    the registry), seed, n, stop, logprobs_mode, and the grammar of response_format (json_schema: the
-    schema; json_object: True). An absent temperature is 1 (the stage off) and 0 is greedy, as OpenAI's;
-    max_tokens is the server's to check (0 scores without generating)."""
-    return make(seed=values.get("seed"), n=values.get("n") or 1, stop=values.get("stop") or (),
+    the registry), seed, n, stop, logprobs_mode, each checked here with the registry's rules, and the
+    grammar of response_format (json_schema: the schema; json_object: True). An absent temperature is 1
+    (the stage off) and 0 is greedy, as OpenAI's; an absent n is 1; max_tokens is the server's to check
+    (0 scores without generating)."""
+    n = values.get("n")
+    return make(seed=values.get("seed"), n=1 if n is None else n, stop=values.get("stop") or (),
                 logprobs=values.get("logprobs_mode") or "raw", json_schema=values.get("json_schema"),
                 json_object=bool(values.get("json_object")), **{s.key: values.get(s.key) for s in STAGES})

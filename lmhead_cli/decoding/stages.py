@@ -191,10 +191,12 @@ COLUMNS = ("raw", *dict.fromkeys(s.column for s in STAGES))  # raw, soft-capped,
 LOOP: tuple[Setting, ...] = (
     Setting("max_new_tokens", int, Rule(lambda v: v >= 1, "at least 1")),
     Setting("beams", int, Rule(lambda v: v >= 1, "at least 1"), preset=False),
-    Setting("n", int, Rule(lambda v: v >= 1, "at least 1"), preset=False),
+    Setting("n", int, Rule(lambda v: v >= 1, "at least 1"), preset=False,
+            help="Choices per prompt, 1 by default: choice j draws with seed + j."),
     Setting("show_steps", int, Rule(lambda v: v >= 0, "0 or more"), preset=False),
     Setting("top_logprobs", int, Rule(lambda v: v >= 0, "0 or more"), preset=False),  # <= V: checked by generate
-    Setting("seed", int, Rule(lambda v: 0 <= v < 2**63, "between 0 and 2**63 - 1"), preset=False),
+    Setting("seed", int, Rule(lambda v: 0 <= v < 2**63, "between 0 and 2**63 - 1"), preset=False,
+            help="The seed of the draws (choice j draws with seed + j); drawn when not given."),
 )
 SETTINGS: dict[str, Setting] = {s.key: s for s in (*STAGES, *LOOP)}
 

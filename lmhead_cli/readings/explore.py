@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
+from lmhead_cli.decoding import settings as one_settings
+from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, Settings
 from lmhead_cli.errors import BadValue, LmheadError, UsageError
 from lmhead_cli.inputs import MAX_LINE_BYTES, check_text
 
@@ -29,32 +31,54 @@ DEFAULT_GEN_SEED = 0
 
 
 @dataclass(frozen=True)
-class Settings:
-    """What shapes each answer. None = the stage is off."""
+class State:
+    """A session's state: the one decoding Settings (decoding/settings.py: the stages, the seed :gen
+    samples with) and what the table shows (its rows, the tokens it follows). Made by `state`."""
 
+    decoding: Settings  # checked (decoding.settings.make)
     top_k: int = 10  # rows in the table
-    temperature: float | None = None
-    softcap: float | None = None
     targets: tuple[str, ...] = ()
-    seed: int = DEFAULT_GEN_SEED  # for :gen, so a script gets the same text every run
-    grammar: object = None  # for :gen: a decoding.grammar.Grammar (:schema FILE, :regex PATTERN), or None
+
+    @property
+    def temperature(self) -> float | None:
+        """As asked: 0 (the settings say greedy), a number, or None (off)."""
+        return 0.0 if self.decoding.zero_temperature else self.decoding.knobs.temperature
+
+    @property
+    def softcap(self) -> float | None:
+        return self.decoding.knobs.softcap
+
+    @property
+    def seed(self) -> int:
+        return self.decoding.seed
+
+    @property
+    def grammar(self):
+        """:gen's grammar (decoding/grammar.py: :schema FILE, :regex PATTERN), or None."""
+        return self.decoding.grammar
 
     @property
     def knobs(self):
-        """The stages these settings turn on for the table (decoding.stages.Knobs): temperature 0 is the
-        limit T -> 0, the greedy distribution (decoding.stages.temperature)."""
-        from lmhead_cli.decoding.stages import Knobs
+        """The stages the table runs (decoding.stages.Knobs): temperature 0 is the limit T -> 0, the greedy
+        distribution (decoding.stages.temperature)."""
+        return replace(self.decoding.knobs, temperature=self.temperature)
 
-        return Knobs(softcap=self.softcap, temperature=self.temperature)
+    def generation(self, n: int) -> Settings:
+        """:gen's settings: the session's, for `n` tokens (checked with the rest: `state`)."""
+        return _decoding(self.temperature, self.softcap, self.seed, self.grammar, n)
 
-    def decoding(self, max_new_tokens: int | None = None):
-        """THE conversion of a session's settings: its stages and seed (and :gen's `max_new_tokens`) as the
-        one decoding settings object, checked there (decoding.settings.make: BadValue with the registry's
-        advice). The start-up settings, every :temp, :softcap and :seed, and :gen go through it."""
-        from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, make
 
-        return make(max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
-                    seed=self.seed, softcap=self.softcap, temperature=self.temperature, grammar=self.grammar)
+def state(*, top_k: int = 10, targets=(), temperature: float | None = None, softcap: float | None = None,
+          seed: int = DEFAULT_GEN_SEED, grammar=None) -> State:
+    """THE conversion of a session's values (the start-up options, every :temp, :softcap, :seed, :schema and
+    :regex) into the one decoding settings object, checked there (decoding.settings.make: BadValue with
+    the registry's advice)."""
+    return State(_decoding(temperature, softcap, seed, grammar), top_k, tuple(targets))
+
+
+def _decoding(temperature, softcap, seed, grammar, max_new_tokens: int | None = None) -> Settings:
+    return one_settings.make(max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+                             seed=seed, softcap=softcap, temperature=temperature, grammar=grammar)
 
 
 @dataclass(frozen=True)
@@ -127,37 +151,34 @@ def _number(cmd: Command, example: str, kind=float):
                          f":{cmd.name} {example} (got {text!r})") from None
 
 
-def apply(settings: Settings, cmd: Command) -> Settings:
-    """The settings after a setting command, checked as decoding settings (Settings.decoding); UsageError
-    or BadValue (settings unchanged) for a bad value."""
-    new = _set(settings, cmd)
-    new.decoding()
-    return new
-
-
-def _set(settings: Settings, cmd: Command) -> Settings:
+def apply(settings: State, cmd: Command) -> State:
+    """The state after a setting command, its decoding values checked as every door's are (`state`);
+    UsageError or BadValue (the state unchanged) for a bad value."""
     off = len(cmd.args) == 1 and cmd.args[0].lower() in ("off", "none")
+    values = {"top_k": settings.top_k, "targets": settings.targets, "temperature": settings.temperature,
+              "softcap": settings.softcap, "seed": settings.seed, "grammar": settings.grammar}
     if cmd.name == "temp":
-        return replace(settings, temperature=None if off else _number(cmd, "0.8"))
-    if cmd.name == "softcap":
-        return replace(settings, softcap=None if off else _number(cmd, "30"))
-    if cmd.name == "top-k":
+        values["temperature"] = None if off else _number(cmd, "0.8")
+    elif cmd.name == "softcap":
+        values["softcap"] = None if off else _number(cmd, "30")
+    elif cmd.name == "top-k":
         rows = _number(cmd, "20", int)  # the table's rows, not the top-k stage (whose 0 and -1 mean off)
         if rows < 1:
             raise BadValue("top_k", f"must be at least 1 (got {rows})")
-        return replace(settings, top_k=rows)
-    if cmd.name == "seed":
-        return replace(settings, seed=_number(cmd, "42", int))
-    if cmd.name in ("schema", "regex"):
-        return replace(settings, grammar=None if off else _grammar(cmd))
-    if cmd.name == "target":
+        values["top_k"] = rows
+    elif cmd.name == "seed":
+        values["seed"] = _number(cmd, "42", int)
+    elif cmd.name in ("schema", "regex"):
+        values["grammar"] = None if off else _grammar(cmd)
+    elif cmd.name == "target":
         text = _one(cmd, '" are"')
-        if text.lower() in ("clear", "off", "none"):
-            return replace(settings, targets=())
         if not text:
             raise UsageError(':target takes a token, e.g. :target " are" (quotes keep the space)')
-        return replace(settings, targets=settings.targets + (text,))
-    raise ValueError(f"not a setting command: {cmd.name}")
+        clear = text.lower() in ("clear", "off", "none")
+        values["targets"] = () if clear else settings.targets + (text,)
+    else:
+        raise ValueError(f"not a setting command: {cmd.name}")
+    return state(**values)
 
 
 def _grammar(cmd: Command):
@@ -170,7 +191,7 @@ def _grammar(cmd: Command):
     return grammar.from_json_schema(read_small_file(_one(cmd, "person.json"), "JSON schema file"))
 
 
-def read(loaded, prompt: str, settings: Settings) -> Reading:
+def read(loaded, prompt: str, settings: State) -> Reading:
     """The top-k table (and targets) for `prompt` after the stages that are set."""
     import torch
 
@@ -201,12 +222,12 @@ def read(loaded, prompt: str, settings: Settings) -> Reading:
                    elapsed_ms=(time.perf_counter() - start) * 1000)
 
 
-def generate_after(loaded, prompt: str, n: int, settings: Settings, on_text: Callable[[str], None]):
+def generate_after(loaded, prompt: str, n: int, settings: State, on_text: Callable[[str], None]):
     """Sample `n` tokens after `prompt` with the session's stages and seed (generation.generate)."""
     from lmhead_cli.decoding.generate import generate
     from lmhead_cli.readings.inspect import encode_prompt
 
-    s = settings.decoding(max_new_tokens=n)
+    s = settings.generation(n)
     ids, _ = encode_prompt(loaded, prompt)
     return generate(loaded, ids, s, on_text=on_text)
 
@@ -349,7 +370,7 @@ class View(Protocol):
     def generation_start(self, prompt: str) -> None: ...
     def text(self, piece: str) -> None: ...
     def generation_end(self, gen) -> None: ...  # a decoding.generate.Generation
-    def settings(self, s: Settings) -> None: ...
+    def settings(self, s: State) -> None: ...
     def help(self, commands: dict) -> None: ...
     def unknown(self, name: str, commands: dict) -> None: ...
     def error(self, message: str) -> None: ...
@@ -363,7 +384,7 @@ class Session:
     `model` answers (the API's Model: explore_reading, lens, explore_generate, own_softcap); `show`
     shows each answer (a View)."""
 
-    def __init__(self, model, settings: Settings, show: View):
+    def __init__(self, model, settings: State, show: View):
         self.model = model
         self.settings = settings
         self.show = show
@@ -406,7 +427,7 @@ class Session:
             self.show.lens(self.model.lens(self._last(cmd), targets=self.settings.targets))
         elif cmd.name == "gen":
             n = _number(cmd, "20", int)
-            self.settings.decoding(max_new_tokens=n)  # checked before the prompt is shown
+            self.settings.generation(n)  # checked before the prompt is shown
             prompt = self._last(cmd)
             self.show.generation_start(prompt)
             self.show.generation_end(self.model.explore_generate(prompt, n, self.settings, self.show.text))

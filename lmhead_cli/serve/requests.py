@@ -170,31 +170,32 @@ class ResponseFormat(Body):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-def _stage_fields() -> type[Body]:
-    """A body with one optional field per decoding stage of the registry (decoding/stages.py STAGES), of
-    the stage's type: a stage added to the registry is a server field with no other edit."""
+# The decoding fields a request takes from the registry (decoding/stages.py): every stage by its key, and
+# these of the loop's own settings. Their ranges are the registry's, checked by the one conversion.
+REGISTRY_FIELDS = ("seed", "n")
+
+
+def _registry_fields() -> type[Body]:
+    """A body with one optional field per decoding stage of the registry (decoding/stages.py STAGES) and
+    per REGISTRY_FIELDS setting, of its type, described by its help: a stage added to the registry is a
+    server field with no other edit. Absent is None: the stage off (an absent temperature is 1, OpenAI's
+    default), a drawn seed, n = 1."""
     from pydantic import create_model
 
-    from lmhead_cli.api.choices import STAGES
+    from lmhead_cli.api.choices import SETTINGS, STAGES
 
-    return create_model("StageFields", __base__=Body, **{
+    settings = [*STAGES, *(SETTINGS[k] for k in REGISTRY_FIELDS)]
+    return create_model("RegistryFields", __base__=Body, **{
         st.key: (Optional[float] if st.type is float else Optional[st.type], Field(None, description=st.help))
-        for st in STAGES})
+        for st in settings})
 
 
-class Sampled(_stage_fields()):
-    """The sampling fields both endpoints share, OpenAI's and lmhead's extension fields (the stages'
-    fields come from the registry; those OpenAI names are declared again here for their defaults)."""
+class Sampled(_registry_fields()):
+    """The sampling fields both endpoints share, OpenAI's and lmhead's extension fields (the decoding
+    fields come from the registry: _registry_fields)."""
 
     model: Optional[str] = Field(None, description="A label only: the server serves its one model.")
-    temperature: float = Field(1.0, description="0 is greedy.")
-    top_p: Optional[float] = None
-    top_k: Optional[int] = Field(None, description="lmhead's top-k stage; -1 or 0: off (vLLM's).")
-    min_p: Optional[float] = Field(None, description="lmhead's min-p stage.")
-    softcap: Optional[float] = Field(None, description="lmhead's soft-cap stage, c·tanh(z/c), run first.")
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1, description="Choice j draws with seed + j.")
     stop: Stop = None
-    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logprobs_mode: Literal["raw", "processed"] = Field(
@@ -235,8 +236,8 @@ class Sampled(_stage_fields()):
         from lmhead_cli.api.serving import from_openai
         from lmhead_cli.errors import BadValue
 
-        values = {st.key: getattr(self, st.key, None) for st in STAGES}
-        values.update(seed=self.seed, n=self.n, logprobs_mode=self.logprobs_mode,
+        values = {key: getattr(self, key) for key in [st.key for st in STAGES] + list(REGISTRY_FIELDS)}
+        values.update(logprobs_mode=self.logprobs_mode,
                       stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()), **self._format())
         try:
             return from_openai(values)
@@ -273,8 +274,8 @@ class Sampled(_stage_fields()):
         if settings.grammar is not None and info.eos is None:
             raise bad("response_format", "response_format needs the model's end-of-text token to end the text, and "
                                          "this model has none")
-        if len(prompts) * self.n > limits.max_choices:
-            raise bad("n", f"prompts × n is {len(prompts) * self.n:,} choices; the server answers at most "
+        if len(prompts) * settings.n > limits.max_choices:
+            raise bad("n", f"prompts × n is {len(prompts) * settings.n:,} choices; the server answers at most "
                            f"{limits.max_choices:,} in one request")
         request = Request.of(settings, prompts, max_tokens, eos=info.eos, echo=echo and top is not None,
                              top=top or 0, uncertainty=self.uncertainty)
@@ -333,7 +334,7 @@ class CompletionRequest(Sampled):
         self.needs_logprobs(self.logprobs is not None, "logprobs (0 or more)")
         request, entries = self.request(prompts, info, limits, echo=self.echo, max_tokens=self.max_tokens,
                                         top=self.logprobs)
-        return Plan(request=request, prompts=prompts, n=self.n, echo=self.echo, logprobs=self.logprobs, stream=self.stream,
+        return Plan(request=request, prompts=prompts, n=request.settings.n, echo=self.echo, logprobs=self.logprobs, stream=self.stream,
                     include_usage=self.include_usage, entries=entries, uncertainty=self.uncertainty)
 
 
@@ -419,7 +420,7 @@ class ChatRequest(Sampled):
         top = (self.top_logprobs or 0) if self.logprobs else None
         self.needs_logprobs(self.logprobs, "logprobs: true")
         request, entries = self.request([prompt], info, limits, echo=False, max_tokens=max_tokens, top=top)
-        return Plan(request=request, prompts=[prompt], n=self.n, echo=False, logprobs=top, stream=self.stream,
+        return Plan(request=request, prompts=[prompt], n=request.settings.n, echo=False, logprobs=top, stream=self.stream,
                     include_usage=self.include_usage, chat=True, entries=entries, uncertainty=self.uncertainty)
 
 
