@@ -120,9 +120,9 @@ def chat_messages(value) -> list[dict]:
 def explore_settings(value):
     """An explore session's settings (Model.explore_reading's, explore_generate's): what
     lmhead_cli.api.explore.settings() returns, else BadType naming `settings`."""
-    from lmhead_cli.readings.explore import Settings
+    from lmhead_cli.readings.explore import State
 
-    if not isinstance(value, Settings):
+    if not isinstance(value, State):
         raise BadType("settings", f"must be lmhead_cli.api.explore.settings(...) (got {_shown(value)})")
     return value
 
