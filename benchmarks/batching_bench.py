@@ -19,7 +19,6 @@ the rest (the prompt's read and its first token), beside the mean seconds of a r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -247,7 +246,7 @@ def report(r: dict) -> str:
 
 
 def main() -> None:
-    import versus_llamacpp
+    from harness import print_section
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -255,11 +254,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="keep the section in benchmarks/RESULTS.md")
     args = ap.parse_args()
     res = measure(args.quick, args.base)
-    print(json.dumps(res, indent=1))
-    text = report(res)
-    print(text)
-    if args.write:
-        versus_llamacpp.splice(HERE / "RESULTS.md", text, BEGIN, END)
+    print_section(res, report(res), args.write, BEGIN, END)
 
 
 if __name__ == "__main__":

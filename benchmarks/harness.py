@@ -165,3 +165,14 @@ def cpu_features() -> str:
 
     k = kernels.load()
     return f"{isa}; lmhead's kernels: {k.variant if k is not None else 'not loaded'} variant"
+
+
+def print_section(res: dict, text: str, write: bool, begin: str, end: str) -> None:
+    """A section's figures (JSON) and its markdown; with `write`, the markdown kept in benchmarks/RESULTS.md
+    in place of the previous one between the same markers (batching_bench.py, grammar_bench.py)."""
+    import versus_llamacpp
+
+    print(json.dumps(res, indent=1))
+    print(text)
+    if write:
+        versus_llamacpp.splice(HERE / "RESULTS.md", text, begin, end)

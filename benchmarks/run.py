@@ -739,6 +739,7 @@ def main() -> None:
 
 
 KEPT_SECTIONS = [(versus_llamacpp.BEGIN, versus_llamacpp.END), (batching_bench.BEGIN, batching_bench.END),
+                 ("<!-- grammar: begin -->", "<!-- grammar: end -->"),  # benchmarks/grammar_bench.py
                  ("<!-- test suite: begin -->", "<!-- test suite: end -->")]
 
 
