@@ -122,18 +122,23 @@ def loud(tmp_path_factory):
     return folder, loud_checkpoint(folder)
 
 
-# The heavy tiers, by the files that hold them: `-m "not browser and not lmeval and not torchrun"`
-# leaves them out of a quick run (the README's test command runs everything, as CI does). A test that
-# calls a C compiler carries @pytest.mark.compile itself.
-TIERS = {"test_page.py": "browser", "test_lmeval.py": "lmeval", "test_distributed.py": "torchrun"}
+# The heavy tiers, by the files that hold them (a test that drives the browser through the `browser`
+# fixture, runs mypy or calls a C compiler carries its marker itself). Each test of a heavy tier is also
+# marked `full`: `-m "not full"` is the fast tier (the README's test command, with the [test] extra),
+# and .ci/run runs every tier (the [test-full] extra and chromium).
+TIERS = {"test_page.py": "browser", "test_lmeval.py": "lmeval", "test_distributed.py": "torchrun",
+         "test_notebook.py": "notebook"}
+FULL = ("slow", "browser", "lmeval", "torchrun", "notebook", "typecheck")
 HEAVY = ("slow", "lmeval", "torchrun")  # run first
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = TIERS.get(item.path.name)
+        tier = TIERS.get(item.path.name) or ("browser" if "browser" in getattr(item, "fixturenames", ()) else None)
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
+        if any(item.get_closest_marker(name) for name in FULL):
+            item.add_marker(pytest.mark.full)
     # The longest tests first (a stable sort: the rest keep their order, the same in every worker, as
     # pytest-xdist requires): started last, one of them kept a worker busy while the other had finished.
     items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in HEAVY))

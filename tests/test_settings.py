@@ -156,6 +156,7 @@ def test_the_typed_declaration_of_knobs_is_the_registry_field_for_field():
     assert callable(Knobs.pipeline) and callable(Knobs.active)
 
 
+@pytest.mark.typecheck
 def test_a_type_checker_sees_the_stage_fields(tmp_path, monkeypatch):
     """mypy reads Knobs' fields and their types, through Settings.knobs too, and refuses a misspelt stage
     or a value of the wrong type. torch, transformers and numpy are skipped (their types become Any):
