@@ -41,7 +41,7 @@ EQUIVALENT = ROOT / "mutation" / "equivalent.toml"
 # per mutant, the tests among these that reach it.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "head": (["lmhead_cli/head.py"], ["tests/test_head.py", "tests/test_diff.py", "tests/test_kernels.py"]),
-    "stages": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/presets.py"],
+    "stages": (["lmhead_cli/decoding/stages.py", "lmhead_cli/decoding/presets.py", "lmhead_cli/api/presets.py"],
                ["tests/test_decoding.py"]),
     # test_generate_cli: the rates and mean entropy (Generation's properties), ids against transformers
     "generate": (["lmhead_cli/decoding/generate.py"],

@@ -307,7 +307,8 @@ CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines
                        ("explore_generate", "settings"), ("lens", "tuned"), ("tuned_lens", "where"),
                        ("calibrate", "knobs"), ("neurons", "neurons"),
                        ("generate", "stop"), ("generate", "stages"), ("generate", "prompt"),
-                       ("generate", "json_schema"), ("generate", "regex")}  # decoding/grammar.py checks both
+                       ("generate", "json_schema"), ("generate", "regex"),  # decoding/grammar.py checks both
+                       ("generate", "settings")}  # api.checks.decoding_settings: test_generate_cli
 SERVERS_OWN = {"decoder", "chat_prompt", "decode", "prepare_grammar"}
 
 

@@ -129,7 +129,7 @@ def test_every_stage_reaches_knobs_presets_the_options_and_the_table():
     from typer.main import get_command
 
     from lmhead_cli.cli import app
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     commands = get_command(app).commands
     for s in decoding.STAGES:
@@ -278,7 +278,7 @@ def test_bundled_presets_are_the_tables_of_configs_presets_toml():
     import tomllib
     from pathlib import Path
 
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     on_disk = tomllib.loads((Path(__file__).resolve().parent.parent / "configs" / "presets.toml").read_text())
     assert presets.bundled() == on_disk and presets.preset_names() == sorted(on_disk)
@@ -289,7 +289,7 @@ def test_bundled_presets_are_the_tables_of_configs_presets_toml():
 
 
 def test_a_preset_file_of_your_own(tmp_path):
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "mine.toml"
     f.write_text('description = "mine"\ntemperature = 2\ntop_k = 3\n')
@@ -310,7 +310,7 @@ def test_a_preset_file_of_your_own(tmp_path):
 
 
 def test_presets_merge_under_the_flags_and_over_the_defaults():
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     assert presets.merge(None, {"top_k": 5}, {"top_k": None, "top_p": 0.9}) == {"top_k": 5, "top_p": 0.9}
     assert presets.merge("precise", {"top_k": 5, "seed": 1}, {"top_k": 7, "min_p": None}) == {
@@ -322,7 +322,7 @@ def test_presets_merge_under_the_flags_and_over_the_defaults():
 
 
 def test_a_presets_own_max_new_tokens_is_not_a_stage(tmp_path):
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "long.toml"
     f.write_text("max_new_tokens = 5\ntemperature = 0.5\n")
@@ -342,7 +342,7 @@ def test_a_presets_own_max_new_tokens_is_not_a_stage(tmp_path):
     ({"top_p": 0}, "top_p must be in (0, 1] (got 0.0)"),
 ])
 def test_validate_names_the_file_the_preset_and_the_key(table, message):
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     with pytest.raises(UsageError) as e:
         presets.validate("p", "f.toml", table)
@@ -350,7 +350,7 @@ def test_validate_names_the_file_the_preset_and_the_key(table, message):
 
 
 def test_validate_keeps_ints_where_ints_are_asked_and_floats_where_floats_are():
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     p = presets.validate("p", "f.toml", {"temperature": 1, "top_k": 3, "description": "d"})
     assert p.values == {"temperature": 1.0, "top_k": 3} and type(p.values["temperature"]) is float
@@ -431,7 +431,7 @@ def test_the_softcap_processor_pickles_as_the_class_stages_exports():
 
 def test_a_preset_file_with_a_utf8_byte_order_mark(tmp_path):
     """Editors on Windows often save UTF-8 with a BOM (EF BB BF); TOML itself does not allow one."""
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "bom.toml"
     f.write_bytes(b"\xef\xbb\xbftemperature = 0.5\n")
@@ -440,7 +440,7 @@ def test_a_preset_file_with_a_utf8_byte_order_mark(tmp_path):
 
 def test_a_preset_file_that_cannot_be_read_says_why(tmp_path):
     """/proc/self/mem is a regular file whose read at offset 0 fails (EIO), even for root."""
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "mem.toml"
     f.symlink_to("/proc/self/mem")
@@ -451,7 +451,7 @@ def test_a_preset_file_that_cannot_be_read_says_why(tmp_path):
 
 def test_a_huge_preset_file_is_refused_after_reading_only_past_the_limit(tmp_path):
     """A 1 TiB (sparse) file: only MAX_PRESET_BYTES + 1 bytes are read, never the whole file."""
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "huge.toml"
     with open(f, "wb") as out:
@@ -462,7 +462,7 @@ def test_a_huge_preset_file_is_refused_after_reading_only_past_the_limit(tmp_pat
 
 
 def test_a_preset_that_is_not_utf8_is_named_in_the_error(tmp_path):
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "mine.toml"
     f.write_bytes(b'temperature = 0.8\ndescription = "caf\xe9"\n')
@@ -515,7 +515,7 @@ def restore_default_dtype():
 # ---- from the full mutation run of decoding/stages.py and presets.py: each fails on its mutant -------
 
 def test_a_preset_file_of_exactly_the_limit_is_read(tmp_path):
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "full.toml"
     head = b"temperature = 0.5\n"
@@ -525,7 +525,7 @@ def test_a_preset_file_of_exactly_the_limit_is_read(tmp_path):
 
 
 def test_a_preset_path_that_is_a_folder_is_named_as_not_a_regular_file(tmp_path):
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     folder = tmp_path / "mine.toml"
     folder.mkdir()
@@ -535,7 +535,7 @@ def test_a_preset_path_that_is_a_folder_is_named_as_not_a_regular_file(tmp_path)
 
 
 def test_a_preset_nested_too_deeply_for_the_toml_reader_says_so(tmp_path):
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
 
     f = tmp_path / "deep.toml"
     f.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
@@ -630,7 +630,7 @@ def test_min_p_at_the_boundary_matches_transformers(m):
 def test_a_damaged_bundled_preset_file_is_named_in_its_error(tmp_path, monkeypatch):
     """An installed package whose presets file is not TOML: the one-line error names that file.
     Mutant: the error names None."""
-    from lmhead_cli.decoding import presets
+    from lmhead_cli.api import presets
     from lmhead_cli.errors import UsageError
 
     broken = tmp_path / "presets.toml"

@@ -115,7 +115,7 @@ def test_presets_apply_and_flags_override(tiny):
 
 
 def test_every_bundled_preset_is_valid():
-    from lmhead_cli.decoding.presets import load_preset, preset_names
+    from lmhead_cli.api.presets import load_preset, preset_names
 
     assert {"creative", "gemma-softcap", "precise"} <= set(preset_names())
     for name in preset_names():
@@ -325,3 +325,23 @@ def test_one_token_is_one_token_and_a_flat_entropy_draws_flat(tiny):
     assert sparkline(flat) == SPARK[0] + SPARK[-1] + SPARK[2]  # scaled to its own span: full height
     assert set(sparkline(flat, resolution=0.01)) <= set(SPARK[:2])  # scaled to the caption's digit: flat
     assert sparkline([1.0, 2.0], resolution=0.01) == SPARK[0] + SPARK[-1]  # a real range still spans the bars
+
+
+def test_one_generate_checks_its_settings_once(tiny, monkeypatch):
+    """`lmhead sample` converts its options into the one Settings in one call of decoding.settings.make,
+    before the load, and hands them to Model.generate as they are (it checked them twice before). A value
+    that is not Settings is refused by name."""
+    from lmhead_cli.decoding import settings as decoding_settings
+    from lmhead_cli.errors import BadType
+
+    seen = []
+    real = decoding_settings.make
+    monkeypatch.setattr(decoding_settings, "make", lambda **values: seen.append(values) or real(**values))
+    got = run(tiny, "sample", "--seed", "3", "--temperature", "0.7", "--max-new-tokens", "3", "--json")
+    assert got.exit_code == 0, got.output
+    assert len(seen) == 1 and seen[0]["temperature"] == 0.7 and seen[0]["seed"] == 3
+    import lmhead_cli
+
+    with pytest.raises(BadType) as e:
+        lmhead_cli.load(str(tiny[0]), device="cpu").generate("x", settings={"temperature": 0.7})
+    assert e.value.key == "settings"

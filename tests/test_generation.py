@@ -307,9 +307,12 @@ def test_an_empty_prompt_is_a_usage_error(tiny):
 
 
 def test_resolve_layers_defaults_preset_and_flags():
-    s = generation.resolve(draws=True, preset="creative", temperature=None, top_p=None)
+    from lmhead_cli.api.presets import load_preset
+
+    creative = load_preset("creative").values  # the API reads the file; resolve layers its values
+    s = generation.resolve(draws=True, preset=creative, temperature=None, top_p=None)
     assert (s.knobs.temperature, s.knobs.top_p, s.max_new_tokens, s.mode) == (1.1, 0.95, 40, "sample")
-    s = generation.resolve(preset="creative", temperature=0.5, max_new_tokens=7)
+    s = generation.resolve(preset=creative, temperature=0.5, max_new_tokens=7)
     assert (s.knobs.temperature, s.knobs.top_p, s.max_new_tokens) == (0.5, 0.95, 7)
     assert generation.resolve(defaults={"softcap": 30.0}).knobs.softcap == 30.0
     assert generation.resolve(defaults={"softcap": 30.0}, softcap=12.0).knobs.softcap == 12.0

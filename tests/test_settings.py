@@ -231,7 +231,7 @@ try:
 except ValidationError as e:
     err = validation_error(e.errors())
     out["server_bad"] = [err.param, err.message]
-from lmhead_cli.decoding import presets
+from lmhead_cli.api import presets
 from lmhead_cli.errors import UsageError
 out["preset"] = presets.validate("p", "p.toml", {"ban": 7}).values
 try:

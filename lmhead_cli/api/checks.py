@@ -314,7 +314,7 @@ def stages(preset: str | None = None, **given):
     """The stage settings (decoding.stages.Knobs) of a preset (a bundled name or a .toml file) and the
     values given (None: not given; they override the preset), checked against the stages' rules;
     what Model.inspect(stages=...) takes."""
-    from lmhead_cli.decoding.presets import knobs
+    from lmhead_cli.api.presets import knobs
 
     return knobs(preset, **given)
 
@@ -323,7 +323,7 @@ def stage_knobs(value):
     """Model.inspect's `stages`: None (no stage table), decoding.stages.Knobs (from `stages()`), a preset
     (a bundled name or a .toml file) or a dict of stage settings ({"temperature": 0.7}); returns Knobs
     or None. Anything else is BadValue naming `stages`, with what it may be."""
-    from lmhead_cli.decoding.presets import preset_names
+    from lmhead_cli.api.presets import preset_names
     from lmhead_cli.decoding.stages import STAGES, Knobs
 
     if value is None or isinstance(value, Knobs):
@@ -346,13 +346,25 @@ def stage_knobs(value):
 def generation(*, mode: str = "generate", preset: str | None = None, **values):
     """The decoding Settings of one generate call (decoding.settings.Settings, checked once there): `mode`
     is generate, greedy, sample or softcap (what each fixes: MODES); `values` are the settings by key
-    (greedy, beams, seed, stop, max_new_tokens, ..., and each stage's key), None = not given."""
+    (greedy, beams, seed, stop, max_new_tokens, ..., and each stage's key), None = not given; `preset` a
+    preset's name or .toml file (read here: api/presets.py)."""
+    from lmhead_cli.api.presets import load_preset
     from lmhead_cli.decoding.settings import resolve
 
     fixed = MODES[mode]
     if fixed.get("greedy"):
         values["greedy"] = True
-    return resolve(defaults=fixed.get("defaults"), draws=fixed.get("draws", False), preset=preset, **values)
+    return resolve(defaults=fixed.get("defaults"), draws=fixed.get("draws", False),
+                   preset=None if preset is None else load_preset(preset).values, **values)
+
+
+def decoding_settings(value):
+    """Settings that api.checks.generation made (decoding.settings.Settings), else BadType naming `settings`."""
+    from lmhead_cli.decoding.settings import Settings
+
+    if not isinstance(value, Settings):
+        raise BadType("settings", f"must be lmhead_cli.api.checks.generation(...) (got {_shown(value)})")
+    return value
 
 
 def generation_fits(loaded, n_prompt: int, settings, prompts: int = 1) -> None:

@@ -414,7 +414,7 @@ class Model(Serving):
                  top_logprobs: int = 0, logprobs: str = "raw", preset: str | None = None, mode: str = "generate",
                  json_schema: dict | str | None = None, regex: str | None = None,
                  on_start: Callable[[list[int], int, object], None] | None = None,
-                 on_text: Callable[[str], None] | None = None,
+                 on_text: Callable[[str], None] | None = None, settings=None,
                  **stages) -> results.GenerateResult | list[results.GenerateResult]:
         """Continue `prompt` token by token through the stages (softcap -> temperature -> top-k -> top-p
         -> min-p -> softmax -> choose; `stages` takes each stage of the registry by its key, e.g.
@@ -428,15 +428,19 @@ class Model(Serving):
         One prompt and n = 1 return one GenerateResult. `n` choices, or a list of prompts, run as one
         batch and return a list, prompt i's choices at i·n … i·n + n - 1; choice j draws with seed + j, so
         each is what generate(that prompt, seed=seed + j) returns alone. on_start and on_text follow a
-        single generation only."""
+        single generation only. `settings`: what api.checks.generation made of these values already (a
+        front end that checked them before the load), taken as they are instead of the values."""
         from lmhead_cli.decoding.generate import generate_many
         from lmhead_cli.readings.inspect import encode_prompt
 
         texts, one = checks.prompts(prompt)
-        settings = checks.generation(mode=mode, preset=preset, greedy=greedy, beams=beams, n=n, ignore_eos=ignore_eos,
-                                     seed=seed, stop=stop, show_steps=show_steps, max_new_tokens=max_new_tokens,
-                                     top_logprobs=top_logprobs, logprobs=logprobs, json_schema=json_schema,
-                                     regex=regex, **stages)
+        if settings is None:
+            settings = checks.generation(mode=mode, preset=preset, greedy=greedy, beams=beams, n=n,
+                                         ignore_eos=ignore_eos, seed=seed, stop=stop, show_steps=show_steps,
+                                         max_new_tokens=max_new_tokens, top_logprobs=top_logprobs, logprobs=logprobs,
+                                         json_schema=json_schema, regex=regex, **stages)
+        else:
+            checks.decoding_settings(settings)
         single = one and settings.n == 1
         for key, given in (("on_start", on_start), ("on_text", on_text)):
             if given is not None and not single:

@@ -107,7 +107,7 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, stop, s
                  stop=tuple(stop or ()), show_steps=show_steps, max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
                  logprobs=logprobs or "raw", regex=regex,
                  json_schema=None if json_schema is None else read_small_file(json_schema, "JSON schema file"), **knobs)
-    checks.generation(**asked)  # before the load: a bad value fails in an instant
+    settings = checks.generation(**asked)  # the one check, before the load: a bad value fails in an instant
     text = checks.prompt(read_text("the prompt on stdin") if prompt == "-"
                         else DEFAULT_PROMPT if prompt is None else prompt)
     if prompt is None:  # the first line says so: a run without a prompt is not silently about the keys
@@ -122,7 +122,7 @@ def decode(command_name: str, prompt, preset, greedy, beams, ignore_eos, stop, s
             show.begin(model.tokenizer.decode(ids))
 
     result = model.generate(text, on_start=start, on_text=None if json_out else lambda piece: show.stream(piece),
-                            **asked)
+                            settings=settings, preset=preset)
     g = result.reading
     if not json_out:
         show.end_text()

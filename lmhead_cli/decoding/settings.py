@@ -4,7 +4,7 @@ loop's own settings beside them, checked once, in `make`, with the registry's ru
 Every door converts into it in one function:
 
     the command line and the API's keywords  resolve(mode=..., preset=..., **values)
-    a preset                                  presets.merge, inside resolve
+    a preset (read by api/presets.py)         its values, a layer of resolve
     an OpenAI request body (lmhead serve)     from_openai(values)
     explore's :gen                            make(...) with the session's stages
 
@@ -144,14 +144,14 @@ def check_stop(stop) -> tuple[str, ...]:
     return tuple(items)
 
 
-def resolve(*, defaults: dict | None = None, draws: bool = False, preset: str | None = None, **given) -> Settings:
+def resolve(*, defaults: dict | None = None, draws: bool = False, preset: dict | None = None, **given) -> Settings:
     """The command line's and the API's door: three layers, the caller's `defaults` (e.g. softcap 30) < the
-    preset < the values given (None = not given), then `make`."""
-    from lmhead_cli.decoding.presets import merge
-
+    preset's values (`preset`: read and checked by api/presets.py) < the values given (None = not given),
+    then `make`."""
     loop = {k: given.pop(k) for k in ("greedy", "beams", "n", "ignore_eos", "seed", "stop", "show_steps", "top_logprobs",
                                       "logprobs", "json_schema", "regex", "json_object") if k in given}
-    values = merge(preset, {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {})}, given)
+    values = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(defaults or {}), **(preset or {}),
+              **{k: v for k, v in given.items() if v is not None}}
     return make(draws=draws, **{k: v for k, v in loop.items() if v is not None}, **values)
 
 
