@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from lmhead_cli.chunks import default_chunk
-from lmhead_cli.decoding import stages
+from lmhead_cli.decoding import grammar, stages
 from lmhead_cli.decoding.prefill import PREFILL_CHUNK, Joining, _Prefill
 from lmhead_cli.decoding.record import Top, greedy_record, record, spread, step_of, top_tokens
 from lmhead_cli.decoding.rows import Live, Row, Sink, Token, check_finite_rows
@@ -111,7 +111,7 @@ class Batch(Joining):
             if not all(r.row.greedy for r in live):  # a draw from NaN fails obscurely; greedy rows: the record's check
                 check_finite_rows(logits)
             allowed = _allowed(live, logits)  # (R, V) bool, None where no row has a grammar
-            forced = [False] * len(live) if allowed is None else (allowed.sum(-1) == 1).tolist()
+            forced = [False] * len(live) if allowed is None else grammar.forced(allowed).tolist()
             raw, used, piped = self.distributions(logits, live, allowed)
             if len(live) == 1:  # a forced token is the one finite logprob: no draw
                 chosen = stages.choose(used, live[0].row.greedy or forced[0], live[0].generator)  # (1,)

@@ -22,6 +22,7 @@ at most MAX_SOURCE_BYTES. Nothing here prints (llguidance's log is off: its warn
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -277,15 +278,12 @@ def forced(allowed: torch.Tensor) -> torch.Tensor:
     return allowed.sum(-1) == 1
 
 
-_SHIFTS = []
-
-
+@functools.cache
 def _shifts() -> torch.Tensor:
-    if not _SHIFTS:
-        import torch
+    """(32,) int32: the bit positions of a mask word."""
+    import torch
 
-        _SHIFTS.append(torch.arange(32, dtype=torch.int32))
-    return _SHIFTS[0]
+    return torch.arange(32, dtype=torch.int32)
 
 
 # ---- messages ---------------------------------------------------------------------------------

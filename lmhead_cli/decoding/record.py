@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmhead_cli.decoding.grammar import forced
 from lmhead_cli.head import check_finite, entropy, margin, ranks, varentropy
 
 # columns of a step record, then K alternative ids and K alternative log-probabilities
@@ -96,7 +97,7 @@ def record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, chos
     else:
         free = allowed.all(-1, keepdim=True)  # rows without a grammar
         by_grammar = raw.exp().masked_fill(allowed, 0.0).sum(-1, keepdim=True)  # (R, 1) raw mass it forbade
-        cols += [by_grammar.masked_fill(free, NO_GRAMMAR).double(), (allowed.sum(-1, keepdim=True) == 1).double()]
+        cols += [by_grammar.masked_fill(free, NO_GRAMMAR).double(), forced(allowed)[:, None].double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         cols += [alt_ids.double(), alt_lp.double()]
