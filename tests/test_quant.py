@@ -92,6 +92,35 @@ def test_the_chunked_product_is_the_dequantised_matrix_s(monkeypatch):
     assert torch.allclose(got, x @ blocks.dequantise().t() + bias, atol=1e-5)
 
 
+def test_the_q8_0_kernel_is_the_dequantised_product_and_its_layout_the_header_s():
+    """csrc/kernels.h declares Q8_0's block once; quant.py's mirror and gguf's sizes agree with it, and the
+    compiled product of a few rows equals the dequantised matrix's within float32 rounding."""
+    import re
+    from importlib import resources
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from lmhead_cli.engine import kernels
+
+    header = (resources.files("lmhead_cli.engine") / "csrc" / "kernels.h").read_text()
+    values = int(re.search(r"#define LMHEAD_QK8_0 (\d+)", header).group(1))
+    fields = re.search(r"typedef struct \{\s*uint16_t d;[^}]*int8_t qs\[LMHEAD_QK8_0\];[^}]*\} lmhead_block_q8_0;", header)
+    assert fields and values == quant.Q8_0_VALUES and 2 + values == quant.Q8_0_BYTES
+    assert GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0] == (quant.Q8_0_VALUES, quant.Q8_0_BYTES)
+    fast = kernels.load()
+    if fast is None:
+        pytest.skip("the compiled kernels are not built here")
+    raw = quantize(np.random.default_rng(5).standard_normal((300, 512)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    blocks = quant.Blocks(torch.from_numpy(raw), GGMLQuantizationType.Q8_0, 512)
+    bias = torch.randn(300)
+    for rows in (1, 3, quant.KERNEL_ROWS):
+        x = torch.randn(rows, 512)
+        got = fast.q8_0_times(x, blocks.data, bias)
+        assert got is not None and torch.allclose(got, x @ blocks.dequantise().t() + bias, atol=1e-4, rtol=1e-5)
+        assert torch.equal(quant.QuantLinear(blocks, bias)(x), got)  # the layer takes the kernel for a few rows
+
+
 # ---- the figures --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -71,6 +71,7 @@ MODULE_FUNCTIONS = {  # module.c's own, one of each
 }
 KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the variant's (lmhead_attend_avx2)
     "lmhead_int8_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_q8_0_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_bf16_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_kn_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
@@ -168,6 +169,22 @@ class Kernels:
                                        None if bias is None else bias.data_ptr(), y.data_ptr(),
                                        N, K, M, torch.get_num_threads()):
             raise MemoryError("the int8 kernel could not allocate its activation buffer")
+        return y
+
+    def q8_0_times(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x (M, K) float32 times Wᵀ, W (N, K) held as GGUF Q8_0 blocks (N, K / 32 · 34) uint8, plus bias (N,)
+        float32: (M, N), the activations unrounded; None for what the kernel does not take."""
+        from lmhead_cli.engine.quant import Q8_0_BYTES, Q8_0_VALUES
+
+        M, K = x.shape
+        if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and blocks.dtype == torch.uint8
+                and blocks.is_cpu and blocks.is_contiguous() and K % Q8_0_VALUES == 0 and blocks.shape[1] == K // Q8_0_VALUES * Q8_0_BYTES
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+            return None
+        N = blocks.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32, device="cpu")
+        self.lib.lmhead_q8_0_matvec(blocks.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    y.data_ptr(), N, K, M, torch.get_num_threads())
         return y
 
     def bf16_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -10,7 +10,9 @@ matrix's size), `QuantEmbedding` dequantises only the rows it looks up.
 Dequantisation is the gguf package's (gguf.quants.dequantize, llama.cpp's own numpy port of ggml's),
 so lmhead's figures are those of transformers on the file's dequantised weights (the parity tests'
 oracle), except for Q8_0 and Q4_0, dequantised here in torch with the same arithmetic (d · q in
-float32: the same bits; tests/test_quant.py compares them).
+float32: the same bits; tests/test_quant.py compares them). A Q8_0 product of a few rows (a decoding
+step) runs in the compiled kernel (csrc/kernels.c lmhead_q8_0_matvec): each block's 32 products summed
+in float32 and scaled by its d, the activations unrounded, without dequantising anything.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The most rows of activations the compiled Q8_0 product takes (a decoding step's few; more rows read
+# each weight block once per row, where torch's chunked product reads it once).
+KERNEL_ROWS = 16
 CHUNK_VALUES = 1 << 20  # float32 values dequantised at once: 4 MiB, whatever the matrix
 
 
@@ -100,11 +105,16 @@ class Blocks:
         return self.qtype == other.qtype and self.shape == other.shape and torch.equal(self.data, other.data)
 
 
+# The blocks' layouts as csrc/kernels.h declares them (tests/test_quant.py checks this mirror against it):
+# Q8_0: a float16 d, then 32 int8 q.
+Q8_0_VALUES, Q8_0_BYTES = 32, 2 + 32
+
+
 def dequantise(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """Blocks (n, bytes per row) uint8 -> (n, cols) float32, as gguf.quants.dequantize computes them."""
     n = data.shape[0]
     if qtype == 8:  # Q8_0: 32 values a block: d (float16), 32 int8 q; x = d·q
-        b = data.reshape(n, -1, 34)
+        b = data.reshape(n, -1, Q8_0_BYTES)
         d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
         return (d * b[..., 2:].view(torch.int8).float()).reshape(n, cols)
     if qtype == 2:  # Q4_0: 32 values a block: d (float16), 16 bytes of two 4-bit q; x = d·(q − 8)
@@ -130,6 +140,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()  # (M, in)
+        if self.weight.qtype == 8 and x2.shape[0] <= KERNEL_ROWS and x2.is_cpu:  # a few rows: compiled, Q8_0
+            from lmhead_cli.engine import kernels
+
+            fast = kernels.load()
+            y = fast.q8_0_times(x2.contiguous(), self.weight.data, self.bias) if fast is not None else None
+            if y is not None:
+                return y.view(*x.shape[:-1], -1).to(x.dtype)
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for a, w in self.weight.chunks():  # w (n, in)
             torch.matmul(x2, w.t(), out=out[:, a:a + w.shape[0]])

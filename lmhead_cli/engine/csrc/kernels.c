@@ -818,3 +818,53 @@ int LMHEAD_VARIANT(lmhead_attend)(const float *q, int64_t qsb, int64_t qsh, cons
 }
 
 #include "step.c" /* the decoding step, compiled in each variant with the kernels above */
+
+/* ---- GGUF's Q8_0 blocks (kernels.h lmhead_block_q8_0) ----------------------------------------------- */
+
+static inline float f16_to_f32(uint16_t h) { /* IEEE half to float, exactly (subnormals, inf, NaN kept) */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    float out;
+    if (e == 0) {
+        out = (float)mant * (1.0f / 16777216.0f); /* mant · 2^-24, exact */
+        memcpy(&bits, &out, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((e + 112u) << 23) | (mant << 13);
+    }
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* y[m, n] = Σ_b d(n, b) · Σ_i q(n, b, i) · x[m, 32b + i] (+ bias[n]): W (N, K) as Q8_0 blocks, x (M, K)
+   float32, unrounded (the dequantised matrix's product, summed block by block). Rows of W in parallel. */
+int LMHEAD_VARIANT(lmhead_q8_0_matvec)(const lmhead_block_q8_0 *w, const float *x, const float *bias, float *y,
+                                       int64_t N, int64_t K, int64_t M, int threads) {
+    const int64_t nb = K / LMHEAD_QK8_0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const lmhead_block_q8_0 *row = w + n * nb;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.0f;
+#if LANES
+            vf a = vzero();
+            for (int64_t b = 0; b < nb; b++) {
+                vf s = vzero();
+                for (int i = 0; i < LMHEAD_QK8_0; i += LANES) s = vfma(vi8(row[b].qs + i), vload(xm + b * LMHEAD_QK8_0 + i), s);
+                a = vfma(vbroadcast(f16_to_f32(row[b].d)), s, a);
+            }
+            acc = vsum(a);
+#else
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int i = 0; i < LMHEAD_QK8_0; i++) s += (float)row[b].qs[i] * xm[b * LMHEAD_QK8_0 + i];
+                acc += f16_to_f32(row[b].d) * s;
+            }
+#endif
+            y[m * N + n] = acc + (bias ? bias[n] : 0.0f);
+        }
+    }
+    return 0;
+}

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 13 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 14 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
 #define LMHEAD_STEP_MAX_ROWS 16 /* the most rows of a compiled step (lmhead_step) and of lmhead_f32_kn_matvec */
@@ -53,6 +53,14 @@ typedef struct {
     const float *wte_s, *head_s;
 } lmhead_model;
 
+/* GGUF's block layouts (ggml-common.h's), declared once: engine/quant.py reads the same bytes, and
+   tests/test_kernels.py checks its mirror of them against this file. */
+#define LMHEAD_QK8_0 32 /* values per Q8_0 block */
+typedef struct {
+    uint16_t d; /* the block's scale, IEEE half */
+    int8_t qs[LMHEAD_QK8_0]; /* x = d · q */
+} lmhead_block_q8_0;
+
 /* The module's own functions (module.c). */
 int lmhead_kernels_abi(void); /* LMHEAD_KERNELS_ABI, as this module was built */
 int lmhead_release_thread_pool(void); /* 0 done, 1 no omp_pause_resource_all, -1 inside a parallel region */
@@ -69,6 +77,8 @@ int lmhead_kernels_supports(const char *variant); /* 1 if this CPU runs `variant
 #if defined(LMHEAD_VARIANT) && !defined(LMHEAD_KERNELS_VARIANT_DECLARED)
 #define LMHEAD_KERNELS_VARIANT_DECLARED
 int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const float *x, const float *bias, float *y,
+                                       int64_t N, int64_t K, int64_t M, int threads);
+int LMHEAD_VARIANT(lmhead_q8_0_matvec)(const lmhead_block_q8_0 *w, const float *x, const float *bias, float *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
