@@ -54,6 +54,9 @@ ABI = _HEADER["LMHEAD_KERNELS_ABI"]  # the module must report the same (lmhead_k
 STEP_MAX_ROWS = _HEADER["LMHEAD_STEP_MAX_ROWS"]  # the most rows of a compiled step (engine/step.py), and of f32_columns_times
 STEP_KINDS = {kind: _HEADER[f"LMHEAD_STEP_{name}"] for kind, name in
               (("float32", "F32"), ("bfloat16", "BF16"), ("int8", "INT8"))}  # lmhead_model's `kind`
+# GGUF's Q8_0 block (kernels.h lmhead_block_q8_0): a float16 d, then LMHEAD_QK8_0 int8 q (engine/quant.py reads it)
+Q8_0_VALUES = _HEADER["LMHEAD_QK8_0"]
+Q8_0_BYTES = 2 + Q8_0_VALUES
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int, _float, _text = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 _why: list[str] = []  # why load() returned None, once it has
@@ -174,11 +177,10 @@ class Kernels:
     def q8_0_times(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x (M, K) float32 times Wᵀ, W (N, K) held as GGUF Q8_0 blocks (N, K / 32 · 34) uint8, plus bias (N,)
         float32: (M, N), the activations unrounded; None for what the kernel does not take."""
-        from lmhead_cli.engine.quant import Q8_0_BYTES, Q8_0_VALUES
-
         M, K = x.shape
         if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and blocks.dtype == torch.uint8
-                and blocks.is_cpu and blocks.is_contiguous() and K % Q8_0_VALUES == 0 and blocks.shape[1] == K // Q8_0_VALUES * Q8_0_BYTES
+                and blocks.is_cpu and blocks.is_contiguous() and K % Q8_0_VALUES == 0
+                and blocks.shape[1] == K // Q8_0_VALUES * Q8_0_BYTES
                 and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
             return None
         N = blocks.shape[0]

@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The blocks' layouts as csrc/kernels.h declares them (tests/test_quant.py checks them against it)
+from lmhead_cli.engine.kernels import Q8_0_BYTES, Q8_0_VALUES
+
 # The most rows of activations the compiled Q8_0 product takes (a decoding step's few; more rows read
 # each weight block once per row, where torch's chunked product reads it once).
 KERNEL_ROWS = 16
@@ -105,9 +108,6 @@ class Blocks:
         return self.qtype == other.qtype and self.shape == other.shape and torch.equal(self.data, other.data)
 
 
-# The blocks' layouts as csrc/kernels.h declares them (tests/test_quant.py checks this mirror against it):
-# Q8_0: a float16 d, then 32 int8 q.
-Q8_0_VALUES, Q8_0_BYTES = 32, 2 + 32
 
 
 def dequantise(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
