@@ -1,5 +1,6 @@
-"""`lmhead serve` with response_format: a real server on 127.0.0.1 (bundled:tiny, a trained model), the
-official `openai` client, and `jsonschema` as the oracle of every answer."""
+"""`lmhead serve` with response_format: a real server on 127.0.0.1 (bundled:tiny, a trained model; and for
+any JSON object a tiny model built to close what it opens, since bundled:tiny never writes '"'), the
+official `openai` client, and `jsonschema` and `json` as the oracles of every answer."""
 
 from __future__ import annotations
 
@@ -75,6 +76,41 @@ def test_an_answer_cut_short_says_length_and_is_not_passed_off_as_whole(server):
     assert choice.finish_reason == "length" and choice.message.content.startswith("{")
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice.message.content)
+
+
+@pytest.fixture(scope="module")
+def closer(tmp_path_factory):
+    """A server on a tiny random GPT-2 built to close what it opens: every position's final vector is one
+    direction b (ln_f's gain 0, its bias b), and the head's rows of '":', '"', '}', '1' and ' 1' are 10·b,
+    so those tokens hold most of the probability wherever the grammar allows them."""
+    import torch
+
+    from helpers import build_checkpoint
+    from lmhead_cli.loading.tokenizer import GPT2Tokenizer
+
+    folder = tmp_path_factory.mktemp("closer")
+    model = build_checkpoint(folder, tied=False, seed=4)
+    tok = GPT2Tokenizer.bundled()
+    with torch.no_grad():
+        b = torch.randn(64, generator=torch.Generator().manual_seed(0))
+        b /= b.norm()
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(b)
+        for text in ('":', '"', "}", "1", " 1"):
+            model.lm_head.weight[tok.encode(text)[0]] = 10 * b
+    model.save_pretrained(folder)
+    with serving(folder) as s:
+        yield s
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_json_object_answers_parse_as_an_object(closer, seed):
+    r = client(closer).chat.completions.create(
+        model="closer", messages=[{"role": "user", "content": "hi"}], temperature=1, seed=seed, max_tokens=60,
+        response_format={"type": "json_object"})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(json.loads(choice.message.content), dict)
 
 
 @pytest.mark.parametrize("response_format, message", [
