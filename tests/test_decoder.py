@@ -105,6 +105,8 @@ class _Batch:
 class _Request:
     """A request of rows named by strings."""
 
+    settings = SimpleNamespace(mode="sample")
+
     def __init__(self, *names):
         self.names = list(names)
         self.choices = len(names)

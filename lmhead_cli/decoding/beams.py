@@ -1,4 +1,5 @@
-"""Beam search over the one step function: the beams are a group of rows of a decoding.batch.Batch.
+"""Beam search over the one step function: the beams are a group of rows of a decoding.batch.Batch, and
+the decoder (decoding/decoder.py) drives the search a step at a time (BeamSearch).
 
 The prompt is prefilled once by the batch (as any row's); each step then takes the batch's
 distributions (its head half: raw and processed log-probabilities per row, decoding/batch.py), ranks
@@ -15,11 +16,9 @@ ties break the same way.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -67,40 +66,63 @@ class _Beam:
     steps: tuple[Step, ...] = ()
 
 
-def search(loaded, ids: list[int], s: Settings, max_new: int, stop_at: int | None,
-           run: Callable = lambda f: f()) -> tuple[str, list[FinishedBeam], list[Step], float]:
-    """Beam search for one prompt (s.beams beams, at most `max_new` tokens, ending on `stop_at`):
-    ("eos" | "max_new_tokens" as the best beam ended, the finished beams, best first, the best one's
-    Steps, and the time.perf_counter() at which the first step's candidates were known). `run(f)` runs each step
-    after the prefill (loaded.execution.run: one position per step chooses the threads)."""
-    n, token_text = s.beams, loaded.tokenizer.token_text
-    batch = Batch(loaded)
-    # one row (its stages rank the candidates), copied into n beams at the first regroup
-    batch.add(0, replace(s.row(ids, max_tokens=max_new, eos=None), greedy=True, stop=()))
-    running = [_Beam(0.0)]
-    with torch.inference_mode():
-        batch.prefill(Quiet(), choose=False)  # the prompt's one row only joins
-        cands = _candidates(batch, running, s, 0, max_new, stop_at, token_text)
-    first = time.perf_counter()
-    finished: list[tuple[float, _Beam]] = []
-    for t in range(max_new):
-        # the best n of the candidates that finished join the finished beams, scored per token
-        length = t + 1
+class BeamSearch:
+    """Beam search for one prompt (s.beams beams, at most `max_new` tokens, ending on `stop_at`), one step
+    at a time: `start` reads the prompt and ranks the first candidates, each `step` advances the beams by
+    one position; the decoder (decoding/decoder.py) drives both. Once `done`: `stop` ("eos" or
+    "max_new_tokens", as the best beam ended), `beams` (the finished beams, best first), `steps` (the best
+    one's Steps) and `first` (the time.perf_counter() at which the first step's candidates were known)."""
+
+    def __init__(self, loaded, ids: list[int], s: Settings, max_new: int, stop_at: int | None):
+        self.loaded, self.s, self.max_new, self.stop_at = loaded, s, max_new, stop_at
+        self.token_text = loaded.tokenizer.token_text
+        self.batch = Batch(loaded)
+        # one row (its stages rank the candidates), copied into n beams at the first regroup
+        self.batch.add(0, replace(s.row(ids, max_tokens=max_new, eos=None), greedy=True, stop=()))
+        self.running = [_Beam(0.0)]
+        self.finished: list[tuple[float, _Beam]] = []
+        self.t, self.rows, self.cands = 0, [], []
+        self.started = self.done = False
+        self.first = 0.0
+
+    def start(self) -> None:
+        """The prompt's prefill (its one row only joins) and the first step's candidates."""
+        with torch.inference_mode():
+            self.batch.prefill(Quiet(), choose=False)
+            self.cands = _candidates(self.batch, self.running, self.s, 0, self.max_new, self.stop_at, self.token_text)
+        self.first = time.perf_counter()
+        self.started = True
+        self._settle()
+
+    def step(self) -> None:
+        """The rows regrouped to the survivors and advanced by one position, all beams in one forward, then
+        the next step's candidates."""
+        self.t += 1
+        self.cands = _next(self.batch, self.rows, self.running, self.s, self.t, self.max_new, self.stop_at,
+                           self.token_text)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Step t's candidates: the best n that finished join the finished beams, scored per token; the n
+        best run on (one that finished sinks below every live one), unless the search is over."""
+        n, cands, length = self.s.beams, self.cands, self.t + 1
         for score, row, st, hit in cands[:n]:
             if hit:
-                finished.append((_f32(score / length**LENGTH_PENALTY), _Beam(score, running[row].steps + (st,))))
-        finished = sorted(finished, key=lambda f: f[0], reverse=True)[:n]
+                self.finished.append((_f32(score / length**LENGTH_PENALTY), _Beam(score, self.running[row].steps + (st,))))
+        self.finished = sorted(self.finished, key=lambda f: f[0], reverse=True)[:n]
         if all(c[3] for c in cands):
-            break
-        # the n best candidates run on; one that finished sinks below every live one
+            return self._end()
         live = sorted(cands, key=lambda c: c[0] + FINISHED * c[3], reverse=True)[:n]
-        running = [_Beam(_f32(score + FINISHED * hit), running[row].steps + (st,)) for score, row, st, hit in live]
-        if len(finished) == n and running[0].score / length**LENGTH_PENALTY <= finished[-1][0]:
-            break
-        rows = [row for _, row, _, _ in live]
-        cands = run(functools.partial(_next, batch, rows, running, s, t + 1, max_new, stop_at, token_text))
-    done = [_finished(score, beam, stop_at, loaded.tokenizer) for score, beam in finished]
-    return done[0].stop, done, list(finished[0][1].steps), first
+        self.running = [_Beam(_f32(score + FINISHED * hit), self.running[row].steps + (st,))
+                        for score, row, st, hit in live]
+        if len(self.finished) == n and self.running[0].score / length**LENGTH_PENALTY <= self.finished[-1][0]:
+            return self._end()
+        self.rows = [row for _, row, _, _ in live]
+
+    def _end(self) -> None:
+        self.beams = [_finished(score, beam, self.stop_at, self.loaded.tokenizer) for score, beam in self.finished]
+        self.stop, self.steps = self.beams[0].stop, list(self.finished[0][1].steps)
+        self.done, self.batch = True, None
 
 
 @torch.inference_mode()

@@ -50,18 +50,28 @@ class Decoder:
         self.waiting = 0  # rows submitted, not yet admitted
         self.running: dict = {}  # key -> its rows admitted and not finished
         self.out: list[Event] = []
+        self.searches: list[tuple] = []  # (key, prompt index, decoding.beams.BeamSearch) of beam requests
         self.prefill_s = self.step_s = 0.0  # seconds reading prompts and stepping (the server's /health)
 
     def submit(self, key, request: Request) -> None:
-        """Queue a request's rows (one per choice); they are admitted at the next round."""
+        """Queue a request's rows (one per choice); they are admitted at the next round. A beam request's
+        prompts each start a search (a group of rows of its own) at the next round."""
+        if request.settings.mode == "beam":
+            from lmhead_cli.decoding.beams import BeamSearch
+
+            s = request.settings
+            for i, (ids, max_new) in enumerate(zip(request.prompts, request.max_tokens)):
+                stop_at = None if s.ignore_eos else request.eos
+                self.searches.append((key, i, BeamSearch(self.loaded, list(ids), s, max_new, stop_at)))
+            return
         rows = request.rows()
         if rows:
             self.queue.append([key, rows, 0])
             self.waiting += len(rows)
 
     def __len__(self) -> int:
-        """Rows waiting, being read or running."""
-        return self.waiting + len(self.batch)
+        """Rows waiting, being read or running (a beam search counts one)."""
+        return self.waiting + len(self.batch) + len(self.searches)
 
     @property
     def rows(self) -> int:
@@ -93,12 +103,35 @@ class Decoder:
             for key in [k for k in self.running if self.gone(k)]:  # their rows left at this step
                 del self.running[key]
             yield from self._drain()
+        if self.searches:
+            yield from self._search()
+
+    def _search(self) -> Iterator[Event]:
+        """One step of each beam search (the first: its prompt read, untimed), a finish for each that ends."""
+        going = []
+        for key, i, search in self.searches:
+            if self.gone(key):
+                continue
+            start = time.perf_counter()
+            if not search.started:
+                with self.loaded.execution.scope():
+                    search.start()
+                self.prefill_s += time.perf_counter() - start
+            else:
+                self.loaded.execution.run(search.step, units=max(len(search.rows), 1))
+                self.step_s += time.perf_counter() - start
+            if search.done:
+                yield Event(key, i, "finish", reason=search.stop, search=search)
+            else:
+                going.append((key, i, search))
+        self.searches = going
 
     def drop(self) -> list:
         """After a round that failed: every request in flight or waiting (their keys), all dropped."""
-        keys = list(dict.fromkeys([k for k in self.running] + [e[0] for e in self.queue]))
+        keys = list(dict.fromkeys([k for k in self.running] + [e[0] for e in self.queue] + [k for k, _, _ in self.searches]))
         self.batch = Batch(self.loaded, self.batch.chunk)
         self.queue.clear()
+        self.searches = []
         self.running.clear()
         self.waiting, self.out = 0, []
         return keys

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from lmhead_cli.decoding.beams import LENGTH_PENALTY, LENGTH_PENALTY_RULE, FinishedBeam, search  # noqa: F401
+from lmhead_cli.decoding.beams import LENGTH_PENALTY, LENGTH_PENALTY_RULE, FinishedBeam  # noqa: F401
 from lmhead_cli.decoding.decoder import decode
 from lmhead_cli.decoding.record import Step
 from lmhead_cli.decoding.request import Request
@@ -164,7 +164,9 @@ def _beams(loaded: Loaded, ids: list[int], s: Settings, max_new: int, stop_at: i
            on_text: Callable[[str], None] | None) -> Generation:
     """Beam search (beams > 1, decoding.beams): the best beam's text streamed once the search ends."""
     start = time.perf_counter()
-    stop, beams, steps, first = search(loaded, ids, s, max_new, stop_at, loaded.execution.run)
+    request = Request.of(s, [ids], max_new, eos=stop_at)
+    search = next(e.search for e in decode(loaded, [request]) if e.kind == "finish")
+    stop, beams, steps, first = search.stop, search.beams, search.steps, search.first
     sink, text = _Collect(on_text), Text(loaded.tokenizer)
     for st in steps:
         if st.id != stop_at:  # a final end-of-text is not text

@@ -61,7 +61,8 @@ class Event:
     """One thing the decoder made for choice `index` of request `key`, in order per choice:
     "admit" (the choice joined the running rows), "echo" (its prompt's scores), "token" (each token,
     with its whole record in token.step), "finish" (why it ended: "eos", "stop" or "length"; `tail`,
-    the text held back until then)."""
+    the text held back until then). A beam request (settings.beams > 1) gives one "finish" per prompt,
+    once its search ends, with the search (its finished beams, the best one's steps)."""
 
     key: Any
     index: int
@@ -71,3 +72,4 @@ class Event:
     reason: str | None = None
     tail: str = ""
     at: float | None = None  # "admit": time.perf_counter() when the choice was admitted
+    search: Any = None  # "finish" of a beam request's prompt: its decoding.beams.BeamSearch, done
