@@ -514,6 +514,20 @@ def test_the_start_up_line_shows_a_hostile_folder_name_escaped(tiny, tmp_path, m
     assert not any(ch in got.output for ch in "\x1b\x07\x9b\u2028")
 
 
+@pytest.mark.parametrize("host, url", [("::1", "http://[::1]:8000/v1"), ("127.0.0.1", "http://127.0.0.1:8000/v1"),
+                                       ("localhost", "http://localhost:8000/v1"), ("fe80::1%lo", "http://[fe80::1%25lo]:8000/v1")])
+def test_an_ipv6_host_is_in_brackets_in_the_url_shown(tiny, host, url):
+    """Issue 50: `serve --host ::1 --dry-run` printed http://::1:8000/v1, which no client can parse."""
+    from helpers import cli
+
+    from lmhead_cli import serve
+
+    assert serve.url(host, 8000) == url
+    got = cli("serve", "--model", str(tiny[0]), "--host", host, "--dry-run")
+    assert got.exit_code == 0, got.output
+    assert got.stdout.splitlines()[0].startswith(f"would serve {tiny[0].name} at {url} (")
+
+
 def test_the_command_ends_its_own_thread_pool_before_serving(tiny, monkeypatch):
     """`lmhead serve` loads on the main thread and decodes on the model's thread: the main thread's
     OpenMP helpers are ended before the server runs (libgomp throttles every thread's spin once the

@@ -66,7 +66,7 @@ def serve_cmd(
     if dry_run:
         app = serve.build(options, model)
         access = f"{'an API key' if api_key else 'no API key'}; CORS {'for ' + ', '.join(cors) if cors else 'off'}"
-        typer.echo(safe_text(f"would serve {app.state.served.name} at http://{host}:{port}/v1 ({access})"))
+        typer.echo(safe_text(f"would serve {app.state.served.name} at {serve.url(host, port)} ({access})"))
         for route in ROUTES:
             typer.echo(f"  {route}")
         return

@@ -49,6 +49,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def url(host: str, port: int) -> str:
+    """The API's base URL on `host`: an IPv6 address in brackets (http://[::1]:8000/v1, RFC 3986), its zone's
+    % written %25 (RFC 6874)."""
+    return f"http://[{host.replace('%', '%25')}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
 def check(options: Options) -> list[str]:
     """UsageError for a bad setting; the warnings to print before serving."""
     from lmhead_cli.errors import BadValue
@@ -104,6 +110,6 @@ def serve(options: Options, model, say=lambda line: print(line, file=sys.stderr,
     port = sock.getsockname()[1]  # --port 0: the one the system chose
     app = build(options, model)
     hand_over()  # the model's thread alone runs parallel work from here (the loading ran on this one)
-    say(f"lmhead serve: {app.state.served.name} at http://{options.host}:{port}/v1 "
+    say(f"lmhead serve: {app.state.served.name} at {url(options.host, port)} "
         f"(OpenAI API; Ctrl-C stops)")
     run(app, options.host, port, sock=sock)
