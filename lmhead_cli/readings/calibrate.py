@@ -170,8 +170,9 @@ class AtBeta:
 
 
 @torch.inference_mode()
-def at_beta(loaded: Loaded, spool: HiddenSpool, beta: float, chunk: int) -> AtBeta:
-    """One pass of the head over the spooled positions at inverse temperature β."""
+def at_beta(loaded: Loaded, spool: HiddenSpool, beta: float, chunk: int,
+            tick: Callable[[], None] | None = None) -> AtBeta:
+    """One pass of the head over the spooled positions at inverse temperature β; `tick()` after each chunk."""
     eng = loaded.engine
     nll = slope = curve = 0.0
     conf = []
@@ -190,17 +191,20 @@ def at_beta(loaded: Loaded, spool: HiddenSpool, beta: float, chunk: int) -> AtBe
         curve += float((square - mean.square()).clamp_min(0.0).double().sum())  # Var_β[z]
         conf.append(s.reciprocal().cpu())  # the top-1's probability: exp(β·0) / s
         del d, e, pd
+        if tick is not None:
+            tick()
     n = spool.n
     return AtBeta(nll / n, slope / n, curve / n, torch.cat(conf))
 
 
-def fit_temperature(loaded: Loaded, spool: HiddenSpool, chunk: int) -> tuple[float, AtBeta, int]:
+def fit_temperature(loaded: Loaded, spool: HiddenSpool, chunk: int,
+                    tick: Callable[[], None] | None = None) -> tuple[float, AtBeta, int]:
     """The β in [1/MAX_TEMPERATURE, 1/MIN_TEMPERATURE] that minimises the NLL: safeguarded Newton
     on the convex NLL(β). Returns (T = 1/β, the figures at β, head passes taken)."""
     lo, hi = 1 / MAX_TEMPERATURE, 1 / MIN_TEMPERATURE
     beta = 1.0
     for passes in range(1, MAX_PASSES + 1):
-        at = at_beta(loaded, spool, beta, chunk)
+        at = at_beta(loaded, spool, beta, chunk, tick)
         if at.slope > 0:
             hi = beta  # the NLL rises here: its minimum is at a smaller β
         else:
@@ -219,17 +223,27 @@ def fit_temperature(loaded: Loaded, spool: HiddenSpool, chunk: int) -> tuple[flo
 @torch.inference_mode()
 def calibrate_text(loaded: Loaded, text: str, *, bos: bool = False, stride: int | None = None,
                    chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Reliability, ECE, Brier, NLL and the fitted temperature over `text`'s scored positions."""
+    """Reliability, ECE, Brier, NLL and the fitted temperature over `text`'s scored positions.
+    `progress(done, total)` hears each chunk of the scoring, then (done = total) each chunk of the
+    temperature's passes: a caller that stops or pauses there (the server's page) can at every chunk."""
     ids = text_ids(loaded, check_text(text), bos)
     spool = HiddenSpool()
     try:
-        cols = score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk, progress=progress, on_hidden=spool.add)
+        heard = [0]  # score's total, which the fit's ticks repeat
+
+        def scoring(done: int, total: int) -> None:
+            heard[0] = total
+            progress(done, total)
+
+        cols = score_ids(loaded, ids, bos=bos, stride=stride, chunk=chunk, progress=progress and scoring,
+                         on_hidden=spool.add)
         scored = cols["scored"]
         confidence = cols["top_logprob"][scored].exp()
         correct = (cols["top_id"] == ids)[scored]
         bins, ece, brier = reliability(confidence, correct)
         nll = -float(cols["logprob"][scored].double().mean())
-        temperature, at, passes = fit_temperature(loaded, spool, cols["chunk"])
+        tick = None if progress is None else (lambda: progress(heard[0], heard[0]))
+        temperature, at, passes = fit_temperature(loaded, spool, cols["chunk"], tick)
     finally:
         spool.close()
     bins_t, ece_t, _ = reliability(at.confidence, correct)

@@ -88,7 +88,7 @@ def _page(served: Served, dependencies) -> APIRouter:
     from lmhead_cli.serve.page import router
 
     return router(served.model, run=served.worker.call, dependencies=dependencies, max_body=served.limits.max_body,
-                  name=served.name)
+                  name=served.name, pause=served.worker.interlude)
 
 
 def build_app(served: Served, page: APIRouter | None = None) -> FastAPI:

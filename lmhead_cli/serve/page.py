@@ -83,12 +83,14 @@ def too_long(message: str) -> RequestError:
 
 
 def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, dependencies=(),
-           max_body: int = MAX_BODY_BYTES, name: str | None = None):
+           max_body: int = MAX_BODY_BYTES, name: str | None = None, pause: Callable[[], None] | None = None):
     """The page's routes over one model (lmhead_cli.api.Model). `run(fn)`, if given, is an awaitable
     that runs fn() where the server runs its model work (Worker.call); by default fn runs in a worker
     thread, one at a time. `dependencies` (e.g. the server's API-key check) guard the JSON routes;
     the page's own files hold no data and are served to anyone. `name` is the name /api/info shows
-    (by default the source's, a local folder's last part)."""
+    (by default the source's, a local folder's last part). `pause()`, if given, runs at the end of each
+    piece of a reading (a chunk of score's, a pass of calibrate's fit): where `run` runs the work
+    (Worker.interlude), the other requests take their share of the model there."""
     from lmhead_cli.page import asset
     from lmhead_cli.render import html
     from lmhead_cli.render.calibrate import calibration_view
@@ -112,6 +114,8 @@ def router(model, *, run: Callable[[Callable[[], Any]], Any] | None = None, depe
         def check() -> None:
             if gone.is_set():
                 raise Cancelled("the client disconnected")
+            if pause is not None:
+                pause()
 
         def task():
             check()

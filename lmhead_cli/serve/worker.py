@@ -13,7 +13,9 @@ and to its first token (/health shows them): what a time to first token is made 
 The queue holds at most `max_queue` rows: a request that would go past it is refused at once
 (`Busy`, the server's 503 with Retry-After), never queued. Results go back to the request's own
 asyncio queue on the server's event loop. Other work (Worker.call: the page's readings) runs on the
-same thread between two rounds.
+same thread between two rounds, and gives the rows their share while it runs: at each of its pieces
+(a chunk of a score, a pass of a fit) it calls `interlude`, which runs rounds for as long as its last
+piece took, so a one-token completion waits one piece of a page's reading, not the whole of it.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class Worker:
         self.stopping = False
         self.busy = False  # the model's thread is running a round or a call
         self.timing = Timing()
+        self.piece = 0.0  # time.perf_counter() when a call's current piece began (interlude)
         self.thread = threading.Thread(target=self._loop, name="lmhead-model", daemon=True)
         self.thread.start()
 
@@ -178,25 +181,44 @@ class Worker:
         elif event.kind == "admit" and job.admitted is None:
             job.admitted = event.at
 
+    def interlude(self) -> None:
+        """Called by a call (the page's reading) at the end of each of its pieces, on the model's thread:
+        the rows that wait or run get rounds for as long as that piece took (a fair share: half the
+        model's time each while both have work), then the call goes on. Elsewhere, nothing."""
+        if threading.current_thread() is not self.thread:
+            return
+        now = time.perf_counter()
+        until = now + (now - self.piece)
+        while self._has_rows() and time.perf_counter() < until and not self.stopping:
+            self._round()
+        self.piece = time.perf_counter()
+
+    def _has_rows(self) -> bool:
+        return bool((self.decoder is not None and len(self.decoder)) or self.inbox)
+
     def _loop(self) -> None:
         while not self.stopping:
             self.busy = False
             calls = self._wait()
             self.busy = True  # /health shows it: work no client waits for must not keep it so
             for call in calls:
+                self.piece = time.perf_counter()
                 call()
-            if not ((self.decoder is not None and len(self.decoder)) or self.inbox):
-                continue
-            if self.decoder is None:
-                self.decoder = self.model.decoder(max_rows=self.max_rows, budget=self.max_tokens,
-                                                  arrivals=self._arrivals, cancelled=lambda job: job.cancelled)
-            try:
-                for event in self.decoder.round():
-                    self._event(event)
-            except Exception as e:  # noqa: BLE001 - every job in flight hears of it, the thread goes on
-                for job in self.decoder.drop():
-                    job.put(("error", e))
-            self.running = self.decoder.rows
-            self.timing.prefill_s, self.timing.step_s = self.decoder.prefill_s, self.decoder.step_s
-            self.batches += 1
-            self.timing.rounds += 1
+            if self._has_rows():
+                self._round()
+
+    def _round(self) -> None:
+        """One decoder round: arrivals admitted, prompts read, one step; its events to their jobs."""
+        if self.decoder is None:
+            self.decoder = self.model.decoder(max_rows=self.max_rows, budget=self.max_tokens,
+                                              arrivals=self._arrivals, cancelled=lambda job: job.cancelled)
+        try:
+            for event in self.decoder.round():
+                self._event(event)
+        except Exception as e:  # noqa: BLE001 - every job in flight hears of it, the thread goes on
+            for job in self.decoder.drop():
+                job.put(("error", e))
+        self.running = self.decoder.rows
+        self.timing.prefill_s, self.timing.step_s = self.decoder.prefill_s, self.decoder.step_s
+        self.batches += 1
+        self.timing.rounds += 1
