@@ -61,6 +61,34 @@ def check_finite(logits: torch.Tensor) -> None:
         raise NonFiniteLogits(f"the head produced {bad} non-finite logits (NaN or inf): {NON_FINITE_ADVICE}")
 
 
+SUM_BLOCK = 4096  # the elements of a row that ordered_sum adds as one block (16 KiB of float32)
+
+
+def ordered_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """Σ over the last dimension, (..., V) -> (...), in an order set by V alone: the thread count never
+    changes a bit of it.
+
+    torch splits a sum whose result is one number among its threads once the row holds 32,768 elements
+    (GPT-2's 50,257 logits): each thread count adds the same numbers in another order, and the last bits
+    of an entropy or a KL divergence differ with --threads. Here each row is cut into blocks of
+    SUM_BLOCK elements; torch adds each block whole (its threads share out blocks, never split one), then
+    the block sums and the tail's, a few numbers a row, in one pass no thread splits."""
+    V = x.shape[-1]
+    whole = V - V % SUM_BLOCK
+    if whole == 0:  # one short row is summed by one thread; many rows are shared out whole
+        return x.sum(-1, keepdim=keepdim)
+    total = x[..., :whole].unflatten(-1, (whole // SUM_BLOCK, SUM_BLOCK)).sum(-1).sum(-1, keepdim=keepdim)
+    return total + x[..., whole:].sum(-1, keepdim=keepdim) if whole < V else total
+
+
+def log_sum_exp(z: torch.Tensor) -> torch.Tensor:
+    """log Σ exp z over the last dimension, (..., V) -> (...), through ordered_sum (torch.logsumexp's sum
+    of one row depends on the thread count). z finite: the largest is taken out first, so nothing
+    overflows."""
+    top = z.amax(-1, keepdim=True)
+    return ordered_sum((z - top).exp_()).log_() + top[..., 0]
+
+
 def log_softmax(logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     """log p = z - logsumexp(z), in float32 whatever the model's dtype. (..., V) -> (..., V);
     a filtered token (-inf) gets -inf. `inplace` overwrites float32 logits with their log-probabilities,
@@ -68,7 +96,7 @@ def log_softmax(logits: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     if inplace:  # z - max, then - log Σ exp: one temporary (..., V) buffer (torch.logsumexp takes two)
         z = logits.float()
         z.sub_(z.amax(dim=-1, keepdim=True))
-        return z.sub_(z.exp().sum(dim=-1, keepdim=True).log_())
+        return z.sub_(ordered_sum(z.exp(), keepdim=True).log_())
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -81,7 +109,7 @@ def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     a one-hot distribution's -0.0 (or a rounding speck below 0) is 0, never "-0.0000" in a table.
     """
     p = logprobs.exp()
-    return (-p.mul_(logprobs).nan_to_num_(nan=0.0).sum(dim=-1)).clamp_min(0.0) + 0.0
+    return (-ordered_sum(p.mul_(logprobs).nan_to_num_(nan=0.0))).clamp_min(0.0) + 0.0
 
 
 def varentropy(logprobs: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,7 +120,7 @@ def varentropy(logprobs: torch.Tensor, h: torch.Tensor | None = None) -> torch.T
     h = entropy(logprobs) if h is None else h
     p = logprobs.exp()
     centred = (logprobs + h[..., None]).square_()
-    return p.mul_(centred).nan_to_num_(nan=0.0).sum(dim=-1).clamp_min(0.0) + 0.0
+    return ordered_sum(p.mul_(centred).nan_to_num_(nan=0.0)).clamp_min(0.0) + 0.0
 
 
 def margin(logprobs: torch.Tensor) -> torch.Tensor:
@@ -290,17 +318,17 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor, top: int = 0, kernel=Non
     gap = margin(z)  # (N,): the logits' gap is the log-probabilities'
     d = z.sub_(top_z[:, None])  # (N, V), ≤ 0, in the logits' place
     e = d.exp()
-    log_s = e.sum(-1).log_()  # (N,)
-    spread = e.mul_(d).sum(-1)  # Σ e·d, in e's place; a dropped token (-inf) makes 0·(-inf) = NaN
+    log_s = ordered_sum(e).log_()  # (N,)
+    spread = ordered_sum(e.mul_(d))  # Σ e·d, in e's place; a dropped token (-inf) makes 0·(-inf) = NaN
     dropped = not bool(torch.isfinite(spread).all())
     if dropped:
-        spread = e.nan_to_num_(nan=0.0).sum(-1)
+        spread = ordered_sum(e.nan_to_num_(nan=0.0))
     square = e.mul_(d)  # e·d², in e's place
     if dropped:
         square.nan_to_num_(nan=0.0)
     s = log_s.exp()
     h = (log_s - spread / s).clamp_min_(0.0) + 0.0  # never -0.0 or a rounding speck below 0
-    var = (square.sum(-1) / s - (spread / s).square()).clamp_min_(0.0) + 0.0
+    var = (ordered_sum(square) / s - (spread / s).square()).clamp_min_(0.0) + 0.0
     return _row_scores((picked[:, 0] - top_z) - log_s, rank, h, top_id, -log_s, top_z, best, var, gap)
 
 
@@ -347,7 +375,7 @@ def check_top_logprobs(n: int, vocab: int) -> None:
 def kl_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
     """KL(p‖q) = Σ p (log p − log q) in nats, for two distributions given by log-probabilities (V,)."""
     logp, logq = logp.double(), logq.double()
-    return float((logp.exp() * (logp - logq)).sum())
+    return float(ordered_sum(logp.exp() * (logp - logq)))
 
 
 def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
@@ -359,5 +387,5 @@ def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
 
 def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> float:
     """Total variation distance ½ Σ |p − q|: the most probability any set of tokens gains or loses, in [0, 1]."""
-    return float(0.5 * (logp.double().exp() - logq.double().exp()).abs().sum())
+    return float(0.5 * ordered_sum((logp.double().exp() - logq.double().exp()).abs()))
 

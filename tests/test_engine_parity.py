@@ -498,22 +498,23 @@ def test_residuals_build_their_mask_in_attention_s_dtype(tiny, monkeypatch):
 
 @pytest.mark.parametrize("path", ["compiled", "torch"])
 def test_more_positions_than_a_few_run_the_plain_product_in_every_form(tiny, path, monkeypatch):
-    """Above BLOCKED_MAX_ROWS positions the head is F.linear and a layer addmm, bit for bit, whatever
-    product form the few-position steps use (the compiled kernel's, or torch's own without it)."""
+    """Above the compiled kernels' rows (up to 16 of float32, tests/test_kernels.py) the head is F.linear
+    and a layer addmm, bit for bit, whatever product form the few-position steps use (the compiled
+    kernel's, or torch's own without it). (At fewer rows the kernel's sums and MKL's GEMM differ in the
+    last bits, and MKL's own differ with the thread count for 5 to 11 rows.)"""
     from lmhead_cli.engine import kernels
-    from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
 
     if path == "torch":
         monkeypatch.setattr(kernels, "load", lambda: None)
 
     for dtype in ("float32", "bfloat16"):
         eng = load_model(str(tiny[0]), device="cpu", dtype=dtype, engine="lean").engine
-        cache = eng.new_cache(1, 8)
-        h = eng.body(torch.tensor([prompt(BLOCKED_MAX_ROWS + 2)]), cache)  # (1, 6, D)
+        cache = eng.new_cache(1, kernels.STEP_MAX_ROWS + 4)
+        h = eng.body(torch.tensor([prompt(kernels.STEP_MAX_ROWS + 2)]), cache)  # (1, 18, D)
         for _ in range(2):  # one-position steps in between change nothing about the weights
             eng.head(eng.body(torch.tensor([[13]]), cache))
         layer = eng.gpt.h[0].mlp.c_fc
-        x = torch.randn(1, BLOCKED_MAX_ROWS + 2, layer.weight.shape[0], generator=torch.Generator().manual_seed(1))
+        x = torch.randn(1, kernels.STEP_MAX_ROWS + 2, layer.weight.shape[0], generator=torch.Generator().manual_seed(1))
         x = x.to(layer.weight.dtype)
         for form in eng.forms:
             eng.use_form(form)

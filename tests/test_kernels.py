@@ -623,17 +623,16 @@ def test_decoding_steps_attend_through_the_kernel_as_torch_does(tiny, monkeypatc
 
 
 def test_more_positions_than_a_few_never_take_the_few_row_products(tiny, monkeypatch):
-    """The head over many positions is one GEMM (F.linear), not the few-row forms. Mutant: the few-row
-    path taken whenever the engine has forms."""
+    """The head over more positions than the kernels take (float32's: 16) is one GEMM (F.linear), not the
+    few-row forms. Mutant: the few-row path taken whenever the engine has forms."""
     from lmhead_cli.engine import lean
-    from lmhead_cli.engine.products import BLOCKED_MAX_ROWS
 
     eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
     assert eng.forms
     taken = []
     plain = lean.few_rows_product
     monkeypatch.setattr(lean, "few_rows_product", lambda *a: taken.append(a[1].shape[0]) or plain(*a))
-    h = eng.body(torch.tensor([PROMPT_IDS[:BLOCKED_MAX_ROWS + 1]]))
+    h = eng.body(torch.tensor([(PROMPT_IDS * 4)[:kernels.STEP_MAX_ROWS + 1]]))
     taken.clear()
     eng.head(h)
     assert taken == []
@@ -642,11 +641,12 @@ def test_more_positions_than_a_few_never_take_the_few_row_products(tiny, monkeyp
 
 
 @needs_kernels
-def test_a_batched_step_of_up_to_sixteen_float32_rows_takes_the_kernel_head(tiny, monkeypatch):
-    """One position each of 5 to 16 rows (a batched decoding step) runs float32's head in the compiled
-    kernel (E read once for all rows), within float32 rounding of F.linear; 17 rows, bfloat16 rows, or
-    16 positions of one text run torch's GEMM. Mutants: the row bound off by one, the dtype or the
-    one-position check dropped."""
+def test_up_to_sixteen_float32_rows_take_the_kernel_head(tiny, monkeypatch):
+    """5 to 16 rows, one position each (a batched decoding step) or the positions of one short text,
+    run float32's head in the compiled kernel (E read once for all rows; the same bits at any thread
+    count, where MKL's GEMM changes 5 to 11 rows' last bits with it), within float32 rounding of
+    F.linear; 17 rows or bfloat16 rows run torch's GEMM. Mutants: the row bound off by one, the dtype
+    check dropped."""
     from lmhead_cli.engine import lean
 
     taken = []
@@ -660,10 +660,11 @@ def test_a_batched_step_of_up_to_sixteen_float32_rows_takes_the_kernel_head(tiny
             got = eng.head(h)
         assert taken == want, (dtype, rows)
         torch.testing.assert_close(got, torch.nn.functional.linear(h, eng.head_weight), rtol=1e-5, atol=1e-5)
-    taken.clear()
     eng = load_model(str(tiny[0]), device="cpu", engine="lean").engine
-    eng.head(torch.randn(1, 16, eng.head_weight.shape[1]))
-    assert taken == []
+    for positions, want in ((16, [16]), (17, [])):
+        taken.clear()
+        eng.head(torch.randn(1, positions, eng.head_weight.shape[1]))
+        assert taken == want, positions
 
 
 @needs_kernels

@@ -289,3 +289,64 @@ def test_forms_are_timed_even_with_a_fixed_count(monkeypatch, restore_threads):
         ex.run(lambda: seen.append((torch.get_num_threads(), eng.form)))
     assert seen == [(1, "gemv")] * 2 + [(1, "linear"), (1, "gemv")]
     assert ex.chooser.choices == [] and ex.chooser.form_choices == ["gemv"] and torch.get_num_threads() == 2
+
+
+# ---- the same numbers at any thread count ------------------------------------------------------------
+
+TIMING = {"elapsed_s", "first_token_s", "tokens_per_second", "decode_tokens_per_second"}
+PROMPT = "The keys on the table"
+SAME_AT_ANY_COUNT = {
+    "lens": ["lens", PROMPT],  # entropies and KL over 50,257 logits; the position map's head over 5 rows
+    "inspect": ["inspect", PROMPT],
+    "generate": ["generate", PROMPT, "--seed", "5", "--max-new-tokens", "8"],  # each step's record
+    "score-6": ["score", "The keys on the table are"],  # 6 positions: MKL split 5-11 rows by the count
+    "score-10": ["score", "A cat sat on the mat and it was warm"],
+    "score-long": ["score", " ".join(["The keys on the table are where we left them."] * 12)],
+}
+
+
+def _without_timing(doc):
+    if isinstance(doc, dict):
+        return {k: _without_timing(v) for k, v in doc.items() if k not in TIMING}
+    if isinstance(doc, list):
+        return [_without_timing(v) for v in doc]
+    return doc
+
+
+@pytest.mark.parametrize("name", SAME_AT_ANY_COUNT)
+def test_the_json_is_the_same_at_one_and_two_threads(tiny, restore_threads, name):
+    """docs/python-api.md's promise: --json is bit for bit the same for --threads 1 and 2 (timings aside).
+    Before: the sums over the vocabulary (entropy, KL, log-sum-exp, removed mass) were split among
+    torch's threads, and a short text's head ran MKL's GEMM, whose last bits follow the thread count for
+    5 to 11 rows."""
+    import json
+
+    docs = []
+    for count in ("1", "2"):
+        got = cli(*SAME_AT_ANY_COUNT[name], "--model", str(tiny[0]), "--threads", count, "--json")
+        assert got.exit_code == 0, got.output
+        docs.append(json.loads(got.stdout))
+    assert TIMING & set(docs[0]) == (TIMING if name == "generate" else set())  # what is left out exists
+    assert _without_timing(docs[0]) == _without_timing(docs[1])
+
+
+def test_ordered_sum_adds_in_an_order_the_thread_count_does_not_change(restore_threads):
+    """head.ordered_sum, which every sum over the vocabulary goes through: the same bits on 1 to 4
+    threads, for one row and for many, and the sum itself (float64 reference)."""
+    from lmhead_cli.head import SUM_BLOCK, log_sum_exp, ordered_sum
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(shape, generator=g) * 4 for shape in
+            [(50257,), (1, 50257), (3, 50257), (2, 152064), (SUM_BLOCK,), (SUM_BLOCK - 1,), (40000,)]]
+    seen = []
+    for count in (1, 2, 3, 4):
+        torch.set_num_threads(count)
+        seen.append([(ordered_sum(x), ordered_sum(x, keepdim=True), log_sum_exp(x)) for x in rows])
+    for later in seen[1:]:
+        for a, b in zip(seen[0], later):
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
+    for x, (total, kept, lse) in zip(rows, seen[0]):
+        want = x.double().sum(-1)
+        assert kept.shape == (*x.shape[:-1], 1) and torch.equal(kept[..., 0], total)
+        assert torch.allclose(total.double(), want, rtol=0, atol=1e-6 * x.abs().sum(-1).max().item())
+        assert torch.allclose(lse.double(), torch.logsumexp(x.double(), -1), rtol=1e-6, atol=0)

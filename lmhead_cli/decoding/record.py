@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.decoding.grammar import forced
-from lmhead_cli.head import check_finite, entropy, margin, ranks, varentropy
+from lmhead_cli.head import check_finite, entropy, margin, ordered_sum, ranks, varentropy
 
 # columns of a step record, then K alternative ids and K alternative log-probabilities
 ID, LOGPROB, LOGIT, ENTROPY, RANK, FINITE, RAW_LOGPROB, RAW_ENTROPY, REMOVED, GRAMMAR, FORCED = range(11)
@@ -84,7 +84,7 @@ def record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, chos
     picked, lp_entropy = logprobs.gather(-1, idx), entropy(logprobs)[:, None]
     if processed:
         # what the filters took away, in the model's own probabilities: the raw mass of every -inf token
-        removed = raw.exp().masked_fill(torch.isfinite(logprobs), 0.0).sum(-1, keepdim=True)  # (R, 1)
+        removed = ordered_sum(raw.exp().masked_fill(torch.isfinite(logprobs), 0.0), keepdim=True)  # (R, 1)
         raw_lp, raw_entropy = raw.gather(-1, idx), entropy(raw)[:, None]
     else:
         removed, raw_lp, raw_entropy = torch.zeros_like(lp_entropy), picked, lp_entropy

@@ -75,16 +75,17 @@ class LMHead(nn.Linear):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h2 = h.reshape(-1, h.shape[-1])  # (R, D)
-        if self.products.forms and (few_cpu_rows(h2) or self._batched_step(h, h2)):
+        if self.products.forms and (few_cpu_rows(h2) or self._kernel_rows(h2)):
             return few_rows_product(self.products.form, h2, self.weight, self.bias).view(*h.shape[:-1], -1)
         return super().forward(h)
 
-    def _batched_step(self, h: torch.Tensor, h2: torch.Tensor) -> bool:
-        """One position each of 5 to the kernel's f32_max_rows rows (a batched decoding step), float32:
-        the compiled kernel reads E once for all of them, where torch's GEMM took 2-3x as long for 16
-        rows on 2 threads. The positions of one text (score, lens) stay one GEMM, bit for bit F.linear."""
-        if not (self.products.form == "kernel" and h.dim() == 3 and h.shape[1] == 1 and h2.is_cpu
-                and h2.dtype == torch.float32):
+    def _kernel_rows(self, h2: torch.Tensor) -> bool:
+        """5 to the kernel's f32_max_rows rows, float32 (a batched decoding step, or a short text's positions
+        in score and lens): the compiled kernel reads E once for all of them, where torch's GEMM took 2-3x
+        as long for 16 rows on 2 threads; and each of its sums is one thread's, in one order, whatever the
+        thread count, where MKL's GEMM gives 5 to 11 rows other last bits on 2 threads than on 1 (more
+        rows are one GEMM, whose bits measured the same at any thread count)."""
+        if not (self.products.form == "kernel" and h2.is_cpu and h2.dtype == torch.float32):
             return False
         fast = kernels.load()
         return fast is not None and h2.shape[0] <= fast.f32_max_rows

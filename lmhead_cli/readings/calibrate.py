@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmhead_cli.head import ordered_sum
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.score import check_text, score_ids, text_ids
 
@@ -181,14 +182,14 @@ def at_beta(loaded: Loaded, spool: HiddenSpool, beta: float, chunk: int,
         d.sub_(d.amax(-1, keepdim=True))  # d = z - max z ≤ 0, in place: the statistics are shift-free in z
         dy = d.gather(-1, y.to(d.device)[:, None])[:, 0]  # (r,)
         e = torch.mul(d, beta).exp_()  # (r, V), the one other buffer: exp(β d), its max exactly 1
-        s = e.sum(-1)  # (r,)
+        s = ordered_sum(e)  # (r,)
         lse = s.log()
         pd = e.div_(s[:, None]).mul_(d)  # p·d in e's place
-        mean = pd.sum(-1)  # E_β[d]
-        square = torch.einsum("rv,rv->r", pd, d)  # E_β[d²], no third (r, V) buffer
-        nll += float((lse - beta * dy).double().sum())
-        slope += float((mean - dy).double().sum())
-        curve += float((square - mean.square()).clamp_min(0.0).double().sum())  # Var_β[z]
+        mean = ordered_sum(pd)  # E_β[d]
+        square = ordered_sum(pd.mul_(d))  # E_β[d²], p·d² in e's place: no third (r, V) buffer
+        nll += float(ordered_sum((lse - beta * dy).double()))
+        slope += float(ordered_sum((mean - dy).double()))
+        curve += float(ordered_sum((square - mean.square()).clamp_min(0.0).double()))  # Var_β[z]
         conf.append(s.reciprocal().cpu())  # the top-1's probability: exp(β·0) / s
         del d, e, pd
         if tick is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmhead_cli.errors import BadValue, NonFiniteLogits, OneToken, UsageError
-from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax
+from lmhead_cli.head import NON_FINITE_ADVICE, log_softmax, ordered_sum
 from lmhead_cli.loading.sources import Loaded
 from lmhead_cli.readings.agreement import Statistics, statistics
 from lmhead_cli.chunks import COMPARE_BUFFERS
@@ -256,7 +256,7 @@ def compare_ids(q: Loaded, base: Loaded, ids: torch.Tensor, *, bos: bool = False
             lp_q[lo:hi] = lq.gather(-1, tgt.to(lq.device))[:, 0].cpu()
             lp_b[lo:hi] = lb.gather(-1, tgt.to(lq.device))[:, 0].cpu()
             diff = lq.neg_().add_(lb)  # log p_base − log p_Q, in lq's place
-            kld[lo:hi] = diff.mul_(lb.exp_()).sum(-1).cpu()  # Σ_v p_base (log p_base − log p_Q), float32
+            kld[lo:hi] = ordered_sum(diff.mul_(lb.exp_())).cpu()  # Σ_v p_base (log p_base − log p_Q), float32
             del lq, lb, diff
             done += hi - lo
             if progress is not None:

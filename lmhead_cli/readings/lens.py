@@ -20,7 +20,8 @@ import torch
 
 from lmhead_cli.errors import BadValue
 from lmhead_cli.engine.base import module_name
-from lmhead_cli.head import Distribution, TargetScore, check_finite, clamp_top_k, encode_targets, kl_divergence
+from lmhead_cli.head import (Distribution, TargetScore, check_finite, clamp_top_k, encode_targets, kl_divergence,
+                             log_sum_exp)
 from lmhead_cli.chunks import default_chunk
 from lmhead_cli.readings.inspect import PromptToken, encode_prompt
 from lmhead_cli.loading.sources import Loaded
@@ -124,7 +125,7 @@ def top1_rows(eng, normed: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torc
         check_finite(z)
         best = z.max(-1)
         ids.append(best.indices)
-        probs.append((best.values - torch.logsumexp(z, -1)).exp())
+        probs.append((best.values - log_sum_exp(z)).exp())
     return torch.cat(ids), torch.cat(probs)
 
 

@@ -30,7 +30,7 @@ import torch
 from lmhead_cli.errors import BadValue, OneToken, UnsupportedModel, UsageError
 from lmhead_cli import inputs
 from lmhead_cli.readings.ranks import BUCKETS, ENTROPY_BUCKETS
-from lmhead_cli.head import check_top_logprobs, nats_to_bits, perplexity, score_rows
+from lmhead_cli.head import check_top_logprobs, nats_to_bits, ordered_sum, perplexity, score_rows
 from lmhead_cli.readings.batch import STDIN
 from lmhead_cli.readings.inspect import check_prompt
 from lmhead_cli.loading.sources import Loaded
@@ -364,7 +364,7 @@ def _score(loaded: Loaded, text: str, bos: bool, ids: torch.Tensor, cols: dict) 
     """The Score of `text` from its ids (T,) and the columns score_ids returned."""
     scored = cols["scored"]
     return Score(model=loaded.source, random_weights=loaded.random_weights, text=text, bos=bos,
-                 window=loaded.engine.n_ctx, ids=ids, nll=-float(cols["logprob"][scored].double().sum()),
+                 window=loaded.engine.n_ctx, ids=ids, nll=-float(ordered_sum(cols["logprob"][scored].double())),
                  bytes=scored_bytes(loaded, ids[scored]), token_text=loaded.tokenizer.token_text,
                  token_bytes=loaded.tokenizer.token_bytes, **cols)
 

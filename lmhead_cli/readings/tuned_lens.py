@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from lmhead_cli.errors import BadPath, CorruptCheckpoint, UnsupportedModel, WrongLens
+from lmhead_cli.head import ordered_sum
 from lmhead_cli.loading.sources import Loaded
 
 FORMAT = "lmhead-tuned-lens/1"
@@ -326,12 +327,12 @@ def mean_kl_to_final(loaded: Loaded, ids: list[int], lens: TunedLens | None = No
 
     final = logprobs(resid[-1])
     p = final.exp()
-    neg_entropy = (p * final).sum(-1)  # (T,)
+    neg_entropy = ordered_sum(p * final)  # (T,)
     out: dict[str, list[float]] = {"logit": []}
     if lens is not None:
         out["tuned"] = []
     for layer, h in enumerate(resid):
-        out["logit"].append(float((neg_entropy - (p * logprobs(h)).sum(-1)).double().mean()))
+        out["logit"].append(float((neg_entropy - ordered_sum(p * logprobs(h))).double().mean()))
         if lens is not None:
-            out["tuned"].append(float((neg_entropy - (p * logprobs(lens.translate(layer, h))).sum(-1)).double().mean()))
+            out["tuned"].append(float((neg_entropy - ordered_sum(p * logprobs(lens.translate(layer, h)))).double().mean()))
     return out
