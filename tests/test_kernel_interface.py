@@ -15,7 +15,8 @@ import pytest
 
 from lmhead_cli.engine import kernels
 
-C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double}
+C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double,
+           "int8_t": ctypes.c_int8, "uint8_t": ctypes.c_uint8, "uint16_t": ctypes.c_uint16}
 
 
 def _ctype(declared: str):
@@ -46,16 +47,16 @@ def header_functions(text: str) -> dict[str, tuple]:
 
 def header_structures(text: str) -> dict[str, list[tuple]]:
     """{name: [(field, ctypes type)]} for every `typedef struct {...} name;`, fields in order (an array
-    field as ctypes' array type, `const void *w[4]` -> c_void_p * 4)."""
-    found = {}
+    field as ctypes' array type, `const void *w[4]` -> c_void_p * 4; a length may be the header's macro)."""
+    found, numbers = {}, kernels.header_constants(text)
     for m in re.finditer(r"typedef struct \{(.*?)\}\s*(\w+);", _declarations(text), re.S):
         fields = []
         for statement in filter(None, (s.strip() for s in m[1].split(";"))):
             base, first = re.match(r"((?:const\s+)?\w+)\s*(.*)", statement, re.S).groups()
             for declarator in first.split(","):
-                star, name, length = re.match(r"\s*(\*?)\s*(\w+)\s*(?:\[(\d+)\])?", declarator).groups()
+                star, name, length = re.match(r"\s*(\*?)\s*(\w+)\s*(?:\[(\w+)\])?", declarator).groups()
                 t = _ctype(base + (" *" if star else ""))
-                fields.append((name, t * int(length) if length else t))
+                fields.append((name, t * int(numbers.get(length, length)) if length else t))
         found[m[2]] = fields
     return found
 
@@ -88,9 +89,9 @@ def mismatches(text: str, functions: dict, structures: dict) -> list[str]:
                             f"({', '.join(map(_shown, declared[name][1]))}), kernels.py {_shown(functions[name][0])}"
                             f"({', '.join(map(_shown, functions[name][1]))})")
     laid = header_structures(text)
-    for name in sorted(set(laid) | set(structures)):
-        if name not in structures or name not in laid:
-            problems.append(f"struct {name}: declared {'only in the header' if name in laid else 'only in kernels.py'}")
+    for name in sorted(structures):  # the structures ctypes passes (GGUF's blocks are read by engine/quant.py)
+        if name not in laid:
+            problems.append(f"struct {name}: declared only in kernels.py")
             continue
         want, got = laid[name], list(structures[name]._fields_)
         if [n for n, _ in want] != [n for n, _ in got] or not all(_same_type(a, b) for (_, a), (_, b) in zip(want, got)):
@@ -108,8 +109,8 @@ def test_kernels_py_declares_what_the_header_declares():
     text = kernels.HEADER.read_text(encoding="utf-8")
     functions, structures = python_side()
     # the parser reads the whole header (so that an empty reading cannot pass)
-    assert set(header_functions(text)) == set(functions) and len(functions) == 14
-    assert set(header_structures(text)) == {"lmhead_layer", "lmhead_model"}
+    assert set(header_functions(text)) == set(functions) and len(functions) >= 14
+    assert {"lmhead_layer", "lmhead_model"} <= set(header_structures(text))
     assert [n for n, _ in header_structures(text)["lmhead_model"]][:3] == ["layers", "L", "D"]
     assert kernels.FUNCTIONS == tuple(kernels.KERNEL_FUNCTIONS)
     assert mismatches(text, functions, structures) == []
