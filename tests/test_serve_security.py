@@ -235,8 +235,8 @@ def test_a_connection_that_never_sends_a_byte_is_closed(server):
 
 
 def test_thousands_of_idle_connections_leave_the_server_answering_without_a_traceback_storm(tiny):
-    """With 400 file descriptors, 1,200 idle connections: past its bound the server closes new ones at
-    once; the idle ones time out; /health answers again; the log stays a few lines."""
+    """With 400 file descriptors, 1,200 idle connections: past its bound a new one closes the one idle
+    the longest; the idle ones time out; /health answers; the log stays a few lines."""
     import resource
 
     port = free_port()
