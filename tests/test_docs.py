@@ -44,7 +44,7 @@ SHELLS = {"", "bash", "console", "sh", "shell"}
 # whose float32 sums no longer depend on the thread count: their tables were wider than 100 columns and
 # are now fitted, and some last digits move between runs. Every other page, README.md included, is
 # checked line by line and digit by digit.
-LOOSE = {"commands.md", "compare.md"}
+LOOSE = {"commands.md"}
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<what>\w+)\s*(?P<rest>.*?)\s*-->\s*$")
 TIMEOUT = 600
 COLUMNS = "100"  # the width the pages' outputs are copied at (`python tests/test_docs.py PAGE.md`)
