@@ -96,7 +96,9 @@ def record(logits: torch.Tensor, raw: torch.Tensor, logprobs: torch.Tensor, chos
         cols += [torch.full_like(removed, NO_GRAMMAR).double(), torch.zeros_like(removed).double()]
     else:
         free = allowed.all(-1, keepdim=True)  # rows without a grammar
-        by_grammar = raw.exp().masked_fill(allowed, 0.0).sum(-1, keepdim=True)  # (R, 1) raw mass it forbade
+        # (R, 1) raw mass it forbade, summed in the order `removed` is: with no filter after the grammar
+        # the two masks are the same, so what the filters removed is exactly 0, not a rounding residue
+        by_grammar = ordered_sum(raw.exp().masked_fill(allowed, 0.0), keepdim=True)
         cols += [by_grammar.masked_fill(free, NO_GRAMMAR).double(), forced(allowed)[:, None].double()]
     if k:
         alt_lp, alt_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
