@@ -39,12 +39,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELLS = {"", "bash", "console", "sh", "shell"}
-# Pages whose examples are still checked the old way (the first line, table headers and error lines,
-# any number standing for any number), until their outputs are copied again at 100 columns from a run
-# whose float32 sums no longer depend on the thread count: their tables were wider than 100 columns and
-# are now fitted, and some last digits move between runs. Every other page, README.md included, is
-# checked line by line and digit by digit.
-LOOSE = {"commands.md"}
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<what>\w+)\s*(?P<rest>.*?)\s*-->\s*$")
 TIMEOUT = 600
 COLUMNS = "100"  # the width the pages' outputs are copied at (`python tests/test_docs.py PAGE.md`)
@@ -56,7 +50,6 @@ class Command:
     shown: list[str]  # the output the page shows for it
     lineno: int
     tolerance: dict[str, float] = field(default_factory=dict)  # shown number -> how far the real one may be
-    loose: bool = False  # a page of LOOSE: its first line, headers and errors, any number for any number
 
 
 @dataclass
@@ -149,7 +142,7 @@ def _example(page: Path, lineno: int, lang: str, body: list[str], markers) -> Ex
     if not commands:
         return None
     for cmd in commands:
-        cmd.tolerance, cmd.loose = tolerance, page.name in LOOSE and page.parent.name == "docs"
+        cmd.tolerance = tolerance
     return Example(page, lineno, "shell", text, commands, skip, exit_code)
 
 
@@ -224,26 +217,12 @@ def check(cmd: Command, code: int, out: str, err: str, exit_code: int | None) ->
             if set(real) != set(doc):
                 problems.append(f"JSON keys differ: page {sorted(doc)}, real {sorted(real)}")
             return problems
-    if cmd.loose:
-        return problems + loose_check(cmd, out, err)
     out_words, err_words = words(out), words(err)
     for s in key_lines(cmd.shown):
         w = words(s)
         if not (contains(out_words, w, cmd.tolerance) or contains(err_words, w, cmd.tolerance)):
             problems.append(f"not printed: {s.strip()!r}")
     return problems
-
-
-def loose_check(cmd: Command, out: str, err: str) -> list[str]:
-    """A LOOSE page's check: its first shown line, table headers and error lines, numbers as any number."""
-    def shape(text: str) -> list[str]:
-        return ["#" if any(c.isdigit() for c in w) else w for w in BOX.split(text) if w]
-
-    shown = [s for s in cmd.shown if s.strip()]
-    keep = [s for n, s in enumerate(shown) if not s.lstrip().startswith(("...", "…"))
-            and (n == 0 or "┃" in s or s.startswith("lmhead: error:"))]
-    return [f"not printed: {s.strip()!r}" for s in keep
-            if not (contains(shape(out), shape(s)) or contains(shape(err), shape(s)))]
 
 
 # ---- running ----------------------------------------------------------------------------------------
