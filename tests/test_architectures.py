@@ -451,6 +451,7 @@ def _with_rope(llama, tmp_path, rope):
     ({"full_attention": {"rope_type": "linear", "factor": "x"}}, "rope_scaling.full_attention's factor must be a"),
     ("x", "rope_scaling must be an object of RoPE settings, not \"x\""),
 ])
+@pytest.mark.slow
 def test_rope_scaling_of_the_wrong_type_is_one_lmhead_line(llama, tmp_path, rope, message):
     """One line naming the config and the setting, exit 1. As a user meets it, in a fresh process with
     transformers' logging on, for a flat and a nested setting: no transformers warning, printed twice,

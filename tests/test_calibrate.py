@@ -108,6 +108,7 @@ def test_golden_min_finds_the_least_point_of_a_convex_function():
 
 
 @pytest.mark.parametrize("bos,stride", [(False, 128), (True, 200)])
+@pytest.mark.slow
 def test_every_bin_ece_brier_nll_and_temperature_match_transformers(model, oracle, bos, stride):
     ids = model.encode(TEXT)
     assert len(ids) > 256  # several windows

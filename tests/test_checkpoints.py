@@ -331,6 +331,7 @@ def test_a_tensor_that_is_not_floating_point_is_refused_before_use(tiny, tmp_pat
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json", "vocab.json", "tokenizer.json"])
+@pytest.mark.slow
 def test_a_fifo_in_a_checkpoint_is_refused_without_blocking(tiny, tmp_path, name):
     folder = copy_of(tiny[0], tmp_path)
     (folder / name).unlink(missing_ok=True)

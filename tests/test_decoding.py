@@ -165,6 +165,7 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.slow
 def test_sampling_frequencies_match_the_processed_probabilities(name):
     logprobs = log_softmax(decoding.process(LOGITS, SETTINGS[name].pipeline()))[None]  # (1, V)
     probs = logprobs.exp()[0]

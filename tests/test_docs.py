@@ -336,6 +336,7 @@ def models_once(monkeypatch):
 
 
 @pytest.mark.parametrize("page", SHELL_PAGES, ids=_id)
+@pytest.mark.slow
 def test_shell_examples(page, tmp_path, monkeypatch, models_once):
     """Each command of the page exits as shown and prints the shape of the output the page shows."""
     monkeypatch.setenv("NO_COLOR", "1")

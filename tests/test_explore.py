@@ -279,6 +279,7 @@ def test_markup_like_tokens_are_shown_as_they_are(tiny):
     assert "│ [/ " in got.stdout and "[/ rank" in got.stdout  # the explore table and the lens header
 
 
+@pytest.mark.slow
 def test_explore_completion_and_offline_advice(tiny, monkeypatch):
     drawn = []  # rows of each table drawn line by line by render.big_table (rich took ~50 s for this one)
 
@@ -321,6 +322,7 @@ SESSION = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_explore_sessions_sharing_a_history_keep_both(tmp_path):
     path = tmp_path / "history"
     path.write_text("from before\n")

@@ -160,6 +160,7 @@ def server_answer(served, values: dict, mode: str, prompt: str = PROMPT, n: int 
     return out
 
 
+@pytest.mark.slow
 def test_the_same_request_is_the_same_answer_at_every_door(tiny, model):
     """Each stage's request (and temperature 0) gives the same tokens and log p from the CLI's --json, from
     Model.generate(...).to_dict() and from a real server: alone, in the API's batch of 16 (the request

@@ -238,6 +238,7 @@ def test_sampling_non_finite_logits_is_one_line_not_an_unexpected_error(tmp_path
     assert len(got.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_piping_into_head_ends_quietly(tiny):
     cmd = (f"{sys.executable} -m lmhead_cli greedy {PROMPT!r} --max-new-tokens 300 --ignore-eos "
            f"--model {tiny[0]} | head -c 30; exit ${{PIPESTATUS[0]}}")

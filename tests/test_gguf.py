@@ -62,6 +62,7 @@ def lmhead_logits(m, ids=IDS) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_logits_equal_transformers_on_the_dequantised_weights(arch, qtype, request, tmp_path):
     folder, model = request.getfixturevalue(arch)
     path = tmp_path / f"tiny-{qtype}.gguf"
@@ -101,6 +102,7 @@ def test_k_quant_dequantisation_is_ggufs_on_whole_blocks(gpt2, tmp_path):
     assert torch.equal(got, ref.t()) and ref.std() > 0
 
 
+@pytest.mark.slow
 def test_the_header_lmhead_reads_is_the_one_ggufs_reader_reads(gpt2, tmp_path):
     from gguf import GGUFReader
 
@@ -323,6 +325,7 @@ def test_claims_the_metadata_makes_are_bounded_before_anything_is_built(gpt2, ll
              tensors={"token_embd.weight": table.flatten(), "output.weight": table})
 
 
+@pytest.mark.slow
 def test_a_llama_context_beyond_the_bound_runs_at_the_bound(llama, tmp_path):
     """A Llama's context_length is a claim no tensor checks: 2^40 with no end token made n_ctx (and a
     request without a token limit) unbounded. It runs at MAX_CONTEXT, announced."""

@@ -159,6 +159,7 @@ def test_add_bos_token_false_in_the_metadata_turns_bos_off(spm, tmp_path):
 # ---- byte-level BPE: gpt-2, llama-bpe, qwen2, smollm -----------------------------------------------
 
 @pytest.mark.parametrize("pre, bos", [("gpt-2", False), ("llama-bpe", True), ("qwen2", False)])
+@pytest.mark.slow
 def test_byte_level_ids_are_transformers_gguf_ids_on_hostile_text(gpt2, tmp_path, pre, bos):
     """GPT-2's vocabulary under each pre-tokenizer's regex; BOS by llama.cpp's default for it (on for
     llama-bpe); `<|endoftext|>` inside a text stays one control token."""

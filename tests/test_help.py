@@ -28,6 +28,7 @@ def test_top_help_says_how_to_set_the_default_model():
 
 
 @pytest.mark.parametrize("name", sorted(GROUP.commands))
+@pytest.mark.slow
 def test_help_example_runs_offline(name):
     line = example(name)
     stdin = None

@@ -109,6 +109,7 @@ def test_stdin_that_is_not_utf8_is_a_usage_error_and_explore_goes_on(tiny):
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["params"], ["toy", "--json"], ["inspect", "--help"]])
+@pytest.mark.slow
 def test_a_full_stdout_is_one_line_and_exit_1(args):
     with open("/dev/full", "w") as full:
         got = launch(*args, stdout=full, stderr=subprocess.PIPE, text=True)
@@ -117,6 +118,7 @@ def test_a_full_stdout_is_one_line_and_exit_1(args):
 
 
 @pytest.mark.parametrize("args", [["--help"], ["params"], ["toy"]])
+@pytest.mark.slow
 def test_a_closed_pipe_exits_0_quietly(args):
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first byte
@@ -127,6 +129,7 @@ def test_a_closed_pipe_exits_0_quietly(args):
     assert got.returncode == 0 and got.stderr == ""
 
 
+@pytest.mark.slow
 def test_closed_stdout_and_stdin(tiny):
     got = launch("params", stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
     assert got.returncode == 1 and got.stderr == "lmhead: error: stdout is closed; there is nowhere to write the output\n"

@@ -197,6 +197,7 @@ def test_real_gpt2_prefers_are_after_plural_subject(real_gpt2):
     assert are.logit > is_.logit
 
 
+@pytest.mark.slow
 def test_piping_into_head_ends_quietly(tiny):
     import subprocess
     import sys

@@ -275,6 +275,7 @@ def test_lmhead_kernels_0_turns_them_off():
     assert run_load({"LMHEAD_KERNELS": "0"}) == "none: LMHEAD_KERNELS=0"
 
 
+@pytest.mark.slow
 def test_lmhead_kernels_picks_a_variant_this_cpu_runs():
     assert run_load({"LMHEAD_KERNELS": "base"}) == "loaded"
     said = run_load({"LMHEAD_KERNELS": "no-such-variant"})
@@ -350,6 +351,7 @@ def test_a_module_without_the_kernels_symbols_is_refused(module_at, tmp_path):
 
 
 @needs_kernels
+@pytest.mark.slow
 def test_no_command_compiles_or_opens_code_under_the_cache_folders(tmp_path):
     """In a fresh process with HOME and XDG_CACHE_HOME in a temporary folder and a `cc` on PATH that
     records being called: int8, bfloat16 and float32 commands (whose kernels load) start no compiler,

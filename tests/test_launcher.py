@@ -27,6 +27,7 @@ def both(*args: str, **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.
     ["inspect", PROMPT, "--top-k", "0"],  # a usage error: exit 2, one line
     ["inspect", PROMPT, "--model", "/"],  # a folder that holds no model: a runtime error, exit 1
 ])
+@pytest.mark.slow
 def test_a_forked_lmhead_writes_what_a_fresh_one_writes(tiny, args):
     forked, fresh = both(*args, env={"LMHEAD_MODEL": str(tiny[0])}, text=True)
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
@@ -34,6 +35,7 @@ def test_a_forked_lmhead_writes_what_a_fresh_one_writes(tiny, args):
         assert json.loads(forked.stdout)["model"] == str(tiny[0])
 
 
+@pytest.mark.slow
 def test_the_child_takes_the_requests_folder_stdin_and_exit_code(tiny, tmp_path):
     (tmp_path / "prompts.txt").write_text("The keys on the table\nHello\n")
     got = launch("inspect", "--file", "prompts.txt", "--json", "--model", str(tiny[0]), cwd=tmp_path, text=True)

@@ -34,6 +34,7 @@ def readouts(model, layer: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("engine", ["lean", "transformers"])
+@pytest.mark.slow
 def test_each_neurons_top_tokens_are_its_value_vectors_readout(ckpt, engine):
     folder, model = ckpt
     loaded = load_model(str(folder), device="cpu", engine=engine)
@@ -191,6 +192,7 @@ def test_bad_input_is_one_line(tiny, args, message):
     assert len(lines) == 1 and message in lines[0]
 
 
+@pytest.mark.slow
 def test_a_layers_table_is_bounded_and_one_neurons_is_capped_at_the_vocabulary(tiny):
     """Issue 50: `neurons --layer 0 --top 100000` was still running after 15 s at 980 MB."""
     from lmhead_cli.readings.neurons import MAX_TABLE_TOKENS

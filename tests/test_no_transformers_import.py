@@ -38,6 +38,7 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.slow
 def test_lean_path_never_imports_transformers(name, tiny, tmp_path):
     folder, _ = tiny
     report = tmp_path / "report.json"

@@ -125,6 +125,7 @@ def test_the_q8_0_kernel_is_the_dequantised_product_and_its_layout_the_header_s(
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_top5_and_kl_against_transformers_on_the_dequantised_weights(kind, qtype, request, tmp_path):
     model = request.getfixturevalue(kind)
     path = tmp_path / f"{kind}-{qtype}.gguf"
@@ -146,6 +147,7 @@ def test_top5_and_kl_against_transformers_on_the_dequantised_weights(kind, qtype
     assert float(kl.max()) <= KL_BOUND[qtype], float(kl.max())
 
 
+@pytest.mark.slow
 def test_memory_of_a_loaded_q8_0_file_is_at_most_1_3x_its_size(tmp_path):
     """Peak resident memory (ru_maxrss) in a fresh process: after a tiny model of the same vocabulary
     has loaded and run (the runtime: torch, lmhead, the tokenizer), then after loading the Q8_0 file and
@@ -192,6 +194,7 @@ def _doc(*args) -> dict:
 @pytest.mark.parametrize("command", [
     ("inspect", TEXT, "-k", "3"), ("score", TEXT), ("lens", TEXT), ("attribute", TEXT, "-t", " the"),
     ("neurons", "--layer", "1", "--top", "3"), ("neurons", TEXT, "--target", " the"), ("calibrate", TEXT)])
+@pytest.mark.slow
 def test_every_reading_runs_on_a_q8_0_llama(files, command):
     folder, _ = files
     d = _doc(*command, "--model", str(folder / "tiny-Q8_0.gguf"))

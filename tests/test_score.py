@@ -116,6 +116,7 @@ def long_text(tiny):
 
 
 @pytest.mark.parametrize("stride", [512, 1024])
+@pytest.mark.slow
 def test_windows_match_the_procedure_on_transformers(tiny, long_text, stride, monkeypatch):
     loaded, text = long_text
     eng, rows, lengths = loaded.engine, [], []

@@ -264,6 +264,7 @@ COMPANY_BOUND = {"float32": 1e-4, "bfloat16": 0.05, "int8": 1e-4}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.slow
 def test_16_concurrent_clients_keep_their_logprobs_within_the_dtypes_bound(tiny, dtype):
     """Issue 50: with --dtype bfloat16 one greedy request's logprobs moved by up to 0.014-0.032 beside
     15 others (an earlier step's code). docs/serve.md's table says what holds per dtype; this holds it
@@ -355,6 +356,7 @@ def test_key_body_limit_and_logprobs_cap(strict):
     assert r.status_code == 400 and "between 0 and 100" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_full_queue_is_503_with_retry_after_and_a_gone_client_stops_its_work(strict):
     auth = {"Authorization": f"Bearer {KEY}"}
     # 4 rows of 1,000 tokens, run one at a time: while the first runs, 3 wait. A 1-row request sent next runs
@@ -671,6 +673,7 @@ def test_rows_join_and_leave_a_running_batch_each_equal_to_its_answer_alone(serv
     assert (tokens, finish) == (tok_a, fin_a) and "".join(tokens) == text_a and logprobs == pytest.approx(lp_a, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_request_with_many_choices_never_holds_a_one_row_request_behind_all_of_its_rows(tiny):
     """Two rows at a time: a request of 8 choices fills both; a 1-row request sent after it takes the next
     free row (round-robin across requests), so it ends while most of the 8 still wait."""
@@ -712,6 +715,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_step(ser
 
 
 @pytest.mark.parametrize("route", ["/api/score", "/api/calibrate"])
+@pytest.mark.slow
 def test_a_completion_passes_the_pages_long_reading(tiny, route):
     """Issue 50: the page's POST /api/calibrate held the model 15 s and a one-token /v1/completions sent
     1 s later waited 14 s; /api/score's 20,000 tokens would hold it ~160 s. The page's reading now gives

@@ -155,6 +155,7 @@ def long_text(tokenizer) -> str:
     return text
 
 
+@pytest.mark.slow
 def test_page_score_is_cancelled_when_its_client_goes_and_its_queue_is_bounded(tiny):
     import lmhead_cli
 
@@ -198,6 +199,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server):
     assert r.status_code == 400 and "tokens plus max_tokens" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_long_tokenization_does_not_block_other_clients(server):
     """/health asked again and again while another client's 7.5 MB text is tokenized: on the event loop,
     one of them would wait for the whole tokenization (3 to 4 s of the request's time); off it, none
@@ -228,12 +230,14 @@ def test_a_long_tokenization_does_not_block_other_clients(server):
 
 # ---- 3. connections, memory, Content-Length ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_connection_that_never_sends_a_byte_is_closed(server):
     port = int(server.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         assert s.recv(1) == b""  # closed by the server (a timeout here raises instead)
 
 
+@pytest.mark.slow
 def test_thousands_of_idle_connections_leave_the_server_answering_without_a_traceback_storm(tiny):
     """With 400 file descriptors, 1,200 idle connections: past its bound a new one closes the one idle
     the longest; the idle ones time out; /health answers; the log stays a few lines."""
@@ -277,6 +281,7 @@ def test_thousands_of_idle_connections_leave_the_server_answering_without_a_trac
     assert "Traceback" not in log and len(log.splitlines()) < 20, log[-3000:]
 
 
+@pytest.mark.slow
 def test_the_logprob_budget_bounds_the_server_not_only_a_request(server):
     ids = list(range(1000, 1039))
     r = post(server, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 50257})

@@ -245,6 +245,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow
 def test_a_sixth_stage_reaches_the_cli_the_api_the_server_presets_and_the_stage_table(tiny):
     folder, hf = tiny
     with torch.no_grad():

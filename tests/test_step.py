@@ -113,6 +113,7 @@ NEW = 12
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_compiled_steps_give_transformers_logits_and_greedy_ids(ragged, dtype, rows, monkeypatch):
     """Every step's logits equal transformers' forward over the row alone (no cache, no padding) at that
     position, and the greedy ids equal transformers' generate(): one row, and five left-padded rows of
@@ -138,6 +139,7 @@ def test_compiled_steps_give_transformers_logits_and_greedy_ids(ragged, dtype, r
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_compiled_steps_equal_the_torch_path(ragged, dtype, rows, monkeypatch):
     """The same steps with the compiled step turned off (LMHEAD_STEP=0: the engine's modules, its
     products and attention kernels): the same greedy ids, the logits within float rounding (bfloat16:
@@ -155,6 +157,7 @@ def test_compiled_steps_equal_the_torch_path(ragged, dtype, rows, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.slow
 def test_float32_columns_cross_their_chunks(wide, threads, monkeypatch):
     """D = 384: on one thread the product's sums for four rows take its 1536 columns in two chunks; the
     logits are transformers' on one and on two threads, for 1 and 4 rows."""
@@ -302,6 +305,7 @@ def decode_whole(eng, prompts: list[list[int]], n: int, plain: bool = False) -> 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 4, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_whole_steps_equal_transformers_and_the_torch_path_around_the_blocks(ragged, dtype, rows, monkeypatch):
     """Token to logits in one call (the embeddings, the blocks, ln_f, the head): transformers' logits at
     every step, and the torch path's (Engine.last_logits: the modules around the compiled blocks) within

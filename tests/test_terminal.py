@@ -304,6 +304,7 @@ WIDE_OUTPUTS = [  # the commands whose tables and captions overflowed 80 columns
 
 @pytest.mark.parametrize("args", WIDE_OUTPUTS, ids=lambda a: " ".join(w for w in a[:4] if w.startswith("-") or
                                                                         w == a[0]))
+@pytest.mark.slow
 def test_at_80_columns_every_line_fits(tiny, monkeypatch, args):
     """At COLUMNS=80 no line of stdout is wider than 80 cells: tables wrap their text cells and leave
     columns out in their stated order (saying which), captions wrap at words, and no figure is cut."""

@@ -175,6 +175,7 @@ def test_the_command_line_s_threads_spin_a_millisecond_unless_the_user_set_how_t
         assert wait == {name: user[1] if name == user[0] else None for name in threads.WAIT_SETTINGS}
 
 
+@pytest.mark.slow
 def test_the_command_sets_the_spin_before_torch_is_imported(tiny):
     """OpenMP reads its wait settings once, when torch's import starts it: `lmhead`'s entry point sets
     them first (the process is the command's own)."""
@@ -192,6 +193,7 @@ def test_the_command_sets_the_spin_before_torch_is_imported(tiny):
     assert out.stderr.split()[-2:] == ["100000", "True"]
 
 
+@pytest.mark.slow
 def test_the_api_leaves_the_host_process_as_it_found_it(tiny):
     """In a fresh interpreter: load() (a chosen and a fixed thread count, float32 and int8) plus score,
     generate, inspect, lens and a file of prompts leave os.environ, torch's thread count and glibc's

@@ -132,6 +132,7 @@ def test_the_training_loss_is_the_kl_to_the_final_distribution(loaded):
     assert t.tokens == len(ids) and t.seq == 64
 
 
+@pytest.mark.slow
 def test_training_lowers_the_kl_and_is_seeded(loaded):
     text = " ".join(f"The {w} on the table is {c}." for w in ("key", "book", "cup", "pen") for c in ("red", "old"))
     a = tune_lens(loaded, TextSource(text=text), TuneSettings(steps=12, batch=2, seq=16, lr=3e-2, warmup=2))
