@@ -347,6 +347,13 @@ def test_a_llama_context_beyond_the_bound_runs_at_the_bound(llama, tmp_path):
 
     with serving(path) as s:  # a real server process: its page's /api/info said n_ctx 1,099,511,627,776
         assert web.get(s.url + "/api/info", timeout=60).json()["n_ctx"] == MAX_CONTEXT
+        # with no end token, a chat answer without max_tokens would run to the context's end: refused
+        chat = {"messages": [{"role": "user", "content": "Hi"}]}
+        r = web.post(s.url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert "no end-of-text token" in r.json()["error"]["message"]
+        r = web.post(s.url + "/v1/chat/completions", json={**chat, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
 
 
 def _array(key: str, item: int, count: int, items: bytes) -> bytes:

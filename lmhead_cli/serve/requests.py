@@ -409,6 +409,9 @@ class ChatRequest(Sampled):
         check_ids(prompt, info, "the rendered messages", "messages")
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         if max_tokens is None:
+            if info.eos is None:  # nothing would end the answer but the context (up to 131,072 tokens)
+                raise bad("max_tokens", f"this model has no end-of-text token, so an answer without max_tokens "
+                                        f"would run to the end of its context of {info.n_ctx:,} tokens: give it")
             if info.n_ctx - len(prompt) < 1:
                 raise bad("messages", f"the messages are {len(prompt):,} tokens, which leaves no room in the "
                                       f"model's context of {info.n_ctx:,}")
