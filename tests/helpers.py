@@ -10,6 +10,7 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
+import pytest
 import torch
 
 # Where the user's real Hugging Face cache is, read before any test redirects HF_HOME.
@@ -940,3 +941,17 @@ def gguf_oracle(model, written: dict):
         for name, t in state.items():
             twin.get_parameter(name).copy_(t.reshape(twin.get_parameter(name).shape))
     return twin, state
+
+
+def refused_gguf(model, folder: Path, says: str, error, **kwargs) -> None:
+    """A GGUF written with write_gguf(**kwargs) is refused with `error` saying `says`, by load() and by
+    the command line in one line (exit 1)."""
+    import lmhead_cli
+
+    path = folder / "bad.gguf"
+    write_gguf(model, path, "F32", **kwargs)
+    with pytest.raises(error) as e:
+        lmhead_cli.load(str(path), device="cpu")
+    assert says in str(e.value), str(e.value)
+    out = cli("inspect", PROMPT, "--model", str(path))
+    assert out.exit_code == 1 and says in out.stderr and out.stderr.count("\n") == 1, out.output

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from helpers import (PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, cli, gguf_oracle,
+from helpers import (PROMPT, PROMPT_IDS, _tokenizer_files, build_checkpoint, cli, gguf_oracle, refused_gguf,
                      gpt2_tokens, web, write_gguf)
 
 import lmhead_cli
@@ -266,13 +266,7 @@ def test_a_tensor_type_the_reader_cannot_dequantise_is_refused(ttype, says, tmp_
 # ---- refusals: the metadata against the tensors -------------------------------------------------------
 
 def _refusal(model, tmp_path, says, error=CorruptCheckpoint, **kwargs):
-    path = tmp_path / "bad.gguf"
-    write_gguf(model, path, "F32", **kwargs)
-    with pytest.raises(error) as e:
-        lmhead_cli.load(str(path), device="cpu")
-    assert says in str(e.value), str(e.value)
-    out = cli("inspect", PROMPT, "--model", str(path))
-    assert out.exit_code == 1 and says in out.stderr and out.stderr.count("\n") == 1, out.output
+    refused_gguf(model, tmp_path, says, error, **kwargs)
 
 
 def test_an_architecture_lmhead_does_not_run(gpt2, tmp_path):

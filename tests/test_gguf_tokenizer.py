@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPT, build_checkpoint, cli, free_port, web, write_gguf
+from helpers import PROMPT, build_checkpoint, cli, free_port, refused_gguf, web, write_gguf
 from llama_tokenizers import spm_gguf_vocab, train_sentencepiece, train_tokenizers_llama
 
 import lmhead_cli
@@ -194,13 +194,7 @@ def test_smollm_splits_every_digit_as_llama_cpp_does(gpt2, tmp_path):
 # ---- refusals --------------------------------------------------------------------------------------
 
 def _refused(model, tmp_path, says: str, error=UnsupportedModel, **kwargs) -> None:
-    path = tmp_path / "bad.gguf"
-    write_gguf(model, path, "F32", **kwargs)
-    with pytest.raises(error) as e:
-        lmhead_cli.load(str(path), device="cpu")
-    assert says in str(e.value), str(e.value)
-    out = cli("inspect", PROMPT, "--model", str(path))
-    assert out.exit_code == 1 and says in out.stderr and out.stderr.count("\n") == 1, out.output
+    refused_gguf(model, tmp_path, says, error, **kwargs)
 
 
 def test_an_unknown_tokenizer_model_or_pre_tokenizer_is_one_line_naming_it(gpt2, tmp_path):
