@@ -12,8 +12,14 @@ alternating between rounds), so the two see the same load; the ratio is the medi
 of each pair's ratio, which a machine whose load drifts between rounds leaves alone (the rates
 themselves, medians too, move with it).
 
-The issue also asks for llama-server's `json_schema` rate on the same weights in the same run. That
-needs llama.cpp built here (benchmarks/llamacpp.py build); where it is not, the row says "not run".
+llama-server runs in the same rounds on the same weights: the benchmark's checkpoint (benchmarks/checkpoint.py:
+GPT-2 124M's shapes, seeded random weights), which lmhead reads from its folder and llama-server from its F32
+GGUF (benchmarks/llamacpp.py convert), started as versus_llamacpp.py starts it (its Server, `-t 2`, one
+slot). Each of its runs is one /completion request of the same prompt, free or with the same schema as its
+`json_schema` field (llama.cpp's own schema-to-grammar), greedy (temperature 0) or sampled (temperature 1,
+seed 1, its top-k/top-p/min-p off); its rate is its own `timings.predicted_per_second`. Its ratios are
+medians of per-round pairs too. Where llama.cpp is not built (benchmarks/llamacpp.py build) its rows say
+"not run".
 
     python benchmarks/grammar_bench.py [--quick] [--write]   # --write: its section in RESULTS.md
 """
@@ -21,6 +27,7 @@ needs llama.cpp built here (benchmarks/llamacpp.py build); where it is not, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,6 +42,8 @@ PROMPT = "The keys on the table"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["story"],
           "properties": {"story": {"type": "string"}}}
 TARGET = 0.85  # constrained rate / free rate, each mode
+TARGET_LLAMA = 1.0  # lmhead's constrained rate / llama-server's constrained rate, each mode
+THREADS = 2
 BEGIN, END = "<!-- grammar: begin -->", "<!-- grammar: end -->"
 
 
@@ -45,35 +54,48 @@ def load() -> float:
 def measure(quick: bool) -> dict:
     import lmhead_cli
 
+    from checkpoint import gpt2_small
+
     new_tokens, rounds = (32, 3) if quick else (48, 11)
-    model = lmhead_cli.load("random:gpt2")
+    folder = gpt2_small()
+    model = lmhead_cli.load(str(folder), device="cpu")
     modes = {"greedy": {"greedy": True}, "sampled": {"temperature": 1.0, "seed": 1}}
     model.generate(PROMPT, max_new_tokens=4, json_schema=SCHEMA, **modes["sampled"])  # compile and warm once
-    runs: dict = {(m, c): [] for m in modes for c in ("free", "schema")}
-    start_load = load()
-    t0 = time.perf_counter()
-    for r in range(rounds):
-        for m, kw in modes.items():
-            order = ("free", "schema") if r % 2 == 0 else ("schema", "free")
-            for c in order:
-                g = model.generate(PROMPT, max_new_tokens=new_tokens, **kw,
-                                   **({"json_schema": SCHEMA} if c == "schema" else {})).reading
-                runs[(m, c)].append({"rate": g.decode_tokens_per_second, "tokens": len(g.generated_ids),
-                                     "stop": g.stop, "ids": g.generated_ids})
-    out = {"quick": quick, "new_tokens": new_tokens, "rounds": rounds, "load_start": start_load, "load_end": load(),
-           "seconds": time.perf_counter() - t0, "source": model.provenance.products, "modes": {}}
+    runs: dict = {(e, m, c): [] for e in ("lmhead", "llama") for m in modes for c in ("free", "schema")}
+    with contextlib.ExitStack() as stack:
+        server, note = llama_server(folder, stack)
+        start_load = load()
+        t0 = time.perf_counter()
+        for r in range(rounds):
+            for m, kw in modes.items():
+                order = ("free", "schema") if r % 2 == 0 else ("schema", "free")
+                for c in order:
+                    g = model.generate(PROMPT, max_new_tokens=new_tokens, **kw,
+                                       **({"json_schema": SCHEMA} if c == "schema" else {})).reading
+                    runs[("lmhead", m, c)].append({"rate": g.decode_tokens_per_second,
+                                                   "tokens": len(g.generated_ids), "ids": g.generated_ids})
+                for c in order if server else ():
+                    runs[("llama", m, c)].append(llama_run(server, m, c == "schema", new_tokens))
+        out = {"quick": quick, "new_tokens": new_tokens, "rounds": rounds, "load_start": start_load,
+               "load_end": load(), "seconds": time.perf_counter() - t0, "source": model.provenance.products,
+               "threads": THREADS, "modes": {}, "llama_server": note}
     for m in modes:
-        free = statistics.median(x["rate"] for x in runs[(m, "free")])
-        ruled = statistics.median(x["rate"] for x in runs[(m, "schema")])
-        pairs = [b["rate"] / a["rate"] for a, b in zip(runs[(m, "free")], runs[(m, "schema")])]
-        out["modes"][m] = {"free_tok_s": free, "schema_tok_s": ruled, "ratio": statistics.median(pairs),
-                           "pair_ratios": pairs,
-                           "schema_tokens": [x["tokens"] for x in runs[(m, "schema")]],
-                           "free_runs": [x["rate"] for x in runs[(m, "free")]],
-                           "schema_runs": [x["rate"] for x in runs[(m, "schema")]]}
-    out["mask_us"] = mask_cost(model, runs[("sampled", "schema")][-1]["ids"])
-    out["llama_server"] = llama_server_note()
+        out["modes"][m] = {**rates(runs, "lmhead", m), "llama": rates(runs, "llama", m) if server else None}
+        if server:
+            out["modes"][m]["versus_llama"] = statistics.median(
+                a["rate"] / b["rate"] for a, b in zip(runs[("lmhead", m, "schema")], runs[("llama", m, "schema")]))
+    out["mask_us"] = mask_cost(model, runs[("lmhead", "sampled", "schema")][-1]["ids"])
     return out
+
+
+def rates(runs: dict, engine: str, m: str) -> dict:
+    """One engine's free and constrained rates in one mode (medians) and their ratio (median of the pairs)."""
+    free, ruled = runs[(engine, m, "free")], runs[(engine, m, "schema")]
+    pairs = [b["rate"] / a["rate"] for a, b in zip(free, ruled)]
+    return {"free_tok_s": statistics.median(x["rate"] for x in free),
+            "schema_tok_s": statistics.median(x["rate"] for x in ruled), "ratio": statistics.median(pairs),
+            "pair_ratios": pairs, "schema_tokens": [x["tokens"] for x in ruled],
+            "free_runs": [x["rate"] for x in free], "schema_runs": [x["rate"] for x in ruled]}
 
 
 def mask_cost(model, ids: list[int], repeats: int = 20) -> float:
@@ -94,36 +116,77 @@ def mask_cost(model, ids: list[int], repeats: int = 20) -> float:
     return best
 
 
-def llama_server_note() -> str:
-    """Why llama-server's json_schema rate is not in this run."""
+def llama_server(folder: Path, stack: contextlib.ExitStack):
+    """llama-server on the checkpoint's F32 GGUF, started as versus_llamacpp.py starts it and stopped when
+    `stack` closes, after one warm-up request of each kind; (None, why not) where llama.cpp is not built."""
     import llamacpp
+    from versus_llamacpp import Server, free_port
 
     where = llamacpp.binary("llama-server")
     if where is None:
-        return "not run: llama-server is not built on this machine (python benchmarks/llamacpp.py build)"
-    return f"not run: {where} is built, but this script does not drive llama-server yet"
+        return None, "not run: llama-server is not built on this machine (python benchmarks/llamacpp.py build)"
+    try:
+        gguf = llamacpp.convert(folder)["F32"]
+    except llamacpp.Unavailable as e:
+        return None, f"not run: {e}"
+    port = free_port()
+    server = stack.enter_context(Server([str(where), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                         "-t", str(THREADS), "-np", "1", "-c", "1024"], port))
+    for schema in (False, True):
+        llama_run(server, "sampled", schema, 4)
+    return server, f"{gguf.name}, `llama-server -t {THREADS} -np 1 -c 1024`, {llamacpp.version()}"
+
+
+def llama_run(server, mode: str, schema: bool, new_tokens: int) -> dict:
+    """One /completion request: its decode rate (`timings.predicted_per_second`) and tokens made."""
+    import httpx
+
+    body = {"prompt": PROMPT, "n_predict": new_tokens, "cache_prompt": False,
+            **({"temperature": 0} if mode == "greedy" else
+               {"temperature": 1.0, "seed": 1, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
+            **({"json_schema": SCHEMA} if schema else {})}
+    r = httpx.post(server.url + "/completion", json=body, timeout=600)
+    r.raise_for_status()
+    t = r.json()["timings"]
+    return {"rate": float(t["predicted_per_second"]), "tokens": int(t["predicted_n"]), "text": r.json()["content"]}
 
 
 def report(r: dict) -> str:
     lines = [BEGIN, "## Structured output: a JSON schema's cost (benchmarks/grammar_bench.py)", "",
-             f"random:gpt2 (GPT-2 124M's shapes, random weights), float32 on the CPU ({r['source']}), one process, "
-             f"{r['rounds']} rounds of up to {r['new_tokens']} tokens, free and constrained runs alternating"
-             f"{' (--quick)' if r['quick'] else ''}. The schema: one free string in an object "
-             f"(`{json.dumps(SCHEMA)}`). Steady rate (tokens after the first per second after it), medians; the ratio "
-             f"is the median of each round's constrained/free pair (run back to back). "
+             f"The benchmark's checkpoint (GPT-2 124M's shapes, seeded random weights), float32 on the CPU "
+             f"({r['source']}), one process, {r['rounds']} rounds of up to {r['new_tokens']} tokens, free and "
+             f"constrained runs alternating{' (--quick)' if r['quick'] else ''}. The schema: one free string in an "
+             f"object (`{json.dumps(SCHEMA)}`). Steady rate (tokens after the first per second after it), medians; "
+             f"the ratio is the median of each round's constrained/free pair (run back to back). "
              f"Load average (1 min) {r['load_start']:.2f} at the start, {r['load_end']:.2f} at the end.", "",
              "| mode | free tok/s | JSON schema tok/s | ratio (median of pairs) | pairs, lowest-highest | target | "
              "tokens per constrained run |",
              "|---|---:|---:|---:|---|---|---|"]
     for m, x in r["modes"].items():
-        ok = "✅" if x["ratio"] >= TARGET else "❌"
         lines.append(f"| {m} | {x['free_tok_s']:.1f} | {x['schema_tok_s']:.1f} | {x['ratio']:.3f}x | "
-                     f"{min(x['pair_ratios']):.2f}-{max(x['pair_ratios']):.2f} | {ok} >= {TARGET}x | "
+                     f"{min(x['pair_ratios']):.2f}-{max(x['pair_ratios']):.2f} | {mark(x['ratio'], TARGET)} | "
                      f"{', '.join(map(str, x['schema_tokens']))} |")
     lines += ["", f"The grammar's own work per step (llguidance's mask as a bool tensor over the 50,257 tokens, and "
                   f"the advance), replayed on a constrained run's tokens: {r['mask_us']:.0f} µs (best of 20 passes).",
-              "", f"llama-server's `json_schema` on the same weights: {r['llama_server']}.", ""]
-    return "\n".join(lines + [END]) + "\n"
+              "", "### Against llama-server's `json_schema`, same weights, same rounds", ""]
+    if not any(x["llama"] for x in r["modes"].values()):
+        return "\n".join(lines + [f"llama-server: {r['llama_server']}.", "", END]) + "\n"
+    lines += [f"llama-server: {r['llama_server']}; its rate is its own `timings.predicted_per_second`, its run "
+              f"after lmhead's in each round. lmhead / llama-server is the median of each round's pair of "
+              f"constrained rates.", "",
+              "| mode | llama-server free tok/s | llama-server JSON schema tok/s | its schema/free (median of pairs) | "
+              "tokens per its constrained run | lmhead schema / llama-server schema | target |",
+              "|---|---:|---:|---:|---|---:|---|"]
+    for m, x in r["modes"].items():
+        y = x["llama"]
+        lines.append(f"| {m} | {y['free_tok_s']:.1f} | {y['schema_tok_s']:.1f} | {y['ratio']:.3f}x | "
+                     f"{', '.join(map(str, y['schema_tokens']))} | {x['versus_llama']:.3f}x | "
+                     f"{mark(x['versus_llama'], TARGET_LLAMA)} |")
+    return "\n".join(lines + ["", END]) + "\n"
+
+
+def mark(ratio: float, target: float) -> str:
+    return f"{'✅' if ratio >= target else '❌'} >= {target}x"
 
 
 def main() -> None:

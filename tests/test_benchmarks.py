@@ -285,3 +285,43 @@ def test_batching_clock_and_section_from_two_health_readings(tmp_path):
     kept = md.read_text()
     assert kept.count(batching_bench.BEGIN) == 1 and versus_llamacpp.section_in(kept) == versus_llamacpp.report(_figures())
     assert versus_llamacpp.section_in(kept, batching_bench.BEGIN, batching_bench.END) == text
+
+
+# ---- grammar_bench.py -----------------------------------------------------------------------------
+
+def _grammar_figures(llama: bool) -> dict:
+    import grammar_bench
+
+    runs = {("lmhead", "greedy", "free"): [20.0, 10.0], ("lmhead", "greedy", "schema"): [18.0, 9.5],
+            ("llama", "greedy", "free"): [25.0, 30.0], ("llama", "greedy", "schema"): [12.0, 15.0]}
+    runs = {k: [{"rate": v, "tokens": 48 - i, "ids": [1, 2]} for i, v in enumerate(vs)] for k, vs in runs.items()}
+    mode = {**grammar_bench.rates(runs, "lmhead", "greedy"),
+            "llama": grammar_bench.rates(runs, "llama", "greedy") if llama else None}
+    if llama:
+        mode["versus_llama"] = 1.4
+    return {"quick": False, "new_tokens": 48, "rounds": 2, "load_start": 1.5, "load_end": 2.25, "source": "src",
+            "threads": 2, "modes": {"greedy": mode}, "mask_us": 42.0,
+            "llama_server": "g.gguf, `llama-server -t 2`" if llama else "not run: llama-server is not built"}
+
+
+def test_grammar_rates_are_medians_and_ratios_medians_of_the_pairs():
+    import grammar_bench
+
+    r = _grammar_figures(True)["modes"]["greedy"]
+    assert r["free_tok_s"] == 15.0 and r["schema_tok_s"] == 13.75
+    assert r["pair_ratios"] == [0.9, 0.95] and r["ratio"] == pytest.approx(0.925)
+    assert r["llama"]["ratio"] == pytest.approx((12 / 25 + 15 / 30) / 2) and r["llama"]["schema_tokens"] == [48, 47]
+    assert grammar_bench.mark(0.85, 0.85).startswith("✅") and grammar_bench.mark(0.84, 0.85).startswith("❌")
+
+
+def test_grammar_report_has_lmheads_and_llama_servers_rows_and_the_load():
+    import grammar_bench
+
+    text = grammar_bench.report(_grammar_figures(True))
+    assert text.startswith(grammar_bench.BEGIN) and text.endswith(grammar_bench.END + "\n")
+    assert "Load average (1 min) 1.50 at the start, 2.25 at the end" in text
+    assert "| greedy | 15.0 | 13.8 | 0.925x | 0.90-0.95 | ✅ >= 0.85x | 48, 47 |" in text
+    assert "| greedy | 27.5 | 13.5 | 0.490x | 48, 47 | 1.400x | ✅ >= 1.0x |" in text
+    assert "llama-server: g.gguf, `llama-server -t 2`;" in text and "42 µs" in text
+    bare = grammar_bench.report(_grammar_figures(False))
+    assert "llama-server: not run: llama-server is not built." in bare and "llama-server free tok/s" not in bare
