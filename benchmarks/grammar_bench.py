@@ -175,14 +175,18 @@ def report(r: dict) -> str:
               f"after lmhead's in each round. lmhead / llama-server is the median of each round's pair of "
               f"constrained rates.", "",
               "| mode | llama-server free tok/s | llama-server JSON schema tok/s | its schema/free (median of pairs) | "
-              "tokens per its constrained run | lmhead schema / llama-server schema | target |",
+              "its runs, lowest-highest (free; schema) | lmhead schema / llama-server schema | target |",
               "|---|---:|---:|---:|---|---:|---|"]
     for m, x in r["modes"].items():
         y = x["llama"]
         lines.append(f"| {m} | {y['free_tok_s']:.1f} | {y['schema_tok_s']:.1f} | {y['ratio']:.3f}x | "
-                     f"{', '.join(map(str, y['schema_tokens']))} | {x['versus_llama']:.3f}x | "
+                     f"{span(y['free_runs'])}; {span(y['schema_runs'])} | {x['versus_llama']:.3f}x | "
                      f"{mark(x['versus_llama'], TARGET_LLAMA)} |")
     return "\n".join(lines + ["", END]) + "\n"
+
+
+def span(rates: list[float]) -> str:
+    return f"{min(rates):.1f}-{max(rates):.1f}"
 
 
 def mark(ratio: float, target: float) -> str:

@@ -311,6 +311,7 @@ def test_grammar_rates_are_medians_and_ratios_medians_of_the_pairs():
     assert r["free_tok_s"] == 15.0 and r["schema_tok_s"] == 13.75
     assert r["pair_ratios"] == [0.9, 0.95] and r["ratio"] == pytest.approx(0.925)
     assert r["llama"]["ratio"] == pytest.approx((12 / 25 + 15 / 30) / 2) and r["llama"]["schema_tokens"] == [48, 47]
+    assert grammar_bench.span([3.0, 1.25, 2.0]) == "1.2-3.0"
     assert grammar_bench.mark(0.85, 0.85).startswith("✅") and grammar_bench.mark(0.84, 0.85).startswith("❌")
 
 
@@ -321,7 +322,7 @@ def test_grammar_report_has_lmheads_and_llama_servers_rows_and_the_load():
     assert text.startswith(grammar_bench.BEGIN) and text.endswith(grammar_bench.END + "\n")
     assert "Load average (1 min) 1.50 at the start, 2.25 at the end" in text
     assert "| greedy | 15.0 | 13.8 | 0.925x | 0.90-0.95 | ✅ >= 0.85x | 48, 47 |" in text
-    assert "| greedy | 27.5 | 13.5 | 0.490x | 48, 47 | 1.400x | ✅ >= 1.0x |" in text
+    assert "| greedy | 27.5 | 13.5 | 0.490x | 25.0-30.0; 12.0-15.0 | 1.400x | ✅ >= 1.0x |" in text
     assert "llama-server: g.gguf, `llama-server -t 2`;" in text and "42 µs" in text
     bare = grammar_bench.report(_grammar_figures(False))
     assert "llama-server: not run: llama-server is not built." in bare and "llama-server free tok/s" not in bare
