@@ -1,6 +1,7 @@
 """Structured output's cost (issue 49): lmhead's decoding rate under a JSON schema against its own free
-decoding, in one process on random:gpt2 (GPT-2 124M's shapes, random weights: the real model's speed,
-offline), alternating free and constrained runs so that both see the same machine.
+decoding, in one process on the benchmark's checkpoint (random:gpt2's shapes, GPT-2 124M, with seeded random
+weights: the real model's speed, offline; a folder, so that llama-server can read the same weights as GGUF),
+alternating free and constrained runs so that both see the same machine.
 
 Each run is one `Model.generate` of up to NEW_TOKENS tokens after the same prompt, greedy and sampled
 (temperature 1, seeded); its steady rate is `decode_tokens_per_second` (tokens after the first over
