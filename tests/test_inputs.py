@@ -108,11 +108,12 @@ def test_stdin_that_is_not_utf8_is_a_usage_error_and_explore_goes_on(tiny):
     assert "» The keys on the table" in got.stdout
 
 
+@pytest.mark.parametrize("buffered", ["", "1"], ids=["buffered", "unbuffered"])  # PYTHONUNBUFFERED, as users have it
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["params"], ["toy", "--json"], ["inspect", "--help"]])
 @pytest.mark.slow
-def test_a_full_stdout_is_one_line_and_exit_1(args):
+def test_a_full_stdout_is_one_line_and_exit_1(args, buffered):
     with open("/dev/full", "w") as full:
-        got = launch(*args, stdout=full, stderr=subprocess.PIPE, text=True)
+        got = launch(*args, stdout=full, stderr=subprocess.PIPE, text=True, env={"PYTHONUNBUFFERED": buffered})
     assert got.returncode == 1, got.stderr
     assert got.stderr == "lmhead: error: cannot write the output: No space left on device\n"
 

@@ -375,6 +375,7 @@ def run(app) -> None:
     except OutputError as e:  # --help or --version into a full disk: click lets it through
         say(f"lmhead: error: {e.strerror}")
         code = 1
+        quiet_stdout()  # said once: what is still buffered goes nowhere, not into a second error line
     try:  # what is still buffered must get out too
         sys.stdout.flush()
     except BrokenPipeError:
