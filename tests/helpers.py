@@ -820,6 +820,49 @@ def from_gguf_layout(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
+def k_quantize(w, qtype: str):
+    """w (rows, cols) float32 quantised to Q4_K or Q6_K blocks (uint8, (rows, cols / 256 × block bytes)), as
+    llama.cpp lays them out (quantize_row_q4_K_ref, quantize_row_q6_K_ref), with the simplest scales: each
+    sub-block's range mapped onto its quants (no search for the best scale, so a little coarser than
+    llama-quantize's; gguf-py cannot quantise to these types)."""
+    import numpy as np
+
+    rows, cols = w.shape
+    f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    if qtype == "Q6_K":  # 16 sub-blocks of 16: w = d · sc · (q − 32), sc int8, q 0..63
+        b = w.reshape(-1, 16, 16).astype(np.float32)
+        scale = np.abs(b).max(-1) / 31  # (blocks, 16)
+        d = f16(scale.max(-1, keepdims=True) / 127)
+        sc = np.where(d > 0, np.rint(scale / np.where(d > 0, d, 1)), 0).clip(-128, 127)
+        step = (d * sc)[..., None]
+        q = (np.where(step > 0, np.rint(b / np.where(step > 0, step, 1)), 0).clip(-32, 31) + 32).astype(np.uint8)
+        q = q.reshape(-1, 2, 4, 32)  # (blocks, half, quarter, l)
+        ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                             (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], -1)  # (blocks, 2, 64)
+        qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+        out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8),
+                              d.astype(np.float16).view(np.uint8)], -1)
+    else:  # Q4_K: 8 sub-blocks of 32: w = d · sc · q − dmin · m, sc and m 6 bits, q 0..15
+        b = w.reshape(-1, 8, 32).astype(np.float32)
+        lo, hi = np.minimum(b.min(-1), 0), b.max(-1)
+        scale, mn = (hi - lo) / 15, -lo
+        d, dmin = f16(scale.max(-1, keepdims=True) / 63), f16(mn.max(-1, keepdims=True) / 63)
+        sc = np.where(d > 0, np.rint(scale / np.where(d > 0, d, 1)), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin > 0, np.rint(mn / np.where(dmin > 0, dmin, 1)), 0).clip(0, 63).astype(np.uint8)
+        step = (d * sc)[..., None]
+        q = np.where(step > 0, np.rint((b + (dmin * m)[..., None]) / np.where(step > 0, step, 1)), 0)
+        q = q.clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+        qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+        packed = np.zeros((len(b), 12), dtype=np.uint8)  # get_scale_min_k4's packing, undone
+        packed[:, 0:4], packed[:, 4:8] = sc[:, :4], m[:, :4]
+        packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+        packed[:, 0:4] |= (sc[:, 4:] >> 4) << 6
+        packed[:, 4:8] |= (m[:, 4:] >> 4) << 6
+        out = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8),
+                              packed, qs], -1)
+    return np.ascontiguousarray(out).reshape(rows, -1)
+
+
 def k_quant_blocks(qtype: str, rows: int, cols: int, seed: int = 0):
     """Raw Q4_K or Q6_K blocks (uint8, (rows, cols / 256 × block bytes)) with random quants and small
     finite float16 scales: the gguf package dequantises these types but cannot quantise to them."""
@@ -839,12 +882,12 @@ def k_quant_blocks(qtype: str, rows: int, cols: int, seed: int = 0):
 
 
 def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = None, meta: dict | None = None,
-               drop: tuple[str, ...] = (), k_seed: int = 0, arch: str | None = None) -> dict[str, tuple[str, object]]:
+               drop: tuple[str, ...] = (), arch: str | None = None) -> dict[str, tuple[str, object]]:
     """A GGUF file of a transformers GPT-2 or Llama (GPT-2's tokenizer), written with gguf.GGUFWriter:
     matrices in `qtype` where their rows fit its block (else F32), vectors in F32, as llama.cpp's
-    quantiser does. F16, BF16, Q8_0, Q4_0 through gguf.quants.quantize; Q4_K and Q6_K from raw blocks
-    (k_quant_blocks). `tensors` replaces tensors (GGUF names), `meta` adds or replaces metadata keys
-    (value, or (value, GGUFValueType)), `drop` leaves keys or tensors out, `arch` replaces
+    quantiser does. F16, BF16, Q8_0, Q4_0 through gguf.quants.quantize; Q4_K and Q6_K through
+    k_quantize. `tensors` replaces tensors (GGUF names), `meta` adds or replaces metadata keys (value, or
+    (value, GGUFValueType)), `drop` leaves keys or tensors out, `arch` replaces
     general.architecture. Returns what was written:
     name -> (type name, numpy data as stored)."""
     import numpy as np
@@ -897,17 +940,17 @@ def write_gguf(model, path: Path, qtype: str = "F32", *, tensors: dict | None = 
     written: dict[str, tuple[str, object]] = {}
     t = GGMLQuantizationType[qtype]
     block = GGML_QUANT_SIZES[t][0]
-    for i, (name, tensor) in enumerate(weights.items()):
+    for name, tensor in weights.items():
         if name in drop:
             continue
         data = tensor.numpy().astype(np.float32) if isinstance(tensor, torch.Tensor) else tensor
         if data.dtype != np.float32 or data.ndim == 1 or data.shape[-1] % block or qtype == "F32":
             if data.dtype == np.uint8:  # raw blocks given in `tensors`
-                raise ValueError("give raw blocks through k_quant_blocks' qtype, not `tensors`")
+                raise ValueError("give float tensors in `tensors`: write_gguf quantises them")
             w.add_tensor(name, data)
             written[name] = ("F32", data)
         elif qtype in ("Q4_K", "Q6_K"):
-            raw = k_quant_blocks(qtype, data.shape[0], data.shape[1], seed=k_seed + i)
+            raw = k_quantize(data, qtype)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=t)
             written[name] = (qtype, raw)
         else:

@@ -13,10 +13,11 @@ import subprocess
 
 import pytest
 
-from lmhead_cli.engine import kernels
+from lmhead_cli.engine import kernels, quant
 
 C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double,
-           "int8_t": ctypes.c_int8, "uint8_t": ctypes.c_uint8, "uint16_t": ctypes.c_uint16}
+           "int8_t": ctypes.c_int8, "uint8_t": ctypes.c_uint8, "int16_t": ctypes.c_int16,
+           "uint16_t": ctypes.c_uint16}
 
 
 def _ctype(declared: str):
@@ -47,16 +48,18 @@ def header_functions(text: str) -> dict[str, tuple]:
 
 def header_structures(text: str) -> dict[str, list[tuple]]:
     """{name: [(field, ctypes type)]} for every `typedef struct {...} name;`, fields in order (an array
-    field as ctypes' array type, `const void *w[4]` -> c_void_p * 4; a length may be the header's macro)."""
+    field as ctypes' array type, `const void *w[4]` -> c_void_p * 4; a length may be the header's macro, or
+    a macro divided by a number: `[LMHEAD_QK_K / 2]`)."""
     found, numbers = {}, kernels.header_constants(text)
     for m in re.finditer(r"typedef struct \{(.*?)\}\s*(\w+);", _declarations(text), re.S):
         fields = []
         for statement in filter(None, (s.strip() for s in m[1].split(";"))):
             base, first = re.match(r"((?:const\s+)?\w+)\s*(.*)", statement, re.S).groups()
             for declarator in first.split(","):
-                star, name, length = re.match(r"\s*(\*?)\s*(\w+)\s*(?:\[(\w+)\])?", declarator).groups()
+                star, name, length, per = re.match(r"\s*(\*?)\s*(\w+)\s*(?:\[(\w+)(?:\s*/\s*(\d+))?\])?",
+                                                   declarator).groups()
                 t = _ctype(base + (" *" if star else ""))
-                fields.append((name, t * int(numbers.get(length, length)) if length else t))
+                fields.append((name, t * (int(numbers.get(length, length)) // int(per or 1)) if length else t))
         found[m[2]] = fields
     return found
 
@@ -102,7 +105,7 @@ def mismatches(text: str, functions: dict, structures: dict) -> list[str]:
 
 def python_side() -> tuple[dict, dict]:
     return ({**kernels.MODULE_FUNCTIONS, **kernels.KERNEL_FUNCTIONS},
-            {"lmhead_layer": kernels.Layer, "lmhead_model": kernels.Model})
+            {"lmhead_layer": kernels.Layer, "lmhead_model": kernels.Model, **quant.STRUCTURES})
 
 
 def test_kernels_py_declares_what_the_header_declares():
@@ -110,7 +113,7 @@ def test_kernels_py_declares_what_the_header_declares():
     functions, structures = python_side()
     # the parser reads the whole header (so that an empty reading cannot pass)
     assert set(header_functions(text)) == set(functions) and len(functions) >= 14
-    assert {"lmhead_layer", "lmhead_model"} <= set(header_structures(text))
+    assert {"lmhead_layer", "lmhead_model", *quant.STRUCTURES} <= set(header_structures(text))
     assert [n for n, _ in header_structures(text)["lmhead_model"]][:3] == ["layers", "L", "D"]
     assert kernels.FUNCTIONS == tuple(kernels.KERNEL_FUNCTIONS)
     assert mismatches(text, functions, structures) == []
@@ -173,7 +176,7 @@ def test_the_abi_number_and_the_step_s_numbers_are_written_in_the_header_alone()
 def test_the_structures_have_the_header_s_offsets_and_sizes(tmp_path):
     """The C compiler's offsetof and sizeof of each field of the header's structures equal ctypes' (a
     type of another width, or padding, would move every later field)."""
-    fields = {"lmhead_layer": kernels.Layer, "lmhead_model": kernels.Model}
+    fields = python_side()[1]  # the step's structures and GGUF's blocks (engine/quant.py's mirror)
     lines = [f'printf("{s} %zu\\n", sizeof({s}));' for s in fields]
     lines += [f'printf("{s}.{n} %zu\\n", offsetof({s}, {n}));' for s, cls in fields.items() for n, _ in cls._fields_]
     src = tmp_path / "layout.c"

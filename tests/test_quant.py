@@ -1,11 +1,12 @@
 """A Llama's or Qwen2's GGUF with its quantised matrices kept as the file's blocks (engine/quant.py) on
 lmhead's own Llama engine: the blocks dequantise as gguf.quants does, the chunked products are the
-dequantised matrix's, the figures are transformers' on the file's dequantised weights (top 5 equal; KL
-over the whole vocabulary <= 1e-5 for F32 and Q8_0, <= 1e-3 for the 4-bit types), a loaded Q8_0 file
+dequantised matrix's, the figures are transformers' on the file's dequantised weights (with x unrounded:
+top 5 equal, KL over the whole vocabulary <= 1e-5; in each type's own arithmetic, llama.cpp's rounding
+of x for the 4-bit types: KL <= 1e-5 for F32 and Q8_0, <= 1e-3 for the 4-bit types), a loaded Q8_0 file
 takes at most 1.3x its size beyond the runtime, and every reading command runs on one.
 
 The files are written with gguf-py's GGUFWriter; Q8_0 and Q4_0 with gguf.quants.quantize, Q4_K and Q6_K
-from raw blocks of random quants (gguf-py dequantises these types but cannot quantise to them)."""
+with helpers.k_quantize (gguf-py dequantises these types but cannot quantise to them)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def test_the_chunked_product_is_the_dequantised_matrix_s(monkeypatch):
     from gguf.quants import quantize
 
     monkeypatch.setattr(quant, "CHUNK_VALUES", 3 * 256)  # 3 rows a chunk: 7 chunks, the last short
+    monkeypatch.setattr(quant, "KERNEL_ROWS", 0)  # torch's product (what runs where the kernels are not built)
     raw = quantize(np.random.default_rng(2).standard_normal((20, 256)).astype(np.float32), GGMLQuantizationType.Q8_0)
     blocks = quant.Blocks(torch.from_numpy(raw), GGMLQuantizationType.Q8_0, 256)
     bias = torch.randn(20)
@@ -92,22 +94,21 @@ def test_the_chunked_product_is_the_dequantised_matrix_s(monkeypatch):
     assert torch.allclose(got, x @ blocks.dequantise().t() + bias, atol=1e-5)
 
 
-def test_the_q8_0_kernel_is_the_dequantised_product_and_its_layout_the_header_s():
-    """csrc/kernels.h declares Q8_0's block once; quant.py's mirror and gguf's sizes agree with it, and the
-    compiled product of a few rows equals the dequantised matrix's within float32 rounding."""
-    import re
-    from importlib import resources
+def test_the_q8_0_kernel_is_the_dequantised_product_and_the_blocks_sizes_gguf_s():
+    """csrc/kernels.h declares GGUF's blocks once (tests/test_kernel_interface.py checks quant.py's mirror of
+    them against it); their sizes are gguf's, and Q8_0's compiled product of a few rows with x unrounded
+    equals the dequantised matrix's within float32 rounding."""
+    import ctypes
 
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     from lmhead_cli.engine import kernels
 
-    header = (resources.files("lmhead_cli.engine") / "csrc" / "kernels.h").read_text()
-    values = int(re.search(r"#define LMHEAD_QK8_0 (\d+)", header).group(1))
-    fields = re.search(r"typedef struct \{\s*uint16_t d;[^}]*int8_t qs\[LMHEAD_QK8_0\];[^}]*\} lmhead_block_q8_0;", header)
-    assert fields and values == quant.Q8_0_VALUES and 2 + values == quant.Q8_0_BYTES
-    assert GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0] == (quant.Q8_0_VALUES, quant.Q8_0_BYTES)
+    for qtype, (values, block) in quant.COMPILED.items():
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] == (values, ctypes.sizeof(block))
+    assert {GGMLQuantizationType(q).name for q in quant.COMPILED} == {"Q4_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert ctypes.sizeof(quant.BlockQ8_K) == 4 + 256 + 2 * 16  # ggml-common.h's static_assert
     fast = kernels.load()
     if fast is None:
         pytest.skip("the compiled kernels are not built here")
@@ -123,10 +124,18 @@ def test_the_q8_0_kernel_is_the_dequantised_product_and_its_layout_the_header_s(
 
 # ---- the figures --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype, arithmetic", [(q, "default") for q in QTYPES]
+                         + [(q, "exact") for q in ("Q4_0", "Q4_K", "Q6_K")])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.slow
-def test_top5_and_kl_against_transformers_on_the_dequantised_weights(kind, qtype, request, tmp_path):
+def test_top5_and_kl_against_transformers_on_the_dequantised_weights(kind, qtype, arithmetic, request, tmp_path,
+                                                                     monkeypatch):
+    """x unrounded (F32, Q8_0, and every type with LMHEAD_GGUF_ARITHMETIC=exact): top 5 equal, KL <= 1e-5.
+    The 4-bit types' own arithmetic (x rounded per block, llama.cpp's): KL <= 1e-3 (measured 1.4e-4 to
+    3.7e-4 here); their top 5 are not held equal, since this random model's logits are flat (its top 6
+    lie 1e-4 apart where the rounding moves a logit by up to 0.1)."""
+    if arithmetic == "exact":
+        monkeypatch.setenv(quant.ARITHMETIC, "exact")
     model = request.getfixturevalue(kind)
     path = tmp_path / f"{kind}-{qtype}.gguf"
     written = write_gguf(model, path, qtype)
@@ -141,10 +150,15 @@ def test_top5_and_kl_against_transformers_on_the_dequantised_weights(kind, qtype
     with torch.no_grad():
         want = twin(ids).logits[0].double()
     got = eng.head(eng.body(ids))[0].double()
-    assert torch.equal(got.topk(5, -1).indices, want.topk(5, -1).indices)
     p = want.log_softmax(-1)
     kl = (p.exp() * (p - got.log_softmax(-1))).sum(-1)  # KL(transformers ‖ lmhead) at every position
-    assert float(kl.max()) <= KL_BOUND[qtype], float(kl.max())
+    from gguf.constants import GGMLQuantizationType
+
+    if qtype == "F32" or not quant.rounded(GGMLQuantizationType[qtype]):
+        assert torch.equal(got.topk(5, -1).indices, want.topk(5, -1).indices)
+        assert float(kl.max()) <= 1e-5, float(kl.max())
+    else:
+        assert 0 < float(kl.max()) <= KL_BOUND[qtype], float(kl.max())
 
 
 @pytest.mark.slow

@@ -54,9 +54,7 @@ ABI = _HEADER["LMHEAD_KERNELS_ABI"]  # the module must report the same (lmhead_k
 STEP_MAX_ROWS = _HEADER["LMHEAD_STEP_MAX_ROWS"]  # the most rows of a compiled step (engine/step.py), and of f32_columns_times
 STEP_KINDS = {kind: _HEADER[f"LMHEAD_STEP_{name}"] for kind, name in
               (("float32", "F32"), ("bfloat16", "BF16"), ("int8", "INT8"))}  # lmhead_model's `kind`
-# GGUF's Q8_0 block (kernels.h lmhead_block_q8_0): a float16 d, then LMHEAD_QK8_0 int8 q (engine/quant.py reads it)
-Q8_0_VALUES = _HEADER["LMHEAD_QK8_0"]
-Q8_0_BYTES = 2 + Q8_0_VALUES
+GGUF_MAX_ROWS = _HEADER["LMHEAD_GGUF_MAX_ROWS"]  # the most rows of x gguf_times takes (engine/quant.py mirrors the blocks)
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int, _float, _text = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 _why: list[str] = []  # why load() returned None, once it has
@@ -75,6 +73,7 @@ MODULE_FUNCTIONS = {  # module.c's own, one of each
 KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the variant's (lmhead_attend_avx2)
     "lmhead_int8_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_q8_0_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_gguf_matvec": (_int, [_int, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_bf16_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_kn_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
@@ -175,19 +174,39 @@ class Kernels:
         return y
 
     def q8_0_times(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """x (M, K) float32 times Wᵀ, W (N, K) held as GGUF Q8_0 blocks (N, K / 32 · 34) uint8, plus bias (N,)
-        float32: (M, N), the activations unrounded; None for what the kernel does not take."""
-        M, K = x.shape
-        if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and blocks.dtype == torch.uint8
-                and blocks.is_cpu and blocks.is_contiguous() and K % Q8_0_VALUES == 0
-                and blocks.shape[1] == K // Q8_0_VALUES * Q8_0_BYTES
-                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+        """x (M, K) float32 times Wᵀ, W (N, K) held as GGUF Q8_0 blocks (N, bytes per row) uint8 (their layout
+        engine/quant.py's to check), plus bias (N,) float32: (M, N), the activations unrounded; None for what
+        the kernel does not take."""
+        return self._blocks(None, x, blocks, bias)
+
+    def gguf_times(self, qtype: int, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
+                   rounded: bool = True) -> torch.Tensor | None:
+        """The same for W held as GGUF blocks of `qtype` (Q4_0, Q8_0, Q4_K, Q6_K as GGML numbers them), M up to
+        GGUF_MAX_ROWS: `rounded`, llama.cpp's arithmetic (each row of x rounded to 8 bits per block, integer
+        dots), else x unrounded (float32 sums of the blocks' integers); None for what the kernel does not
+        take (another type, a row of x not finite when rounded)."""
+        if x.shape[0] > GGUF_MAX_ROWS:
             return None
+        return self._blocks(int(qtype), x, blocks, bias, rounded)
+
+    def _blocks(self, qtype: int | None, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
+                rounded: bool = False) -> torch.Tensor | None:
+        M, K = x.shape
         N = blocks.shape[0]
+        if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and blocks.dtype == torch.uint8
+                and blocks.is_cpu and blocks.is_contiguous() and M > 0
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (N,)))):
+            return None
         y = torch.empty(M, N, dtype=torch.float32, device="cpu")
-        self.lib.lmhead_q8_0_matvec(blocks.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    y.data_ptr(), N, K, M, torch.get_num_threads())
-        return y
+        args = (blocks.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), N, K, M,
+                torch.get_num_threads())
+        if qtype is None:
+            self.lib.lmhead_q8_0_matvec(*args)
+            return y
+        status = self.lib.lmhead_gguf_matvec(qtype, int(rounded), *args)
+        if status < 0 and status != -2:
+            raise MemoryError("the GGUF kernel could not allocate its activation blocks")
+        return y if status == 0 else None
 
     def bf16_times(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x (M, K) bfloat16 times w (N, K) bfloat16 rows, plus bias (N,) bfloat16: (M, N) bfloat16,

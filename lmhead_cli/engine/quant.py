@@ -8,24 +8,81 @@ chunk of rows at a time (at most CHUNK_VALUES float32 values dequantised at once
 matrix's size), `QuantEmbedding` dequantises only the rows it looks up.
 
 Dequantisation is the gguf package's (gguf.quants.dequantize, llama.cpp's own numpy port of ggml's),
-so lmhead's figures are those of transformers on the file's dequantised weights (the parity tests'
-oracle), except for Q8_0 and Q4_0, dequantised here in torch with the same arithmetic (d · q in
-float32: the same bits; tests/test_quant.py compares them). A Q8_0 product of a few rows (a decoding
-step) runs in the compiled kernel (csrc/kernels.c lmhead_q8_0_matvec): each block's 32 products summed
-in float32 and scaled by its d, the activations unrounded, without dequantising anything.
+except for Q8_0 and Q4_0, dequantised here in torch with the same arithmetic (d · q in float32: the same
+bits; tests/test_quant.py compares them).
+
+Q8_0, Q4_0, Q4_K and Q6_K are multiplied by compiled products over the blocks (csrc/quants.c, their
+layouts declared once in csrc/kernels.h and mirrored below), KERNEL_ROWS rows of x a call, in one of two
+arithmetics per type (ROUNDED, or LMHEAD_GGUF_ARITHMETIC=exact / =llama.cpp for every type):
+- x unrounded (Q8_0's by default): each block's integers summed against x in float32, then scaled: the
+  dequantised matrix's product to float32 rounding, so the figures are transformers' on the file's
+  dequantised weights (top 5 equal, KL <= 1e-5 at every position, tests/test_quant.py).
+- x rounded per block, llama.cpp's (Q4_0's, Q4_K's, Q6_K's by default): each row of x rounded to 8 bits
+  per block (Q8_0 blocks with float scales for Q4_0 and Q8_0, Q8_K super-blocks for the K-quants) and
+  integer dot products, about four times faster. Its cost, KL from transformers on the dequantised
+  weights at the worst position of the tests' random Llama and Qwen2: Q4_0 1.6e-4, Q4_K 3.7e-4, Q6_K
+  3.3e-4 (bound tested: 1e-3); Q8_0 1.6e-4, over its 1e-5 bound, so Q8_0 keeps x unrounded. On those
+  flat random models the rounding also reorders near-tied top-5 tokens (docs/gguf.md).
+Where the kernels are not built (or x is not finite where it would be rounded), torch multiplies the
+dequantised rows a chunk at a time, as for every other type.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import torch
 from torch import nn
 
-# The blocks' layouts as csrc/kernels.h declares them (tests/test_quant.py checks them against it)
-from lmhead_cli.engine.kernels import Q8_0_BYTES, Q8_0_VALUES
+from lmhead_cli.engine.kernels import GGUF_MAX_ROWS, header_constants
 
-# The most rows of activations the compiled Q8_0 product takes (a decoding step's few; more rows read
-# each weight block once per row, where torch's chunked product reads it once).
-KERNEL_ROWS = 16
+# ---- the blocks' layouts, mirrored from csrc/kernels.h (tests/test_kernel_interface.py checks the fields,
+# offsets and sizes against the header and the C compiler, tests/test_quant.py the sizes against gguf's)
+_H = header_constants()
+QK8_0, QK_K, K_SCALE_SIZE = _H["LMHEAD_QK8_0"], _H["LMHEAD_QK_K"], _H["LMHEAD_K_SCALE_SIZE"]
+Q4_0, Q8_0, Q4_K, Q6_K = (_H[f"LMHEAD_TYPE_{t}"] for t in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"))  # GGML's numbers
+_u8, _i8, _u16 = ctypes.c_uint8, ctypes.c_int8, ctypes.c_uint16
+
+
+class BlockQ8_0(ctypes.Structure):
+    _fields_ = [("d", _u16), ("qs", _i8 * QK8_0)]
+
+
+class BlockQ4_0(ctypes.Structure):
+    _fields_ = [("d", _u16), ("qs", _u8 * (QK8_0 // 2))]
+
+
+class BlockQ4_K(ctypes.Structure):
+    _fields_ = [("d", _u16), ("dmin", _u16), ("scales", _u8 * K_SCALE_SIZE), ("qs", _u8 * (QK_K // 2))]
+
+
+class BlockQ6_K(ctypes.Structure):
+    _fields_ = [("ql", _u8 * (QK_K // 2)), ("qh", _u8 * (QK_K // 4)), ("scales", _i8 * (QK_K // 16)), ("d", _u16)]
+
+
+class BlockQ8_K(ctypes.Structure):  # activations, built inside the kernel: mirrored for the layout test
+    _fields_ = [("d", ctypes.c_float), ("qs", _i8 * QK_K), ("bsums", ctypes.c_int16 * (QK_K // 16))]
+
+
+class BlockQ8_0f(ctypes.Structure):  # activations for Q4_0 and Q8_0 weights
+    _fields_ = [("d", ctypes.c_float), ("qs", _i8 * QK8_0)]
+
+
+STRUCTURES = {"lmhead_block_q8_0": BlockQ8_0, "lmhead_block_q4_0": BlockQ4_0, "lmhead_block_q4_K": BlockQ4_K,
+              "lmhead_block_q6_K": BlockQ6_K, "lmhead_block_q8_K": BlockQ8_K, "lmhead_block_q8_0f": BlockQ8_0f}
+# The types with a compiled product: (values per block, the block's layout)
+COMPILED = {Q4_0: (QK8_0, BlockQ4_0), Q8_0: (QK8_0, BlockQ8_0), Q4_K: (QK_K, BlockQ4_K), Q6_K: (QK_K, BlockQ6_K)}
+Q8_0_VALUES, Q8_0_BYTES = QK8_0, ctypes.sizeof(BlockQ8_0)
+
+# The most rows of x a compiled product takes in one call (a decoding step's few); more rows (a prompt's)
+# run it KERNEL_ROWS at a time, still far faster than dequantising the matrix (tests/test_gguf_kernels.py)
+KERNEL_ROWS = GGUF_MAX_ROWS
+# The arithmetic, per type: True, llama.cpp's (each row of x rounded to 8 bits per block, integer dots:
+# fast); False, x unrounded (float32 sums of the blocks' integers: the dequantised matrix's product).
+# LMHEAD_GGUF_ARITHMETIC=exact turns rounding off for every type, =llama.cpp on for every type.
+ROUNDED = {Q4_0: True, Q8_0: False, Q4_K: True, Q6_K: True}
+ARITHMETIC = "LMHEAD_GGUF_ARITHMETIC"
 CHUNK_VALUES = 1 << 20  # float32 values dequantised at once: 4 MiB, whatever the matrix
 
 
@@ -118,7 +175,7 @@ def dequantise(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
         d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
         return (d * b[..., 2:].view(torch.int8).float()).reshape(n, cols)
     if qtype == 2:  # Q4_0: 32 values a block: d (float16), 16 bytes of two 4-bit q; x = d·(q − 8)
-        b = data.reshape(n, -1, 18)
+        b = data.reshape(n, -1, ctypes.sizeof(BlockQ4_0))
         d = b[..., :2].contiguous().view(torch.float16).float()
         qs = b[..., 2:]
         q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int8) - 8  # low nibbles first, as ggml
@@ -140,19 +197,42 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()  # (M, in)
-        if self.weight.qtype == 8 and x2.shape[0] <= KERNEL_ROWS and x2.is_cpu:  # a few rows: compiled, Q8_0
-            from lmhead_cli.engine import kernels
-
-            fast = kernels.load()
-            y = fast.q8_0_times(x2.contiguous(), self.weight.data, self.bias) if fast is not None else None
-            if y is not None:
-                return y.view(*x.shape[:-1], -1).to(x.dtype)
+        y = self._compiled(x2)
+        if y is not None:
+            return y.view(*x.shape[:-1], -1).to(x.dtype)
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for a, w in self.weight.chunks():  # w (n, in)
             torch.matmul(x2, w.t(), out=out[:, a:a + w.shape[0]])
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], -1).to(x.dtype)
+
+    def _compiled(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """x2 (M, in) times the blocks in the compiled kernels, KERNEL_ROWS rows a call: (M, out) float32, in
+        the type's arithmetic (`rounded`); None where they do not take it (not built, another type or
+        layout, a row of x not finite where x is rounded)."""
+        w = self.weight
+        layout = COMPILED.get(w.qtype)
+        if not (layout and KERNEL_ROWS and x2.is_cpu and w.data.is_cpu and w.cols % layout[0] == 0
+                and w.data.shape[1] == w.cols // layout[0] * ctypes.sizeof(layout[1])):
+            return None
+        from lmhead_cli.engine import kernels
+
+        fast = kernels.load()
+        if fast is None:
+            return None
+        exact = not rounded(w.qtype)
+        parts = []
+        for a in range(0, x2.shape[0], KERNEL_ROWS):
+            x = x2[a:a + KERNEL_ROWS].contiguous()
+            if w.qtype == Q8_0 and exact:
+                y = fast.q8_0_times(x, w.data, self.bias)
+            else:
+                y = fast.gguf_times(w.qtype, x, w.data, self.bias, rounded=not exact)
+            if y is None:
+                return None
+            parts.append(y)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.weight.kind}"
@@ -167,6 +247,13 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(ids.reshape(-1)).view(*ids.shape, -1)
+
+
+def rounded(qtype: int) -> bool:
+    """Whether products over `qtype`'s blocks round x per block (llama.cpp's arithmetic): ROUNDED's choice,
+    or LMHEAD_GGUF_ARITHMETIC's (exact: never; llama.cpp: always)."""
+    asked = os.environ.get(ARITHMETIC, "").strip().lower()
+    return {"exact": False, "llama.cpp": True}.get(asked, ROUNDED.get(qtype, False))
 
 
 def block_types(module: nn.Module) -> list[str]:

@@ -12,9 +12,10 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 14 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 15 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
+#define LMHEAD_GGUF_MAX_ROWS 16 /* the most rows of x lmhead_gguf_matvec takes (a decoding step's) */
 #define LMHEAD_STEP_MAX_ROWS 16 /* the most rows of a compiled step (lmhead_step) and of lmhead_f32_kn_matvec */
 
 /* x86-64 with GCC: a variant per instruction-set level (variant_*.c), best first; elsewhere (another
@@ -53,13 +54,47 @@ typedef struct {
     const float *wte_s, *head_s;
 } lmhead_model;
 
-/* GGUF's block layouts (ggml-common.h's), declared once: engine/quant.py reads the same bytes, and
-   tests/test_kernels.py checks its mirror of them against this file. */
-#define LMHEAD_QK8_0 32 /* values per Q8_0 block */
+/* GGUF's block layouts (llama.cpp's ggml-common.h, MIT licence: block_q8_0, block_q4_0, block_q4_K,
+   block_q6_K, block_q8_K), declared once: engine/quant.py reads the same bytes through kernels.py's
+   ctypes mirror of them, which tests/test_kernel_interface.py checks against this file (fields, and the
+   compiler's offsets and sizes). The LMHEAD_TYPE_ numbers are GGML's own (gguf.GGMLQuantizationType). */
+#define LMHEAD_TYPE_Q4_0 2
+#define LMHEAD_TYPE_Q8_0 8
+#define LMHEAD_TYPE_Q4_K 12
+#define LMHEAD_TYPE_Q6_K 14
+#define LMHEAD_QK8_0 32 /* values per Q8_0 and Q4_0 block */
+#define LMHEAD_QK_K 256 /* values per K-quant super-block */
+#define LMHEAD_K_SCALE_SIZE 12 /* Q4_K's eight 6-bit scales and eight 6-bit mins */
 typedef struct {
     uint16_t d; /* the block's scale, IEEE half */
     int8_t qs[LMHEAD_QK8_0]; /* x = d · q */
 } lmhead_block_q8_0;
+typedef struct {
+    uint16_t d; /* IEEE half */
+    uint8_t qs[LMHEAD_QK8_0 / 2]; /* x[i] = d · (q − 8): the low nibbles are values 0..15, the high 16..31 */
+} lmhead_block_q4_0;
+typedef struct {
+    uint16_t d, dmin; /* IEEE halves: the scales' and the mins' scales */
+    uint8_t scales[LMHEAD_K_SCALE_SIZE]; /* 8 sub-blocks of 32: 6-bit scale sc and min m each */
+    uint8_t qs[LMHEAD_QK_K / 2]; /* x = d · sc · q − dmin · m, q 4 bits */
+} lmhead_block_q4_K;
+typedef struct {
+    uint8_t ql[LMHEAD_QK_K / 2]; /* q's low 4 bits */
+    uint8_t qh[LMHEAD_QK_K / 4]; /* q's high 2 bits */
+    int8_t scales[LMHEAD_QK_K / 16]; /* 16 sub-blocks of 16: x = d · sc · (q − 32) */
+    uint16_t d; /* IEEE half */
+} lmhead_block_q6_K;
+/* Activations, rounded per block inside lmhead_gguf_matvec (they never cross the ABI): Q8_K (llama.cpp's
+   block_q8_K, for Q4_K and Q6_K weights) and Q8_0 with a float scale (for Q4_0 and Q8_0 weights). */
+typedef struct {
+    float d; /* x ≈ d · q */
+    int8_t qs[LMHEAD_QK_K];
+    int16_t bsums[LMHEAD_QK_K / 16]; /* Σ q over each 16 */
+} lmhead_block_q8_K;
+typedef struct {
+    float d;
+    int8_t qs[LMHEAD_QK8_0];
+} lmhead_block_q8_0f;
 
 /* The module's own functions (module.c). */
 int lmhead_kernels_abi(void); /* LMHEAD_KERNELS_ABI, as this module was built */
@@ -80,6 +115,12 @@ int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const fl
                                        int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_q8_0_matvec)(const lmhead_block_q8_0 *w, const float *x, const float *bias, float *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
+/* y = W·x (+ bias) for W (N, K) held as GGUF blocks of `type` (LMHEAD_TYPE_*), x (M, K) float32, M up to
+   LMHEAD_GGUF_MAX_ROWS; x `rounded` per block to 8 bits (llama.cpp's arithmetic) or not (float32 sums):
+   0 done, 1 a row of x not finite when rounded (nothing written), -1 no memory, -2 a type or shape it
+   does not take. */
+int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, const float *x, const float *bias,
+                                       float *y, int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,

@@ -1,0 +1,481 @@
+/* GGUF's quantised blocks (kernels.h lmhead_block_*): products y = W·x (+ bias) for a few rows of x (a
+   decoding step's), W held as the file's own blocks and never dequantised. Two arithmetics:
+
+   - lmhead_q8_0_matvec, Q8_0 weights with x float32 unrounded: each block's 32 products summed in
+     float32 and scaled by its d, the dequantised matrix's product up to float32 rounding.
+   - lmhead_gguf_matvec, Q4_0, Q8_0, Q4_K and Q6_K weights with llama.cpp's arithmetic: each row of x
+     rounded per block to 8 bits (a Q8_0 block with a float scale for Q4_0 and Q8_0 weights, a Q8_K
+     super-block with its sums of 16 for Q4_K and Q6_K), integer dot products per block (maddubs, or
+     vpdpbusd where AVX-512 VNNI is there), each block's integer sum scaled in float32.
+
+   Ported from llama.cpp (MIT licence, Copyright (c) 2023-2024 The ggml authors): the rounding of x from
+   ggml/src/ggml-quants.c (nearest_int, quantize_row_q8_0_ref, quantize_row_q8_K_ref); the portable dots
+   from ggml/src/ggml-cpu/quants.c (ggml_vec_dot_{q4_0_q8_0,q8_0_q8_0,q4_K_q8_K,q6_K_q8_K}_generic, their
+   integer sums regrouped); the AVX2 dots from ggml/src/ggml-cpu/arch/x86/quants.c (the same functions'
+   __AVX2__ branches and their helpers mul_sum_i8_pairs_float, bytes_from_nibbles_32, hsum_float_8,
+   get_scale_shuffle_k4, get_scale_shuffle). Every integer sum is exact (no maddubs pair can saturate:
+   |q| <= 63 against |a| <= 127), so the variants differ only in the order of the float32 sums.
+   Included by kernels.c, once per variant. */
+
+static inline float f16_to_f32(uint16_t h) { /* IEEE half to float, exactly (subnormals, inf, NaN kept) */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    float out;
+    if (e == 0) {
+        out = (float)mant * (1.0f / 16777216.0f); /* mant · 2^-24, exact */
+        memcpy(&bits, &out, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((e + 112u) << 23) | (mant << 13);
+    }
+    memcpy(&out, &bits, 4);
+    return out;
+#endif
+}
+
+/* ---- Q8_0 with float activations ------------------------------------------------------------------- */
+
+/* y[m, n] = Σ_b d(n, b) · Σ_i q(n, b, i) · x[m, 32b + i] (+ bias[n]): W (N, K) as Q8_0 blocks, x (M, K)
+   float32, unrounded (the dequantised matrix's product, summed block by block). Rows of W in parallel. */
+int LMHEAD_VARIANT(lmhead_q8_0_matvec)(const lmhead_block_q8_0 *w, const float *x, const float *bias, float *y,
+                                       int64_t N, int64_t K, int64_t M, int threads) {
+    const int64_t nb = K / LMHEAD_QK8_0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const lmhead_block_q8_0 *row = w + n * nb;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.0f;
+#if LANES
+            vf a = vzero();
+            for (int64_t b = 0; b < nb; b++) {
+                vf s = vzero();
+                for (int i = 0; i < LMHEAD_QK8_0; i += LANES) s = vfma(vi8(row[b].qs + i), vload(xm + b * LMHEAD_QK8_0 + i), s);
+                a = vfma(vbroadcast(f16_to_f32(row[b].d)), s, a);
+            }
+            acc = vsum(a);
+#else
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int i = 0; i < LMHEAD_QK8_0; i++) s += (float)row[b].qs[i] * xm[b * LMHEAD_QK8_0 + i];
+                acc += f16_to_f32(row[b].d) * s;
+            }
+#endif
+            y[m * N + n] = acc + (bias ? bias[n] : 0.0f);
+        }
+    }
+    return 0;
+}
+
+/* ---- x rounded per block (ggml-quants.c) ------------------------------------------------------------ */
+
+static inline int nearest_int(float v) { /* round half to even, for |v| <= 4194303 (ggml's) */
+    float t = v + 12582912.f;
+    int i;
+    memcpy(&i, &t, sizeof(int));
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+static inline int finite_abs(float v, float *a) { /* *a = |v|; 0 for NaN or infinity */
+    *a = fabsf(v);
+    return *a <= 3.4028234663852886e38f;
+}
+
+/* x (K) as Q8_0 blocks with float scales, as quantize_row_q8_0_ref (but d not rounded to a half, and q
+   rounded half to even as its AVX2 twin); 0 if x is not finite. */
+static int act_q8_0(const float *x, int64_t K, lmhead_block_q8_0f *a) {
+    for (int64_t b = 0; b < K / LMHEAD_QK8_0; b++, x += LMHEAD_QK8_0) {
+        float amax = 0.0f, v;
+        for (int j = 0; j < LMHEAD_QK8_0; j++) {
+            if (!finite_abs(x[j], &v)) return 0;
+            amax = v > amax ? v : amax;
+        }
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        a[b].d = d;
+        for (int j = 0; j < LMHEAD_QK8_0; j++) a[b].qs[j] = (int8_t)nearest_int(x[j] * id);
+    }
+    return 1;
+}
+
+/* x (K) as Q8_K super-blocks, as quantize_row_q8_K_ref; 0 if x is not finite. */
+static int act_q8_K(const float *x, int64_t K, lmhead_block_q8_K *a) {
+    for (int64_t b = 0; b < K / LMHEAD_QK_K; b++, x += LMHEAD_QK_K) {
+        float amax = 0.0f, max = 0.0f, v;
+        for (int j = 0; j < LMHEAD_QK_K; j++) {
+            if (!finite_abs(x[j], &v)) return 0;
+            if (v > amax) amax = v, max = x[j];
+        }
+        memset(a[b].bsums, 0, sizeof a[b].bsums);
+        if (!amax) {
+            a[b].d = 0.0f;
+            memset(a[b].qs, 0, sizeof a[b].qs);
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < LMHEAD_QK_K; j++) {
+            int q = nearest_int(iscale * x[j]);
+            a[b].qs[j] = (int8_t)(q < 127 ? q : 127);
+            a[b].bsums[j / 16] += a[b].qs[j];
+        }
+        a[b].d = 1 / iscale;
+    }
+    return 1;
+}
+
+/* ---- the dots: one row of W (nb blocks) against one row of rounded x ------------------------------- */
+
+#if defined(__AVX2__)
+static inline __m256 mul_sum_us8_pairs_float(const __m256i ax, const __m256i sy) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy));
+#else
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(ax, sy)));
+#endif
+}
+static inline __m256 mul_sum_i8_pairs_float(const __m256i x, const __m256i y) {
+    return mul_sum_us8_pairs_float(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+}
+static inline float hsum_float_8(const __m256 x) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+static inline __m256i bytes_from_nibbles_32(const uint8_t *p) { /* low nibbles, then high nibbles */
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set1_epi8(0xF), _mm256_insertf128_si256(_mm256_castsi128_si256(t),
+                                                                          _mm_srli_epi16(t, 4), 1));
+}
+static const uint8_t k4_shuffle[256] = { /* get_scale_shuffle_k4: scale 2i, 2i + 1 to 16 lanes */
+    0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+    2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+    4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+    6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7,
+    8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
+    10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+    12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+    14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15};
+static const uint8_t k6_shuffle[128] = { /* get_scale_shuffle: scale i to 8 lanes of 16 bits */
+    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7,
+    8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11,
+    12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15};
+#endif
+
+/* Q8_0 or (four_bit) Q4_0 weights against Q8_0 rows of x: one block of 32 at a time, its integer sum
+   scaled by both blocks' d (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_q4_0_q8_0). */
+static inline __attribute__((always_inline)) float dot_32(const void *vw, const void *va, int64_t nb,
+                                                          const int four_bit) {
+    const lmhead_block_q8_0 *w8 = vw;
+    const lmhead_block_q4_0 *w4 = vw;
+    const lmhead_block_q8_0f *a = va;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256 d = _mm256_set1_ps(f16_to_f32(four_bit ? w4[b].d : w8[b].d) * a[b].d);
+        const __m256i qw = four_bit ? _mm256_sub_epi8(bytes_from_nibbles_32(w4[b].qs), _mm256_set1_epi8(8))
+                                    : _mm256_loadu_si256((const __m256i *)w8[b].qs);
+        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qw, _mm256_loadu_si256((const __m256i *)a[b].qs)), acc);
+    }
+    return hsum_float_8(acc);
+#else
+    float sum = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t s = 0;
+        for (int j = 0; j < LMHEAD_QK8_0 / 2; j++) {
+            const int lo = four_bit ? (w4[b].qs[j] & 0x0F) - 8 : w8[b].qs[j];
+            const int hi = four_bit ? (w4[b].qs[j] >> 4) - 8 : w8[b].qs[j + LMHEAD_QK8_0 / 2];
+            s += lo * a[b].qs[j] + hi * a[b].qs[j + LMHEAD_QK8_0 / 2];
+        }
+        sum += (float)s * (f16_to_f32(four_bit ? w4[b].d : w8[b].d) * a[b].d);
+    }
+    return sum;
+#endif
+}
+static float dot_q8_0(const void *vw, const void *va, int64_t nb) { return dot_32(vw, va, nb, 0); }
+static float dot_q4_0(const void *vw, const void *va, int64_t nb) { return dot_32(vw, va, nb, 1); }
+
+/* Q4_K's 6-bit scales and mins unpacked: bytes 0..7 the scales, 8..15 the mins (ggml's utmp steps). */
+static inline void q4_K_scales(const uint8_t *packed, uint32_t utmp[4]) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(utmp, packed, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+}
+
+static float dot_q4_K(const void *vw, const void *va, int64_t nb) {
+    const lmhead_block_q4_K *w = vw;
+    const lmhead_block_q8_K *a = va;
+    uint32_t utmp[4];
+#if defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = a[i].d * f16_to_f32(w[i].d), dmin = -a[i].d * f16_to_f32(w[i].dmin);
+        q4_K_scales(w[i].scales, utmp);
+        const uint8_t *q4 = w[i].qs;
+        const int8_t *q8 = a[i].qs;
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)a[i].bsums);
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+        const __m256i scales = _mm256_insertf128_si256(_mm256_castsi128_si256(sc128), sc128, 1);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < LMHEAD_QK_K / 64; j++) {
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)k4_shuffle + 2 * j));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)k4_shuffle + 2 * j + 1));
+            const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
+            q4 += 32;
+            const __m256i q4l = _mm256_and_si256(q4bits, m4), q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+            const __m256i q8l = _mm256_loadu_si256((const __m256i *)q8), q8h = _mm256_loadu_si256((const __m256i *)(q8 + 32));
+            q8 += 64;
+            const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
+            const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
+#else
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        q4_K_scales(w[i].scales, utmp);
+        const uint8_t *scales = (const uint8_t *)utmp, *mins = scales + 8, *q4 = w[i].qs;
+        const int8_t *q8 = a[i].qs;
+        int32_t sumi = 0, summ = 0;
+        for (int j = 0; j < LMHEAD_QK_K / 64; j++, q4 += 32, q8 += 64) {
+            int32_t lo = 0, hi = 0;
+            for (int l = 0; l < 32; l++) lo += (q4[l] & 0xF) * q8[l], hi += (q4[l] >> 4) * q8[l + 32];
+            sumi += scales[2 * j] * lo + scales[2 * j + 1] * hi;
+        }
+        for (int j = 0; j < LMHEAD_QK_K / 16; j++) summ += a[i].bsums[j] * mins[j / 2];
+        sum += f16_to_f32(w[i].d) * a[i].d * (float)sumi - f16_to_f32(w[i].dmin) * a[i].d * (float)summ;
+    }
+    return sum;
+#endif
+}
+
+static float dot_q6_K(const void *vw, const void *va, int64_t nb) {
+    const lmhead_block_q6_K *w = vw;
+    const lmhead_block_q8_K *a = va;
+#if defined(__AVX2__)
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = a[i].d * f16_to_f32(w[i].d);
+        const uint8_t *q4 = w[i].ql, *qh = w[i].qh;
+        const int8_t *q8 = a[i].qs;
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)a[i].bsums);
+        const __m128i scales = _mm_loadu_si128((const __m128i *)w[i].scales);
+        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, _mm256_cvtepi8_epi16(scales)), 5);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0, is = 0; j < LMHEAD_QK_K / 128; j++, is += 4) {
+            const __m256i q4bits1 = _mm256_loadu_si256((const __m256i *)q4);
+            const __m256i q4bits2 = _mm256_loadu_si256((const __m256i *)(q4 + 32));
+            const __m256i q4bitsH = _mm256_loadu_si256((const __m256i *)qh);
+            q4 += 64, qh += 32;
+            const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+            const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+            const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+            const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+            const __m256i q4_0 = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+            const __m256i q4_1 = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+            const __m256i q4_2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
+            const __m256i q4_3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+            __m256i p16_0 = _mm256_maddubs_epi16(q4_0, _mm256_loadu_si256((const __m256i *)q8));
+            __m256i p16_1 = _mm256_maddubs_epi16(q4_1, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+            __m256i p16_2 = _mm256_maddubs_epi16(q4_2, _mm256_loadu_si256((const __m256i *)(q8 + 64)));
+            __m256i p16_3 = _mm256_maddubs_epi16(q4_3, _mm256_loadu_si256((const __m256i *)(q8 + 96)));
+            q8 += 128;
+            const __m128i *shuffle = (const __m128i *)k6_shuffle + is;
+            p16_0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128(shuffle + 0))), p16_0);
+            p16_1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128(shuffle + 1))), p16_1);
+            p16_2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128(shuffle + 2))), p16_2);
+            p16_3 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128(shuffle + 3))), p16_3);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_2, p16_3));
+        }
+        sumi = _mm256_sub_epi32(sumi, q8sclsub);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_float_8(acc);
+#else
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *ql = w[i].ql, *qh = w[i].qh;
+        const int8_t *sc = w[i].scales, *q8 = a[i].qs;
+        int32_t sumi = 0;
+        for (int n = 0; n < LMHEAD_QK_K; n += 128, ql += 64, qh += 32, sc += 8, q8 += 128) {
+            int32_t s[8] = {0};
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                s[is + 0] += (((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32) * q8[l];
+                s[is + 2] += (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32) * q8[l + 32];
+                s[is + 4] += (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32) * q8[l + 64];
+                s[is + 6] += (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32) * q8[l + 96];
+            }
+            for (int k = 0; k < 8; k++) sumi += sc[k] * s[k];
+        }
+        sum += f16_to_f32(w[i].d) * a[i].d * (float)sumi;
+    }
+    return sum;
+#endif
+}
+
+/* ---- x unrounded: each block's small integers q widened to float32 -------------------------------- */
+
+/* One block of W as small integers q with a scale and an offset per sub-block of `sub` values:
+   w_i = scale_j · q_i − min_j, as ggml's dequantize_row_* computes them. */
+static void unpack_q8_0(const void *blk, int8_t *q, float *scale, float *min) {
+    const lmhead_block_q8_0 *b = blk;
+    memcpy(q, b->qs, LMHEAD_QK8_0);
+    scale[0] = f16_to_f32(b->d), min[0] = 0.0f;
+}
+
+static void unpack_q4_0(const void *blk, int8_t *q, float *scale, float *min) {
+    const lmhead_block_q4_0 *b = blk;
+    for (int j = 0; j < LMHEAD_QK8_0 / 2; j++) q[j] = (int8_t)(b->qs[j] & 0xF), q[j + LMHEAD_QK8_0 / 2] = (int8_t)(b->qs[j] >> 4);
+    scale[0] = f16_to_f32(b->d), min[0] = 8.0f * scale[0];
+}
+
+static void unpack_q4_K(const void *blk, int8_t *q, float *scale, float *min) {
+    const lmhead_block_q4_K *b = blk;
+    uint32_t utmp[4];
+    q4_K_scales(b->scales, utmp);
+    const uint8_t *sc = (const uint8_t *)utmp, *m = sc + 8;
+    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+    for (int j = 0; j < LMHEAD_QK_K / 64; j++) {
+        for (int l = 0; l < 32; l++)
+            q[64 * j + l] = (int8_t)(b->qs[32 * j + l] & 0xF), q[64 * j + 32 + l] = (int8_t)(b->qs[32 * j + l] >> 4);
+        scale[2 * j] = d * sc[2 * j], min[2 * j] = dmin * m[2 * j];
+        scale[2 * j + 1] = d * sc[2 * j + 1], min[2 * j + 1] = dmin * m[2 * j + 1];
+    }
+}
+
+static void unpack_q6_K(const void *blk, int8_t *q, float *scale, float *min) {
+    const lmhead_block_q6_K *b = blk;
+    const float d = f16_to_f32(b->d);
+    for (int n = 0; n < LMHEAD_QK_K / 128; n++) {
+        const uint8_t *ql = b->ql + 64 * n, *qh = b->qh + 32 * n;
+        int8_t *y = q + 128 * n;
+        for (int l = 0; l < 32; l++) {
+            y[l] = (int8_t)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4));
+            y[l + 32] = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+            y[l + 64] = (int8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+            y[l + 96] = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+        }
+    }
+    for (int k = 0; k < LMHEAD_QK_K / 16; k++) scale[k] = d * b->scales[k], min[k] = 32.0f * scale[k];
+}
+
+/* out[m] = Σ_b Σ_j scale_j · (Σ_i q_i · x[m, i]) − min_j · Σ_i x[m, i] over one row of W (nb blocks of
+   `values`, sub-blocks of `sub`), for M rows of x, with xsum (M, K / sub) the sums of x per sub-block:
+   the dequantised row's product, each block unpacked once for all M rows. */
+static void float_row(void (*unpack)(const void *, int8_t *, float *, float *), const char *row, int64_t wbytes,
+                      int64_t nb, int values, int sub, const float *x, const float *xsum, int64_t M, int64_t K,
+                      float *out, int64_t stride) {
+    int8_t q[LMHEAD_QK_K];
+    float scale[LMHEAD_QK_K / 16], min[LMHEAD_QK_K / 16], macc[LMHEAD_GGUF_MAX_ROWS];
+    const int subs = values / sub;
+#if LANES
+    vf acc[LMHEAD_GGUF_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = vzero(), macc[m] = 0.0f;
+#else
+    float acc[LMHEAD_GGUF_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = 0.0f, macc[m] = 0.0f;
+#endif
+    for (int64_t b = 0; b < nb; b++) {
+        unpack(row + b * wbytes, q, scale, min);
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K + b * values, *xs = xsum + m * (K / sub) + b * subs;
+            for (int j = 0; j < subs; j++) {
+#if LANES
+                vf s = vzero();
+                for (int i = 0; i < sub; i += LANES) s = vfma(vi8(q + j * sub + i), vload(xm + j * sub + i), s);
+                acc[m] = vfma(vbroadcast(scale[j]), s, acc[m]);
+#else
+                float s = 0.0f;
+                for (int i = 0; i < sub; i++) s += (float)q[j * sub + i] * xm[j * sub + i];
+                acc[m] += scale[j] * s;
+#endif
+                macc[m] += min[j] * xs[j];
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+#if LANES
+        out[m * stride] = vsum(acc[m]) - macc[m];
+#else
+        out[m * stride] = acc[m] - macc[m];
+#endif
+}
+
+/* ---- the product --------------------------------------------------------------------------------- */
+
+#define GGUF_PIECE 16 /* weight rows a thread takes at a time (OpenMP's dynamic schedule, as PIECE_ROWS) */
+
+int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, const float *x, const float *bias,
+                                       float *y, int64_t N, int64_t K, int64_t M, int threads) {
+    float (*dot)(const void *, const void *, int64_t);
+    void (*unpack)(const void *, int8_t *, float *, float *);
+    int64_t wbytes; /* bytes per weight block */
+    int kquant = type == LMHEAD_TYPE_Q4_K || type == LMHEAD_TYPE_Q6_K, sub = LMHEAD_QK8_0;
+    switch (type) {
+    case LMHEAD_TYPE_Q4_0: dot = dot_q4_0, unpack = unpack_q4_0, wbytes = sizeof(lmhead_block_q4_0); break;
+    case LMHEAD_TYPE_Q8_0: dot = dot_q8_0, unpack = unpack_q8_0, wbytes = sizeof(lmhead_block_q8_0); break;
+    case LMHEAD_TYPE_Q4_K: dot = dot_q4_K, unpack = unpack_q4_K, wbytes = sizeof(lmhead_block_q4_K); break;
+    case LMHEAD_TYPE_Q6_K: dot = dot_q6_K, unpack = unpack_q6_K, wbytes = sizeof(lmhead_block_q6_K), sub = 16; break;
+    default: return -2;
+    }
+    const int values = kquant ? LMHEAD_QK_K : LMHEAD_QK8_0;
+    if (K <= 0 || K % values || M < 1 || M > LMHEAD_GGUF_MAX_ROWS || N < 0) return -2;
+    const int64_t nb = K / values;
+    const char *W = w;
+    if (!rounded) { /* x unrounded: the sums of x per sub-block, then each row of W unpacked once for all M */
+        float *xsum = malloc((size_t)(M * (K / sub)) * sizeof(float));
+        if (!xsum) return -1;
+        for (int64_t i = 0; i < M * (K / sub); i++) {
+            float t = 0.0f;
+            for (int l = 0; l < sub; l++) t += x[i * sub + l];
+            xsum[i] = t;
+        }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)
+        for (int64_t n = 0; n < N; n++) {
+            float_row(unpack, W + n * nb * wbytes, wbytes, nb, values, sub, x, xsum, M, K, y + n, N);
+            if (bias)
+                for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
+        }
+        free(xsum);
+        return 0;
+    }
+    const int64_t abytes = kquant ? (int64_t)sizeof(lmhead_block_q8_K) : (int64_t)sizeof(lmhead_block_q8_0f);
+    char *act = malloc((size_t)(M * nb * abytes));
+    if (!act) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        int ok = kquant ? act_q8_K(x + m * K, K, (lmhead_block_q8_K *)(act + m * nb * abytes))
+                        : act_q8_0(x + m * K, K, (lmhead_block_q8_0f *)(act + m * nb * abytes));
+        if (!ok) {
+            free(act);
+            return 1;
+        }
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)
+    for (int64_t n = 0; n < N; n++) {
+        const char *row = W + n * nb * wbytes;
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(row, act + m * nb * abytes, nb) + (bias ? bias[n] : 0.0f);
+    }
+    free(act);
+    return 0;
+}
