@@ -208,7 +208,7 @@ def cli_error(tiny, *args) -> tuple[int, str]:
     (lambda m: m.inspect(PROMPT, targets=[""]), ["inspect", PROMPT, "-t", ""], BadValue),
     (lambda m: m.score("a b c", stride=5000), ["score", "a b c", "--stride", "5000"], BadValue),
     (lambda m: m.score("The"), ["score", "The"], UsageError),
-    (lambda m: m.generate(PROMPT, top_p=2.0), ["generate", PROMPT, "--top-p", "2"], BadValue),
+    (lambda m: m.generate(PROMPT, top_p=2.0), ["generate", PROMPT, "--top-p", "2.0"], BadValue),
     (lambda m: m.generate(PROMPT, greedy=True, mode="sample"), ["sample", PROMPT, "--greedy"], UsageError),
     (lambda m: m.lens("x y", position=9), ["lens", "x y", "--position", "9"], UsageError),
     (lambda m: m.attribute(PROMPT, ""), ["attribute", PROMPT, "-t", ""], BadValue),
@@ -308,7 +308,12 @@ CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines
                        ("calibrate", "knobs"), ("neurons", "neurons"),
                        ("generate", "stop"), ("generate", "stages"), ("generate", "prompt"),
                        ("generate", "json_schema"), ("generate", "regex"),  # decoding/grammar.py checks both
-                       ("generate", "settings")}  # api.checks.decoding_settings: test_generate_cli
+                       ("generate", "settings"),  # api.checks.decoding_settings: test_generate_cli
+                       # the registry's settings: its one check (decoding.stages.checked), tests/test_setting_doors.py
+                       *(("generate", k) for k in ("n", "max_new_tokens", "beams", "seed", "show_steps", "top_logprobs")),
+                       ("calibrate", "max_new_tokens"), ("calibrate", "seed"), ("score", "top_logprobs"),
+                       ("check_score", "top_logprobs"), ("explore.settings", "temperature"),
+                       ("explore.settings", "softcap")}
 SERVERS_OWN = {"decoder", "chat_prompt", "decode", "prepare_grammar"}
 
 

@@ -125,7 +125,7 @@ def test_every_bundled_preset_is_valid():
 @pytest.mark.parametrize("body,words", [
     ("temperature = 0.7\ncolour = 3\n", "unknown key 'colour'"),
     ("temperature = -1.0\n", "temperature must be 0 (greedy) or a finite number of at least 1e-06"),
-    ("top_k = 2.5\n", "top_k must be int"),
+    ("top_k = 2.5\n", "top_k must be an integer (got 2.5)"),
     ("top_p = 'high'\n", "top_p must be a number"),
     ("temperature = \n", "not valid TOML"),
 ])

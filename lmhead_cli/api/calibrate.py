@@ -36,11 +36,11 @@ def calibrate(model, text: str, *, stride: int | None = None, bos: bool = False,
         prompt = model.decode([model.bos_token_id])
         base = settings.seed if settings.seed is not None else secrets.randbelow(2**31)
         # one batch of `generations` choices: choice i draws with seed base + i, as it would alone
-        made = [r.reading for r in model.generate([prompt], n=generations, max_new_tokens=max_new_tokens, seed=base,
+        made = [r.reading for r in model.generate([prompt], n=generations, max_new_tokens=settings.max_new_tokens, seed=base,
                                                  preset=preset, greedy=greedy, ignore_eos=True, **knobs)]
         tokens, rate = entropy_rate(made)
         on = {k: v for k, v in asdict(settings.knobs).items() if v is not None}
-        reading.generations = Generations(count=generations, prompt=prompt, max_new_tokens=max_new_tokens,
+        reading.generations = Generations(count=generations, prompt=prompt, max_new_tokens=settings.max_new_tokens,
                                           seed=base, settings=on | ({"greedy": True} if settings.greedy else {}),
                                           tokens=tokens, entropy_rate=rate, cross_entropy=reading.nll,
                                           texts=[g.text for g in made])

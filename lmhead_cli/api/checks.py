@@ -25,7 +25,8 @@ KIND_NAMES = {bool: "True or False", int: "an integer", float: "a number", str: 
 
 def typed(key: str, value, kind, rule=None, *, optional: bool = False):
     """`value` as the parameter `key` takes it, checked once: its type, then its range; returns it (a
-    list for `list`). The one check of a parameter's value for the API (and for decoding's settings).
+    list for `list`). The one check of an API parameter's value; decoding's settings have their own, the
+    registry's (decoding.stages.checked), which `settings` and decoding.settings.make call.
 
     `kind`: bool (True or False only: "no" is not False), int (not a bool, not a float, even 2.0),
     float (any real number but a bool; NaN is a float, which every range refuses), str, list (a list or tuple of strings, or an
@@ -299,15 +300,13 @@ def chunk(value: int | None) -> None:
     check_chunk(value)
 
 
-def settings(values: dict) -> None:
-    """Decoding settings (stages and loop) against their types and rules (decoding.stages.SETTINGS),
-    each by `typed`: `top_k=1.5`, NaN or True, `seed=1.5`, `temperature="hot"` are BadValue naming the
-    key. None = not given; unknown keys pass."""
-    from lmhead_cli.decoding.stages import SETTINGS
+def settings(values: dict) -> dict:
+    """Decoding settings (stages and loop) by the registry's one check (decoding.stages.checked: type, off
+    values, range): `top_k=1.5`, NaN or True, `seed=1.5`, `temperature="hot"` are BadValue naming the key.
+    None = not given; unknown keys pass. Returns the values as the settings hold them."""
+    from lmhead_cli.decoding.stages import check
 
-    for key, value in values.items():
-        if key in SETTINGS:
-            typed(key, value, SETTINGS[key].type, SETTINGS[key].rule, optional=True)
+    return check(values)
 
 
 def stages(preset: str | None = None, **given):
@@ -338,7 +337,6 @@ def stage_knobs(value):
         unknown = [k for k in value if k not in Knobs.__dataclass_fields__]
         if unknown:
             raise BadValue("stages", f"{may}: {_shown(unknown[0])} is not a stage")
-        settings(dict(value))
         return stages(**value)
     raise BadType("stages", f"{may} (got {_shown(value)})")
 

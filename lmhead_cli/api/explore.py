@@ -12,7 +12,7 @@ __all__ = ["History", "Session", "State", "View", "history_file", "piped_lines",
            "terminal_lines"]
 
 
-@kinds(top_k=int, temperature=float, softcap=float, targets=list, threads=int)
+@kinds(top_k=int, targets=list, threads=int)  # temperature, softcap: the registry's check (readings.explore.state)
 def settings(top_k: int = 10, *, temperature: float | None = None, softcap: float | None = None,
              targets=(), threads: int | None = None) -> State:
     """A session's starting settings, every value checked (api/checks.py) before any model loads;

@@ -20,16 +20,14 @@ from lmhead_cli.api.checks import kinds
 from lmhead_cli.api.serving import Serving
 from lmhead_cli.errors import BadType, BadValue, Param, UnsupportedModel
 
-# The kinds (api.checks.typed) of parameters that several methods share.
+# The kinds (api.checks.typed) of parameters that several methods share. The decoding settings of the
+# registry (max_new_tokens, beams, n, seed, show_steps, top_logprobs and each stage) are not here: the
+# registry's one check (decoding.stages.checked) takes them, through decoding/settings.py or checks.settings.
 ONE_PROMPT = {"prompt": str, "top_k": int, "targets": list}
 WINDOWS = {"stride": int, "chunk": int}  # score's and compare's
-SCORING = {"text": str, **WINDOWS, "top_logprobs": int, "alternatives": int}
-# generate's loop settings; its stages (**stages, each key of the registry) and stop strings are checked,
-# type then range, by the one settings object (decoding/settings.py)
-DECODING = {"max_new_tokens": int, "beams": int, "seed": int, "greedy": bool, "ignore_eos": bool, "show_steps": int,
-            "top_logprobs": int, "logprobs": ("raw", "processed"), "preset": str, "mode": tuple(checks.MODES),
-            "on_start": callable, "on_text": callable}
-
+SCORING = {"text": str, **WINDOWS, "alternatives": int}
+DECODING = {"greedy": bool, "ignore_eos": bool, "logprobs": ("raw", "processed"), "preset": str,
+            "mode": tuple(checks.MODES), "on_start": callable, "on_text": callable}
 
 @kinds(source=str, device=str, dtype=str, engine=str, threads=int, allow_pickle=bool, ignore_memory=bool,
        announce=callable)
@@ -301,6 +299,7 @@ class Model(Serving):
         from lmhead_cli.readings.score import score_text
 
         self.check_score(text, stride=stride, chunk=chunk, top_logprobs=top_logprobs, alternatives=alternatives)
+        top_logprobs = top_logprobs or 0  # None: not given
         return results.ScoreResult(score_text(self.loaded, text, bos=self.wants_bos(bos), stride=stride, chunk=chunk,
                                               progress=progress, top_logprobs=top_logprobs, on_rows=on_rows,
                                               alternatives=alternatives))
@@ -319,8 +318,7 @@ class Model(Serving):
         checks.stride(stride, self.n_ctx)
 
     @scoped
-    @kinds(text=str, **WINDOWS, bos=bool, progress=callable, generations=int, max_new_tokens=int, seed=int,
-           preset=str, greedy=bool)
+    @kinds(text=str, **WINDOWS, bos=bool, progress=callable, generations=int, preset=str, greedy=bool)
     def calibrate(self, text: str, *, stride: int | None = None, bos: bool | None = None, chunk: int | None = None,
                   progress: Callable[[int, int], None] | None = None, generations: int = 0,
                   max_new_tokens: int = 64, seed: int | None = None, preset: str | None = None,
@@ -408,7 +406,7 @@ class Model(Serving):
             [(line, results.InspectResult(r, tie)) for line, r in batch] for batch in batches), stats)
 
     @scoped
-    @kinds(n=int, **DECODING)
+    @kinds(**DECODING)
     def generate(self, prompt: str | Iterable[str], *, n: int = 1, max_new_tokens: int | None = None, beams: int = 1,
                  seed: int | None = None, greedy: bool = False, ignore_eos: bool = False, stop=(), show_steps: int = 0,
                  top_logprobs: int = 0, logprobs: str = "raw", preset: str | None = None, mode: str = "generate",

@@ -16,10 +16,11 @@ from importlib import resources
 from pathlib import Path
 
 from lmhead_cli.decoding.presets import KEYS, Preset, validate  # noqa: F401 - the rules, with the reading
-from lmhead_cli.decoding.stages import Knobs, check, stage_values
-from lmhead_cli.errors import BadValue, UsageError
+from lmhead_cli.decoding.stages import Knobs, STAGES, check
+from lmhead_cli.errors import UsageError
 
 BUNDLED = "presets.toml"
+MAX_PRESET_BYTES = 1 << 20  # a preset is a few lines
 
 
 def _bundled_file():
@@ -48,10 +49,10 @@ def preset_names() -> list[str]:
 def load_preset(name: str) -> Preset:
     """A bundled preset by name, or your own from a .toml file."""
     if name.endswith(".toml"):
+        from lmhead_cli.inputs import read_small_file
+
         path = Path(name).expanduser()
-        if not path.exists():  # a folder or a FIFO is there: _preset_text says it is not a regular file
-            raise BadValue("preset", f"{name}: no such file")
-        return validate(path.stem, path, _read(path, _preset_text(path)))
+        return validate(path.stem, path, _read(path, read_small_file(str(path), "preset file", MAX_PRESET_BYTES)))
     presets = bundled()
     if name not in presets:
         raise UsageError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(presets))} "
@@ -70,28 +71,8 @@ def merge(preset: str | None, defaults: dict, flags: dict) -> dict:
 
 def knobs(preset: str | None, **flags) -> Knobs:
     """Checked stage settings from a preset and flags (a preset's max_new_tokens is not a stage)."""
-    values = merge(preset, {}, flags)
-    check(values)
-    return Knobs(**stage_values(values))  # not max_new_tokens
+    values = check(merge(preset, {}, flags))
+    return Knobs(**{s.key: values.get(s.key) for s in STAGES})  # not max_new_tokens
 
 
-MAX_PRESET_BYTES = 1 << 20  # a preset is a few lines
 
-
-def _preset_text(path: Path) -> str:
-    """A preset file's text: a regular file, at most MAX_PRESET_BYTES, UTF-8; else a UsageError naming it."""
-    import os
-    import stat
-
-    from lmhead_cli.inputs import decode_utf8
-
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise UsageError(f"{path} is not a regular file; a preset is a .toml file")
-        with open(path, "rb") as f:
-            data = f.read(MAX_PRESET_BYTES + 1)
-    except OSError as e:
-        raise UsageError(f"{path} cannot be read: {e.strerror or e}") from None
-    if len(data) > MAX_PRESET_BYTES:
-        raise UsageError(f"{path} is larger than {MAX_PRESET_BYTES:,} bytes; a preset is a few lines")
-    return decode_utf8(data.removeprefix(b"\xef\xbb\xbf"), str(path))

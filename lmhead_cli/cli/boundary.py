@@ -170,8 +170,14 @@ def bound_message(ctx, p, value: int, info_name: str) -> str | None:
 
 
 def check_whole_numbers(ctx, info_name: str = "") -> None:
+    """The 64-bit and min=/max= bounds of whole-number options; a decoding setting's option is the
+    registry's to check (cli/options.py setting_option: its text reaches the core as the number it spells)."""
+    from lmhead_cli.api.choices import from_text
+
     for p in ctx.command.params:
         value = ctx.params.get(p.name)
+        if getattr(getattr(getattr(p, "type_descriptor", None), "parameter_info", None), "parser", None) is from_text:
+            continue
         if isinstance(value, int) and not isinstance(value, bool):
             wrong = bound_message(ctx, p, value, info_name)
             if wrong is not None:

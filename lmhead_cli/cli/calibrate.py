@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from lmhead_cli.cli.options import (BosOpt, JsonOpt, ModelChoice, NoBosOpt, StrideOpt, bos_choice, command, one_text,
-                                    stage_options)
+                                    setting_option, stage_options)
 from lmhead_cli.cli.score import ChunkOpt
 from lmhead_cli.errors import UsageError
 
@@ -29,11 +29,11 @@ def calibrate_cmd(
                           "model's cross-entropy on the text.")
     ] = 0,
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", help="Tokens per generation (--generations).")
+        int, setting_option("max_new_tokens", "--max-new-tokens", "-n", help="Tokens per generation (--generations).")
     ] = 64,
     seed: Annotated[
-        Optional[int], typer.Option("--seed", help="Seed of the first generation (the next ones: seed + 1, ...); "
-                                    "without it one is drawn and reported.")
+        Optional[int], setting_option("seed", help="Seed of the first generation (the next ones: seed + 1, ...); "
+                                      "without it one is drawn and reported.")
     ] = None,
     knobs: dict = None,
     source: ModelChoice = None,

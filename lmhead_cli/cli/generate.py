@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from lmhead_cli.cli.options import (DEFAULT_PROMPT, FormatOpt, JsonOpt, LogprobsOpt, ModelChoice, PresetOpt,
-                                    TopLogprobsOpt, command, output_kind, stage_options)
-from lmhead_cli.api.choices import STAGES
+                                    TopLogprobsOpt, command, output_kind, setting_option, stage_options)
+from lmhead_cli.api.choices import SETTINGS, STAGES
 
 
 def decoding_options(
@@ -18,23 +18,24 @@ def decoding_options(
         Optional[str], typer.Argument(help="The text to continue; - reads stdin.", show_default=DEFAULT_PROMPT)
     ] = None,
     max_new_tokens: Annotated[
-        Optional[int], typer.Option("--max-new-tokens", "-n", help="How many tokens to make at most.", show_default="40")
+        Optional[int], setting_option("max_new_tokens", "--max-new-tokens", "-n",
+                                      show_default=str(SETTINGS["max_new_tokens"].default))
     ] = None,
     knobs: dict = None,
     preset: PresetOpt = None,
     seed: Annotated[
-        Optional[int], typer.Option("--seed", help="Seed for the draws; without it one is drawn and reported.")
+        Optional[int], setting_option("seed", help="Seed for the draws; without it one is drawn and reported.")
     ] = None,
     greedy: Annotated[bool, typer.Option("--greedy", help="Take the most likely token every time.")] = False,
     beams: Annotated[
-        int, typer.Option("--beams", help="Beam search over N beams, as transformers' num_beams (deterministic).")
+        int, setting_option("beams", help="Beam search over N beams, as transformers' num_beams (deterministic).")
     ] = 1,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Go on past <|endoftext|>.")] = False,
     stop: Annotated[
         Optional[list[str]], typer.Option("--stop", help="End the text before this string (repeatable, up to 16).")
     ] = None,
     show_steps: Annotated[
-        int, typer.Option("--show-steps", help="After the text, a table per step with the K most probable tokens.")
+        int, setting_option("show_steps", help="After the text, a table per step with the K most probable tokens.")
     ] = 0,
     source: ModelChoice = None,
     json_out: JsonOpt = False,

@@ -15,7 +15,7 @@ import typer
 from lmhead_cli import __version__
 from lmhead_cli.cli import complete
 from lmhead_cli.cli.boundary import DEFAULT_PROMPT, Command, Group, boundary
-from lmhead_cli.api.choices import STAGES, chunk_default  # the registry: no torch
+from lmhead_cli.api.choices import SETTINGS, STAGES, chunk_default, from_text  # the registry: no torch
 
 app = typer.Typer(
     name="lmhead",
@@ -52,9 +52,20 @@ FormatOpt = Annotated[
                                 "completion object, logprobs included.", show_default="text",
                                 autocompletion=complete.formats)
 ]
+
+
+def setting_option(key: str, *names: str, help: str | None = None, **more):
+    """The option of the registry's setting `key` (decoding/stages.py): its names and help (the registry's
+    unless given), and its text handed to the registry as the number it spells (api.choices.from_text),
+    so that its one check (type, off values, range) says what a bad value is, as at every door."""
+    s = SETTINGS[key]
+    return typer.Option(*(names or s.options or (s.option,)), help=s.help if help is None else help,
+                        parser=from_text, metavar="<int>" if s.type is int else "<float>", **more)
+
+
 TopLogprobsOpt = Annotated[
-    int, typer.Option("--top-logprobs", help="With --format openai: the N most probable tokens at every position, "
-                      "from 0 up to the vocabulary size (no cap at 20).")
+    int, setting_option("top_logprobs", help="With --format openai: the N most probable tokens at every position, "
+                        "from 0 up to the vocabulary size (no cap at 20).")
 ]
 LogprobsOpt = Annotated[
     Optional[str], typer.Option("--logprobs", help="With --format openai: raw (the default: softmax of the model's "
@@ -170,7 +181,8 @@ def stage_options(only: tuple[str, ...] | None = None,
         if only is not None and s.key not in only:
             continue
         names, text = (rename or {}).get(s.key, (s.options or (s.option,), s.help))
-        params.append(_param(KNOB + s.key, Annotated[Optional[s.type], typer.Option(*names, help=text)], None))
+        params.append(_param(KNOB + s.key, Annotated[Optional[s.type], setting_option(s.key, *names, help=text)],
+                             None))
     return params
 
 

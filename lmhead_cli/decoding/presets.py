@@ -1,5 +1,5 @@
-"""Decoding presets' rules: a preset is a table of settings, checked against the registry (its keys,
-types and ranges, with the same ranges as the flags). Reading the files (configs/presets.toml, a
+"""Decoding presets' rules: a preset is a table of settings, each checked by the registry's one check
+(decoding.stages.checked: type, off values, range), as every door's values are. Reading the files (configs/presets.toml, a
 user's .toml) is the API's (api/presets.py): decoding does no I/O. No torch here.
 """
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from lmhead_cli.decoding.stages import SETTINGS, check
 from lmhead_cli.errors import BadValue, UsageError
 
-# key: the type its value must have (an int is fine where a float is asked for); from the registry
-KEYS: dict[str, type] = {"description": str, **{s.key: s.type for s in SETTINGS.values() if s.preset}}
+# the keys a preset may hold: its description and the registry's settings that presets take
+KEYS: tuple[str, ...] = ("description", *(s.key for s in SETTINGS.values() if s.preset))
 
 
 @dataclass(frozen=True)
@@ -30,17 +30,11 @@ def validate(name: str, path, table: dict) -> Preset:
     unknown = sorted(set(table) - set(KEYS))
     if unknown:
         raise UsageError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(KEYS)}")
-    for key, value in table.items():
-        want = KEYS[key]
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if want is float
-              else isinstance(value, want) and not isinstance(value, bool) if want is int
-              else isinstance(value, want))
-        if not ok:
-            raise UsageError(f"{where}: {key} must be {'a number' if want is float else want.__name__}"
-                             f" (got {value!r})")
-    values = {k: (float(v) if KEYS[k] is float else v) for k, v in table.items() if k != "description"}
+    description = table.get("description", "")
+    if not isinstance(description, str):
+        raise UsageError(f"{where}: description must be a string (got {description!r})")
     try:
-        check(values)
+        values = check({k: v for k, v in table.items() if k != "description"})
     except BadValue as e:  # the key as the file spells it
         raise UsageError(f"{where}: {e}") from None
-    return Preset(name=name, path=str(path), description=table.get("description", ""), values=values)
+    return Preset(name=name, path=str(path), description=description, values=values)

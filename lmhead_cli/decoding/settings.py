@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lmhead_cli.decoding import stages
-from lmhead_cli.decoding.stages import STAGES, Knobs, stage_values
+from lmhead_cli.decoding.stages import SETTINGS, STAGES, Knobs
 from lmhead_cli.errors import BadType, BadValue, ModeConflict
 
 if TYPE_CHECKING:
     from lmhead_cli.decoding.grammar import Grammar
 
-DEFAULT_MAX_NEW_TOKENS = 40
+DEFAULT_MAX_NEW_TOKENS = SETTINGS["max_new_tokens"].default
 DISTRIBUTIONS = ("raw", "processed")  # which one top_logprobs (and the OpenAI document) reports
 MAX_STOPS = 16  # stop strings in one request
 
@@ -84,15 +84,17 @@ def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: in
     unknown = sorted(set(knobs) - {s.key for s in STAGES})
     if unknown:
         raise BadType(unknown[0], f"is not a decoding setting; the stages are {', '.join(s.key for s in STAGES)}")
-    zero = knobs.get("temperature") == 0 and not isinstance(knobs.get("temperature"), bool)
+    loop = stages.check({"beams": beams, "n": n, "max_new_tokens": max_new_tokens, "seed": seed,
+                         "show_steps": show_steps, "top_logprobs": top_logprobs})
+    beams, n, max_new_tokens, seed, show_steps, top_logprobs = (  # None: the registry's default
+        SETTINGS[k].default if v is None else v for k, v in loop.items())
+    values = stages.check({s.key: knobs.get(s.key) for s in STAGES})
+    zero = values["temperature"] == 0
     if zero:
-        knobs = {**knobs, "temperature": None}
+        values["temperature"] = None
         greedy = True
     if draws and (greedy or beams > 1):
         raise ModeConflict({"temperature": 0} if zero else {"greedy": True} if greedy else {"beams": beams})
-    values = stage_values(knobs)
-    stages.check({"beams": beams, "n": n, "max_new_tokens": max_new_tokens, "seed": seed, "show_steps": show_steps,
-                  "top_logprobs": top_logprobs, **values})
     if logprobs not in DISTRIBUTIONS:
         raise BadValue("logprobs", f"must be raw or processed (got {logprobs!r})")
     stop = check_stop(stop)

@@ -7,9 +7,11 @@ The order of stages is fixed and documented (STAGES, the registry):
 with a row's grammar (a JSON schema or a regex: decoding/grammar.py), when it has one, masking the
 logits after temperature and before the filters (BEFORE_GRAMMAR says why).
 
-Each entry of STAGES declares a stage once: its key (the Knobs field, the preset key and the JSON
-key), its rule with the advice its error gives, its command-line options and help, and its column
-in `inspect --stages`. Knobs, presets, the CLI options and the stage table all derive from it.
+Each entry of STAGES (and of LOOP, the loop's own settings) declares a setting once: its key (the Knobs
+field, the preset key, the JSON key, the API keyword), its type, its rule (bounds, words and advice), its
+default, its `off` values, its meaning (help), its command-line options and its column in `inspect
+--stages`. `checked` is the one check of a value, for every door; Knobs, presets, the CLI options, the
+server's fields and the stage table all derive from the registry.
 torch is imported inside the functions, so the command line reads the registry without loading it.
 
 Each stage maps logits (..., V) to logits (..., V): soft-capping and temperature rescale them
@@ -111,30 +113,57 @@ def min_p(logits: torch.Tensor, m: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Rule:
-    """What a setting's value must be: a test, the range in words, and advice for a common mistake."""
+    """What a setting's value must be: its bounds (JSON Schema's: ge, gt, le, lt; a float must be finite),
+    values allowed outside them (`also`: temperature 0, greedy), the range in words, and advice for a
+    common mistake. The server's /openapi.json shows the bounds (`schema`)."""
 
-    ok: Callable[[Any], bool]
     must: str  # e.g. "in (0, 1]"; the message names it with the value given
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    also: tuple = ()
     advice: str = ""  # e.g. temperature 0 -> use greedy
 
+    def ok(self, v) -> bool:
+        """Whether the number `v` keeps the rule (NaN and the infinities break every float's)."""
+        if any(v == a for a in self.also):
+            return True
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
     def check(self, key: str, value) -> None:
-        """Raise BadValue(key, ...) if `value` breaks the rule (NaN breaks every range)."""
+        """Raise BadValue(key, ...) if `value` breaks the rule."""
         if not self.ok(value):
             raise BadValue(key, f"must be {self.must} (got {value})" + (f"; {self.advice}" if self.advice else ""))
+
+    def bounds(self) -> dict:
+        """The bounds by JSON Schema's names as pydantic spells them (ge, gt, le, lt), the values allowed
+        outside them included (temperature's lowest is 0; top-k's -1, its off value): the server's
+        /openapi.json shows them."""
+        out = {k: b for k, b in (("ge", self.ge), ("gt", self.gt), ("le", self.le), ("lt", self.lt)) if b is not None}
+        lowest = min(self.also, default=None)
+        if lowest is not None and not self.ok(lowest - 1):
+            out = {k: b for k, b in out.items() if k not in ("ge", "gt")} | {"ge": lowest}
+        return out
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One decoding setting: the key it has everywhere (Knobs field, preset key, JSON key), its type,
-    its rule, and how the command line offers it."""
+    """One decoding setting, declared once: the key it has everywhere (Knobs field, preset key, JSON key,
+    API keyword), its type, its rule (range, words, advice), its default, the values that turn it off,
+    its meaning (`help`) and how the command line offers it."""
 
     key: str
-    type: type  # float or int; a preset's int is fine where a float is asked for
+    type: type  # float or int; an int is fine where a float is asked for
     rule: Rule
-    help: str = ""  # the command-line help
+    help: str = ""  # its meaning: the command-line help and the server's field description
     options: tuple[str, ...] = ()  # command-line names, the canonical first (default: --key-with-dashes)
     preset: bool = True  # may be set in a preset file
     off: tuple = ()  # values that turn the setting off at every door (top-k 0 or -1, as vLLM's)
+    default: Any = None  # a stage's None: off
 
     @property
     def option(self) -> str:
@@ -154,48 +183,42 @@ class Stage(Setting):
         return self.key
 
 
-def _scale(v) -> bool:
-    return math.isfinite(v) and v >= MIN_SCALE
-
-
-def _cap(v) -> bool:
-    return _scale(v) and v <= MAX_SOFTCAP
-
-
 # The one documented order. A new stage is one function above plus one entry here (and its test):
 # Knobs, presets, the command-line options of generate/greedy/sample/softcap and inspect --stages,
-# and the stage table's columns all follow from this list.
+# the server's fields and the stage table's columns all follow from this list.
 STAGES: tuple[Stage, ...] = (
     Stage("softcap", float,
-          Rule(_cap, f"a finite number between {MIN_SCALE:g} and {MAX_SOFTCAP:g}, e.g. 30 as in Gemma 2"),
+          Rule(f"a finite number between {MIN_SCALE:g} and {MAX_SOFTCAP:g}, e.g. 30 as in Gemma 2", ge=MIN_SCALE,
+               le=MAX_SOFTCAP),
           help="Squash the logits with c·tanh(z/c) first (Gemma 2: c = 30).", options=("--softcap", "--cap"),
           apply=softcap, column="soft-capped", name="softcap"),
     Stage("temperature", float,
-          Rule(lambda v: v == 0 or _scale(v), f"0 (greedy) or a finite number of at least {MIN_SCALE:g}",
-               "0 is greedy: the most likely token every time"),
+          Rule(f"0 (greedy) or a finite number of at least {MIN_SCALE:g}", ge=MIN_SCALE, also=(0,),
+               advice="0 is greedy: the most likely token every time"),
           help="Divide the logits by T > 0 before softmax (1 = as is).",
           apply=temperature, column="tempered", name="temperature"),
-    Stage("top_k", int, Rule(lambda v: v >= 1, "at least 1 (0 or -1: off)"),
+    Stage("top_k", int, Rule("at least 1 (0 or -1: off)", ge=1, also=(0, -1)),
           help="Keep only the k most likely tokens (0 or -1: off).",
           apply=top_k, column="filtered", name="top-k", off=(0, -1)),
-    Stage("top_p", float, Rule(lambda v: 0 < v <= 1, "in (0, 1]"),
+    Stage("top_p", float, Rule("in (0, 1]", gt=0, le=1),
           help="Keep the most likely tokens until their probability sums to p, in (0, 1].",
           apply=top_p, column="filtered", name="top-p"),
-    Stage("min_p", float, Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+    Stage("min_p", float, Rule("in [0, 1)", ge=0, lt=1),
           help="Drop tokens less likely than min-p × the best one's probability, in [0, 1).",
           apply=min_p, column="filtered", name="min-p"),
 )
 COLUMNS = ("raw", *dict.fromkeys(s.column for s in STAGES))  # raw, soft-capped, tempered, filtered
 
+MAX_SEED = 2**63 - 1
 # The loop's own settings (decoding.generate), checked by the same rules.
 LOOP: tuple[Setting, ...] = (
-    Setting("max_new_tokens", int, Rule(lambda v: v >= 1, "at least 1")),
-    Setting("beams", int, Rule(lambda v: v >= 1, "at least 1"), preset=False),
-    Setting("n", int, Rule(lambda v: v >= 1, "at least 1"), preset=False,
+    Setting("max_new_tokens", int, Rule("at least 1", ge=1), default=40, help="How many tokens to make at most."),
+    Setting("beams", int, Rule("at least 1", ge=1), preset=False, default=1),
+    Setting("n", int, Rule("at least 1", ge=1), preset=False, default=1,
             help="Choices per prompt, 1 by default: choice j draws with seed + j."),
-    Setting("show_steps", int, Rule(lambda v: v >= 0, "0 or more"), preset=False),
-    Setting("top_logprobs", int, Rule(lambda v: v >= 0, "0 or more"), preset=False),  # <= V: checked by generate
-    Setting("seed", int, Rule(lambda v: 0 <= v < 2**63, "between 0 and 2**63 - 1"), preset=False,
+    Setting("show_steps", int, Rule("0 or more", ge=0), preset=False, default=0),
+    Setting("top_logprobs", int, Rule("0 or more", ge=0), preset=False, default=0),  # <= V: checked by generate
+    Setting("seed", int, Rule("between 0 and 2**63 - 1", ge=0, le=MAX_SEED), preset=False,
             help="The seed of the draws (choice j draws with seed + j); drawn when not given."),
 )
 SETTINGS: dict[str, Setting] = {s.key: s for s in (*STAGES, *LOOP)}
@@ -206,21 +229,44 @@ def option(key: str) -> str:
     return SETTINGS[key].option if key in SETTINGS else "--" + key.replace("_", "-")
 
 
-def check(values: dict) -> None:
-    """Raise BadValue for the first value outside its setting's range (None = unset, and a setting's `off`
-    values pass; unknown keys pass)."""
-    for key, value in values.items():
-        if value is None or key not in SETTINGS:
-            continue
-        _check_type(key, value, SETTINGS[key].type)
-        if not _is_off(SETTINGS[key], value):
-            SETTINGS[key].rule.check(key, value)
+def checked(key: str, value):
+    """THE check of one setting's value, for every door: its type (BadType: an int for an int setting,
+    never a bool or a float, even 2.0; any real number but a bool for a float one), then its `off`
+    values, then its rule (BadValue naming the value and the range). Returns the value as Settings holds
+    it: None when unset (None) or off, a float setting's number as a float."""
+    s = SETTINGS[key]
+    if value is None:
+        return None
+    _check_type(key, value, s.type)
+    if _is_off(s, value):
+        return None
+    s.rule.check(key, value)
+    if s.type is int:
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range: no finite number
+        raise BadValue(key, f"must be {s.rule.must} (got {value})") from None
 
 
-def stage_values(values: dict) -> dict:
-    """The stage keys of `values` (a stage's `off` values, e.g. top-k 0, as None); other keys dropped."""
-    return {s.key: None if values.get(s.key) is not None and _is_off(s, values[s.key]) else values.get(s.key)
-            for s in STAGES}
+def check(values: dict) -> dict:
+    """Each value of `values` checked (`checked`), in order; returns them as Settings holds them (a
+    stage's off values as None). Keys that are not settings pass unchanged."""
+    return {key: checked(key, value) if key in SETTINGS else value for key, value in values.items()}
+
+
+def from_text(text):
+    """A value typed as text (a command-line option, explore's :temp) as the number it spells, so that
+    `checked` sees what a program would pass: "3" -> 3, "0.5" -> 0.5, "nan" -> nan; text that spells no
+    number stays text (`checked` then says what the setting must be). Not text: as it is."""
+    if not isinstance(text, str):
+        return text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _is_off(s: Setting, v) -> bool:

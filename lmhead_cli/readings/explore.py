@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from lmhead_cli.decoding import settings as one_settings
 from lmhead_cli.decoding.settings import DEFAULT_MAX_NEW_TOKENS, Settings
+from lmhead_cli.decoding.stages import from_text
 from lmhead_cli.errors import BadValue, LmheadError, UsageError
 from lmhead_cli.inputs import MAX_LINE_BYTES, check_text
 
@@ -157,17 +158,17 @@ def apply(settings: State, cmd: Command) -> State:
     off = len(cmd.args) == 1 and cmd.args[0].lower() in ("off", "none")
     values = {"top_k": settings.top_k, "targets": settings.targets, "temperature": settings.temperature,
               "softcap": settings.softcap, "seed": settings.seed, "grammar": settings.grammar}
-    if cmd.name == "temp":
-        values["temperature"] = None if off else _number(cmd, "0.8")
+    if cmd.name == "temp":  # decoding settings: their text as a number, checked by the registry (`state`)
+        values["temperature"] = None if off else from_text(_one(cmd, "0.8"))
     elif cmd.name == "softcap":
-        values["softcap"] = None if off else _number(cmd, "30")
+        values["softcap"] = None if off else from_text(_one(cmd, "30"))
     elif cmd.name == "top-k":
         rows = _number(cmd, "20", int)  # the table's rows, not the top-k stage (whose 0 and -1 mean off)
         if rows < 1:
             raise BadValue("top_k", f"must be at least 1 (got {rows})")
         values["top_k"] = rows
     elif cmd.name == "seed":
-        values["seed"] = _number(cmd, "42", int)
+        values["seed"] = from_text(_one(cmd, "42"))
     elif cmd.name in ("schema", "regex"):
         values["grammar"] = None if off else _grammar(cmd)
     elif cmd.name == "target":
@@ -426,8 +427,8 @@ class Session:
         elif cmd.name == "lens":
             self.show.lens(self.model.lens(self._last(cmd), targets=self.settings.targets))
         elif cmd.name == "gen":
-            n = _number(cmd, "20", int)
-            self.settings.generation(n)  # checked before the prompt is shown
+            n = from_text(_one(cmd, "20"))
+            self.settings.generation(n)  # checked (the registry's max_new_tokens) before the prompt is shown
             prompt = self._last(cmd)
             self.show.generation_start(prompt)
             self.show.generation_end(self.model.explore_generate(prompt, n, self.settings, self.show.text))

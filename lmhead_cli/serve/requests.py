@@ -3,8 +3,8 @@ Request (api.serving.Request: the one Settings and the prompts) that the worker 
 
 As vLLM's entrypoints/openai/protocol.py does: each endpoint's body is a model whose fields carry
 their types and ranges (lmhead's extension fields declared beside OpenAI's, so /openapi.json shows
-them), FastAPI validates the body against it after the door (serve/door.py) has read it, and a bad
-value is a 400 naming the field (OpenAI's `param`) and the accepted range (`validation_error`).
+them; the decoding fields generated from the registry and checked by its one check, in `settings`),
+and a bad value is a 400 naming the field (OpenAI's `param`) and the accepted range.
 What depends on the model or the server's limits (token ids against the vocabulary, a prompt plus
 max_tokens against the context, the logprobs asked for against the server's budget) is checked by
 the one conversion, `Sampled.request`, before any work starts.
@@ -171,23 +171,23 @@ class ResponseFormat(Body):
 
 
 # The decoding fields a request takes from the registry (decoding/stages.py): every stage by its key, and
-# these of the loop's own settings. Their ranges are the registry's, checked by the one conversion.
+# these of the loop's own settings. Their values are checked by the registry's one check, in the one
+# conversion (from_openai): pydantic only documents them (type, bounds, default, meaning) in /openapi.json.
 REGISTRY_FIELDS = ("seed", "n")
 
 
 def _registry_fields() -> type[Body]:
-    """A body with one optional field per decoding stage of the registry (decoding/stages.py STAGES) and
-    per REGISTRY_FIELDS setting, of its type, described by its help: a stage added to the registry is a
-    server field with no other edit. Absent is None: the stage off (an absent temperature is 1, OpenAI's
-    default), a drawn seed, n = 1."""
+    """One field per stage of the registry and per REGISTRY_FIELDS setting, with its type, bounds, default
+    and help; values reach the registry's check as the JSON gave them. Absent: the default (a stage off)."""
     from pydantic import create_model
 
     from lmhead_cli.api.choices import SETTINGS, STAGES
 
-    settings = [*STAGES, *(SETTINGS[k] for k in REGISTRY_FIELDS)]
+    as_given = WrapValidator(lambda value, handler: value)
     return create_model("RegistryFields", __base__=Body, **{
-        st.key: (Optional[float] if st.type is float else Optional[st.type], Field(None, description=st.help))
-        for st in settings})
+        st.key: (Annotated[Optional[float if st.type is float else st.type], as_given],
+                 Field(st.default, description=f"{st.help} Must be {st.rule.must}.".lstrip(), **st.rule.bounds()))
+        for st in [*STAGES, *(SETTINGS[k] for k in REGISTRY_FIELDS)]})
 
 
 class Sampled(_registry_fields()):
