@@ -89,15 +89,16 @@ def decode(eng, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, list[li
     return torch.stack(steps), new
 
 
-def count_steps(monkeypatch, method: str = "run") -> list[int]:
-    """How many decoding steps the compiled step took (StepPlan.run returned a result; `method`
-    "logits": the whole step, token to logits in one call)."""
+def count_steps(monkeypatch, method: str = "run", positions: int = 1) -> list[int]:
+    """How many decoding steps the compiled step took (StepPlan.run returned a result for `positions`
+    new positions a row: 1, a decoding step; more, a prompt read; `method` "logits": the whole step,
+    token to logits in one call)."""
     taken = [0]
     real = getattr(step.StepPlan, method)
 
     def counted(self, *args):
         out = real(self, *args)
-        taken[0] += out is not None
+        taken[0] += out is not None and args[0].shape[1] == positions
         return out
 
     monkeypatch.setattr(step.StepPlan, method, counted)
@@ -258,11 +259,22 @@ def test_every_variant_passes_the_step_check_and_a_wrong_step_fails_it(monkeypat
 
     def doubled_bias(layers, *args):  # the MLP's output bias added twice, through a copy of the plan
         layer = kernels.Layer.from_address(layers)
-        b = torch.tensor(ctypes.cast(layer.b[3], ctypes.POINTER(ctypes.c_float))[:args[4]]) * 2
+        b = torch.tensor(ctypes.cast(layer.b[3], ctypes.POINTER(ctypes.c_float))[:args[5]]) * 2
         layer.b[3] = b.data_ptr()
         return real(layers, *args)
 
     k.lib = kernels._Variant(**{**k.lib.__dict__, "lmhead_step": doubled_bias})
+    assert not kernels._step_check(k)
+
+    def seeing_ahead(layers, L, kind, x, B, T, *args):  # a prompt's positions each seeing every new one
+        if T == 1 or args[-3] is not None:
+            return real(layers, L, kind, x, B, T, *args)
+        *rest, mask, msb, threads = args
+        past = rest[-1]
+        zeros = torch.zeros(B * T, past + T)
+        return real(layers, L, kind, x, B, T, *rest, zeros.data_ptr(), zeros.stride(0), threads)
+
+    k.lib = kernels._Variant(**{**k.lib.__dict__, "lmhead_step": seeing_ahead})
     assert not kernels._step_check(k)
 
 
@@ -437,3 +449,100 @@ def test_the_step_s_record_is_the_row_kernel_s_and_a_spoilt_one_is_left_to_the_l
         eng.gpt.ln_f.bias[5] = float("inf")
     z, made = eng.step_logits(torch.tensor([[3084], [13]]), cache, record=True)
     assert made is None and cache.length == 4 and not torch.isfinite(z).all()
+
+
+def read_prompt(eng, rows: list[list[int]], pieces: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts read into a new cache through LeanGPT2.body, as decoding's prefill does: in one
+    call, or in pieces of the given lengths (after the first, a mask of ones over the cache and the new
+    positions, as decoding/prefill.py passes it). The hidden states after ln_f (B, T, D) and the cache's
+    filled keys and values."""
+    S, B = max(map(len, rows)), len(rows)
+    ids = torch.tensor([[50256] * (S - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in rows])
+    padded = bool((mask == 0).any())
+    cache = eng.new_cache(B, S + 2)
+    parts, at = [], 0
+    for n in pieces or (S,):
+        ones = (mask[:, :at + n],) if padded or at else ()
+        parts.append(eng.body(ids[:, at:at + n], cache, *ones))
+        at += n
+    return torch.cat(parts, 1), torch.cat([cache.k[:, :, :, :cache.length], cache.v[:, :, :, :cache.length]])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_short_prompt_is_read_in_one_compiled_call(ragged, dtype, monkeypatch):
+    """A prompt of up to 16 positions (a server's lone request) runs every block in one compiled call,
+    each position causal over the ones before it: transformers' logits at every position, and the torch
+    path's hidden states and cache within float rounding (LMHEAD_STEP=0). Read in two pieces (decoding's
+    chunks: a mask of ones) it gives the same. A prompt of 17 positions, and a second piece with no mask
+    (which the torch path reads without a causal mask), run the modules."""
+    folder, model = ragged
+    eng = load_model(str(folder), device="cpu", dtype=dtype, engine="lean").engine
+    ref = reference_for(eng, model, dtype)
+    prompt = list(range(100, 116))
+    for T in (2, 7, 16):
+        taken = count_steps(monkeypatch, positions=T)
+        hidden, cache = read_prompt(eng, [prompt[:T]])
+        assert taken[0] == 1
+        with torch.inference_mode():
+            want = ref(torch.tensor([prompt[:T]])).logits[0]  # (T, V)
+            torch.testing.assert_close(eng.head(hidden[0]).float(), want, atol=ATOL[dtype][0], rtol=0)
+        monkeypatch.setenv(step.ENV, "0")
+        plain, plain_cache = read_prompt(eng, [prompt[:T]])
+        monkeypatch.delenv(step.ENV)
+        torch.testing.assert_close(hidden, plain, atol=ATOL[dtype][1], rtol=0)
+        torch.testing.assert_close(cache, plain_cache, atol=ATOL[dtype][1], rtol=0)
+    taken = count_steps(monkeypatch, positions=5)
+    pieces, pieces_cache = read_prompt(eng, [prompt[:12]], (7, 5))
+    assert taken[0] == 1
+    whole, whole_cache = read_prompt(eng, [prompt[:12]])
+    torch.testing.assert_close(pieces, whole, atol=ATOL[dtype][1], rtol=0)
+    torch.testing.assert_close(pieces_cache, whole_cache, atol=ATOL[dtype][1], rtol=0)
+    taken = count_steps(monkeypatch, positions=17)
+    read_prompt(eng, [prompt + [200]])
+    assert taken[0] == 0
+    taken = count_steps(monkeypatch, positions=3)
+    cache = eng.new_cache(1, 8)
+    eng.body(torch.tensor([prompt[:2]]), cache)
+    eng.body(torch.tensor([prompt[2:5]]), cache)
+    assert taken[0] == 0
+
+
+@needs_kernels
+def test_left_padded_prompts_read_together_in_one_compiled_call(ragged, monkeypatch):
+    """Prompts waiting together (decoding/prefill.py's padded pass) of at most 16 positions in all: one
+    compiled call through the padding mask, each row's hidden states and cache the torch path's within
+    float rounding, and each prompt's last position's logits transformers' for that prompt alone."""
+    folder, model = ragged
+    eng = load_model(str(folder), device="cpu", dtype="float32", engine="lean").engine
+    rows = [[464, 8251, 319, 262, 3084], [11, 13], [318, 257, 1332, 13, 198]]
+    taken = count_steps(monkeypatch, positions=5)
+    hidden, cache = read_prompt(eng, rows)
+    assert taken[0] == 1
+    monkeypatch.setenv(step.ENV, "0")
+    plain, plain_cache = read_prompt(eng, rows)
+    for b, p in enumerate(rows):
+        torch.testing.assert_close(hidden[b, -len(p):], plain[b, -len(p):], atol=ATOL["float32"][1], rtol=0)
+        torch.testing.assert_close(cache[:, b, :, -len(p):], plain_cache[:, b, :, -len(p):], atol=ATOL["float32"][1],
+                                   rtol=0)
+        with torch.inference_mode():
+            want = model(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(eng.head(hidden[b, -1]).float(), want, atol=ATOL["float32"][0], rtol=0)
+
+
+@needs_kernels
+def test_the_thread_count_does_not_change_a_compiled_prompt_read(ragged):
+    """A prompt's positions read in one compiled call: each product's output columns split among the
+    threads, each sum in one order; one, two and three threads give the same bits."""
+    eng = load_model(str(ragged[0]), device="cpu", dtype="float32", engine="lean").engine
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append(read_prompt(eng, [list(range(300, 312))]))
+        for hidden, cache in got[1:]:
+            assert torch.equal(hidden, got[0][0]) and torch.equal(cache, got[0][1])
+    finally:
+        torch.set_num_threads(before)

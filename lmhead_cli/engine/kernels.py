@@ -81,8 +81,8 @@ KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the varian
     "lmhead_attend": (_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                              _float, _int]),
     # the plan (an array of lmhead_layer), then the step's arguments in order
-    "lmhead_step": (_int, [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, _float, _ptr, _ptr, _i64, _i64, _i64,
-                           _i64, _ptr, _i64, _int]),
+    "lmhead_step": (_int, [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _ptr, _i64, _i64,
+                           _i64, _i64, _ptr, _i64, _int]),
     # the lmhead_model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the logits,
     # the record's top-1 ids and figures
     "lmhead_decode": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
@@ -329,11 +329,12 @@ def _self_check(k: Kernels) -> bool:
 
 def _step_check(k: Kernels) -> bool:
     """The compiled decoding step (csrc/step.c) against torch on one float32 block with ragged sizes (D 36,
-    two heads of 18, 72 inner), two rows, three cached positions and a mask that hides one of them."""
+    two heads of 18, 72 inner): two rows of one new position after three cached ones, with a mask that
+    hides one of them, and one row of three new positions after two (a prompt's chunk, causal)."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(1)
-    D, H, inner, B, past = 36, 2, 72, 2, 3
+    D, H, inner = 36, 2, 72
     shapes = [(D, 3 * D), (D, D), (D, inner), (inner, D)]
     w = [torch.randn(s, generator=g) * 0.3 for s in shapes]  # Conv1D (in, out)
     b = [torch.randn(s[1], generator=g) * 0.1 for s in shapes]
@@ -342,25 +343,33 @@ def _step_check(k: Kernels) -> bool:
     for i in range(4):
         layer.w[i], layer.b[i] = w[i].data_ptr(), b[i].data_ptr()
     layer.ln1_w, layer.ln1_b, layer.ln2_w, layer.ln2_b = (t.data_ptr() for t in ln)
-    cache_k, cache_v = (torch.randn(1, B, H, past + 1, D // H, generator=g) for _ in range(2))
-    mask = torch.zeros(B, past + 1)
-    mask[0, 1] = float("-inf")
-    x = torch.randn(B, D, generator=g)
-    k_want, v_want = cache_k.clone(), cache_v.clone()
-    h = F.layer_norm(x, (D,), ln[0], ln[1])
-    q, kn, vn = (h @ w[0] + b[0]).split(D, -1)
-    k_want[0, :, :, past], v_want[0, :, :, past] = kn.view(B, H, -1), vn.view(B, H, -1)
-    att = (q.view(B, H, 1, -1) @ k_want[0].transpose(-1, -2)) / math.sqrt(D // H) + mask[:, None, None]
-    a = (att.softmax(-1) @ v_want[0]).view(B, D)
-    want = x + a @ w[1] + b[1]
-    want = want + F.gelu(F.layer_norm(want, (D,), ln[2], ln[3]) @ w[2] + b[2], approximate="tanh") @ w[3] + b[3]
-    got = x.clone()
-    status = k.lib.lmhead_step(ctypes.addressof(layer), 1, 0, got.data_ptr(), B, D, H, inner, 1e-5,
-                               cache_k.data_ptr(), cache_v.data_ptr(), *cache_k.stride()[:3], past,
-                               mask.data_ptr(), mask.stride(0), 2)
-    return (status == 0 and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-            and torch.allclose(cache_k, k_want, rtol=1e-4, atol=1e-4)
-            and torch.allclose(cache_v, v_want, rtol=1e-4, atol=1e-4))
+
+    def check(B: int, T: int, past: int, mask: torch.Tensor | None) -> bool:
+        """B rows of T new positions after `past` cached ones; mask (B, T, past + T) additive, or None
+        (causal among the new positions)."""
+        cache_k, cache_v = (torch.randn(1, B, H, past + T, D // H, generator=g) for _ in range(2))
+        x = torch.randn(B, T, D, generator=g)
+        k_want, v_want = cache_k.clone(), cache_v.clone()
+        h = F.layer_norm(x, (D,), ln[0], ln[1])
+        q, kn, vn = (h @ w[0] + b[0]).split(D, -1)  # (B, T, D) each
+        k_want[0, :, :, past:], v_want[0, :, :, past:] = (t.view(B, T, H, -1).transpose(1, 2) for t in (kn, vn))
+        causal = torch.zeros(T, past + T).masked_fill(torch.ones(T, past + T).tril(past) == 0, float("-inf"))
+        att = (q.view(B, T, H, -1).transpose(1, 2) @ k_want[0].transpose(-1, -2)) / math.sqrt(D // H)
+        att = att + (causal if mask is None else mask[:, None])  # (B, H, T, past + T)
+        a = (att.softmax(-1) @ v_want[0]).transpose(1, 2).reshape(B, T, D)
+        want = x + a @ w[1] + b[1]
+        want = want + F.gelu(F.layer_norm(want, (D,), ln[2], ln[3]) @ w[2] + b[2], approximate="tanh") @ w[3] + b[3]
+        got = x.clone()
+        status = k.lib.lmhead_step(ctypes.addressof(layer), 1, 0, got.data_ptr(), B, T, D, H, inner, 1e-5,
+                                   cache_k.data_ptr(), cache_v.data_ptr(), *cache_k.stride()[:3], past,
+                                   None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(1), 2)
+        return (status == 0 and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+                and torch.allclose(cache_k, k_want, rtol=1e-4, atol=1e-4)
+                and torch.allclose(cache_v, v_want, rtol=1e-4, atol=1e-4))
+
+    mask = torch.zeros(2, 1, 4)
+    mask[0, 0, 1] = float("-inf")
+    return check(2, 1, 3, mask) and check(1, 3, 2, None)
 
 
 class _DlInfo(ctypes.Structure):

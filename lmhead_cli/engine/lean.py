@@ -333,15 +333,16 @@ class LeanGPT2(Engine):
     @torch.inference_mode()
     def body(self, ids: torch.Tensor, cache: KVCache | None = None,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states after ln_f for the new positions `ids` (B, T) -> (B, T, D); fills `cache`. One new
-        position of a few rows with a cache runs every block in one compiled call where nothing needs
-        the modules (engine/step.py); everything else runs the blocks."""
+        """Hidden states after ln_f for the new positions `ids` (B, T) -> (B, T, D); fills `cache`. With a
+        cache, up to 16 rows × positions (a decoding step's rows, or a short prompt's positions) run
+        every block in one compiled call where nothing needs the modules (engine/step.py); everything
+        else runs the blocks."""
         past = cache.length if cache is not None else 0
         if past + ids.shape[1] > self.n_ctx:
             raise ValueError(f"{past + ids.shape[1]} positions exceed the context of {self.n_ctx}")
         mask = None if attention_mask is None else _mask(attention_mask, ids.shape[1], self.attention_dtype)
         x = self.embed(ids, past, attention_mask)
-        stepped = self.step.run(x, cache, mask) if self.step is not None and ids.shape[1] == 1 else None
+        stepped = self.step.run(x, cache, mask) if self.step is not None else None
         if stepped is not None:  # the compiled step ran every block
             x = stepped
         else:

@@ -144,13 +144,14 @@ class StepPlan:
         return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
                     or any(self.hooks if hooks is None else hooks))
 
-    def _fits(self, cache, B: int, mask: torch.Tensor | None) -> bool:
-        """Whether B rows' cache and mask are in the layout csrc/step.c reads (both calls take them so)."""
+    def _fits(self, cache, B: int, mask: torch.Tensor | None, T: int = 1) -> bool:
+        """Whether B rows' cache and mask, for T new positions each, are in the layout csrc/step.c reads
+        (both calls take them so): the mask's (past + T) rows evenly spaced (`_mask_rows`)."""
         k, v, past = cache.k, cache.v, cache.length
         return (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.stride() == v.stride()
-                and k.shape[1] == B and past < k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
-                and (mask is None or (mask.dtype == torch.float32 and mask.shape == (B, 1, 1, past + 1)
-                                      and mask.stride(-1) == 1)))
+                and k.shape[1] == B and past + T <= k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+                and (mask is None or (mask.dtype == torch.float32 and mask.shape == (B, 1, T, past + T)
+                                      and mask.stride(-1) == 1 and (T == 1 or mask.stride(0) == T * mask.stride(2)))))
 
     def logits(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
                record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
@@ -216,21 +217,27 @@ class StepPlan:
         return torch.cat(zs), made
 
     def run(self, x: torch.Tensor, cache, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The residual stream x (B, 1, D) of one new position through every block, writing each layer's
-        key and value at the cache's next position (the caller advances cache.length): (B, 1, D) in x's
-        dtype; mask (B, 1, 1, past + 1) additive float32 or None. None (nothing done) where the step does
-        not apply: the caller runs the torch path."""
+        """The residual stream x (B, T, D) of T new positions of B rows (B · T at most MAX_ROWS: a
+        decoding step's rows, or a short prompt's positions) through every block, writing each layer's
+        keys and values at the cache's next T positions (the caller advances cache.length): (B, T, D) in
+        x's dtype. mask (B, 1, T, past + T) additive float32, or None: none for one position, causal
+        among the new positions for more when the cache is empty (the torch path's reading; more
+        positions after cached ones with no mask are the torch path's). None (nothing done) where the
+        step does not apply: the caller runs the torch path."""
         fast = kernels.load()
         B, T, D = x.shape
-        if (fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS or not x.is_cpu
-                or self.hooked() or not self._fits(cache, B, mask)):
+        if (fast is None or turned_off() or cache is None or not 1 <= B * T <= MAX_ROWS or not x.is_cpu
+                or (T > 1 and mask is None and cache.length) or self.hooked() or not self._fits(cache, B, mask, T)):
             return None
         k, v, past = cache.k, cache.v, cache.length
-        h = x.reshape(B, D).to(torch.float32, copy=True).contiguous()  # (B, D), updated in place
-        status = fast.lib.lmhead_step(ctypes.addressof(self.layers), self.L, self.kind, h.data_ptr(), B, D, self.H,
+        h = x.reshape(B * T, D).to(torch.float32, copy=True).contiguous()  # (B·T, D), updated in place
+        msb = 0 if mask is None else mask.stride(0) if T == 1 else mask.stride(2)  # between one position's row and the next
+        status = fast.lib.lmhead_step(ctypes.addressof(self.layers), self.L, self.kind, h.data_ptr(), B, T, D, self.H,
                                       self.inner, self.eps, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                                      k.stride(2), past, None if mask is None else mask.data_ptr(),
-                                      0 if mask is None else mask.stride(0), torch.get_num_threads())
+                                      k.stride(2), past, None if mask is None else mask.data_ptr(), msb,
+                                      torch.get_num_threads())
+        if status == -2:
+            return None
         if status:
             raise MemoryError("the compiled decoding step could not allocate its buffers")
-        return h.view(B, 1, D).to(x.dtype)
+        return h.view(B, T, D).to(x.dtype)

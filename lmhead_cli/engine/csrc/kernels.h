@@ -12,11 +12,11 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 15 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 16 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
 #define LMHEAD_GGUF_MAX_ROWS 16 /* the most rows of x lmhead_gguf_matvec takes (a decoding step's) */
-#define LMHEAD_STEP_MAX_ROWS 16 /* the most rows of a compiled step (lmhead_step) and of lmhead_f32_kn_matvec */
+#define LMHEAD_STEP_MAX_ROWS 16 /* the most rows × positions of a compiled step (lmhead_step), rows of lmhead_f32_kn_matvec */
 
 /* x86-64 with GCC: a variant per instruction-set level (variant_*.c), best first; elsewhere (another
    architecture, or a compiler without GCC's target pragma) the portable C variant alone. */
@@ -133,9 +133,9 @@ int64_t LMHEAD_VARIANT(lmhead_score_rows)(const float *z, const int64_t *ids, in
 int LMHEAD_VARIANT(lmhead_attend)(const float *q, int64_t qsb, int64_t qsh, const float *k, const float *v,
                                   int64_t ksb, int64_t ksh, const float *mask, int64_t msb, float *out, int64_t B,
                                   int64_t H, int64_t T, int64_t hd, float scale, int threads);
-int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind, float *x, int64_t B, int64_t D,
-                                int64_t H, int64_t inner, float eps, float *kc, float *vc, int64_t csl, int64_t csb,
-                                int64_t csh, int64_t past, const float *mask, int64_t msb, int threads);
+int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind, float *x, int64_t B, int64_t T,
+                                int64_t D, int64_t H, int64_t inner, float eps, float *kc, float *vc, int64_t csl,
+                                int64_t csb, int64_t csh, int64_t past, const float *mask, int64_t msb, int threads);
 int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, const int64_t *pos, int64_t B,
                                   float *kc, float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
                                   const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,

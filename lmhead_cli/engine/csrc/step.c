@@ -1,10 +1,11 @@
 /* ---- the decoding step: every block of GPT-2 for a few rows of one new position, in one call ----
 
    Included at the end of kernels.c, so each variant compiles it with its own vector width. For B rows
-   (B <= STEP_MAX_ROWS) of one new position each, block by block:
+   of T new positions each (B · T <= STEP_MAX_ROWS: a decoding step's rows, T = 1, or a short prompt's
+   positions, B = 1), block by block:
 
-       h = ln_1(x);  qkv = h · c_attn;  k, v -> the KV cache at position `past`;
-       a = attention(q, cache[0 .. past], mask);  x = x + a · attn.c_proj;
+       h = ln_1(x);  qkv = h · c_attn;  k, v -> the KV cache at positions past … past + T - 1;
+       a = attention(q, cache[0 .. past + t], mask);  x = x + a · attn.c_proj;
        h = ln_2(x);  f = gelu_tanh(h · c_fc);  x = x + f · mlp.c_proj
 
    What the lean engine's torch path does in ~85 dispatched ops a block (engine/lean.py Block), here in
@@ -272,47 +273,74 @@ static int step_product(const lmhead_layer *l, int i, int kind, const float *x, 
    of weights, and a vector that straddles two lines costs two (malloc gives 16-byte alignment). */
 static void *step_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
-/* x (B, D) float32, the residual stream of B rows at their new position (bfloat16 values for
-   LMHEAD_STEP_BF16), through the L blocks `layers`, in place. The KV cache: k, v float32 at
-   k + l * csl + b * csb + h * csh + t * hd (t < past filled; position `past` written here). mask: an
-   additive (B, past + 1) float32 row per b, msb apart, or NULL. Returns 0, or -1 where a buffer could
-   not be allocated (x then partly updated: the caller raises). */
-int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind, float *x, int64_t B, int64_t D,
-                                int64_t H, int64_t inner, float eps, float *kc, float *vc, int64_t csl, int64_t csb,
-                                int64_t csh, int64_t past, const float *mask, int64_t msb, int threads) {
-    if (B < 1 || B > STEP_MAX_ROWS || D % H) return -2;
-    int64_t hd = D / H, widest = inner > 3 * D ? inner : 3 * D;
-    float *h = step_alloc(sizeof(float) * (size_t)(B * D)), *big = step_alloc(sizeof(float) * (size_t)(B * widest)),
-          *a = step_alloc(sizeof(float) * (size_t)(B * D));
+/* Attention of the T new positions of row b: their queries q (T rows of qkv, `qs` floats apart) over the
+   row's cache (k, v: head h at h * csh, position t at t * hd) up to position past + T - 1, position t
+   seeing keys 0 … past + t: through `mask` ((T, past + T) additive rows, msb apart) where it is given,
+   else through `causal`, the same rows built once a call. A masked key's weight is exp(-inf) = 0, so
+   each position's sums are those over its own keys alone. out: (T, H · hd). */
+static int step_attend(const float *q, int64_t qs, const float *k, const float *v, int64_t csh, const float *mask,
+                       int64_t msb, const float *causal, float *out, int64_t T, int64_t H, int64_t hd, int64_t past,
+                       int threads) {
+    return LMHEAD_VARIANT(lmhead_attend)(q, qs, hd, k, v, 0, csh, mask ? mask : causal, mask ? msb : past + T, out, T,
+                                         H, past + T, hd, (float)(1.0 / sqrt((double)hd)), threads);
+}
+
+/* x (B · T, D) float32, the residual stream of B rows at T new positions each (row b's position past + t
+   at x + (b · T + t) · D; bfloat16 values for LMHEAD_STEP_BF16), through the L blocks `layers`, in
+   place. The KV cache: k, v float32 at k + l * csl + b * csb + h * csh + t * hd (t < past filled;
+   positions past … past + T - 1 written here). mask: an additive (past + T) float32 row per new
+   position, row b's position t at mask + (b · T + t) · msb, or NULL: no mask for one position, causal
+   among the new positions for more. Returns 0, -1 where a buffer could not be allocated (x then partly
+   updated: the caller raises), -2 for sizes it does not take (nothing done). */
+int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind, float *x, int64_t B, int64_t T,
+                                int64_t D, int64_t H, int64_t inner, float eps, float *kc, float *vc, int64_t csl,
+                                int64_t csb, int64_t csh, int64_t past, const float *mask, int64_t msb, int threads) {
+    if (B < 1 || T < 1 || B * T > STEP_MAX_ROWS || D % H) return -2;
+    int64_t R = B * T, hd = D / H, widest = inner > 3 * D ? inner : 3 * D; /* R: the products' rows */
+    float *h = step_alloc(sizeof(float) * (size_t)(R * D)), *big = step_alloc(sizeof(float) * (size_t)(R * widest)),
+          *a = step_alloc(sizeof(float) * (size_t)(R * D));
     uint16_t *xb = step_alloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest)),
              *yb = step_alloc(sizeof(uint16_t) * (size_t)(MAX_ROWS * widest));
     /* one row of float32: each block's sums over all of a product's columns (kn_vec) */
-    float *part = kind == LMHEAD_STEP_F32 && B == 1 ? step_alloc(sizeof(float) * (size_t)(KN_CHUNKS * widest)) : NULL;
-    int failed = !(h && big && a && xb && yb && (part || kind != LMHEAD_STEP_F32 || B != 1));
+    float *part = kind == LMHEAD_STEP_F32 && R == 1 ? step_alloc(sizeof(float) * (size_t)(KN_CHUNKS * widest)) : NULL;
+    /* several positions and no mask: each sees the cache and the new positions up to itself */
+    float *causal = T > 1 && !mask ? step_alloc(sizeof(float) * (size_t)(T * (past + T))) : NULL;
+    int failed = !(h && big && a && xb && yb && (part || kind != LMHEAD_STEP_F32 || R != 1) && (causal || T == 1 || mask));
+    for (int64_t t = 0; causal && t < T; t++)
+        for (int64_t j = 0; j < past + T; j++) causal[t * (past + T) + j] = j <= past + t ? 0.0f : -INFINITY;
     for (int64_t li = 0; li < L && !failed; li++) {
         const lmhead_layer *l = layers + li;
         float *kl = kc + li * csl, *vl = vc + li * csl;
-        step_norm(x, h, B, D, l->ln1_w, l->ln1_b, eps, kind);
-        if (step_product(l, 0, kind, h, big, B, D, 3 * D, xb, yb, part, threads)) { failed = 1; break; }
-        for (int64_t b = 0; b < B; b++) /* k and v of each head into the cache at `past` */
+        step_norm(x, h, R, D, l->ln1_w, l->ln1_b, eps, kind);
+        if (step_product(l, 0, kind, h, big, R, D, 3 * D, xb, yb, part, threads)) { failed = 1; break; }
+        for (int64_t r = 0; r < R; r++) /* k and v of each head into the cache at past + t */
             for (int64_t hh = 0; hh < H; hh++) {
-                const float *qkv = big + b * 3 * D + hh * hd;
-                memcpy(kl + b * csb + hh * csh + past * hd, qkv + D, (size_t)hd * sizeof(float));
-                memcpy(vl + b * csb + hh * csh + past * hd, qkv + 2 * D, (size_t)hd * sizeof(float));
+                const float *qkv = big + r * 3 * D + hh * hd;
+                int64_t at = (r / T) * csb + hh * csh + (past + r % T) * hd;
+                memcpy(kl + at, qkv + D, (size_t)hd * sizeof(float));
+                memcpy(vl + at, qkv + 2 * D, (size_t)hd * sizeof(float));
             }
-        if (LMHEAD_VARIANT(lmhead_attend)(big, 3 * D, hd, kl, vl, csb, csh, mask, msb, a, B, H, past + 1, hd,
-                                          (float)(1.0 / sqrt((double)hd)), threads)) { failed = 1; break; }
+        if (T == 1) { /* a decoding step: every row's one query in one call */
+            if (LMHEAD_VARIANT(lmhead_attend)(big, 3 * D, hd, kl, vl, csb, csh, mask, msb, a, B, H, past + 1, hd,
+                                              (float)(1.0 / sqrt((double)hd)), threads)) { failed = 1; break; }
+        } else {
+            for (int64_t b = 0; b < B && !failed; b++)
+                failed = step_attend(big + b * T * 3 * D, 3 * D, kl + b * csb, vl + b * csb, csh,
+                                     mask ? mask + b * T * msb : NULL, msb, causal, a + b * T * D, T, H, hd, past,
+                                     threads) != 0;
+            if (failed) break;
+        }
         if (kind == LMHEAD_STEP_BF16)
-            for (int64_t j = 0; j < B * D; j++) a[j] = round_bf16(a[j]);
-        if (step_product(l, 1, kind, a, h, B, D, D, xb, yb, part, threads)) { failed = 1; break; }
-        for (int64_t j = 0; j < B * D; j++) x[j] = kind == LMHEAD_STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
-        step_norm(x, h, B, D, l->ln2_w, l->ln2_b, eps, kind);
-        if (step_product(l, 2, kind, h, big, B, D, inner, xb, yb, part, threads)) { failed = 1; break; }
-        step_gelu(big, B * inner, kind);
-        if (step_product(l, 3, kind, big, h, B, inner, D, xb, yb, part, threads)) { failed = 1; break; }
-        for (int64_t j = 0; j < B * D; j++) x[j] = kind == LMHEAD_STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
+            for (int64_t j = 0; j < R * D; j++) a[j] = round_bf16(a[j]);
+        if (step_product(l, 1, kind, a, h, R, D, D, xb, yb, part, threads)) { failed = 1; break; }
+        for (int64_t j = 0; j < R * D; j++) x[j] = kind == LMHEAD_STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
+        step_norm(x, h, R, D, l->ln2_w, l->ln2_b, eps, kind);
+        if (step_product(l, 2, kind, h, big, R, D, inner, xb, yb, part, threads)) { failed = 1; break; }
+        step_gelu(big, R * inner, kind);
+        if (step_product(l, 3, kind, big, h, R, inner, D, xb, yb, part, threads)) { failed = 1; break; }
+        for (int64_t j = 0; j < R * D; j++) x[j] = kind == LMHEAD_STEP_BF16 ? round_bf16(x[j] + h[j]) : x[j] + h[j];
     }
-    free(h), free(big), free(a), free(xb), free(yb), free(part);
+    free(h), free(big), free(a), free(xb), free(yb), free(part), free(causal);
     return failed ? -1 : 0;
 }
 
@@ -361,7 +389,7 @@ int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, con
         }
     }
     if (!status)
-        status = LMHEAD_VARIANT(lmhead_step)(m->layers, m->L, m->kind, x, B, D, m->H, m->inner, m->eps, kc, vc,
+        status = LMHEAD_VARIANT(lmhead_step)(m->layers, m->L, m->kind, x, B, 1, D, m->H, m->inner, m->eps, kc, vc,
                                              csl, csb, csh, past, mask, msb, threads) ? -1 : 0;
     if (!status) {
         step_norm(x, h, B, D, m->lnf_w, m->lnf_b, m->eps, m->kind);
