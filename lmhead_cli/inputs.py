@@ -120,6 +120,17 @@ def read_text(what: str, stream=None) -> str:
     return read_stdin(what, stream=stream).removesuffix("\n").removesuffix("\r")
 
 
+def unreadable(e: OSError, name: str, what: str) -> UsageError:
+    """The OSError met opening or reading the file `name` as the one UsageError that names it as `what`
+    (read_small_file's, and readings.batch.open_input's for --file): missing, a folder, or the system's
+    reason."""
+    if isinstance(e, FileNotFoundError):
+        return UsageError(f"no such {what}: {name}")
+    if isinstance(e, IsADirectoryError):
+        return UsageError(f"the {what} {name} is a folder, not a file")
+    return UsageError(f"the {what} {name} cannot be read: {e.strerror or e}")
+
+
 def read_small_file(name: str, what: str, limit: int = 1 << 20) -> str:
     """A small text file given by path (`-`: stdin), whole: at most `limit` bytes, UTF-8 (a byte-order mark
     dropped). A missing file, a folder, a FIFO or other special file (never opened: a FIFO with no writer
@@ -134,12 +145,8 @@ def read_small_file(name: str, what: str, limit: int = 1 << 20) -> str:
             raise UsageError(f"the {what} {name} is {kind}, not a regular file")
         with open(name, "rb") as f:
             data = f.read(limit + 1)
-    except FileNotFoundError:
-        raise UsageError(f"no such {what}: {name}") from None
-    except IsADirectoryError:
-        raise UsageError(f"the {what} {name} is a folder, not a file") from None
     except OSError as e:
-        raise UsageError(f"cannot read the {what} {name}: {e.strerror or e}") from None
+        raise unreadable(e, name, what) from None
     if len(data) > limit:
         raise UsageError(f"the {what} {name} is longer than {limit:,} bytes")
     return decode_utf8(data.removeprefix(b"\xef\xbb\xbf"), f"the {what} {name}")

@@ -226,3 +226,17 @@ def test_a_fifo_as_file_is_refused_without_waiting_for_a_writer(tmp_path, comman
 def test_a_device_as_file_is_still_read_up_to_the_line_limit():
     got = cli("inspect", "--file", "/dev/zero", "--model", "random:gpt2")
     assert got.exit_code == 2 and "line 1 is longer than 1,048,576 bytes" in got.stderr
+
+
+def test_a_folder_or_a_missing_file_is_named_alike_by_every_file_reader(tmp_path, monkeypatch):
+    """--file (readings.batch.open_input), --preset FILE.toml and --json-schema (inputs.read_small_file) say
+    it in one wording (inputs.unreadable): 'no such WHAT: NAME', 'the WHAT NAME is a folder, not a file'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir.toml").mkdir()
+    for args, what in ((["inspect", "--file"], "prompt file"), (["generate", "x", "--preset"], "preset file"),
+                       (["generate", "x", "--json-schema"], "JSON schema file")):
+        name = "dir.toml"
+        got = cli(*args, name, "--model", "random:gpt2")
+        assert (got.exit_code, got.stderr) == (2, f"lmhead: error: the {what} {name} is a folder, not a file\n")
+        got = cli(*args, "absent.toml", "--model", "random:gpt2")
+        assert (got.exit_code, got.stderr) == (2, f"lmhead: error: no such {what}: absent.toml\n")

@@ -447,7 +447,7 @@ def test_a_preset_file_that_cannot_be_read_says_why(tmp_path):
     f.symlink_to("/proc/self/mem")
     with pytest.raises(UsageError) as e:
         presets.load_preset(str(f))
-    assert str(e.value) == f"cannot read the preset file {f}: Input/output error"
+    assert str(e.value) == f"the preset file {f} cannot be read: Input/output error"
 
 
 def test_a_huge_preset_file_is_refused_after_reading_only_past_the_limit(tmp_path):

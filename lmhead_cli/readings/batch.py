@@ -85,12 +85,10 @@ def open_input(name: str, what: str):
     _refuse_fifo(name, what)
     try:
         return open(name, "rb")  # noqa: SIM115 - the caller reads and closes it
-    except FileNotFoundError:
-        raise UsageError(f"no such {what}: {name}") from None
-    except IsADirectoryError:
-        raise UsageError(f"{name} is a folder, not a {what}") from None
     except OSError as e:
-        raise UsageError(f"cannot read the {what} {name}: {e.strerror or e}") from None
+        from lmhead_cli.inputs import unreadable
+
+        raise unreadable(e, name, what) from None
 
 
 def _refuse_fifo(name: str, what: str) -> None:
