@@ -25,6 +25,7 @@ import torch
 from lmhead_cli.decoding.batch import Batch
 from lmhead_cli.decoding.record import Step, Top, record, step_of, top_tokens
 from lmhead_cli.decoding.rows import Quiet
+from lmhead_cli.decoding.request import Request
 from lmhead_cli.decoding.settings import Settings
 
 FINISHED = -1.0e9  # transformers' penalty that keeps a finished candidate from running on
@@ -78,7 +79,8 @@ class BeamSearch:
         self.token_text = loaded.tokenizer.token_text
         self.batch = Batch(loaded)
         # one row (its stages rank the candidates), copied into n beams at the first regroup
-        self.batch.add(0, replace(s.row(ids, max_tokens=max_new, eos=None), greedy=True, stop=()))
+        row = Request.of(s, [ids], max_new).rows()[0]  # the one Settings -> Row conversion, the decoder's too
+        self.batch.add(0, replace(row, greedy=True, stop=()))
         self.running = [_Beam(0.0)]
         self.finished: list[tuple[float, _Beam]] = []
         self.t, self.rows, self.cands = 0, [], []

@@ -60,15 +60,6 @@ class Settings:
         base = self.seed if self.seed is not None or self.mode != "sample" else secrets.randbelow(2**32)
         return [None if base is None else (base + j) % 2**63 for j in range(self.n)]
 
-    def row(self, ids, *, max_tokens: int, eos: int | None, seed: int | None = None, echo: bool = False):
-        """The batch's Row (decoding/rows.py) for these settings after the prompt `ids`."""
-        from lmhead_cli.decoding.rows import Row
-
-        return Row(tuple(ids), echo=echo, max_tokens=max_tokens, top=self.top_logprobs, mode=self.logprobs,
-                   knobs=self.knobs, greedy=self.greedy, seed=(self.seed if seed is None else seed) or 0,
-                   stop=self.stop, eos=None if self.ignore_eos else eos, alternatives=self.show_steps,
-                   grammar=self.grammar)
-
 
 def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
          ignore_eos: bool = False, seed: int | None = None, stop=(), show_steps: int = 0, top_logprobs: int = 0,
