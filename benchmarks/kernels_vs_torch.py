@@ -41,20 +41,29 @@ def best_times(contenders: dict, reps: int) -> dict[str, float]:
     return best
 
 
+def loaded_kernels(threads: int | None, what: str = ""):
+    """The compiled kernels, with torch's threads set to `threads` (None: its own count); a line says which
+    variant, how many threads, `what` else, and the load average. SystemExit where they are unavailable."""
+    if threads:
+        torch.set_num_threads(threads)
+    from lmhead_cli.engine import kernels
+
+    k = kernels.load()
+    if k is None:
+        raise SystemExit(f"the compiled kernels are unavailable: {kernels.unavailable()}")
+    print(f"kernels: {k.variant}; torch {torch.__version__}, {torch.get_num_threads()} threads; {what}"
+          f"load average {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
+    return k
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from lmhead_cli.engine import int8, kernels
+    from lmhead_cli.engine import int8
 
-    k = kernels.load()
-    if k is None:
-        raise SystemExit(f"the compiled kernels are unavailable: {kernels.unavailable()}")
-    print(f"kernels: {k.variant}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"load average {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
+    k = loaded_kernels(args.threads)
     g = torch.Generator().manual_seed(0)
     print("| matrix | dtype | contender | µs per product | GB/s of weights | kernel's speed-up |")
     print("|---|---|---|---:|---:|---:|")

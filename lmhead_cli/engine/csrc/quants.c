@@ -346,7 +346,11 @@ static void unpack_q8_0(const void *blk, int8_t *q, float *scale, float *min) {
 
 static void unpack_q4_0(const void *blk, int8_t *q, float *scale, float *min) {
     const lmhead_block_q4_0 *b = blk;
+#if defined(__AVX2__) /* one 32-byte store, which the loads that follow take whole from the store buffer */
+    _mm256_storeu_si256((__m256i *)q, bytes_from_nibbles_32(b->qs));
+#else
     for (int j = 0; j < LMHEAD_QK8_0 / 2; j++) q[j] = (int8_t)(b->qs[j] & 0xF), q[j + LMHEAD_QK8_0 / 2] = (int8_t)(b->qs[j] >> 4);
+#endif
     scale[0] = f16_to_f32(b->d), min[0] = 8.0f * scale[0];
 }
 
@@ -357,8 +361,14 @@ static void unpack_q4_K(const void *blk, int8_t *q, float *scale, float *min) {
     const uint8_t *sc = (const uint8_t *)utmp, *m = sc + 8;
     const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
     for (int j = 0; j < LMHEAD_QK_K / 64; j++) {
+#if defined(__AVX2__) /* whole 32-byte stores, which the loads that follow take from the store buffer */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * j)), m4 = _mm256_set1_epi8(0xF);
+        _mm256_storeu_si256((__m256i *)(q + 64 * j), _mm256_and_si256(v, m4));
+        _mm256_storeu_si256((__m256i *)(q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+#else
         for (int l = 0; l < 32; l++)
             q[64 * j + l] = (int8_t)(b->qs[32 * j + l] & 0xF), q[64 * j + 32 + l] = (int8_t)(b->qs[32 * j + l] >> 4);
+#endif
         scale[2 * j] = d * sc[2 * j], min[2 * j] = dmin * m[2 * j];
         scale[2 * j + 1] = d * sc[2 * j + 1], min[2 * j + 1] = dmin * m[2 * j + 1];
     }
@@ -383,9 +393,10 @@ static void unpack_q6_K(const void *blk, int8_t *q, float *scale, float *min) {
 /* out[m] = Σ_b Σ_j scale_j · (Σ_i q_i · x[m, i]) − min_j · Σ_i x[m, i] over one row of W (nb blocks of
    `values`, sub-blocks of `sub`), for M rows of x, with xsum (M, K / sub) the sums of x per sub-block:
    the dequantised row's product, each block unpacked once for all M rows. */
-static void float_row(void (*unpack)(const void *, int8_t *, float *, float *), const char *row, int64_t wbytes,
-                      int64_t nb, int values, int sub, const float *x, const float *xsum, int64_t M, int64_t K,
-                      float *out, int64_t stride) {
+static inline __attribute__((always_inline)) void float_row(
+        void (*unpack)(const void *, int8_t *, float *, float *), const char *row, int64_t wbytes, int64_t nb,
+        const int values, const int sub, const float *x, const float *xsum, const int64_t M, int64_t K, float *out,
+        int64_t stride) { /* inlined with the type's unpack, `values` and `sub` constants (FLOAT_ROWS) */
     int8_t q[LMHEAD_QK_K];
     float scale[LMHEAD_QK_K / 16], min[LMHEAD_QK_K / 16], macc[LMHEAD_GGUF_MAX_ROWS];
     const int subs = values / sub;
@@ -425,18 +436,32 @@ static void float_row(void (*unpack)(const void *, int8_t *, float *, float *), 
 /* ---- the product --------------------------------------------------------------------------------- */
 
 #define GGUF_PIECE 16 /* weight rows a thread takes at a time (OpenMP's dynamic schedule, as PIECE_ROWS) */
+#define FLOAT_ROWS(UNPACK, VALUES, SUB)                                                                   \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)")                         \
+    for (int64_t n = 0; n < N; n++) {                                                                     \
+        if (M == 1)                                                                                       \
+            float_row(UNPACK, W + n * nb * wbytes, wbytes, nb, VALUES, SUB, x, xsum, 1, K, y + n, N);     \
+        else                                                                                              \
+            float_row(UNPACK, W + n * nb * wbytes, wbytes, nb, VALUES, SUB, x, xsum, M, K, y + n, N);     \
+        if (bias)                                                                                         \
+            for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];                                      \
+    }
+#define GGUF_ROWS(DOT)                                                                                    \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)")                         \
+    for (int64_t n = 0; n < N; n++) {                                                                     \
+        const char *row = W + n * nb * wbytes;                                                            \
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = DOT(row, act + m * nb * abytes, nb) + (bias ? bias[n] : 0.0f); \
+    }
 
 int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, const float *x, const float *bias,
                                        float *y, int64_t N, int64_t K, int64_t M, int threads) {
-    float (*dot)(const void *, const void *, int64_t);
-    void (*unpack)(const void *, int8_t *, float *, float *);
     int64_t wbytes; /* bytes per weight block */
     int kquant = type == LMHEAD_TYPE_Q4_K || type == LMHEAD_TYPE_Q6_K, sub = LMHEAD_QK8_0;
     switch (type) {
-    case LMHEAD_TYPE_Q4_0: dot = dot_q4_0, unpack = unpack_q4_0, wbytes = sizeof(lmhead_block_q4_0); break;
-    case LMHEAD_TYPE_Q8_0: dot = dot_q8_0, unpack = unpack_q8_0, wbytes = sizeof(lmhead_block_q8_0); break;
-    case LMHEAD_TYPE_Q4_K: dot = dot_q4_K, unpack = unpack_q4_K, wbytes = sizeof(lmhead_block_q4_K); break;
-    case LMHEAD_TYPE_Q6_K: dot = dot_q6_K, unpack = unpack_q6_K, wbytes = sizeof(lmhead_block_q6_K), sub = 16; break;
+    case LMHEAD_TYPE_Q4_0: wbytes = sizeof(lmhead_block_q4_0); break;
+    case LMHEAD_TYPE_Q8_0: wbytes = sizeof(lmhead_block_q8_0); break;
+    case LMHEAD_TYPE_Q4_K: wbytes = sizeof(lmhead_block_q4_K); break;
+    case LMHEAD_TYPE_Q6_K: wbytes = sizeof(lmhead_block_q6_K), sub = 16; break;
     default: return -2;
     }
     const int values = kquant ? LMHEAD_QK_K : LMHEAD_QK8_0;
@@ -451,11 +476,11 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, con
             for (int l = 0; l < sub; l++) t += x[i * sub + l];
             xsum[i] = t;
         }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)
-        for (int64_t n = 0; n < N; n++) {
-            float_row(unpack, W + n * nb * wbytes, wbytes, nb, values, sub, x, xsum, M, K, y + n, N);
-            if (bias)
-                for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
+        switch (type) { /* one loop per type, its unpacking inlined, one row of x a constant */
+        case LMHEAD_TYPE_Q4_0: FLOAT_ROWS(unpack_q4_0, LMHEAD_QK8_0, LMHEAD_QK8_0); break;
+        case LMHEAD_TYPE_Q8_0: FLOAT_ROWS(unpack_q8_0, LMHEAD_QK8_0, LMHEAD_QK8_0); break;
+        case LMHEAD_TYPE_Q4_K: FLOAT_ROWS(unpack_q4_K, LMHEAD_QK_K, 32); break;
+        default: FLOAT_ROWS(unpack_q6_K, LMHEAD_QK_K, 16); break;
         }
         free(xsum);
         return 0;
@@ -471,10 +496,11 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, con
             return 1;
         }
     }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)
-    for (int64_t n = 0; n < N; n++) {
-        const char *row = W + n * nb * wbytes;
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(row, act + m * nb * abytes, nb) + (bias ? bias[n] : 0.0f);
+    switch (type) { /* one loop per type, its dot inlined */
+    case LMHEAD_TYPE_Q4_0: GGUF_ROWS(dot_q4_0); break;
+    case LMHEAD_TYPE_Q8_0: GGUF_ROWS(dot_q8_0); break;
+    case LMHEAD_TYPE_Q4_K: GGUF_ROWS(dot_q4_K); break;
+    default: GGUF_ROWS(dot_q6_K); break;
     }
     free(act);
     return 0;
