@@ -141,19 +141,34 @@ def test_the_openai_field(server, endpoint, key, value):
     assert (error["param"], error["message"], error["type"]) == (key, str(expected(key, value)), "invalid_request_error")
 
 
+@pytest.mark.parametrize("endpoint, param", [("/v1/completions", "logprobs"), ("/v1/chat/completions", "top_logprobs")])
+@pytest.mark.parametrize("key, value", cases(["top_logprobs"]))
+def test_the_openai_top_tokens_field(server, endpoint, param, key, value):
+    """Completions' logprobs and chat's top_logprobs are the registry's top_logprobs (its upper bound, the
+    vocabulary or --max-logprobs, is the server's)."""
+    body = ({"prompt": "x"} if endpoint == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "x"}], "logprobs": True})
+    got = web.post(server.url + endpoint, json={**body, "max_tokens": 1, param: value}, timeout=60)
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert (error["param"], error["message"]) == (param, expected(key, value).spelled(param))
+
+
 def test_openapi_documents_every_registry_field_from_the_registry(server):
     schema = web.get(server.url + "/openapi.json").json()["components"]["schemas"]
     for model in ("CompletionRequest", "ChatRequest"):
         props = schema[model]["properties"]
-        for key in [s.key for s in STAGES] + ["seed", "n"]:
+        top = "logprobs" if model == "CompletionRequest" else "top_logprobs"  # the registry's top_logprobs
+        for key, name in [(s.key, s.key) for s in STAGES] + [("seed", "seed"), ("n", "n"), ("top_logprobs", top)]:
             s = SETTINGS[key]
-            field = props[key]
+            field = props[name]
             typed = next(t for t in field["anyOf"] if t["type"] != "null")
             assert typed["type"] == ("integer" if s.type is int else "number"), key
             names = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
             # FastAPI's OpenAPI models hold bounds as floats: seed's 2**63 - 1 shows as 9.223372036854776e+18
             assert {k: v for k, v in typed.items() if k != "type"} == {names[k]: float(v) for k, v in s.rule.bounds().items()}
-            assert field.get("default") == s.default and s.help in field["description"]  # FastAPI leaves null out
+            assert field.get("default") == (None if key == "top_logprobs" else s.default)  # FastAPI leaves null out
+            assert (s.help if name == key else "Top tokens per position") in field["description"]
             assert s.rule.must in field["description"]
 
 

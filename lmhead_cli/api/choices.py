@@ -4,11 +4,11 @@ line builds its options, its help and its completions from these at start-up."""
 
 from __future__ import annotations
 
-from lmhead_cli.decoding.stages import SETTINGS, STAGES, from_text, option  # noqa: F401 - the registry: no torch
+from lmhead_cli.decoding.stages import SETTINGS, STAGES, checked, from_text, option  # noqa: F401 - the registry: no torch
 from lmhead_cli.readings.toy import MAX_DRAWS as MAX_TOY_DRAWS  # noqa: F401 - toy --draws' bound
 from lmhead_cli.chunks import CHUNK_BYTES, COMPARE_BUFFERS, FLOAT32_BYTES, SCORE_BUFFERS, default_chunk
 
-__all__ = ["SETTINGS", "STAGES", "from_text", "option", "offline_sources", "chunk_default", "logits_bytes_per_position", "COMPARE_BUFFERS",
+__all__ = ["SETTINGS", "STAGES", "checked", "from_text", "option", "offline_sources", "chunk_default", "logits_bytes_per_position", "COMPARE_BUFFERS",
            "FLOAT32_BYTES", "MAX_TOY_DRAWS"]
 
 REFERENCE, REFERENCE_NAME = "gpt2", "GPT-2"  # the bundled config that help texts quote figures for

@@ -213,11 +213,14 @@ MAX_SEED = 2**63 - 1
 # The loop's own settings (decoding.generate), checked by the same rules.
 LOOP: tuple[Setting, ...] = (
     Setting("max_new_tokens", int, Rule("at least 1", ge=1), default=40, help="How many tokens to make at most."),
-    Setting("beams", int, Rule("at least 1", ge=1), preset=False, default=1),
+    Setting("beams", int, Rule("at least 1", ge=1), preset=False, default=1,
+            help="Beam search over N beams, as transformers' num_beams (1: none)."),
     Setting("n", int, Rule("at least 1", ge=1), preset=False, default=1,
             help="Choices per prompt, 1 by default: choice j draws with seed + j."),
-    Setting("show_steps", int, Rule("0 or more", ge=0), preset=False, default=0),
-    Setting("top_logprobs", int, Rule("0 or more", ge=0), preset=False, default=0),  # <= V: checked by generate
+    Setting("show_steps", int, Rule("0 or more", ge=0), preset=False, default=0,
+            help="The K most probable tokens kept in each step's record."),
+    Setting("top_logprobs", int, Rule("0 or more", ge=0), preset=False, default=0,  # <= V: checked by generate
+            help="The N most probable tokens at every position, 0 up to the vocabulary size."),
     Setting("seed", int, Rule("between 0 and 2**63 - 1", ge=0, le=MAX_SEED), preset=False,
             help="The seed of the draws (choice j draws with seed + j); drawn when not given."),
 )

@@ -24,21 +24,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator
 
+from lmhead_cli.serve.refusals import RequestError, bad, shaped, validation_error  # noqa: F401 - re-exported
+
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-
-
-class RequestError(Exception):
-    """A request the server answers with an error: HTTP status, OpenAI's error fields, extra headers."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers or {}
-
-
-def bad(param: str, message: str) -> RequestError:
-    return RequestError(400, message, param=param, code="invalid_value")
 
 
 @dataclass(frozen=True)
@@ -77,59 +65,6 @@ class Plan:
     entries: int = 0  # logprob entries the answer holds (the server's memory budget counts them)
     extra: dict = field(default_factory=dict)
     uncertainty: bool = False  # entropy, varentropy and margin beside each position's logprob
-
-
-# ---- pydantic's errors as OpenAI's ----------------------------------------------------------------
-
-def _kind(value) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-_WANTS = {"int_type": "an integer", "bool_type": "a boolean", "float_type": "a number", "string_type": "a string",
-          "list_type": "an array", "dict_type": "an object", "model_type": "an object",
-          "model_attributes_type": "an object", "finite_number": "a finite number", "none_required": "null"}
-
-
-def validation_error(errors: list[dict]) -> RequestError:
-    """The first of pydantic's errors (FastAPI's RequestValidationError) as a 400 naming the field."""
-    if not errors:
-        return RequestError(400, "the body is not valid", code="invalid_value")
-    e = errors[0]
-    loc = [p for p in e.get("loc", ()) if p != "body"]
-    param = str(loc[0]) if loc else None
-    where = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc)) or "the body"
-    kind, ctx, got = e.get("type", ""), e.get("ctx") or {}, e.get("input")
-    if kind == "value_error":
-        message = str(ctx.get("error", e.get("msg", "")))
-    elif kind in _WANTS:
-        message = f"{where} must be {_WANTS[kind]} (got {_kind(got)})"
-    elif kind == "literal_error":
-        message = f"{where} must be {ctx.get('expected')} (got {got!r})"
-    elif kind == "missing":
-        message = f"{where} is required"
-    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        bound = {"greater_than_equal": f"at least {ctx.get('ge')}", "greater_than": f"more than {ctx.get('gt')}",
-                 "less_than_equal": f"at most {ctx.get('le')}", "less_than": f"less than {ctx.get('lt')}"}[kind]
-        message = f"{where} must be {bound} (got {got!r})"
-    elif kind in ("too_long", "too_short"):
-        message = f"{where} must hold {'at most' if kind == 'too_long' else 'at least'} " \
-                  f"{ctx.get('max_length', ctx.get('min_length'))} items"
-    else:
-        message = f"{where}: {e.get('msg', 'not valid')}"
-    return RequestError(400, message, param=param, code="invalid_value")
-
-
-def shaped(message: str):
-    """A field whose shape errors (a union's, a list's) are one message: `message (got <kind>)`."""
-
-    def check(value, handler):
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError(f"{message} (got {_kind(value)})") from None
-
-    return WrapValidator(check)
 
 
 class Body(BaseModel):
@@ -176,6 +111,17 @@ class ResponseFormat(Body):
 REGISTRY_FIELDS = ("seed", "n")
 
 
+def registry(key: str, help: str | None = None):
+    """The registry's setting `key` as a field's type: its type, bounds and help (`help` in its place) for
+    /openapi.json; the value passes as the JSON gave it, to the registry's one check."""
+    from lmhead_cli.api.choices import SETTINGS
+
+    st = SETTINGS[key]
+    return Annotated[Optional[float if st.type is float else st.type],
+                     Field(description=f"{help or st.help} Must be {st.rule.must}.".lstrip(), **st.rule.bounds()),
+                     WrapValidator(lambda value, handler: value)]
+
+
 def _registry_fields() -> type[Body]:
     """One field per stage of the registry and per REGISTRY_FIELDS setting, with its type, bounds, default
     and help; values reach the registry's check as the JSON gave them. Absent: the default (a stage off)."""
@@ -183,11 +129,8 @@ def _registry_fields() -> type[Body]:
 
     from lmhead_cli.api.choices import SETTINGS, STAGES
 
-    as_given = WrapValidator(lambda value, handler: value)
     return create_model("RegistryFields", __base__=Body, **{
-        st.key: (Annotated[Optional[float if st.type is float else st.type], as_given],
-                 Field(st.default, description=f"{st.help} Must be {st.rule.must}.".lstrip(), **st.rule.bounds()))
-        for st in [*STAGES, *(SETTINGS[k] for k in REGISTRY_FIELDS)]})
+        st.key: (registry(st.key), st.default) for st in [*STAGES, *(SETTINGS[k] for k in REGISTRY_FIELDS)]})
 
 
 class Sampled(_registry_fields()):
@@ -294,7 +237,7 @@ class CompletionRequest(Sampled):
     prompt: Prompt = Field(description="A string, strings, token ids, or arrays of token ids: a choice each (× n).")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0, description="0 with echo scores without generating.")
     echo: bool = Field(False, description="The prompt's own tokens first, with their logprobs.")
-    logprobs: Optional[int] = Field(None, ge=0, description="Top tokens per position, 0 to the vocabulary.")
+    logprobs: registry("top_logprobs", "Top tokens per position, 0 to the vocabulary.") = None
     best_of: Optional[int] = Field(None, description="Refused unless 1.")
     suffix: Optional[str] = Field(None, description="Refused.")
 
@@ -365,7 +308,7 @@ class ChatRequest(Sampled):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0)
+    top_logprobs: registry("top_logprobs") = None
     tools: Optional[list[Any]] = Field(None, description="Refused: lmhead does not call tools.")
     tool_choice: Optional[Any] = Field(None, description="Refused unless \"none\".")
     functions: Optional[list[Any]] = Field(None, description="Refused.")
@@ -493,6 +436,14 @@ def check_cost(request, top: int | None, limits: Limits) -> int:
 
 
 def check_top(value: int | None, key: str, info: ModelInfo, limits: Limits) -> int | None:
+    """The top tokens per position: the registry's top_logprobs (type, 0 or more), then the vocabulary."""
+    from lmhead_cli.api.choices import checked
+    from lmhead_cli.errors import BadValue
+
+    try:
+        checked("top_logprobs", value)
+    except BadValue as e:  # completions name it logprobs
+        raise bad(key, e.spelled(key)) from None
     hi = info.vocab if limits.max_logprobs is None else min(info.vocab, limits.max_logprobs)
     if value is not None and not 0 <= value <= hi:
         raise bad(key, f"{key} must be between 0 and {hi:,} (got {value})"
