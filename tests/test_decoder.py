@@ -67,6 +67,72 @@ def test_the_rows_of_several_requests_each_give_what_they_give_alone(tiny):
                     assert t == a
 
 
+@pytest.mark.parametrize("n", [8, 24])
+def test_a_one_row_request_beside_many_steps_every_round_and_rounds_hold_max_rows(tiny, n):
+    """A request of n choices fills the 4 rows a round takes (max_rows); a one-row request that comes
+    after joins at once (beyond them) and then steps every round, in rounds that run at most 4 rows
+    through the engine whatever n is: its cost per token is 4 rows', not 4 + 1 (or more, with more
+    newcomers). Every choice gives what it gives alone, the rows that waited too (their empty cache
+    columns dropped when their cache is rebuilt: compact_cache). Mutant: every row steps every round
+    (the engine runs 5 rows a round while the one-row request runs)."""
+    model = lmhead_cli.load(str(tiny[0]), device="cpu")
+    eng = model.loaded.engine
+    ran: list[int] = []
+    compacted: list[int] = []
+    step_logits, compact = eng.step_logits, eng.compact_cache
+    eng.step_logits = lambda ids, *a, **kw: (ran.append(ids.shape[0]), step_logits(ids, *a, **kw))[1]
+    eng.compact_cache = lambda cache, keep, n: (compacted.append(keep.shape[0]), compact(cache, keep, n))[1]
+    many = Request.of(make(seed=3, n=n, temperature=0.8, top_logprobs=1), [PROMPT_IDS], 12)
+    one = Request.of(make(greedy=True, top_logprobs=2), [(40, 1101)], 6)
+    d = Decoder(model.loaded, max_rows=4)
+    d.submit("many", many)
+    got: dict = {}
+    rounds: list[tuple[int, bool]] = []  # per round: rows the engine ran, whether "one" had a token
+    for r in range(200):
+        if r == 1:
+            d.submit("one", one)
+        ran.clear()
+        evs = list(d.round())
+        for e in evs:
+            if e.kind == "token":
+                got.setdefault((e.key, e.index), []).append((e.token.id, e.token.logprob, e.token.top_ids))
+        rounds.append((sum(ran), any(e.key == "one" and e.kind == "token" for e in evs)))
+        if not len(d):
+            break
+    del eng.step_logits, eng.compact_cache
+    assert compacted
+    with_one = [i for i, (_, token) in enumerate(rounds) if token]
+    assert with_one == list(range(1, 7))  # its first token at its read, then one a round: 6 rounds
+    assert all(rows <= 4 for rows, _ in rounds[1:7])
+    for key, request in (("many", many), ("one", one)):
+        alone = Decoder(model.loaded)
+        alone.submit(key, request)
+        want: dict = {}
+        for e in alone.events():
+            if e.kind == "token":
+                want.setdefault((e.key, e.index), []).append((e.token.id, e.token.logprob, e.token.top_ids))
+        for k, tokens in want.items():
+            assert [(i, t) for i, _, t in got[k]] == [(i, t) for i, _, t in tokens]
+            assert [lp for _, lp, _ in got[k]] == pytest.approx([lp for _, lp, _ in tokens], abs=1e-5)
+
+
+def test_turns_go_one_row_of_each_request_in_turn_and_the_rows_that_step_lie_together():
+    """While the batch holds more than max_rows rows, a round steps max_rows of them: one of each request
+    in turn, the requests whose rows came last first and each request's latest rows first, so the rows
+    that wait are the earliest ones (the rows that step are one run of the cache); with more requests
+    than max_rows, one row of each."""
+    d = Decoder(STUB, max_rows=4)
+    row = lambda key, i: SimpleNamespace(key=(key, i))  # noqa: E731
+    d.batch = SimpleNamespace(live=[row("a", i) for i in range(6)] + [row("b", 0), row("c", 0)])
+    assert d._turns() == {("a", 4), ("a", 5), ("b", 0), ("c", 0)}
+    d.batch.live = [row("a", i) for i in range(3)] + [row("b", i) for i in range(3)]
+    assert d._turns() == {("a", 1), ("a", 2), ("b", 1), ("b", 2)}
+    d.batch.live = [row(k, 0) for k in "abcdef"]
+    assert d._turns() is None or len(d._turns()) == 6  # more requests than max_rows: each steps
+    d.batch.live = d.batch.live[:4]
+    assert d._turns() is None  # no more rows than max_rows: every row
+
+
 # ---- the scheduler, on a batch that logs what it is asked to do -------------------------------------
 
 class _Batch:
@@ -89,15 +155,15 @@ class _Batch:
         if self.entered is not None and not self.entered.is_set():
             self.entered.set()
             self.gate.wait(10)
-        self.live = self.live + read
+        self.live = self.live + [SimpleNamespace(key=key, row=row) for key, row in read]
         for key, _ in read:
             sink.token(key, None)
         return len(read)
 
-    def step(self, sink):
-        self.log.append(("step", [row for _, row in self.live]))
-        for key, _ in self.live:
-            sink.finish(key, "length", "")
+    def step(self, sink, turn=None):
+        self.log.append(("step", [r.row for r in self.live]))
+        for r in self.live:
+            sink.finish(r.key, "length", "")
         self.live = []
         return 1
 
@@ -132,7 +198,7 @@ def test_a_request_with_no_row_running_joins_a_full_batch_at_once():
     in turn. Mutant: admission only below max_rows (the 1-row request waits for the 8 to finish)."""
     log: list = []
     d = _decoder(log, max_rows=2)
-    d.batch.step = lambda sink: None  # nothing ends: rows stay running
+    d.batch.step = lambda sink, turn=None: None  # nothing ends: rows stay running
     d.submit("many", _Request(*[f"m{i}" for i in range(8)]))
     list(d.round())
     assert log == [("prefill", ["m0", "m1"])] and d.waiting == 6
@@ -146,7 +212,7 @@ def test_a_request_with_no_row_running_joins_a_full_batch_at_once():
 def test_rows_beyond_max_rows_are_bounded():
     log: list = []
     d = _decoder(log, max_rows=1)
-    d.batch.step = lambda sink: None
+    d.batch.step = lambda sink, turn=None: None
     for k in range(5):
         d.submit(k, _Request(f"r{k}"))
     list(d.round())

@@ -92,6 +92,37 @@ def test_rows_of_a_batch_decode_as_they_do_alone(case):
     assert together == alone
 
 
+def test_rows_that_take_turns_decode_as_they_do_alone(case):
+    """Rows past max_rows take turns (engine.step_rows: a step of some rows over views of the shared
+    cache, the others' new column left empty and dropped when the cache is rebuilt): a one-row request
+    beside one of 3 choices, 2 rows a step, each choice makes the ids it makes alone."""
+    from lmhead_cli.decoding.decoder import Decoder
+    from lmhead_cli.decoding.request import Request
+    from lmhead_cli.decoding.settings import make
+
+    folder, _ = case
+    m = lmhead_cli.load(str(folder), device="cpu")
+    requests = {"many": Request.of(make(seed=2, n=3, temperature=0.9), [IDS[:6]], 10),
+                "one": Request.of(make(greedy=True), [IDS[3:12]], 8)}
+
+    def ids(events, out: dict) -> dict:
+        for e in events:
+            if e.kind == "token":
+                out.setdefault((e.key, e.index), []).append(e.token.id)
+        return out
+
+    d = Decoder(m.loaded, max_rows=2)
+    d.submit("many", requests["many"])
+    together = ids(d.round(), {})  # two of the 3 choices join (max_rows): their first tokens
+    d.submit("one", requests["one"])
+    ids(d.events(), together)
+    for key, request in requests.items():
+        alone = Decoder(m.loaded)
+        alone.submit(key, request)
+        for k, want in ids(alone.events(), {}).items():
+            assert together[k] == want
+
+
 def test_llama3_rope_scaling_is_read(tmp_path):
     """The llama3 case's logits are transformers' (above); here, the same weights without the scaling
     give other logits, so the scaling was not ignored."""

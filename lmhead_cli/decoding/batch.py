@@ -10,7 +10,9 @@ one KV cache, and between two steps:
   `_choose`, the one sampling), records it (decoding/record.py, one transfer per step for all rows),
   checks end-of-text, stop strings (decoding/text.py) and max_tokens, and runs one new position for
   every row that goes on, all rows in one forward (`_forward`; a row that joined since the last step
-  runs its first token).
+  runs its first token). The decoder may name the rows whose turn it is (`turn`): only they step
+  (engine.step_rows), the others wait with their cache and next logits as they are, an empty cache
+  column each (`holes`, hidden by the mask, dropped when the cache is rebuilt: `_compact`).
 * **Rows leave.** A row that finishes, or whose caller cancels it (`Sink.cancelled`), leaves at once
   (`regroup`, engine.reorder_cache); padding columns no row needs any more are dropped when the
   cache is rebuilt.
@@ -53,6 +55,7 @@ class Batch(Joining):
         self.queued: list[_Prefill] = []
         self.tokens = 0  # tokens generated, all rows together
         self._joins = True  # False once engine.join_caches has said it cannot join this engine's caches
+        self.holes = False  # whether a row waited a step (its empty column in the cache: `_forward`)
         self.row_kernel = loaded.execution.row_kernel()  # plain greedy steps' figures (record.greedy_record)
 
     def __len__(self) -> int:
@@ -64,11 +67,12 @@ class Batch(Joining):
         return max((r.length for r in self.live), default=0) if self.mask is None else self.mask.shape[1]
 
     @torch.inference_mode()
-    @torch.inference_mode()
-    def step(self, sink: Sink) -> int:
+    def step(self, sink: Sink, turn: set | None = None) -> int:
         """Choose each live row's next token, hand it to `sink`, let finished and cancelled rows leave, and
         run one position for the rest (a row whose first token was chosen when it joined runs that one).
-        Returns the rows that stepped."""
+        `turn`: the keys of the rows that step (the decoder's turns across requests); the others wait,
+        their cache and next logits kept (None: every row; an engine without Engine.step_rows steps
+        every row). Returns the rows that stepped."""
         if not self.live:
             return 0
         keep_cancel = [i for i, r in enumerate(self.live) if not sink.cancelled(r.key)]
@@ -77,22 +81,28 @@ class Batch(Joining):
             if not self.live:
                 return 0
         live = self.live
-        choose = [i for i, r in enumerate(live) if r.pending is None]
+        run = [i for i, r in enumerate(live) if turn is None or r.key in turn]
+        if len(run) < len(live) and not self.eng.steps_rows:
+            run = list(range(len(live)))
+        choose = [i for i in run if live[i].pending is None]
         ended: set[int] = set()
-        tokens = [r.pending for r in live]
+        tokens = {i: live[i].pending for i in run}
         if choose:
             chosen, ended = self._choose(choose, sink)
             for i, token in zip(choose, chosen.tolist()):
                 tokens[i] = token
-        for r in live:
-            r.pending = None
-        stepped = len(live)
-        keep = [i for i in range(len(live)) if i not in ended]
-        if len(keep) < len(live):
-            self.regroup(keep)
-        if self.live:
-            self._forward(torch.tensor([tokens[i] for i in keep], dtype=torch.long, device=self.eng.device))
-        return stepped
+        for i in run:
+            live[i].pending = None
+        going = [live[i] for i in run if i not in ended]
+        ids = [tokens[i] for i in run if i not in ended]
+        if ended:
+            self.regroup([i for i in range(len(live)) if i not in ended])
+        if going:
+            at = {id(r): i for i, r in enumerate(self.live)}
+            rows = [at[id(r)] for r in going]  # in order: `run` was, and regroup keeps the order
+            self._forward(torch.tensor(ids, dtype=torch.long, device=self.eng.device),
+                          rows=None if len(rows) == len(self.live) else rows)
+        return len(run)
 
     def _choose(self, idx: list[int], sink: Sink) -> tuple[torch.Tensor, set[int]]:
         """Live rows `idx` choose their next token from their logits (their own stages, greedy choice or
@@ -102,8 +112,8 @@ class Batch(Joining):
         logits = self.logits if len(idx) == len(self.live) else self.logits[torch.tensor(idx, device=self.eng.device)]
         k = max(r.row.alternatives for r in live)
         # plain greedy rows (no stage, nothing more asked of each step): the compiled kernel's two passes,
-        # or the record the engine made with these very logits (`_forward`)
-        made = self.record[1] if self.record is not None and self.record[0] is logits else None
+        # or the record the engine made with these very logits (`_forward`: these rows, in this order)
+        made = self.record[1] if self.record is not None and _same(self.record[0], live) else None
         fast = greedy_record(logits, self.row_kernel, made) if _plain(live) else None
         if fast is not None:
             chosen, table = fast
@@ -202,27 +212,59 @@ class Batch(Joining):
             r.count += 1
         self._forward(chosen, record=False)  # beams rank `distributions`: no greedy record
 
-    def _forward(self, chosen: torch.Tensor, record: bool = True) -> None:
+    def _forward(self, chosen: torch.Tensor, record: bool = True, rows: list[int] | None = None) -> None:
         """Run each live row's chosen token (R,) through the body: logits (R, V) for the next step (and,
-        with `record`, where every row is plain greedy, the engine's record of them)."""
+        with `record`, where every row is plain greedy, the engine's record of them). `rows`: the live
+        rows that run `chosen` (n,), in order (None: every row); the others wait, and their new column
+        stays empty, hidden by the mask (`holes`, dropped when the cache is rebuilt)."""
         S = self.columns
         if S + 1 > _capacity(self.cache, self.eng):  # full: drop the padding every row has, with room to go on
-            first = self._first_needed()
             rest = max(r.row.max_tokens - r.count for r in self.live)
-            self.cache = self.eng.join_caches([(self.cache, first)], S - first + rest)
-            if self.mask is not None:
-                self.mask = self.mask[:, first:]
-                S -= first
-        for r in self.live:
+            if self.holes:
+                self._compact(rest)
+            else:
+                first = self._first_needed()
+                self.cache = self.eng.join_caches([(self.cache, first)], S - first + rest)
+                if self.mask is not None:
+                    self.mask = self.mask[:, first:]
+            S = self.columns
+        running = self.live if rows is None else [self.live[i] for i in rows]
+        for r in running:
             r.length += 1
+        if rows is not None and self.mask is None:
+            self.mask = torch.ones((len(self.live), S), dtype=torch.long, device=self.eng.device)
         mask = ()  # none while no row is padded: the engine's plain one-position step
         if self.mask is not None:
-            self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.live), 1))], dim=1)  # (R, S + 1)
+            new = self.mask.new_ones((len(self.live), 1)) if rows is None else self.mask.new_zeros((len(self.live), 1))
+            if rows is not None:
+                new[rows] = 1
+            self.mask = torch.cat([self.mask, new], dim=1)  # (R, S + 1)
             mask = (self.mask,)
-        # (R, V); where every row is plain greedy, the engine may make each row's record with them
-        self.logits, made = self.eng.step_logits(chosen[:, None], self.cache, *mask,
-                                                 record=record and _plain(self.live))
-        self.record = (self.logits, made) if made is not None else None
+        record = record and _plain(running)
+        if rows is None:
+            # (R, V); where every row is plain greedy, the engine may make each row's record with them
+            self.logits, made = self.eng.step_logits(chosen[:, None], self.cache, *mask, record=record)
+        else:
+            self.holes = True
+            logits, made = self.eng.step_rows(chosen[:, None], self.cache, self.mask, _runs(rows), record=record)
+            self.logits[torch.tensor(rows, device=self.logits.device)] = logits  # (n, V) into (R, V)
+        self.record = (running, made) if made is not None else None
+
+    def _compact(self, rest: int) -> None:
+        """The cache rebuilt without the columns that rows which waited left empty (Engine.compact_cache),
+        with room for `rest` more positions."""
+        if self.mask is not None:
+            longest = max(r.length for r in self.live)
+            self.cache = self.eng.compact_cache(self.cache, self.mask.bool(), longest + rest)
+            self._set_mask(longest)
+        self.holes = False
+
+    def _join(self, ready: list) -> None:
+        """prefill's Joining._join; the running rows' empty columns dropped first (the join keeps each part's
+        columns as they are, and the mask is made again from the rows' lengths)."""
+        if self.holes and self.live:
+            self._compact(0)
+        super()._join(ready)
 
     def keys(self) -> list:
         """The keys of every row running or being prefilled."""
@@ -258,6 +300,22 @@ def _plain(live: list[Live]) -> bool:
     (decoding/record.py `greedy_record` records them)."""
     return all(r.row.greedy and not r.row.alternatives and not r.pipeline and not r.row.top and not r.row.uncertainty
                for r in live)
+
+
+def _same(a: list[Live], b: list[Live]) -> bool:
+    """Whether two lists hold the same rows (objects), in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted row indices as runs of consecutive ones, (start, stop) each: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    runs: list[tuple[int, int]] = []
+    for i in rows:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _trim(rec: list[float], k: int, want: int) -> list[float]:

@@ -1,9 +1,9 @@
 """The decoder: decoding's one component with one entry. Requests in (checked Settings and prompts:
 decoding/request.py), events out (each token with its record, each choice's finish).
 
-The roles are vLLM v1's. The scheduler (`Decoder._admit`, here) turns requests into rows and decides
-which rows join the running batch before each step; the batch (decoding/batch.py) owns the step; a
-caller sees only `Request` and `Event`. `generate_many` (one call's prompts and choices), explore's
+The roles are vLLM v1's. The scheduler (`Decoder._admit` and `_turns`, here) turns requests into rows
+and decides which rows join the running batch before each step, and which of them step; the batch
+(decoding/batch.py) owns the step; a caller sees only `Request` and `Event`. `generate_many` (one call's prompts and choices), explore's
 `:gen` (through it) and the server's worker are its callers: they submit requests and read events,
 round after round, and never see a row, a batch or a step.
 
@@ -11,8 +11,10 @@ The scheduler is fair across requests. Before each step it admits waiting rows w
 fewer than `max_rows`, round-robin across the requests that wait (one row of each in turn), so a
 request with many choices never holds a one-row request behind all of its rows. And a request with no
 row running yet is admitted one row even when the batch is full, up to `SPARE` × `max_rows` rows: a
-newcomer never waits for another request's rows to finish (the step then runs the rows in groups of
-the compiled step's 16, engine.step_logits). Admitted prompts are read before the step, at most
+newcomer never waits for another request's rows to finish. Rows then take turns (`_turns`): while the
+batch holds more than `max_rows` rows, a step runs `max_rows` of them, one of each request in turn, so
+a one-row request beside one of many steps every round, in steps that cost `max_rows` rows, and a
+request alone runs all of its rows every step. Admitted prompts are read before the step, at most
 `budget` positions a round (a long prompt is read over several rounds while the running rows go on);
 requests that arrive while a prompt is read (`arrivals`) are admitted and read in the same round while
 the budget lasts, so a new request's first token never waits behind a step it did not need. Each
@@ -87,7 +89,7 @@ class Decoder:
 
     def round(self) -> Iterator[Event]:
         """One round: waiting rows admitted and their prompts read (their first tokens out at once), then
-        one step of every running row. Events come as they are made."""
+        one step of the running rows whose turn it is (`_turns`). Events come as they are made."""
         self._take()
         admitted = self._admit()
         if admitted or self.batch.queued:
@@ -97,8 +99,9 @@ class Decoder:
             yield from self._drain()
         if self.batch.live:
             start = time.perf_counter()
-            batch = self.batch
-            self.loaded.execution.run(lambda: batch.step(self), units=max(len(batch.live), 1))
+            batch, turn = self.batch, self._turns()
+            self.loaded.execution.run(lambda: batch.step(self, turn),
+                                      units=max(len(batch.live) if turn is None else len(turn), 1))
             self.step_s += time.perf_counter() - start
             for key in [k for k in self.running if self.gone(k)]:  # their rows left at this step
                 del self.running[key]
@@ -169,6 +172,29 @@ class Decoder:
                     entry[2] = i + 1
                     self.queue.append(entry)
         return admitted
+
+    def _turns(self) -> set | None:
+        """The keys of the rows that step this round (None: every row). While the batch holds more than
+        max_rows rows, a round steps max_rows of them (or one of each request, where more requests than
+        that have rows running), taken one row of each request in turn: a request of one row steps every
+        round beside one of many, and the round costs what max_rows rows cost, not all of them. The
+        requests whose rows joined last take their turn first, and each request's rows its latest first,
+        so the rows that wait are the batch's earliest and the rows that step lie together in its cache
+        (one run, a compiled step's call: Engine.step_rows)."""
+        live = self.batch.live
+        if self.max_rows is None or len(live) <= self.max_rows:
+            return None
+        rows: dict = {}
+        for r in reversed(live):  # each request's rows, its latest first; requests by their latest row, last first
+            rows.setdefault(r.key[0], []).append(r.key)
+        left = max(self.max_rows, len(rows))
+        share = dict.fromkeys(rows, 0)
+        while left:
+            for key, keys in rows.items():
+                if left and share[key] < len(keys):
+                    share[key] += 1
+                    left -= 1
+        return {k for key, keys in rows.items() for k in keys[:share[key]]}
 
     def _read(self, admitted: list) -> None:
         """The admitted rows join the batch, their prompts read before the step: with them the rows of

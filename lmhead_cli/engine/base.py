@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -190,6 +190,8 @@ class Engine(ABC):
     name: str
     config: dict
     module: nn.Module
+    # Whether step_rows steps a part of the cache's rows (the others wait); else every row steps together.
+    steps_rows: ClassVar[bool] = False
     # Stages the model applies to its own logits before anyone sees them, e.g. Gemma-2's
     # {"softcap": 30.0}. Empty for GPT-2.
     own_stages: dict[str, Any] = field(default_factory=dict)
@@ -266,6 +268,23 @@ class Engine(ABC):
         their order, part after part. Continuous batching (decoding/batch.py) joins new rows to a
         running batch with it; None where the engine's cache cannot be joined (the loop then admits
         rows only into an empty batch)."""
+        return None
+
+    def step_rows(self, ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor, runs: list[tuple[int, int]],
+                  record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
+        """step_logits for some rows of `cache` only, the rows in `runs` ((start, stop) each, in order),
+        their tokens ids (n, 1) run by run; attention_mask (R, S + 1) for every row, 0 in the new column
+        for a row that does not run (the cache still moves one column on for every row: that row's
+        column stays zero, hidden by the mask). The logits (n, V) and records as step_logits' for those
+        rows. None where the engine cannot step a part of its cache's rows (`steps_rows` False:
+        decoding/batch.py then steps every row); an engine that can also implements `compact_cache`."""
+        return None
+
+    def compact_cache(self, cache: Any, keep: torch.Tensor, max_len: int) -> Any:
+        """A new cache of `max_len` positions (at least the longest row) where each row holds only its
+        columns that `keep` (R, S) bool marks, right-aligned and left-padded with zeros: the columns that
+        rows which waited a step (`step_rows`) left empty are dropped. None where the engine has no
+        `step_rows`."""
         return None
 
     # -- derived: the same for every engine -------------------------------------------------

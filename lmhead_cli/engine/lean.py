@@ -20,6 +20,7 @@ from torch import nn
 from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
                                     position_ids)
 from lmhead_cli.engine import int8, kernels
+from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.step import StepPlan
 
 from lmhead_cli.engine.products import Products, few_cpu_rows, few_rows_product, kernel_rows, products_for
@@ -113,6 +114,14 @@ class KVCache:
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         return keys[:, :, :end], values[:, :, :end]
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start … stop - 1 as a cache of their own over the same storage (a step on it writes their
+        keys and values in place), at this one's length; its length moves on by itself."""
+        part = object.__new__(KVCache)
+        part.k, part.v, part.length = self.k[:, start:stop], self.v[:, start:stop], self.length
+        part._split()
+        return part
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (beam search)."""
@@ -242,7 +251,7 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
 TIE_NAMES = TieNames(head="lm_head.weight", embedding="wte.weight")  # the checkpoint keys, as nanoGPT names them
 
 
-class LeanGPT2(Engine):
+class LeanGPT2(RowSteps, Engine):
     """The plain-torch GPT-2 engine."""
 
     def __init__(self, config: dict, module: GPT2):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm, position_ids
+from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
 from lmhead_cli.engine.lean import attend_one as attend_heads
 
@@ -222,7 +223,7 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config, s.head_dim), persistent=False)
 
 
-class LeanLlama(Engine):
+class LeanLlama(RowSteps, Engine):
     """lmhead's own Llama / Qwen2 engine (see the module's docstring)."""
 
     def __init__(self, config: dict, module: Llama):
