@@ -194,12 +194,16 @@ class QuantLinear(nn.Module):
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = weight.cols, weight.shape[0]
+        self._checked, self._takes = None, False  # the blocks whose layout _compiled checked, and its verdict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float()  # (M, in)
+        x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
         y = self._compiled(x2)
         if y is not None:
-            return y.view(*x.shape[:-1], -1).to(x.dtype)
+            y = y.view(*x.shape[:-1], y.shape[-1])
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for a, w in self.weight.chunks():  # w (n, in)
             torch.matmul(x2, w.t(), out=out[:, a:a + w.shape[0]])
@@ -210,25 +214,26 @@ class QuantLinear(nn.Module):
     def _compiled(self, x2: torch.Tensor) -> torch.Tensor | None:
         """x2 (M, in) times the blocks in the compiled kernels, KERNEL_ROWS rows a call: (M, out) float32, in
         the type's arithmetic (`rounded`); None where they do not take it (not built, another type or
-        layout, a row of x not finite where x is rounded)."""
+        layout, a row of x not finite where x is rounded). Called ~150 times a Llama's decoding step: the
+        layout is checked once per weight."""
         w = self.weight
-        layout = COMPILED.get(w.qtype)
-        if not (layout and KERNEL_ROWS and x2.is_cpu and w.data.is_cpu and w.cols % layout[0] == 0
-                and w.data.shape[1] == w.cols // layout[0] * ctypes.sizeof(layout[1])):
+        if self._checked is not w:  # the blocks' layout, once (a weight swapped in is checked again)
+            layout = COMPILED.get(w.qtype)
+            self._takes = bool(layout and w.data.is_cpu and w.data.is_contiguous() and w.cols % layout[0] == 0
+                               and w.data.shape[1] == w.cols // layout[0] * ctypes.sizeof(layout[1]))
+            self._checked = w
+        if not (self._takes and KERNEL_ROWS and x2.is_cpu):
             return None
-        from lmhead_cli.engine import kernels
-
-        fast = kernels.load()
+        fast = _kernels()
         if fast is None:
             return None
         exact = not rounded(w.qtype)
+        q8_0 = w.qtype == Q8_0 and exact
         parts = []
         for a in range(0, x2.shape[0], KERNEL_ROWS):
-            x = x2[a:a + KERNEL_ROWS].contiguous()
-            if w.qtype == Q8_0 and exact:
-                y = fast.q8_0_times(x, w.data, self.bias)
-            else:
-                y = fast.gguf_times(w.qtype, x, w.data, self.bias, rounded=not exact)
+            x = x2[a:a + KERNEL_ROWS].contiguous() if x2.shape[0] > KERNEL_ROWS else x2.contiguous()
+            y = (fast.q8_0_times(x, w.data, self.bias) if q8_0
+                 else fast.gguf_times(w.qtype, x, w.data, self.bias, rounded=not exact))
             if y is None:
                 return None
             parts.append(y)
@@ -247,6 +252,13 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(ids.reshape(-1)).view(*ids.shape, -1)
+
+
+def _kernels():
+    """The compiled kernels (engine/kernels.py load(), cached there), or None."""
+    from lmhead_cli.engine import kernels
+
+    return kernels.load()
 
 
 def rounded(qtype: int) -> bool:
