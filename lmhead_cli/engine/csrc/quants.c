@@ -407,14 +407,24 @@ static inline __attribute__((always_inline)) void float_row(
     float acc[LMHEAD_GGUF_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) acc[m] = 0.0f, macc[m] = 0.0f;
 #endif
+#if LANES
+    float qf[LMHEAD_QK_K]; /* more than one row of x: the block's integers widened once, for every row */
+#endif
     for (int64_t b = 0; b < nb; b++) {
         unpack(row + b * wbytes, q, scale, min);
+#if LANES
+        if (M > 1)
+            for (int i = 0; i < values; i += LANES) vstore(qf + i, vi8(q + i));
+#endif
         for (int64_t m = 0; m < M; m++) {
             const float *xm = x + m * K + b * values, *xs = xsum + m * (K / sub) + b * subs;
             for (int j = 0; j < subs; j++) {
-#if LANES
+#if LANES /* the same sums in the same order whichever the number of rows: the same bits */
                 vf s = vzero();
-                for (int i = 0; i < sub; i += LANES) s = vfma(vi8(q + j * sub + i), vload(xm + j * sub + i), s);
+                if (M > 1)
+                    for (int i = 0; i < sub; i += LANES) s = vfma(vload(qf + j * sub + i), vload(xm + j * sub + i), s);
+                else
+                    for (int i = 0; i < sub; i += LANES) s = vfma(vi8(q + j * sub + i), vload(xm + j * sub + i), s);
                 acc[m] = vfma(vbroadcast(scale[j]), s, acc[m]);
 #else
                 float s = 0.0f;
