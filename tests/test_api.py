@@ -313,7 +313,7 @@ CHECKED_IN_THE_BODY = {("inspect", "stages"), ("compare", "base"), ("score_lines
                        *(("generate", k) for k in ("n", "max_new_tokens", "beams", "seed", "show_steps", "top_logprobs")),
                        ("calibrate", "max_new_tokens"), ("calibrate", "seed"), ("score", "top_logprobs"),
                        ("check_score", "top_logprobs"), ("explore.settings", "temperature"),
-                       ("explore.settings", "softcap")}
+                       ("explore.settings", "softcap"), ("generate", "logprobs")}  # make's raw-or-processed
 SERVERS_OWN = {"decoder", "chat_prompt", "decode", "prepare_grammar"}
 
 

@@ -190,3 +190,23 @@ def explore_errors(tiny) -> list[str]:
 @pytest.mark.parametrize("key, value", cases(EXPLORE, skip=("bool",)))
 def test_explores_command(explore_errors, key, value):
     assert f"error: {expected(key, value).spelled(EXPLORE[key])}" in explore_errors
+
+
+# ---- which distribution the logprobs come from: raw or processed (decoding.settings.make's check) -----
+
+@pytest.mark.parametrize("value", ["cooked", 5])
+def test_the_logprobs_distribution_is_refused_alike(model, server, value):
+    from lmhead_cli.decoding.settings import make
+
+    with pytest.raises(BadValue) as want:
+        make(logprobs=value)
+    with pytest.raises(BadValue) as e:
+        model.generate(PROMPT, max_new_tokens=1, logprobs=value)
+    assert str(e.value) == str(want.value)
+    got = web.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "logprobs_mode": value},
+                   timeout=60)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "logprobs_mode"
+    assert got.json()["error"]["message"] == want.value.spelled("logprobs_mode")
+    if isinstance(value, str):
+        got = cli("generate", PROMPT, "--format", "openai", "--logprobs", value, "--model", "random:gpt2")
+        assert (got.exit_code, got.stderr) == (2, f"lmhead: error: {want.value.spelled('--logprobs')}\n")

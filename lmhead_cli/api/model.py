@@ -26,7 +26,7 @@ from lmhead_cli.errors import BadType, BadValue, Param, UnsupportedModel
 ONE_PROMPT = {"prompt": str, "top_k": int, "targets": list}
 WINDOWS = {"stride": int, "chunk": int}  # score's and compare's
 SCORING = {"text": str, **WINDOWS, "alternatives": int}
-DECODING = {"greedy": bool, "ignore_eos": bool, "logprobs": ("raw", "processed"), "preset": str,
+DECODING = {"greedy": bool, "ignore_eos": bool, "preset": str,  # logprobs: decoding.settings.make's check
             "mode": tuple(checks.MODES), "on_start": callable, "on_text": callable}
 
 @kinds(source=str, device=str, dtype=str, engine=str, threads=int, allow_pickle=bool, ignore_memory=bool,

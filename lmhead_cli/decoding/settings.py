@@ -157,5 +157,5 @@ def from_openai(values: dict) -> Settings:
     (0 scores without generating)."""
     n = values.get("n")
     return make(seed=values.get("seed"), n=1 if n is None else n, stop=values.get("stop") or (),
-                logprobs=values.get("logprobs_mode") or "raw", json_schema=values.get("json_schema"),
+                logprobs="raw" if values.get("logprobs_mode") is None else values["logprobs_mode"], json_schema=values.get("json_schema"),
                 json_object=bool(values.get("json_object")), **{s.key: values.get(s.key) for s in STAGES})

@@ -141,8 +141,8 @@ class Sampled(_registry_fields()):
     stop: Stop = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logprobs_mode: Literal["raw", "processed"] = Field(
-        "raw", description="raw: the softmax of the logits; processed: after the stages.")
+    logprobs_mode: Annotated[Literal["raw", "processed"], WrapValidator(lambda value, handler: value)] = Field(
+        "raw", description="raw: the softmax of the logits; processed: after the stages (checked by decoding's make).")
     presence_penalty: Optional[float] = Field(None, description="Refused unless 0.")
     frequency_penalty: Optional[float] = Field(None, description="Refused unless 0.")
     logit_bias: Optional[dict[str, Any]] = Field(None, description="Refused unless empty.")
@@ -188,7 +188,8 @@ class Sampled(_registry_fields()):
             if e.key in ("json_schema", "json_object"):  # the grammar's: named as the body names it
                 where = "response_format.json_schema.schema" if e.key == "json_schema" else "response_format"
                 raise bad("response_format", f"{where} {e.problem}") from None
-            raise bad(e.key if e.key != "logprobs" else "logprobs_mode", str(e)) from None
+            key = e.key if e.key != "logprobs" else "logprobs_mode"
+            raise bad(key, e.spelled(key)) from None
 
     def _format(self) -> dict:
         """response_format as from_openai's keys: {"json_schema": schema} or {"json_object": True}, or {}."""
