@@ -1,4 +1,5 @@
-"""The compiled decoding step: every block of the lean GPT-2 for a few rows of one new position, in one call.
+"""The compiled decoding step: every block of the lean GPT-2 for a few rows of one new position, in one call
+(and for a short prompt's positions: a server's lone request reads its prompt the same way).
 
 A decoding step through engine/lean.py's torch modules dispatches about 85 ops a block (norms,
 products, views, the cache's writes, attention, GELU, adds): on a 2-core CPU, half of a float32
@@ -16,7 +17,8 @@ of an 8.5 ms int8 token, measured on an AVX2 Zen 3).
 `StepPlan.run` (the blocks) and `StepPlan.logits` take the step only where nothing needs torch's
 graph, else return None and the engine runs its torch path (the same figures): the compiled kernels
 loaded (engine/kernels.py), the CPU, float32 / bfloat16 / int8 weights, one new position for 1 to
-MAX_ROWS rows with a KV cache, and no hook on any module they replace or torch's global hooks
+MAX_ROWS rows with a KV cache (`run`: up to MAX_ROWS rows × positions, each position causal over the
+ones before it), and no hook on any module they replace or torch's global hooks
 (readings that capture components, neurons or layer taps read through hooks: they keep running the
 modules). LMHEAD_STEP=0 turns the step off (to compare it with the torch path).
 """
