@@ -269,9 +269,36 @@ def load_clients(url: str, prompts: list[str], clients: int, max_tokens: int) ->
     return {"clients": clients, "requests": len(prompts), "tokens": tokens, "s": wall, "tps": tokens / wall}
 
 
-def serve(folder: Path, gguf: Path, threads: int, max_tokens: int, per_client: dict[int, int]) -> dict:
-    """`lmhead serve` (float32) and `llama-server -np 16` (F32), one after the other, each at 1, 4 and 16
-    clients, after one warm-up request."""
+def first_token_s(url: str, prompt: str) -> float:
+    """Seconds from sending a lone streamed completion (8 tokens, temperature 0, a new connection) to its
+    first token's event: the prompt's read and the first token, with the server's own overheads."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=120) as c:
+        start = time.perf_counter()
+        with c.stream("POST", "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 8,
+                                                        "temperature": 0, "stream": True}) as r:
+            r.raise_for_status()
+            first = None
+            for line in r.iter_lines():
+                if first is None and line.startswith("data: {"):
+                    first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError(f"{url}: the stream ended with no token")
+    return first
+
+
+def first_tokens(url: str, n: int) -> dict:
+    """A lone request's time to first token, `n` times (the same 12-word prompt as the load's): the
+    best and the median, in seconds."""
+    times = sorted(first_token_s(url, serve_prompts(1)[0]) for _ in range(n))
+    return {"n": n, "best_s": times[0], "median_s": times[len(times) // 2]}
+
+
+def serve(folder: Path, gguf: Path, threads: int, max_tokens: int, per_client: dict[int, int],
+          firsts: int = 20) -> dict:
+    """`lmhead serve` (float32) and `llama-server -np 16` (F32), one after the other: after one warm-up
+    request, a lone request's time to first token (`firsts` times), then 1, 4 and 16 clients."""
     out = {}
     servers = {
         "lmhead": lambda port: [PYTHON, "-m", "lmhead_cli", "serve", "--model", str(folder), "--port", str(port),
@@ -285,6 +312,8 @@ def serve(folder: Path, gguf: Path, threads: int, max_tokens: int, per_client: d
         port = free_port()
         with Server(cmd(port), port) as server:
             load_clients(server.url, serve_prompts(1), 1, max_tokens)  # warm-up
+            out.setdefault("first_token", {})[name] = first_tokens(server.url, firsts)
+            log(f"  serve {name}, a lone request's first token: {out['first_token'][name]['best_s'] * 1e3:.1f} ms")
             out[name] = []
             for clients in SERVE_CLIENTS:
                 prompts = serve_prompts(clients * per_client[clients])
@@ -433,8 +462,17 @@ def report(R: dict) -> str:
             lines.append(f"| {a['clients']} | {a['requests']} | {a['tps']:.1f} tok/s | {b['tps']:.1f} tok/s | "
                          f"{ratio_cell(a['tps'], b['tps'])} | {a['tps'] / sv['lmhead'][0]['tps']:.2f}× | "
                          f"{b['tps'] / sv['llama'][0]['tps']:.2f}× |")
+        ft = sv.get("first_token")
+        if ft:  # kept figures from before it was measured have none
+            o, t = ft["lmhead"], ft["llama"]
+            lines += ["", f"A lone request's first token (a streamed 12-word prompt, 8 tokens, temperature 0, a new "
+                      f"connection each; {o['n']} after the warm-up, before the clients): lmhead serve "
+                      f"{o['best_s'] * 1e3:.1f} ms best ({o['median_s'] * 1e3:.1f} median), llama-server "
+                      f"{t['best_s'] * 1e3:.1f} ms best ({t['median_s'] * 1e3:.1f} median); llama-server's best over "
+                      f"lmhead's: {ratio_cell(t['best_s'], o['best_s'])}."]
     lines += ["", f"Targets: lmhead ≥ {TARGET:.1f}× llama.cpp in every row (decode idle and busy, score, serve at "
-              "16 clients); ❌ marks a shortfall.", END]
+              "16 clients, and a lone request's first token: llama-server's time over lmhead's); ❌ marks a "
+              "shortfall.", END]
     return "\n".join(lines) + "\n"
 
 

@@ -199,7 +199,9 @@ def _figures() -> dict:
         "busy": {"F32": {"lmhead": run(30.0, 31.0, 29.0), "llama": [{"tps": 20.0}, {"tps": None, "error": "timeout"},
                                                                    {"tps": 25.0}]}},
         "serve": {"lmhead": [{"clients": c, "requests": 4, "tps": t} for c, t in ((1, 30.0), (4, 60.0), (16, 120.0))],
-                  "llama": [{"clients": c, "requests": 4, "tps": t} for c, t in ((1, 60.0), (4, 100.0), (16, 100.0))]},
+                  "llama": [{"clients": c, "requests": 4, "tps": t} for c, t in ((1, 60.0), (4, 100.0), (16, 100.0))],
+                  "first_token": {"lmhead": {"n": 20, "best_s": 0.020, "median_s": 0.025},
+                                  "llama": {"n": 20, "best_s": 0.018, "median_s": 0.030}}},
     }
 
 
@@ -215,6 +217,12 @@ def test_report_computes_every_ratio_and_fraction_from_the_runs():
     assert f"{achieved:.1f} GB/s" in text and "✅ the probe reads at least as fast" in text
     serve16 = next(line for line in text.splitlines() if line.startswith("| 16 |"))
     assert f"✅ {120 / 100:.2f}×" in serve16 and f"{120 / 30:.2f}×" in serve16
+    first = next(line for line in text.splitlines() if line.startswith("A lone request's first token"))
+    assert "20.0 ms best (25.0 median)" in first and "18.0 ms best (30.0 median)" in first
+    assert first.endswith(f"❌ {0.018 / 0.020:.2f}×.")  # llama-server's 18 ms over lmhead's 20: a shortfall
+    kept = _figures()
+    del kept["serve"]["first_token"]  # figures kept before the measure existed
+    assert "A lone request's first token" not in versus_llamacpp.report(kept)
 
 
 def test_report_flags_a_bound_that_llamacpp_beat():

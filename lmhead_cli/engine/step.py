@@ -233,7 +233,8 @@ class StepPlan:
             return None
         k, v, past = cache.k, cache.v, cache.length
         h = x.reshape(B * T, D).to(torch.float32, copy=True).contiguous()  # (B·T, D), updated in place
-        msb = 0 if mask is None else mask.stride(0) if T == 1 else mask.stride(2)  # between one position's row and the next
+        # the mask's rows: one a row of the batch (one position), or one a position (several)
+        msb = 0 if mask is None else mask.stride(0) if T == 1 else mask.stride(2)
         status = fast.lib.lmhead_step(ctypes.addressof(self.layers), self.L, self.kind, h.data_ptr(), B, T, D, self.H,
                                       self.inner, self.eps, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
                                       k.stride(2), past, None if mask is None else mask.data_ptr(), msb,
