@@ -36,14 +36,15 @@ class Settings:
 
     knobs: Knobs = field(default_factory=Knobs)  # the stages, one field per entry of STAGES
     greedy: bool = False
-    beams: int = 1
-    n: int = 1  # choices per prompt, one row each (choice j draws with seed + j)
+    # the loop's settings: their defaults are the registry's (decoding/stages.py LOOP)
+    beams: int = SETTINGS["beams"].default
+    n: int = SETTINGS["n"].default  # choices per prompt, one row each (choice j draws with seed + j)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     ignore_eos: bool = False
     seed: int | None = None  # drawn when sampling without one
     stop: tuple[str, ...] = ()  # text that ends the generation (not included in its text)
-    show_steps: int = 0  # how many alternatives to record per step
-    top_logprobs: int = 0  # how many of the most probable tokens to keep per step, 0..V
+    show_steps: int = SETTINGS["show_steps"].default  # how many alternatives to record per step
+    top_logprobs: int = SETTINGS["top_logprobs"].default  # the most probable tokens kept per step, 0..V
     logprobs: str = "raw"  # the distribution those come from: raw or processed
     zero_temperature: bool = False  # greedy because temperature 0 was asked for (said once, in the output)
     grammar: Grammar | None = None  # a JSON schema, any JSON object or a regex the text must follow (decoding/grammar.py)
@@ -61,13 +62,15 @@ class Settings:
         return [None if base is None else (base + j) % 2**63 for j in range(self.n)]
 
 
-def make(*, greedy: bool = False, beams: int = 1, n: int = 1, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-         ignore_eos: bool = False, seed: int | None = None, stop=(), show_steps: int = 0, top_logprobs: int = 0,
+def make(*, greedy: bool = False, beams: int | None = None, n: int | None = None, max_new_tokens: int | None = None,
+         ignore_eos: bool = False, seed: int | None = None, stop=(), show_steps: int | None = None,
+         top_logprobs: int | None = None,
          logprobs: str = "raw", draws: bool = False, json_schema=None, regex=None, json_object: bool = False,
          grammar: Grammar | None = None, **knobs) -> Settings:
     """The one place decoding settings are checked: BadValue names the first value out of range, with
     the registry's advice (top_logprobs' upper bound, the vocabulary size, needs the model: check_fits).
-    `knobs`: a value per stage key (None = off); an unknown key is a TypeError, as for any keyword.
+    `knobs`: a value per stage key (None = off); an unknown key is a TypeError, as for any keyword. The
+    loop's settings left None take the registry's default.
     temperature 0 is greedy (the temperature stage off); with `draws` (sample, softcap: the tokens must be
     drawn) greedy, temperature 0 or beams are a ModeConflict. `json_schema` (a dict or its JSON text),
     `regex` or `json_object`: the grammar the text follows (decoding/grammar.py), at most one; or `grammar`,
