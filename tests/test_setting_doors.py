@@ -49,7 +49,7 @@ def test_the_cases_are_refused_by_the_registry_naming_the_value_and_the_range():
     for key in SETTINGS:
         for kind, value in bad_values(key):
             e = expected(key, value)
-            assert e.key == key and f"(got {value!r})" in str(e) or f"(got {value})" in str(e), str(e)
+            assert e.key == key and (f"(got {value!r})" in str(e) or f"(got {value})" in str(e)), str(e)
             if kind in ("below", "above", "nan", "inf"):
                 assert f"must be {SETTINGS[key].rule.must}" in str(e)
 
