@@ -96,6 +96,11 @@ def test_each_type_s_product_is_the_dequantised_matrix_times_the_rows(build, qty
         got = build.gguf_times(int(t), torch.from_numpy(x), torch.from_numpy(raw), bias, rounded=False)
         got = got.double().numpy() - bias.double().numpy()
         assert np.all(np.abs(got - exact) <= 2e-6 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30), qtype
+        for rounded_x in (True, False):  # each row alone: the same bits as in the batch (one order of sums)
+            xs, raws = torch.from_numpy(x), torch.from_numpy(raw)
+            batch = build.gguf_times(int(t), xs, raws, bias, rounded=rounded_x)
+            alone = torch.cat([build.gguf_times(int(t), xs[m:m + 1], raws, bias, rounded=rounded_x) for m in range(M)])
+            assert torch.equal(batch, alone), (qtype, rounded_x)
 
 
 def test_the_product_refuses_what_it_does_not_take(build):
