@@ -19,10 +19,11 @@ arithmetics per type (ROUNDED, or LMHEAD_GGUF_ARITHMETIC=exact / =llama.cpp for 
   dequantised weights (top 5 equal, KL <= 1e-5 at every position, tests/test_quant.py).
 - x rounded per block, llama.cpp's (Q4_0's, Q4_K's, Q6_K's by default): each row of x rounded to 8 bits
   per block (Q8_0 blocks with float scales for Q4_0 and Q8_0, Q8_K super-blocks for the K-quants) and
-  integer dot products, about four times faster. Its cost, KL from transformers on the dequantised
-  weights at the worst position of the tests' random Llama and Qwen2: Q4_0 1.6e-4, Q4_K 3.7e-4, Q6_K
-  3.3e-4 (bound tested: 1e-3); Q8_0 1.6e-4, over its 1e-5 bound, so Q8_0 keeps x unrounded. On those
-  flat random models the rounding also reorders near-tied top-5 tokens (docs/gguf.md).
+  integer dot products, 2.5 to 6 times faster for the 4-bit types (docs/performance.md). Its cost, KL
+  from transformers on the dequantised weights at the worst position of the tests' random Llama and
+  Qwen2: Q4_0 1.6e-4, Q4_K 3.7e-4, Q6_K 3.3e-4 (bound tested: 1e-3); Q8_0 1.6e-4, over its 1e-5 bound,
+  so Q8_0 keeps x unrounded. On those flat random models the rounding also reorders near-tied top-5
+  tokens (docs/gguf.md).
 Where the kernels are not built (or x is not finite where it would be rounded), torch multiplies the
 dequantised rows a chunk at a time, as for every other type.
 """
