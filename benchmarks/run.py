@@ -738,7 +738,8 @@ def main() -> None:
     write(R, args, out)
 
 
-KEPT_SECTIONS = [(versus_llamacpp.BEGIN, versus_llamacpp.END), (batching_bench.BEGIN, batching_bench.END),
+KEPT_SECTIONS = [(versus_llamacpp.BEGIN, versus_llamacpp.END), (versus_llamacpp.llama_bench.BEGIN, versus_llamacpp.llama_bench.END),
+                 (batching_bench.BEGIN, batching_bench.END),
                  ("<!-- grammar: begin -->", "<!-- grammar: end -->"),  # benchmarks/grammar_bench.py
                  ("<!-- test suite: begin -->", "<!-- test suite: end -->")]
 

@@ -4,7 +4,8 @@ the machine's read bandwidth (benchmarks/bandwidth.py).
 
     python benchmarks/versus_llamacpp.py                 # everything (10-15 min idle on 2 cores, estimated)
     python benchmarks/versus_llamacpp.py --write         # the same, its section kept in benchmarks/RESULTS.md
-    python benchmarks/versus_llamacpp.py --only decode   # a subset: decode, busy, score, serve (comma-separated)
+    python benchmarks/versus_llamacpp.py --only decode   # a subset: decode, busy, score, serve, llama (comma-separated)
+    python benchmarks/versus_llamacpp.py --only llama    # a Llama's GGUF files (benchmarks/llama_bench.py), its own section
     python benchmarks/versus_llamacpp.py --quick         # a smoke test: 1 run each, 32 tokens, no busy rows
 
 llama.cpp is built once by benchmarks/llamacpp.py (cached in $LMHEAD_BENCH_LLAMACPP, else
@@ -39,13 +40,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bandwidth  # noqa: E402
+import llama_bench  # noqa: E402
 import llamacpp  # noqa: E402
 from harness import PYTHON, QUIET, Competitor, cpu_features, lmhead, load1, log, probe, run  # noqa: E402
 
 PROMPT = "The keys on the table"
 TARGET = 1.0  # lmhead ≥ 1.0× llama.cpp in every row
 BEGIN, END = "<!-- versus llama.cpp: begin -->", "<!-- versus llama.cpp: end -->"
-SECTIONS = ("decode", "busy", "score", "serve")
+SECTIONS = ("decode", "busy", "score", "serve", "llama")  # llama: TinyLlama's shapes (llama_bench.py), busy rows too
 SERVE_CLIENTS = (1, 4, 16)
 BUSY_TIMEOUT_S = 150  # a llama-bench run beside the spin loop has taken 75 s (1.7 tok/s); past this it counts as failed
 
@@ -539,7 +541,8 @@ def main(argv: list[str]) -> int:
         parser.error("--score-tokens: at least 2,048 (llama-perplexity needs two chunks of 1,024)")
     # a 15-minute run on a shared machine: shorter waits for idle CPUs than run.py's
     QUIET.patience, QUIET.budget, QUIET.retry_budget = 10.0, 60.0, 90.0
-    needs = {"decode": "llama-bench", "busy": "llama-bench", "score": "llama-perplexity", "serve": "llama-server"}
+    needs = {"decode": "llama-bench", "busy": "llama-bench", "score": "llama-perplexity", "serve": "llama-server",
+             "llama": "llama-bench"}
     try:  # only the tools this run uses (and llama-quantize, for the BF16 and Q8_0 files)
         llamacpp.build(tools=tuple(sorted({"llama-quantize"} | {needs[s] for s in only})))
     except llamacpp.Unavailable as e:
@@ -557,9 +560,14 @@ def main(argv: list[str]) -> int:
         log(f"{name} ... (load average {R['loads'][-1][1]:.2f}, {time.perf_counter() - began:.0f} s)")
 
     section("start")
+    R["llamacpp"] = {"version": llamacpp.version()}
+    if "llama" in only:  # first: its files' page cache is dropped with GPT-2's
+        R["llama"] = llama_bench.run_section(args, R["threads"])
+    if not only - {"llama"}:
+        return keep(R, args, began)
     folder = gpt2_small()
     ggufs = llamacpp.convert(folder)
-    R["llamacpp"] = {"version": llamacpp.version(), "files": {t: str(p) for t, p in ggufs.items()}}
+    R["llamacpp"]["files"] = {t: str(p) for t, p in ggufs.items()}
     R["bytes"] = {"llama": {t: llamacpp.weight_bytes(p) for t, p in ggufs.items()},
                   "lmhead": probe("weight-bytes", str(folder), *llamacpp.LMHEAD_DTYPE.values())["bytes"]}
     R["dropped"] = drop_from_page_cache([folder / "model.safetensors", *ggufs.values()])
@@ -584,6 +592,11 @@ def main(argv: list[str]) -> int:
         points.append(bandwidth.measure(probe))
     R["bandwidth"] = bandwidth.merge(points)
     section("end")
+    return keep(R, args, began)
+
+
+def keep(R: dict, args, began: float) -> int:
+    """The run's figures kept in benchmarks/.cache (for --report-from), then its sections written."""
     R["elapsed_s"] = time.perf_counter() - began
     R["quiet"] = {k: v for k, v in vars(QUIET).items() if isinstance(v, (int, float))}
     kept = HERE / ".cache" / "measured-llamacpp.json"
@@ -594,10 +607,13 @@ def main(argv: list[str]) -> int:
 
 
 def emit(R: dict, args) -> int:
-    text = report(R)
+    parts = ([(report(R), BEGIN, END)] if "bytes" in R else []) + (
+        [(llama_bench.report(R), llama_bench.BEGIN, llama_bench.END)] if "llama" in R else [])
+    text = "\n".join(p for p, _, _ in parts)
     print(text)
     if args.write:
-        splice(HERE / "RESULTS.md", text)
+        for part, begin, end in parts:
+            splice(HERE / "RESULTS.md", part, begin, end)
         log("written into benchmarks/RESULTS.md")
     else:
         out = HERE / ".cache" / "RESULTS-llamacpp.md"
