@@ -164,3 +164,25 @@ def test_a_config_the_lean_engine_does_not_compute_runs_on_transformers_with_a_n
     assert got.exit_code == 2 and got.stderr.strip().splitlines() == [
         "lmhead: error: the lean engine computes plain llama, and this config asks for rope type 'yarn'; use "
         "--engine transformers"]
+
+
+@pytest.mark.parametrize("rows,masked", [(1, False), (3, False), (3, True)])
+def test_grouped_attention_in_the_kernel_is_sdpa_s(rows, masked):
+    """One new position's grouped-query attention in the compiled kernel (each key head read by its G
+    query heads through a stride of 0) over views of a cache, against torch's SDPA with enable_gqa."""
+    from lmhead_cli.engine import kernels, llama
+
+    if kernels.load() is None:
+        pytest.skip("the compiled kernels are not built here")
+    g = torch.Generator().manual_seed(rows)
+    B, H, K, T, hd = rows, 8, 2, 7, 16
+    keys, values = (torch.randn(B, K, 16, hd, generator=g) for _ in range(2))  # (B, K, T_max, hd), as KVCache
+    k, v = keys[:, :, :T], values[:, :, :T]
+    q = torch.randn(B, 1, H, hd, generator=g).transpose(1, 2)  # (B, H, 1, hd), a view as the engine's
+    mask = None
+    if masked:
+        mask = torch.zeros(B, 1, 1, T)
+        mask[0, ..., :3] = torch.finfo(torch.float32).min  # row 0 left-padded by 3
+    got = llama._attend_grouped(q, k, v, mask)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert got is not None and torch.allclose(got, want.transpose(1, 2).reshape(B, 1, H * hd), atol=1e-6)

@@ -10,6 +10,15 @@ parity reference (tests/test_llama_engine.py).
 A projection holds either a float weight (nn.Linear) or a GGUF file's quantised blocks
 (engine/quant.py `QuantLinear`, multiplied a bounded chunk of rows at a time); the engine does not
 care which. Shapes: B batch, T positions, D width, H query heads, K key/value heads, hd head width.
+
+How a step runs (a decoding step at TinyLlama's sizes spent more time between the products than in
+them): q, k and v are one product, and so are the MLP's gate and up (`fuse`: the weights' rows stacked
+in one tensor, or one GGUF matrix of blocks where their types agree, each projection's weight a view
+of its rows, so nothing is held twice); RoPE turns q and k together, its cos and sin read from a table
+made once; one new position attends over the cache in the compiled kernel that lean GPT-2 uses, each
+key head read once by its G query heads (a stride of 0, no repeated keys); casts to the dtype a tensor
+already has are not dispatched. Where a projection carries a hook, its own module runs, so that the
+hook sees what it would see in transformers.
 """
 
 from __future__ import annotations
@@ -20,11 +29,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
+from lmhead_cli.engine import kernels
 from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm, position_ids
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
 from lmhead_cli.engine.lean import attend_one as attend_heads
+from lmhead_cli.engine.step import _hook_dicts
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")  # the rope scalings LeanLlama computes
@@ -125,9 +137,61 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps  # the name engine/base.py's linearise_norm reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(x.dtype)
+        h = _cast(x, torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon))
+        return self.weight * _cast(h, x.dtype)
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, without dispatching a cast when it is in it already (hundreds a step)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _hooked(hooks: list[dict]) -> bool:
+    """Whether a forward hook is registered on the modules whose hook dicts these are, or globally."""
+    return any(hooks) or bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
+def fuse(linears: list[nn.Module]) -> nn.Module | None:
+    """One projection computing `linears`' outputs side by side (they share their input): their weights'
+    rows (and biases) stacked in one tensor, or one matrix of GGUF blocks when all are quantised to the
+    same type, and each linear's weight rebound to a view of its rows (the same values, held once).
+    None where they cannot be stacked (float beside blocks, blocks of different types, mixed biases)."""
+    from lmhead_cli.engine.quant import Blocks, QuantLinear
+
+    ws = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    rows = [w.shape[0] for w in ws]
+    if all(isinstance(w, Blocks) for w in ws):
+        if len({(w.qtype, w.cols, w.data.shape[1], w.data.dtype) for w in ws}) != 1:
+            return None
+        stacked = Blocks(torch.cat([w.data for w in ws]), ws[0].qtype, ws[0].cols)
+        fused = QuantLinear(stacked, bias)
+        for m, (a, b) in zip(linears, _spans(rows)):
+            m.weight = Blocks(stacked.data[a:b], stacked.qtype, stacked.cols)
+    elif all(isinstance(m, nn.Linear) and isinstance(w, torch.Tensor) and w.is_floating_point() for m, w in zip(linears, ws)):
+        if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+            return None
+        stacked = torch.cat([w.detach() for w in ws])
+        fused = nn.Linear(stacked.shape[1], stacked.shape[0], bias=bias is not None, device="meta")
+        fused.weight = nn.Parameter(stacked, requires_grad=False)
+        for m, (a, b) in zip(linears, _spans(rows)):
+            m.weight = nn.Parameter(stacked[a:b], requires_grad=False)
+    else:
+        return None
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+        for m, (a, b) in zip(linears, _spans(rows)):
+            m.bias = nn.Parameter(bias[a:b], requires_grad=False)
+    return fused
+
+
+def _spans(sizes: list[int]) -> list[tuple[int, int]]:
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    return [(e - n, e) for n, e in zip(sizes, ends)]
 
 
 class Attention(nn.Module):
@@ -138,16 +202,32 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.width, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.width, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.width, bias=s.o_bias)
+        self.qkv = None  # q_proj, k_proj and v_proj as one product (`fuse`), set once the weights are in
+        self.hooks: list[dict] = []
+
+    def fuse(self) -> None:
+        self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
+        self.hooks = _hook_dicts([self.q_proj, self.k_proj, self.v_proj])
+
+    def _qkv(self, x: torch.Tensor, adt: torch.dtype) -> torch.Tensor:
+        """q, k and v of x (B, T, D) side by side, in the attention dtype: (B, T, H + 2K, hd)."""
+        B, T, _ = x.shape
+        if self.qkv is not None and not _hooked(self.hooks):
+            y = self.qkv(x)
+        else:
+            y = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        return _cast(y, adt).view(B, T, self.H + 2 * self.K, self.hd)
 
     def forward(self, x, layer, cache, mask, rope):
         B, T, _ = x.shape
-        cos, sin = rope  # (B, 1, T, hd) each
+        cos, sin = rope  # (B, T, 1, hd) each
         adt = cos.dtype  # attention (and the cache) run in this dtype: float32 for half weights on the CPU
-        q = self.q_proj(x).view(B, T, self.H, self.hd).transpose(1, 2).to(adt)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.K, self.hd).transpose(1, 2).to(adt)  # (B, K, T, hd)
-        v = self.v_proj(x).view(B, T, self.K, self.hd).transpose(1, 2).to(adt)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self._qkv(x, adt)
+        qk = qkv[:, :, :self.H + self.K]  # q and k turned together: (B, T, H + K, hd)
+        qk = qk * cos + rotate_half(qk) * sin
+        q = qk[:, :, :self.H].transpose(1, 2)  # (B, H, T, hd)
+        k = qk[:, :, self.H:].transpose(1, 2)  # (B, K, T, hd)
+        v = qkv[:, :, self.H + self.K:].transpose(1, 2)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, K, T_past + T, hd)
         if T == 1:
@@ -167,13 +247,35 @@ def attend_one(q, k, v, mask) -> torch.Tensor:
     B, H, _, hd = q.shape
     K, T = k.shape[1], k.shape[2]
     if K == H:
-        return attend_heads(q, k, v, mask)
+        return attend_heads(q.contiguous() if q.stride(-1) != 1 else q, k, v, mask)
+    y = _attend_grouped(q, k, v, mask)
+    if y is not None:
+        return y
     qg = q.reshape(B, K, H // K, hd)  # (B, K, G, hd)
     att = torch.matmul(qg, k.transpose(-1, -2)).mul_(1 / math.sqrt(hd))  # (B, K, G, T)
     if mask is not None:
         att = att.add_(mask.view(B, 1, 1, T))
     y = torch.matmul(att.softmax(-1), v)  # (B, K, G, hd)
     return y.reshape(B, 1, H * hd)
+
+
+def _attend_grouped(q, k, v, mask) -> torch.Tensor | None:
+    """attend_one in the compiled kernel (engine/kernels.py attend, lean GPT-2's), grouped: the B·K key
+    heads as the kernel's rows, each with its G = H/K query heads as the kernel's heads, reading one key
+    head G times through a stride of 0. None where the kernel is not loaded or the layout is not the
+    cache's (rows K key heads apart)."""
+    fast = kernels.load()
+    B, H, _, hd = q.shape
+    K, T = k.shape[1], k.shape[2]
+    if fast is None or (B > 1 and k.stride(0) != K * k.stride(1)) or k.stride() != v.stride():
+        return None
+    G = H // K
+    qg = q.reshape(B * K, G, 1, hd)  # query heads h = kh·G + g, as transformers' repeat_kv pairs them
+    kg = k.as_strided((B * K, G, T, hd), (k.stride(1), 0, k.stride(2), k.stride(3)))
+    vg = v.as_strided((B * K, G, T, hd), (v.stride(1), 0, v.stride(2), v.stride(3)))
+    mg = None if mask is None else mask.repeat_interleave(K, dim=0)  # (B·K, 1, 1, T)
+    y = fast.attend(qg, kg, vg, mg)  # (B·K, 1, G·hd)
+    return None if y is None else y.view(B, 1, H * hd)
 
 
 class MLP(nn.Module):
@@ -184,9 +286,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(s.width, s.inner, bias=s.mlp_bias)
         self.up_proj = nn.Linear(s.width, s.inner, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.inner, s.width, bias=s.mlp_bias)
+        self.gate_up = None  # gate_proj and up_proj as one product (`fuse`)
+        self.hooks: list[dict] = []
+
+    def fuse(self) -> None:
+        self.gate_up = fuse([self.gate_proj, self.up_proj])
+        self.hooks = _hook_dicts([self.gate_proj, self.up_proj])
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and not _hooked(self.hooks):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Layer(nn.Module):
@@ -230,6 +342,10 @@ class LeanLlama(RowSteps, Engine):
         super().__init__(name="lean", config=config, module=module)
         self.llama = module
         self.shape = LlamaShape.of(config)
+        self._rope_table: torch.Tensor | None = None  # (2, n, hd): cos and sin of the first n positions
+        for layer in module.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     # -- weights ----------------------------------------------------------------------------
     @property
@@ -277,10 +393,17 @@ class LeanLlama(RowSteps, Engine):
 
     # -- the forward pass -------------------------------------------------------------------
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B, 1, T, hd) for positions (B, T), in the attention dtype."""
-        freqs = pos[..., None].float() * self.llama.inv_freq.to(pos.device)  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(self.attention_dtype), emb.sin().to(self.attention_dtype)
+        """cos and sin (B, T, 1, hd) for positions (B, T), in the attention dtype: rows of a table made
+        for the first positions (as transformers computes them: position × inverse frequency in float32,
+        then cos and sin), doubled when a position passes its end."""
+        end = int(pos.max()) + 1 if pos.numel() else 0
+        if self._rope_table is None or end > self._rope_table.shape[1]:
+            n = max(end, 2 * (0 if self._rope_table is None else self._rope_table.shape[1]), 256)
+            freqs = torch.arange(n, device=pos.device).float()[:, None] * self.llama.inv_freq.to(pos.device)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (n, hd)
+            self._rope_table = torch.stack((emb.cos(), emb.sin())).to(self.attention_dtype)  # (2, n, hd)
+        cs = self._rope_table[:, pos][:, :, :, None]  # (2, B, T, 1, hd)
+        return cs[0], cs[1]
 
     def _start(self, ids, past: int, attention_mask):
         """The embeddings (B, T, D), the additive mask or None, and the rope for the new positions."""
