@@ -986,6 +986,23 @@ def gguf_oracle(model, written: dict):
     return twin, state
 
 
+def agrees_with_oracle(eng, oracle, ids: torch.Tensor, bound: float, exact: bool) -> None:
+    """lmhead's engine and transformers' `oracle` (a model holding the file's dequantised weights) on
+    ids (1, T), KL(oracle ‖ lmhead) over the whole vocabulary at each position: with `exact` arithmetic
+    (x unrounded: the dequantised matrix's products) the top 5 ids equal everywhere and KL <= 1e-5;
+    with x rounded per block (llama.cpp's arithmetic, engine/quant.py ROUNDED) 0 < KL <= `bound`."""
+    with torch.no_grad():
+        want = oracle(ids).logits[0].double()
+    got = eng.head(eng.body(ids))[0].double()
+    p = want.log_softmax(-1)
+    kl = (p.exp() * (p - got.log_softmax(-1))).sum(-1)  # KL(transformers ‖ lmhead) at every position
+    if exact:
+        assert torch.equal(got.topk(5, -1).indices, want.topk(5, -1).indices)
+        assert float(kl.max()) <= 1e-5, float(kl.max())
+    else:
+        assert 0 < float(kl.max()) <= bound, float(kl.max())
+
+
 def refused_gguf(model, folder: Path, says: str, error, **kwargs) -> None:
     """A GGUF written with write_gguf(**kwargs) is refused with `error` saying `says`, by load() and by
     the command line in one line (exit 1)."""

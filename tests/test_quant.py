@@ -18,7 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from helpers import PROMPT, _env, _tokenizer_files, cli, gguf_oracle, k_quant_blocks, write_gguf
+from helpers import PROMPT, _env, _tokenizer_files, agrees_with_oracle, cli, gguf_oracle, k_quant_blocks, write_gguf
 
 import lmhead_cli
 from lmhead_cli.engine import quant
@@ -146,19 +146,10 @@ def test_top5_and_kl_against_transformers_on_the_dequantised_weights(kind, qtype
     if qtype != "F32":  # the matrices stay the file's blocks
         assert qtype in eng.weight_format.split("+")
         assert isinstance(eng.llama.model.layers[0].mlp.up_proj.weight, quant.Blocks)
-    ids = torch.tensor([IDS])
-    with torch.no_grad():
-        want = twin(ids).logits[0].double()
-    got = eng.head(eng.body(ids))[0].double()
-    p = want.log_softmax(-1)
-    kl = (p.exp() * (p - got.log_softmax(-1))).sum(-1)  # KL(transformers ‖ lmhead) at every position
     from gguf.constants import GGMLQuantizationType
 
-    if qtype == "F32" or not quant.rounded(GGMLQuantizationType[qtype]):
-        assert torch.equal(got.topk(5, -1).indices, want.topk(5, -1).indices)
-        assert float(kl.max()) <= 1e-5, float(kl.max())
-    else:
-        assert 0 < float(kl.max()) <= KL_BOUND[qtype], float(kl.max())
+    exact = qtype == "F32" or not quant.rounded(GGMLQuantizationType[qtype])
+    agrees_with_oracle(eng, twin, torch.tensor([IDS]), KL_BOUND[qtype], exact)
 
 
 @pytest.mark.slow
