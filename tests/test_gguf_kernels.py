@@ -104,6 +104,8 @@ def test_each_type_s_product_is_the_dequantised_matrix_times_the_rows(build, qty
 
 
 def test_the_product_refuses_what_it_does_not_take(build):
+    """Rows of x not finite (when rounded), a type without a product, K not whole blocks, rows of W whose
+    bytes are not K's blocks of the type (the C side checks them against its own block), too many rows."""
     from gguf.constants import GGMLQuantizationType
 
     raw = torch.from_numpy(blocks("Q4_K", 4, 256, seed=0))
@@ -117,6 +119,10 @@ def test_the_product_refuses_what_it_does_not_take(build):
     x[1, 5] = 0
     assert build.gguf_times(int(GGMLQuantizationType.Q5_K), x, raw, None) is None  # a type it has no product for
     assert build.gguf_times(int(GGMLQuantizationType.Q4_K), x[:, :128].contiguous(), raw, None) is None  # K % 256
+    short = raw[:, :-1].contiguous()  # rows a byte short of K's blocks: refused, not read past
+    assert build.gguf_times(int(GGMLQuantizationType.Q4_K), x, short, None) is None
+    assert build.gguf_times(int(GGMLQuantizationType.Q6_K), x, raw, None) is None  # Q4_K's rows read as Q6_K's
+    assert build.q8_0_times(x, raw, None) is None  # nor as Q8_0's
     many = torch.zeros(kernels.GGUF_MAX_ROWS + 1, 256)
     assert build.gguf_times(int(GGMLQuantizationType.Q4_K), many, raw, None) is None
 

@@ -55,6 +55,7 @@ STEP_MAX_ROWS = _HEADER["LMHEAD_STEP_MAX_ROWS"]  # the most rows of a compiled s
 STEP_KINDS = {kind: _HEADER[f"LMHEAD_STEP_{name}"] for kind, name in
               (("float32", "F32"), ("bfloat16", "BF16"), ("int8", "INT8"))}  # lmhead_model's `kind`
 GGUF_MAX_ROWS = _HEADER["LMHEAD_GGUF_MAX_ROWS"]  # the most rows of x gguf_times takes (engine/quant.py mirrors the blocks)
+Q8_0_VALUES = _HEADER["LMHEAD_QK8_0"]  # kernels.h lmhead_block_q8_0: a half d, then LMHEAD_QK8_0 int8 q
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
 _i64, _ptr, _int, _float, _text = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 _why: list[str] = []  # why load() returned None, once it has
@@ -73,7 +74,7 @@ MODULE_FUNCTIONS = {  # module.c's own, one of each
 KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the variant's (lmhead_attend_avx2)
     "lmhead_int8_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_q8_0_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
-    "lmhead_gguf_matvec": (_int, [_int, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_gguf_matvec": (_int, [_int, _int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_bf16_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_kn_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
@@ -191,6 +192,8 @@ class Kernels:
 
     def _blocks(self, qtype: int | None, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
                 rounded: bool = False) -> torch.Tensor | None:
+        if not (x.dim() == 2 == blocks.dim()):
+            return None
         M, K = x.shape
         N = blocks.shape[0]
         if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and blocks.dtype == torch.uint8
@@ -198,12 +201,13 @@ class Kernels:
                 and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (N,)))):
             return None
         y = torch.empty(M, N, dtype=torch.float32, device="cpu")
-        args = (blocks.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), N, K, M,
-                torch.get_num_threads())
-        if qtype is None:
-            self.lib.lmhead_q8_0_matvec(*args)
+        args = (x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), N, K, M, torch.get_num_threads())
+        if qtype is None:  # the layout checked here: Q8_0's kernel reads K / 32 blocks of 34 bytes a row
+            if K % Q8_0_VALUES or blocks.shape[1] != K // Q8_0_VALUES * (2 + Q8_0_VALUES):
+                return None
+            self.lib.lmhead_q8_0_matvec(blocks.data_ptr(), *args)
             return y
-        status = self.lib.lmhead_gguf_matvec(qtype, int(rounded), *args)
+        status = self.lib.lmhead_gguf_matvec(qtype, int(rounded), blocks.data_ptr(), blocks.shape[1], *args)
         if status < 0 and status != -2:
             raise MemoryError("the GGUF kernel could not allocate its activation blocks")
         return y if status == 0 else None

@@ -116,11 +116,11 @@ int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const fl
 int LMHEAD_VARIANT(lmhead_q8_0_matvec)(const lmhead_block_q8_0 *w, const float *x, const float *bias, float *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
 /* y = W·x (+ bias) for W (N, K) held as GGUF blocks of `type` (LMHEAD_TYPE_*), x (M, K) float32, M up to
-   LMHEAD_GGUF_MAX_ROWS; x `rounded` per block to 8 bits (llama.cpp's arithmetic) or not (float32 sums):
-   0 done, 1 a row of x not finite when rounded (nothing written), -1 no memory, -2 a type or shape it
-   does not take. */
-int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, const float *x, const float *bias,
-                                       float *y, int64_t N, int64_t K, int64_t M, int threads);
+   LMHEAD_GGUF_MAX_ROWS, W's rows `row_bytes` apart (checked against K and the type's block); x `rounded`
+   per block to 8 bits (llama.cpp's arithmetic) or not (float32 sums): 0 done, 1 a row of x not finite
+   when rounded (nothing written), -1 no memory, -2 a type or shape it does not take. */
+int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int64_t row_bytes, const float *x,
+                                       const float *bias, float *y, int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,

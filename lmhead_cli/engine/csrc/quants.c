@@ -463,8 +463,8 @@ static inline __attribute__((always_inline)) void float_row(
         for (int64_t m = 0; m < M; m++) y[m * N + n] = DOT(row, act + m * nb * abytes, nb) + (bias ? bias[n] : 0.0f); \
     }
 
-int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, const float *x, const float *bias,
-                                       float *y, int64_t N, int64_t K, int64_t M, int threads) {
+int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int64_t row_bytes, const float *x,
+                                       const float *bias, float *y, int64_t N, int64_t K, int64_t M, int threads) {
     int64_t wbytes; /* bytes per weight block */
     int kquant = type == LMHEAD_TYPE_Q4_K || type == LMHEAD_TYPE_Q6_K, sub = LMHEAD_QK8_0;
     switch (type) {
@@ -475,7 +475,8 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, con
     default: return -2;
     }
     const int values = kquant ? LMHEAD_QK_K : LMHEAD_QK8_0;
-    if (K <= 0 || K % values || M < 1 || M > LMHEAD_GGUF_MAX_ROWS || N < 0) return -2;
+    if (K <= 0 || K % values || M < 1 || M > LMHEAD_GGUF_MAX_ROWS || N < 0 || row_bytes != K / values * wbytes)
+        return -2;
     const int64_t nb = K / values;
     const char *W = w;
     if (!rounded) { /* x unrounded: the sums of x per sub-block, then each row of W unpacked once for all M */
