@@ -170,7 +170,7 @@ def test_a_config_the_lean_engine_does_not_compute_runs_on_transformers_with_a_n
 def test_grouped_attention_in_the_kernel_is_sdpa_s(rows, masked):
     """One new position's grouped-query attention in the compiled kernel (each key head read by its G
     query heads through a stride of 0) over views of a cache, against torch's SDPA with enable_gqa."""
-    from lmhead_cli.engine import kernels, llama
+    from lmhead_cli.engine import kernels, llama_step
 
     if kernels.load() is None:
         pytest.skip("the compiled kernels are not built here")
@@ -183,6 +183,62 @@ def test_grouped_attention_in_the_kernel_is_sdpa_s(rows, masked):
     if masked:
         mask = torch.zeros(B, 1, 1, T)
         mask[0, ..., :3] = torch.finfo(torch.float32).min  # row 0 left-padded by 3
-    got = llama._attend_grouped(q, k, v, mask)
+    got = llama_step.attend_grouped(q, k, v, mask)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert got is not None and torch.allclose(got, want.transpose(1, 2).reshape(B, 1, H * hd), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory):
+    """A Q8_0 GGUF of a small Llama (grouped-query, untied), its matrices kept as the file's blocks."""
+    from helpers import write_gguf
+
+    folder = tmp_path_factory.mktemp("q8")
+    _, model = build(folder / "hf", "llama", num_key_value_heads=2, tie_word_embeddings=False)
+    write_gguf(model, folder / "tiny-Q8_0.gguf", "Q8_0")
+    return folder
+
+
+def test_generate_says_what_its_products_ran_on(q8_file):
+    """generate --json's `products`: the GGUF blocks' type in the compiled kernels, with its arithmetic;
+    a float Llama's matrices in torch's products (it said "compiled kernels" for both)."""
+    from lmhead_cli.engine import kernels
+
+    k = kernels.load()
+    if k is None:
+        pytest.skip("the compiled kernels are not built here")
+    runs = {f: json.loads(cli("greedy", PROMPT, "--model", str(q8_file / f), "-n", "2", "--json").stdout)["products"]
+            for f in ("tiny-Q8_0.gguf", "hf")}
+    assert runs == {"tiny-Q8_0.gguf": f"compiled kernels ({k.variant}): Q8_0 with x unrounded",
+                    "hf": f"torch's products (float32), attention in compiled kernels ({k.variant})"}
+
+
+def test_layer_taps_dequantise_a_matrix_only_when_read(q8_file, monkeypatch):
+    """A quantised Llama's layer taps hold no dequantised matrix: each o_proj weight or down_proj's value
+    vectors is dequantised when read, one at a time (all of them were, at once)."""
+    from lmhead_cli.engine import quant
+
+    eng = lmhead_cli.load(str(q8_file / "tiny-Q8_0.gguf"), device="cpu").loaded.engine
+    made = []
+    real = quant.Blocks.dequantise
+    monkeypatch.setattr(quant.Blocks, "dequantise", lambda self: made.append(self.shape) or real(self))
+    taps = eng.layer_taps()
+    assert made == []
+    down = eng.llama.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(taps[1].values, real(down).t()) and made == [down.shape]
+
+
+def test_a_hook_on_a_fused_projection_sees_its_own_output(case):
+    """q, k and v run as one product, unless a hook is on one of them: then their own modules run, and the
+    hook sees what it sees in transformers."""
+    folder, model = case
+    eng = lmhead_cli.load(str(folder), device="cpu").loaded.engine
+    seen = {}
+    for name, m in (("ours", eng.llama), ("theirs", model)):
+        h = m.model.layers[0].self_attn.k_proj.register_forward_hook(lambda _m, _i, o, name=name: seen.__setitem__(name, o))
+        try:
+            with torch.no_grad():
+                eng.body(torch.tensor([IDS])) if name == "ours" else model(torch.tensor([IDS]))
+        finally:
+            h.remove()
+    assert torch.allclose(seen["ours"], seen["theirs"], atol=1e-6)

@@ -324,6 +324,11 @@ class Engine(ABC):
         return self.head_weight[ids]
 
     # -- how the products run: forms the thread chooser may time (engine/threads.py) ------------
+    def runs_on(self, kernels) -> str:
+        """What this engine's products run on, for the places that report speed, given the compiled
+        kernels loaded (engine/kernels.py) or None: "compiled kernels (VARIANT)" or "torch's products"."""
+        return f"compiled kernels ({kernels.variant})" if kernels is not None else "torch's products"
+
     @property
     def forms(self) -> tuple[str, ...]:
         """The product forms this engine can run in on its device; () for one fixed way."""

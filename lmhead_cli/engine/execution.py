@@ -71,10 +71,12 @@ class Execution:
     def __init__(self, threads: int | None = None, device_type: str = "cpu"):
         self.device_type = device_type
         self.chooser = ThreadChooser(threads, device_type)
+        self.engine = None  # the engine offered (`offer`): it says what its products run on
 
     # ---- threads and forms ----------------------------------------------------------------------
     def offer(self, engine) -> None:
         """Time the engine's product forms with the thread counts, where it offers more than one."""
+        self.engine = engine
         self.chooser.offer(engine)
 
     @contextmanager
@@ -133,9 +135,12 @@ class Execution:
 
     @property
     def products(self) -> str:
-        """Which products run, for the places that report speed: "compiled kernels (VARIANT)" or
-        "torch's products" (on the CPU without the kernels, or on another device)."""
+        """Which products run, for the places that report speed, as the engine says (Engine.runs_on):
+        "compiled kernels (VARIANT)" or "torch's products" (on the CPU without the kernels, or on another
+        device), or per weight type where they differ (a GGUF Llama's blocks)."""
         k = self.kernels
+        if self.engine is not None:
+            return self.engine.runs_on(k)
         return f"compiled kernels ({k.variant})" if k is not None else "torch's products"
 
     def kernels_notice(self, weights: str) -> str | None:

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
 
-from lmhead_cli.engine import kernels
 from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm, position_ids
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
 from lmhead_cli.engine.lean import attend_one as attend_heads
+from lmhead_cli.engine.llama_step import attend_grouped, cast, fuse, hooked
 from lmhead_cli.engine.step import _hook_dicts
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -137,61 +136,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps  # the name engine/base.py's linearise_norm reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _cast(x, torch.float32)
+        h = cast(x, torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon))
-        return self.weight * _cast(h, x.dtype)
-
-
-def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in `dtype`, without dispatching a cast when it is in it already (hundreds a step)."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def _hooked(hooks: list[dict]) -> bool:
-    """Whether a forward hook is registered on the modules whose hook dicts these are, or globally."""
-    return any(hooks) or bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
-
-
-def fuse(linears: list[nn.Module]) -> nn.Module | None:
-    """One projection computing `linears`' outputs side by side (they share their input): their weights'
-    rows (and biases) stacked in one tensor, or one matrix of GGUF blocks when all are quantised to the
-    same type, and each linear's weight rebound to a view of its rows (the same values, held once).
-    None where they cannot be stacked (float beside blocks, blocks of different types, mixed biases)."""
-    from lmhead_cli.engine.quant import Blocks, QuantLinear
-
-    ws = [m.weight for m in linears]
-    biases = [m.bias for m in linears]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        return None
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    rows = [w.shape[0] for w in ws]
-    if all(isinstance(w, Blocks) for w in ws):
-        if len({(w.qtype, w.cols, w.data.shape[1], w.data.dtype) for w in ws}) != 1:
-            return None
-        stacked = Blocks(torch.cat([w.data for w in ws]), ws[0].qtype, ws[0].cols)
-        fused = QuantLinear(stacked, bias)
-        for m, (a, b) in zip(linears, _spans(rows)):
-            m.weight = Blocks(stacked.data[a:b], stacked.qtype, stacked.cols)
-    elif all(isinstance(m, nn.Linear) and isinstance(w, torch.Tensor) and w.is_floating_point() for m, w in zip(linears, ws)):
-        if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
-            return None
-        stacked = torch.cat([w.detach() for w in ws])
-        fused = nn.Linear(stacked.shape[1], stacked.shape[0], bias=bias is not None, device="meta")
-        fused.weight = nn.Parameter(stacked, requires_grad=False)
-        for m, (a, b) in zip(linears, _spans(rows)):
-            m.weight = nn.Parameter(stacked[a:b], requires_grad=False)
-    else:
-        return None
-    if bias is not None:
-        fused.bias = nn.Parameter(bias, requires_grad=False)
-        for m, (a, b) in zip(linears, _spans(rows)):
-            m.bias = nn.Parameter(bias[a:b], requires_grad=False)
-    return fused
-
-
-def _spans(sizes: list[int]) -> list[tuple[int, int]]:
-    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    return [(e - n, e) for n, e in zip(sizes, ends)]
+        return self.weight * cast(h, x.dtype)
 
 
 class Attention(nn.Module):
@@ -212,11 +159,11 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor, adt: torch.dtype) -> torch.Tensor:
         """q, k and v of x (B, T, D) side by side, in the attention dtype: (B, T, H + 2K, hd)."""
         B, T, _ = x.shape
-        if self.qkv is not None and not _hooked(self.hooks):
+        if self.qkv is not None and not hooked(self.hooks):
             y = self.qkv(x)
         else:
             y = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        return _cast(y, adt).view(B, T, self.H + 2 * self.K, self.hd)
+        return cast(y, adt).view(B, T, self.H + 2 * self.K, self.hd)
 
     def forward(self, x, layer, cache, mask, rope):
         B, T, _ = x.shape
@@ -248,7 +195,7 @@ def attend_one(q, k, v, mask) -> torch.Tensor:
     K, T = k.shape[1], k.shape[2]
     if K == H:
         return attend_heads(q.contiguous() if q.stride(-1) != 1 else q, k, v, mask)
-    y = _attend_grouped(q, k, v, mask)
+    y = attend_grouped(q, k, v, mask)
     if y is not None:
         return y
     qg = q.reshape(B, K, H // K, hd)  # (B, K, G, hd)
@@ -257,25 +204,6 @@ def attend_one(q, k, v, mask) -> torch.Tensor:
         att = att.add_(mask.view(B, 1, 1, T))
     y = torch.matmul(att.softmax(-1), v)  # (B, K, G, hd)
     return y.reshape(B, 1, H * hd)
-
-
-def _attend_grouped(q, k, v, mask) -> torch.Tensor | None:
-    """attend_one in the compiled kernel (engine/kernels.py attend, lean GPT-2's), grouped: the B·K key
-    heads as the kernel's rows, each with its G = H/K query heads as the kernel's heads, reading one key
-    head G times through a stride of 0. None where the kernel is not loaded or the layout is not the
-    cache's (rows K key heads apart)."""
-    fast = kernels.load()
-    B, H, _, hd = q.shape
-    K, T = k.shape[1], k.shape[2]
-    if fast is None or (B > 1 and k.stride(0) != K * k.stride(1)) or k.stride() != v.stride():
-        return None
-    G = H // K
-    qg = q.reshape(B * K, G, 1, hd)  # query heads h = kh·G + g, as transformers' repeat_kv pairs them
-    kg = k.as_strided((B * K, G, T, hd), (k.stride(1), 0, k.stride(2), k.stride(3)))
-    vg = v.as_strided((B * K, G, T, hd), (v.stride(1), 0, v.stride(2), v.stride(3)))
-    mg = None if mask is None else mask.repeat_interleave(K, dim=0)  # (B·K, 1, 1, T)
-    y = fast.attend(qg, kg, vg, mg)  # (B·K, 1, G·hd)
-    return None if y is None else y.view(B, 1, H * hd)
 
 
 class MLP(nn.Module):
@@ -294,7 +222,7 @@ class MLP(nn.Module):
         self.hooks = _hook_dicts([self.gate_proj, self.up_proj])
 
     def forward(self, x):
-        if self.gate_up is not None and not _hooked(self.hooks):
+        if self.gate_up is not None and not hooked(self.hooks):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -454,13 +382,30 @@ class LeanLlama(RowSteps, Engine):
 
     def layer_taps(self) -> list[LayerTaps]:
         """Each layer's o_proj (its weight as (H·hd, D)) and MLP, down_proj's columns as the value vectors
-        (N, D). Quantised weights are dequantised here, a layer's two matrices at a time."""
-        taps = []
-        for layer in self.llama.model.layers:
-            o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            taps.append(LayerTaps(out_proj=o, weight=_matrix(o).t(), bias=_bias(o), mlp=layer.mlp, mlp_out=down,
-                                  values=_matrix(down).t(), mlp_bias=_bias(down)))
-        return taps
+        (N, D). Quantised weights are dequantised when a tap's weight or values are read, one matrix at a
+        time (readers go layer by layer), never every layer's at once."""
+        return [_Taps(layer.self_attn.o_proj, layer.mlp, layer.mlp.down_proj) for layer in self.llama.model.layers]
+
+    def runs_on(self, kernels) -> str:
+        """Engine.runs_on, per weight type: GGUF blocks in the compiled kernels where they take the type
+        (engine/quant.py COMPILED; with x rounded per block or not, quant.rounded), float weights in
+        torch's products; one new position's attention in the compiled kernel."""
+        from lmhead_cli.engine import quant
+
+        if kernels is None:
+            return "torch's products"
+        compiled = f"compiled kernels ({kernels.variant})"
+        kinds = quant.block_types(self.llama)
+        if not kinds:
+            return f"torch's products ({self.weight_format}), attention in {compiled}"
+        ids = {t: _qtype(t) for t in kinds}
+        done = [t for t in kinds if ids[t] in quant.COMPILED]
+        parts = [f"{' and '.join(ts)} with x {how}" for how, ts in (
+            ("rounded per block", [t for t in done if quant.rounded(ids[t])]),
+            ("unrounded", [t for t in done if not quant.rounded(ids[t])])) if ts]
+        rest = [t for t in kinds if t not in done]
+        return (f"{compiled}: {'; '.join(parts)}" if parts else "") + (
+            f"{'; ' if parts else ''}torch's products over dequantised rows: {' and '.join(rest)}" if rest else "")
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -479,6 +424,30 @@ class LeanLlama(RowSteps, Engine):
 
     def join_caches(self, parts: list[tuple[KVCache, int]], max_len: int) -> KVCache:
         return join_kv_caches(parts, max_len, self.new_cache)
+
+
+class _Taps(LayerTaps):
+    """LayerTaps whose o_proj weight and down_proj value vectors are made when read: a quantised matrix
+    is dequantised then (its float32 copy held only as long as the reader holds it)."""
+
+    def __init__(self, o: nn.Module, mlp: nn.Module, down: nn.Module):
+        for name, value in (("out_proj", o), ("bias", _bias(o)), ("mlp", mlp), ("mlp_out", down),
+                            ("mlp_bias", _bias(down))):
+            object.__setattr__(self, name, value)  # LayerTaps is frozen
+
+    @property
+    def weight(self) -> torch.Tensor:  # (H·hd, D)
+        return _matrix(self.out_proj).t()
+
+    @property
+    def values(self) -> torch.Tensor:  # (N, D)
+        return _matrix(self.mlp_out).t()
+
+
+def _qtype(name: str) -> int:
+    from gguf.constants import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[name])
 
 
 def _matrix(linear: nn.Module) -> torch.Tensor:

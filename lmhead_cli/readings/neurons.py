@@ -103,7 +103,7 @@ def _taps(loaded: Loaded) -> tuple[list[LayerTaps], NormLinearisation]:
     """Every layer's taps with value vectors, and the final norm linearised; UnsupportedModel otherwise."""
     eng = loaded.engine
     taps = eng.layer_taps()
-    if any(t.values is None or t.mlp_out is None for t in taps):
+    if any(t.mlp_out is None for t in taps):  # values are None just then (reading them may dequantise them)
         raise UnsupportedModel(f"lmhead cannot find the MLP output projection (c_proj, down_proj, fc2) of "
                                f"{loaded.source}'s layers, whose rows are the neurons' value vectors")
     norm = eng.final_norm_module
