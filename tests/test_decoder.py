@@ -71,8 +71,8 @@ def test_the_rows_of_several_requests_each_give_what_they_give_alone(tiny):
 def test_a_one_row_request_beside_many_steps_every_round_and_rounds_hold_max_rows(tiny, n):
     """A request of n choices fills the 4 rows a round takes (max_rows); a one-row request that comes
     after joins at once (beyond them) and then steps every round, in rounds that run at most 4 rows
-    through the engine whatever n is: its cost per token is 4 rows', not 4 + 1 (or more, with more
-    newcomers). Every choice gives what it gives alone, the rows that waited too (their empty cache
+    through the engine whatever n is (the n-choice request's half of them, 2, beside its one): its cost
+    per token is 3 rows', not 4 + 1 (or more, with more newcomers). Every choice gives what it gives alone, the rows that waited too (their empty cache
     columns dropped when their cache is rebuilt: compact_cache). Mutant: every row steps every round
     (the engine runs 5 rows a round while the one-row request runs)."""
     model = lmhead_cli.load(str(tiny[0]), device="cpu")
@@ -103,7 +103,7 @@ def test_a_one_row_request_beside_many_steps_every_round_and_rounds_hold_max_row
     assert compacted
     with_one = [i for i, (_, token) in enumerate(rounds) if token]
     assert with_one == list(range(1, 7))  # its first token at its read, then one a round: 6 rounds
-    assert all(rows <= 4 for rows, _ in rounds[1:7])
+    assert all(rows <= 3 for rows, _ in rounds[1:7])
     for key, request in (("many", many), ("one", one)):
         alone = Decoder(model.loaded)
         alone.submit(key, request)
@@ -117,16 +117,17 @@ def test_a_one_row_request_beside_many_steps_every_round_and_rounds_hold_max_row
 
 
 def test_turns_go_one_row_of_each_request_in_turn_and_the_rows_that_step_lie_together():
-    """While the batch holds more than max_rows rows, a round steps max_rows of them: one of each request
-    in turn, the requests whose rows came last first and each request's latest rows first, so the rows
-    that wait are the earliest ones (the rows that step are one run of the cache); with more requests
-    than max_rows, one row of each."""
+    """While the batch holds more than max_rows rows, each request steps at most its equal part of
+    max_rows a round (at least one row), its latest rows first, so the rows that wait are the earliest
+    ones (the rows that step are one run of the cache); with more requests than max_rows, one row of each."""
     d = Decoder(STUB, max_rows=4)
     row = lambda key, i: SimpleNamespace(key=(key, i))  # noqa: E731
     d.batch = SimpleNamespace(live=[row("a", i) for i in range(6)] + [row("b", 0), row("c", 0)])
-    assert d._turns() == {("a", 4), ("a", 5), ("b", 0), ("c", 0)}
+    assert d._turns() == {("a", 5), ("b", 0), ("c", 0)}
     d.batch.live = [row("a", i) for i in range(3)] + [row("b", i) for i in range(3)]
     assert d._turns() == {("a", 1), ("a", 2), ("b", 1), ("b", 2)}
+    d.batch.live = [row("a", i) for i in range(4)] + [row("b", 0)]
+    assert d._turns() == {("a", 2), ("a", 3), ("b", 0)}  # a one-row request beside 4: 2 + 1 rows a round
     d.batch.live = [row(k, 0) for k in "abcdef"]
     assert d._turns() is None or len(d._turns()) == 6  # more requests than max_rows: each steps
     d.batch.live = d.batch.live[:4]
