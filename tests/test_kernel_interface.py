@@ -171,6 +171,32 @@ def test_the_abi_number_and_the_step_s_numbers_are_written_in_the_header_alone()
         assert lib.lmhead_kernels_abi() == abi
 
 
+# The header's declarations (comments and spacing aside) as each ABI number left them. Two branches
+# once raised the number from 15 to 16 each for its own change, and a module built between the two
+# reported 16 with the older lmhead_gguf_matvec: every Q4_K product was refused and fell back to torch
+# (about 75x slower) without a word. A change to a declaration without a new number now fails here.
+DECLARATIONS = {17: "58d5580e9d4233d8"}
+
+
+def declarations_digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(" ".join(_declarations(text).split()).encode()).hexdigest()[:16]
+
+
+def test_every_change_to_the_interface_raises_the_abi_number():
+    header = kernels.HEADER.read_text(encoding="utf-8")
+    abi, digest = kernels.ABI, declarations_digest(header)
+    assert DECLARATIONS.get(abi) == digest, (
+        f"kernels.h's declarations changed under ABI {abi}: raise LMHEAD_KERNELS_ABI and record "
+        f"{{{abi + 1}: {digest!r}}} in DECLARATIONS")
+    # what it guards: a parameter added, with the number left as it was; a comment alone is no change
+    grown = header.replace("float scale, int threads);", "float scale, int64_t extra, int threads);")
+    assert grown != header and declarations_digest(grown) != digest
+    comment = "/* raised when a signature, a structure or a name below changes */"
+    assert comment in header and declarations_digest(header.replace(comment, "/* raised */")) == digest
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to measure the structures")
 def test_the_structures_have_the_header_s_offsets_and_sizes(tmp_path):

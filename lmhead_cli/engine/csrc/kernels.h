@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 16 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 17 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
 #define LMHEAD_GGUF_MAX_ROWS 16 /* the most rows of x lmhead_gguf_matvec takes (a decoding step's) */
