@@ -36,6 +36,7 @@ import os
 import torch
 from torch import nn
 
+from lmhead_cli.engine import kernels
 from lmhead_cli.engine.kernels import GGUF_MAX_ROWS, header_constants
 
 # ---- the blocks' layouts, mirrored from csrc/kernels.h (tests/test_kernel_interface.py checks the fields,
@@ -225,16 +226,14 @@ class QuantLinear(nn.Module):
             self._checked = w
         if not (self._takes and KERNEL_ROWS and x2.is_cpu):
             return None
-        fast = _kernels()
+        fast = kernels.load()
         if fast is None:
             return None
-        exact = not rounded(w.qtype)
-        q8_0 = w.qtype == Q8_0 and exact
+        round_x = rounded(w.qtype)  # read once a call, not once a chunk of rows
         parts = []
         for a in range(0, x2.shape[0], KERNEL_ROWS):
             x = x2[a:a + KERNEL_ROWS].contiguous() if x2.shape[0] > KERNEL_ROWS else x2.contiguous()
-            y = (fast.q8_0_times(x, w.data, self.bias) if q8_0
-                 else fast.gguf_times(w.qtype, x, w.data, self.bias, rounded=not exact))
+            y = fast.gguf_times(w.qtype, x, w.data, self.bias, rounded=round_x)
             if y is None:
                 return None
             parts.append(y)
@@ -253,13 +252,6 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(ids.reshape(-1)).view(*ids.shape, -1)
-
-
-def _kernels():
-    """The compiled kernels (engine/kernels.py load(), cached there), or None."""
-    from lmhead_cli.engine import kernels
-
-    return kernels.load()
 
 
 def rounded(qtype: int) -> bool:

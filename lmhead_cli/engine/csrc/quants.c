@@ -2,7 +2,8 @@
    decoding step's), W held as the file's own blocks and never dequantised. Two arithmetics:
 
    - lmhead_q8_0_matvec, Q8_0 weights with x float32 unrounded: each block's 32 products summed in
-     float32 and scaled by its d, the dequantised matrix's product up to float32 rounding.
+     float32 and scaled by its d, the dequantised matrix's product up to float32 rounding (also
+     lmhead_gguf_matvec's for Q8_0 unrounded: one Q8_0 product, not two).
    - lmhead_gguf_matvec, Q4_0, Q8_0, Q4_K and Q6_K weights with llama.cpp's arithmetic: each row of x
      rounded per block to 8 bits (a Q8_0 block with a float scale for Q4_0 and Q8_0 weights, a Q8_K
      super-block with its sums of 16 for Q4_K and Q6_K), integer dot products per block (maddubs, or
@@ -338,12 +339,6 @@ static float dot_q6_K(const void *vw, const void *va, int64_t nb) {
 
 /* One block of W as small integers q with a scale and an offset per sub-block of `sub` values:
    w_i = scale_j · q_i − min_j, as ggml's dequantize_row_* computes them. */
-static void unpack_q8_0(const void *blk, int8_t *q, float *scale, float *min) {
-    const lmhead_block_q8_0 *b = blk;
-    memcpy(q, b->qs, LMHEAD_QK8_0);
-    scale[0] = f16_to_f32(b->d), min[0] = 0.0f;
-}
-
 static void unpack_q4_0(const void *blk, int8_t *q, float *scale, float *min) {
     const lmhead_block_q4_0 *b = blk;
 #if defined(__AVX2__) /* one 32-byte store, which the loads that follow take whole from the store buffer */
@@ -479,6 +474,8 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int
         return -2;
     const int64_t nb = K / values;
     const char *W = w;
+    if (!rounded && type == LMHEAD_TYPE_Q8_0) /* Q8_0 unrounded: its one product, above */
+        return LMHEAD_VARIANT(lmhead_q8_0_matvec)(w, x, bias, y, N, K, M, threads);
     if (!rounded) { /* x unrounded: the sums of x per sub-block, then each row of W unpacked once for all M */
         float *xsum = malloc((size_t)(M * (K / sub)) * sizeof(float));
         if (!xsum) return -1;
@@ -489,7 +486,6 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int
         }
         switch (type) { /* one loop per type, its unpacking inlined, one row of x a constant */
         case LMHEAD_TYPE_Q4_0: FLOAT_ROWS(unpack_q4_0, LMHEAD_QK8_0, LMHEAD_QK8_0); break;
-        case LMHEAD_TYPE_Q8_0: FLOAT_ROWS(unpack_q8_0, LMHEAD_QK8_0, LMHEAD_QK8_0); break;
         case LMHEAD_TYPE_Q4_K: FLOAT_ROWS(unpack_q4_K, LMHEAD_QK_K, 32); break;
         default: FLOAT_ROWS(unpack_q6_K, LMHEAD_QK_K, 16); break;
         }
