@@ -19,7 +19,8 @@ else:
     ext_modules = [Extension(
         "lmhead_cli.engine._kernels",
         sources=[CSRC + "module.c"] + [f"{CSRC}variant_{v}.c" for v in VARIANTS],
-        depends=[CSRC + "kernels.c", CSRC + "step.c", CSRC + "quants.c", CSRC + "kernels.h"],
+        depends=[CSRC + "kernels.c", CSRC + "step.c", CSRC + "quants.c", CSRC + "llama_step.c",
+                 CSRC + "kernels.h"],
         extra_compile_args=["-O3", "-fopenmp", "-std=c11"],
         extra_link_args=["-fopenmp"],
         libraries=["m"],

@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from lmhead_cli.engine.interface import (FUNCTIONS, KERNEL_FUNCTIONS, MODULE_FUNCTIONS, Layer,  # noqa: F401
+                                         Llama, LlamaLayer, Model)
+
 ENV = "LMHEAD_KERNELS"
 MODULE = "lmhead_cli.engine._kernels"
 HEADER = Path(__file__).parent / "csrc" / "kernels.h"  # the interface, declared once (shipped in the package)
@@ -55,41 +58,10 @@ STEP_MAX_ROWS = _HEADER["LMHEAD_STEP_MAX_ROWS"]  # the most rows of a compiled s
 STEP_KINDS = {kind: _HEADER[f"LMHEAD_STEP_{name}"] for kind, name in
               (("float32", "F32"), ("bfloat16", "BF16"), ("int8", "INT8"))}  # lmhead_model's `kind`
 GGUF_MAX_ROWS = _HEADER["LMHEAD_GGUF_MAX_ROWS"]  # the most rows of x gguf_times takes (engine/quant.py mirrors the blocks)
+GGUF_TYPE_F32 = _HEADER["LMHEAD_TYPE_F32"]  # a Llama step's float32 rows (lmhead_llama_layer `type`)
 Q8_0_VALUES = _HEADER["LMHEAD_QK8_0"]  # kernels.h lmhead_block_q8_0: a half d, then LMHEAD_QK8_0 int8 q
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
-_i64, _ptr, _int, _float, _text = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_char_p
 _why: list[str] = []  # why load() returned None, once it has
-
-# csrc/kernels.h's functions as ctypes (restype, argtypes), in the header's order: any pointer is a
-# c_void_p (a tensor's data_ptr(), a structure's address), but `const char *`. tests/test_kernels.py
-# parses the header and compares these, and the structures below, with it.
-MODULE_FUNCTIONS = {  # module.c's own, one of each
-    "lmhead_kernels_abi": (_int, []),
-    "lmhead_release_thread_pool": (_int, []),
-    "lmhead_kernels_max_rows": (_int, []),
-    "lmhead_kernels_f32_max_rows": (_int, []),
-    "lmhead_kernels_variants": (_text, []),
-    "lmhead_kernels_supports": (_int, [_text]),
-}
-KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the variant's (lmhead_attend_avx2)
-    "lmhead_int8_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
-    "lmhead_q8_0_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
-    "lmhead_gguf_matvec": (_int, [_int, _int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
-    "lmhead_bf16_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
-    "lmhead_f32_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
-    "lmhead_f32_kn_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
-    "lmhead_score_rows": (_i64, [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]),
-    "lmhead_attend": (_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                             _float, _int]),
-    # the plan (an array of lmhead_layer), then the step's arguments in order
-    "lmhead_step": (_int, [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _ptr, _i64, _i64,
-                           _i64, _i64, _ptr, _i64, _int]),
-    # the lmhead_model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the logits,
-    # the record's top-1 ids and figures
-    "lmhead_decode": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
-                             _ptr, _int]),
-}
-FUNCTIONS = tuple(KERNEL_FUNCTIONS)
 
 
 def _bound(function, signature):
@@ -103,22 +75,6 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, signature in MODULE_FUNCTIONS.items():
         _bound(getattr(lib, name), signature)
     return lib
-
-
-class Layer(ctypes.Structure):
-    """csrc/kernels.h's lmhead_layer: one block's weight pointers (engine/step.py fills them)."""
-
-    _fields_ = [("w", _ptr * 4), ("s", _ptr * 4), ("b", _ptr * 4), ("ln1_w", _ptr), ("ln1_b", _ptr),
-                ("ln2_w", _ptr), ("ln2_b", _ptr)]
-
-
-class Model(ctypes.Structure):
-    """csrc/kernels.h's lmhead_model: the blocks (an array of Layer), the embeddings, ln_f and the head
-    (engine/step.py fills it)."""
-
-    _fields_ = [("layers", _ptr), ("L", _i64), ("D", _i64), ("H", _i64), ("inner", _i64), ("V", _i64),
-                ("n_pos", _i64), ("kind", _int), ("eps", ctypes.c_float), ("wte", _ptr), ("wpe", _ptr),
-                ("lnf_w", _ptr), ("lnf_b", _ptr), ("head", _ptr), ("wte_s", _ptr), ("head_s", _ptr)]
 
 
 class _Variant:

@@ -34,8 +34,8 @@ from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capt
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
 from lmhead_cli.engine.lean import attend_one as attend_heads
-from lmhead_cli.engine.llama_step import attend_grouped, cast, fuse, hooked
-from lmhead_cli.engine.step import _hook_dicts
+from lmhead_cli.engine.llama_step import LlamaStepPlan, attend_grouped, cast, fuse, hooked
+from lmhead_cli.engine.step import hook_dicts
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")  # the rope scalings LeanLlama computes
@@ -154,7 +154,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
-        self.hooks = _hook_dicts([self.q_proj, self.k_proj, self.v_proj])
+        self.hooks = hook_dicts([self.q_proj, self.k_proj, self.v_proj])
 
     def _qkv(self, x: torch.Tensor, adt: torch.dtype) -> torch.Tensor:
         """q, k and v of x (B, T, D) side by side, in the attention dtype: (B, T, H + 2K, hd)."""
@@ -219,7 +219,7 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         self.gate_up = fuse([self.gate_proj, self.up_proj])
-        self.hooks = _hook_dicts([self.gate_proj, self.up_proj])
+        self.hooks = hook_dicts([self.gate_proj, self.up_proj])
 
     def forward(self, x):
         if self.gate_up is not None and not hooked(self.hooks):
@@ -274,6 +274,7 @@ class LeanLlama(RowSteps, Engine):
         for layer in module.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self._plan: LlamaStepPlan | None = None  # the compiled step's pointers, made at the first step
 
     # -- weights ----------------------------------------------------------------------------
     @property
@@ -324,14 +325,17 @@ class LeanLlama(RowSteps, Engine):
         """cos and sin (B, T, 1, hd) for positions (B, T), in the attention dtype: rows of a table made
         for the first positions (as transformers computes them: position × inverse frequency in float32,
         then cos and sin), doubled when a position passes its end."""
-        end = int(pos.max()) + 1 if pos.numel() else 0
+        cs = self._rope_rows(int(pos.max()) + 1 if pos.numel() else 0, pos.device)[:, pos][:, :, :, None]
+        return cs[0], cs[1]  # (B, T, 1, hd) each
+
+    def _rope_rows(self, end: int, device: torch.device) -> torch.Tensor:
+        """The table (2, n, hd) of cos and sin, made (or doubled) to cover positions 0 … end - 1."""
         if self._rope_table is None or end > self._rope_table.shape[1]:
             n = max(end, 2 * (0 if self._rope_table is None else self._rope_table.shape[1]), 256)
-            freqs = torch.arange(n, device=pos.device).float()[:, None] * self.llama.inv_freq.to(pos.device)
+            freqs = torch.arange(n, device=device).float()[:, None] * self.llama.inv_freq.to(device)
             emb = torch.cat((freqs, freqs), dim=-1)  # (n, hd)
-            self._rope_table = torch.stack((emb.cos(), emb.sin())).to(self.attention_dtype)  # (2, n, hd)
-        cs = self._rope_table[:, pos][:, :, :, None]  # (2, B, T, 1, hd)
-        return cs[0], cs[1]
+            self._rope_table = torch.stack((emb.cos(), emb.sin())).to(self.attention_dtype).contiguous()
+        return self._rope_table
 
     def _start(self, ids, past: int, attention_mask):
         """The embeddings (B, T, D), the additive mask or None, and the rope for the new positions."""
@@ -351,12 +355,30 @@ class LeanLlama(RowSteps, Engine):
         past = cache.length if cache is not None else 0
         if past + ids.shape[1] > self.n_ctx:
             raise ValueError(f"{past + ids.shape[1]} positions exceed the context of {self.n_ctx}")
-        x, mask, rope = self._start(ids, past, attention_mask)
-        for i, layer in enumerate(self.llama.model.layers):
-            x = layer(x, i, cache, mask, rope)
+        x = self._compiled_step(ids, cache, attention_mask) if ids.shape[1] == 1 and cache is not None else None
+        if x is None:
+            x, mask, rope = self._start(ids, past, attention_mask)
+            for i, layer in enumerate(self.llama.model.layers):
+                x = layer(x, i, cache, mask, rope)
         if cache is not None:
             cache.length += ids.shape[1]
         return self.llama.model.norm(x)
+
+    def _compiled_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):
+        """One new position's pass through every layer in the compiled step (engine/llama_step.py), the
+        residual stream (B, 1, D) before the final norm; None where it does not apply."""
+        if self._plan is None:
+            self._plan = LlamaStepPlan(self.llama.model.layers, self.shape)
+        if not self._plan.ready or self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        past = cache.length
+        if attention_mask is None:
+            pos, mask, end = None, None, past + 1
+        else:
+            pos = position_ids(attention_mask, 1)[:, 0]
+            mask, end = _mask(attention_mask, 1, torch.float32), int(pos.max()) + 1
+        x = self.llama.model.embed_tokens(ids).to(torch.float32)
+        return self._plan.run(x, cache, mask, pos, self._rope_rows(end, ids.device))
 
     @torch.inference_mode()
     def residuals(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

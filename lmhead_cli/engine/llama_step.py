@@ -11,11 +11,14 @@ sizes spent more time in than in the products themselves, made cheap.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
 from lmhead_cli.engine import kernels
+from lmhead_cli.engine.step import MAX_ROWS, hook_dicts, turned_off
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,3 +90,122 @@ def attend_grouped(q, k, v, mask) -> torch.Tensor | None:
     mg = None if mask is None else mask.repeat_interleave(K, dim=0)  # (B·K, 1, 1, T)
     y = fast.attend(qg, kg, vg, mg)  # (B·K, 1, G·hd)
     return None if y is None else y.view(B, 1, H * hd)
+
+
+class LlamaStepPlan:
+    """Every layer of a LeanLlama for a few rows of one new position in one C call (csrc/llama_step.c
+    lmhead_llama_step): the weights' pointers where the engine keeps them (GGUF blocks of the kernels'
+    types, float32 rows; nothing copied), made once. Between the products, the torch path dispatched
+    some thirty ops and Python calls a layer: at TinyLlama's sizes, 7 ms of a 43 ms Q4_K_M token.
+
+    `run` takes the step only where nothing needs torch's graph, else returns None and the engine runs
+    its torch path (the same figures, the sums in another order): the kernels loaded, every projection
+    in a layout the C step reads, one new position for 1 to MAX_ROWS rows with a float32 KV cache, and
+    no hook on any layer's module nor torch's global hooks. LMHEAD_STEP=0 turns it off, as GPT-2's."""
+
+    def __init__(self, layers: nn.ModuleList, shape):
+        self.shape, self.keep, self.types = shape, [], set()
+        self.hooks = hook_dicts([m for layer in layers for m in layer.modules()])
+        built = [self._layer(layer) for layer in layers]
+        self.ready = all(b is not None for b in built)
+        self.layers = (kernels.LlamaLayer * len(built))(*built) if self.ready else None
+        s = shape
+        self.model = kernels.Llama(layers=ctypes.addressof(self.layers) if self.ready else None, L=len(built), D=s.width,
+                                   H=s.heads, K=s.kv_heads, hd=s.head_dim, inner=s.inner, eps=s.eps)
+        self.arithmetic: dict[int, bool] | None = None  # the products' `rounded` fields, set at the first run
+
+    def _product(self, layer, i: int, module: nn.Module | None) -> bool:
+        """Product i of `layer` from `module` (None: carried by the product before it); False where its
+        weight is in no layout the C step reads."""
+        from lmhead_cli.engine.quant import COMPILED, Blocks
+
+        if module is None:
+            return True
+        w, b = module.weight, module.bias
+        if isinstance(w, Blocks):
+            layout = COMPILED.get(w.qtype)
+            if not (layout and w.data.is_cpu and w.data.is_contiguous() and w.cols % layout[0] == 0
+                    and w.data.shape[1] == w.cols // layout[0] * ctypes.sizeof(layout[1])):
+                return False
+            data, layer.type[i], layer.row_bytes[i] = w.data, w.qtype, w.data.shape[1]
+            self.types.add(w.qtype)
+        elif (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_cpu and w.dim() == 2
+              and w.is_contiguous()):
+            data, layer.type[i] = w.detach(), kernels.GGUF_TYPE_F32
+        else:
+            return False
+        if b is not None:
+            b = b.detach()
+            if not (b.dtype == torch.float32 and b.is_contiguous() and b.is_cpu):
+                return False
+            layer.b[i] = b.data_ptr()
+            self.keep.append(b)
+        layer.w[i] = data.data_ptr()
+        self.keep.append(data)
+        return True
+
+    def _layer(self, layer: nn.Module):
+        """One layer's fields (kernels.LlamaLayer), or None."""
+        a, m = layer.self_attn, layer.mlp
+        qkv = [a.qkv, None, None] if a.qkv is not None else [a.q_proj, a.k_proj, a.v_proj]
+        gate_up = [m.gate_up, None] if m.gate_up is not None else [m.gate_proj, m.up_proj]
+        fields = kernels.LlamaLayer()
+        if not all(self._product(fields, i, p) for i, p in enumerate([*qkv, a.o_proj, *gate_up, m.down_proj])):
+            return None
+        for name, norm in (("norm1", layer.input_layernorm), ("norm2", layer.post_attention_layernorm)):
+            w = norm.weight.detach()
+            if not (w.dtype == torch.float32 and w.is_contiguous() and w.is_cpu):
+                return None
+            setattr(fields, name, w.data_ptr())
+            self.keep.append(w)
+        return fields
+
+    def _round(self) -> None:
+        """Each product's `rounded` field from its type's arithmetic (quant.rounded, which
+        LMHEAD_GGUF_ARITHMETIC may change between steps), rewritten when that changed."""
+        from lmhead_cli.engine.quant import rounded
+
+        now = {t: rounded(t) for t in self.types}
+        if now != self.arithmetic:
+            for fields in self.layers:
+                for i in range(7):
+                    fields.rounded[i] = int(now.get(fields.type[i], False))
+            self.arithmetic = now
+
+    def run(self, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
+            rope: torch.Tensor) -> torch.Tensor | None:
+        """The residual stream x (B, 1, D) of one new position of B rows through every layer, writing each
+        layer's key and value at the cache's next position (the caller advances cache.length): (B, 1, D)
+        float32. pos (B,) int64 or None (every row at the cache's length); mask (B, 1, 1, past + 1)
+        additive float32 or None; rope the engine's table (2, n, hd) float32, covering every position.
+        None (nothing done, or the cache's next position partly written, which the torch path writes
+        again) where the step does not apply."""
+        fast = kernels.load()
+        B, T, D = x.shape
+        if (not self.ready or fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS
+                or x.dtype != torch.float32 or not x.is_cpu or hooked(self.hooks) or not _fits(cache, B, mask)
+                or rope.dtype != torch.float32 or not rope.is_contiguous()):
+            return None
+        self._round()
+        self.model.rope, self.model.rope_len = rope.data_ptr(), rope.shape[1]
+        k, v = cache.k, cache.v
+        h = x.reshape(B, D).contiguous().clone()
+        if pos is not None:
+            pos = pos.reshape(B).to(torch.int64).contiguous()
+        status = fast.lib.lmhead_llama_step(ctypes.addressof(self.model), h.data_ptr(), B,
+                                            None if pos is None else pos.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                            k.stride(0), k.stride(1), k.stride(2), cache.length,
+                                            None if mask is None else mask.data_ptr(),
+                                            0 if mask is None else mask.stride(0), torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("the compiled decoding step could not allocate its buffers")
+        return h.view(B, 1, D) if status == 0 else None
+
+
+def _fits(cache, B: int, mask: torch.Tensor | None) -> bool:
+    """Whether B rows' cache (L, B, K, T_max, hd) and mask are in the layout csrc/llama_step.c reads."""
+    k, v, past = cache.k, cache.v, cache.length
+    return (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.stride() == v.stride()
+            and k.shape[1] == B and past + 1 <= k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+            and (mask is None or (mask.dtype == torch.float32 and mask.shape == (B, 1, 1, past + 1)
+                                  and mask.stride(-1) == 1)))

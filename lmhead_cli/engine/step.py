@@ -79,7 +79,7 @@ def _layer(block: nn.Module, kind: int) -> tuple[Layer, list[torch.Tensor]] | No
     return layer, keep
 
 
-def _hook_dicts(modules: list[nn.Module]) -> list[dict]:
+def hook_dicts(modules: list[nn.Module]) -> list[dict]:
     """The dicts that hold `modules`' forward hooks (torch registers a hook by adding to them in place)."""
     return [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
@@ -115,7 +115,7 @@ class StepPlan:
         self.inner = config.get("n_inner") or 4 * self.D
         self.eps = config.get("layer_norm_epsilon", 1e-5)
         self.modules = [m for block in blocks for m in block.modules()]
-        self.hooks = _hook_dicts(self.modules)
+        self.hooks = hook_dicts(self.modules)
         layers = [_layer(block, kind) for block in blocks]
         self.ready = all(layer is not None for layer in layers)
         self.layers = (Layer * len(layers))(*[layer for layer, _ in layers]) if self.ready else None
@@ -128,7 +128,7 @@ class StepPlan:
             self.model = Model(layers=ctypes.addressof(self.layers), L=self.L, D=self.D, H=self.H,
                                inner=self.inner, kind=kind, eps=self.eps, **tail)
             tail_modules = [m for part in (gpt.wte, gpt.wpe, gpt.ln_f, gpt.lm_head) for m in part.modules()]
-            self.whole = self.hooks + _hook_dicts(tail_modules)  # every module the whole step replaces
+            self.whole = self.hooks + hook_dicts(tail_modules)  # every module the whole step replaces
 
     @classmethod
     def for_engine(cls, gpt: nn.Module, config: dict, int8: bool, dtype: torch.dtype) -> StepPlan | None:

@@ -820,3 +820,5 @@ int LMHEAD_VARIANT(lmhead_attend)(const float *q, int64_t qsb, int64_t qsh, cons
 #include "step.c" /* the decoding step, compiled in each variant with the kernels above */
 
 #include "quants.c" /* GGUF's blocks: their products, compiled in each variant too */
+
+#include "llama_step.c" /* Llama's decoding step, over the products above */

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 17 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 18 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
 #define LMHEAD_GGUF_MAX_ROWS 16 /* the most rows of x lmhead_gguf_matvec takes (a decoding step's) */
@@ -58,6 +58,7 @@ typedef struct {
    block_q6_K, block_q8_K), declared once: engine/quant.py reads the same bytes through kernels.py's
    ctypes mirror of them, which tests/test_kernel_interface.py checks against this file (fields, and the
    compiler's offsets and sizes). The LMHEAD_TYPE_ numbers are GGML's own (gguf.GGMLQuantizationType). */
+#define LMHEAD_TYPE_F32 0 /* float32 rows (a Llama step's product, lmhead_product) */
 #define LMHEAD_TYPE_Q4_0 2
 #define LMHEAD_TYPE_Q8_0 8
 #define LMHEAD_TYPE_Q4_K 12
@@ -96,6 +97,26 @@ typedef struct {
     int8_t qs[LMHEAD_QK8_0];
 } lmhead_block_q8_0f;
 
+/* One Llama layer (kernels.LlamaLayer): products 0..6 q, k, v, o, gate, up, down, each W (N, K) as GGUF
+   blocks of type[i] (LMHEAD_TYPE_*) with rows row_bytes[i] apart and x rounded[i] per block or not
+   (lmhead_gguf_matvec's), or float32 rows (type LMHEAD_TYPE_F32), and b[i] (N) float32 or NULL. Where q's
+   rows carry k's and v's too (stacked once, engine/llama_step.py `fuse`), w[1] and w[2] are NULL; likewise
+   w[5] where gate's rows carry up's. The RMSNorms' weights (D) float32. */
+typedef struct {
+    const void *w[7];
+    const float *b[7];
+    int64_t row_bytes[7];
+    int type[7], rounded[7];
+    const float *norm1, *norm2;
+} lmhead_llama_layer;
+/* A Llama's layers and sizes (kernels.Llama): H query heads and K key heads of hd, the MLP's width, and
+   RoPE's table: cos (rope_len, hd) then sin (rope_len, hd), float32, a row per position. */
+typedef struct {
+    const lmhead_llama_layer *layers;
+    int64_t L, D, H, K, hd, inner, rope_len;
+    float eps;
+    const float *rope;
+} lmhead_llama;
 /* The module's own functions (module.c). */
 int lmhead_kernels_abi(void); /* LMHEAD_KERNELS_ABI, as this module was built */
 int lmhead_release_thread_pool(void); /* 0 done, 1 no omp_pause_resource_all, -1 inside a parallel region */
@@ -136,6 +157,9 @@ int LMHEAD_VARIANT(lmhead_attend)(const float *q, int64_t qsb, int64_t qsh, cons
 int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind, float *x, int64_t B, int64_t T,
                                 int64_t D, int64_t H, int64_t inner, float eps, float *kc, float *vc, int64_t csl,
                                 int64_t csb, int64_t csh, int64_t past, const float *mask, int64_t msb, int threads);
+int LMHEAD_VARIANT(lmhead_llama_step)(const lmhead_llama *m, float *x, int64_t B, const int64_t *pos, float *kc,
+                                      float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
+                                      const float *mask, int64_t msb, int threads);
 int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, const int64_t *pos, int64_t B,
                                   float *kc, float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
                                   const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,

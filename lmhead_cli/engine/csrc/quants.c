@@ -440,9 +440,14 @@ static inline __attribute__((always_inline)) void float_row(
 
 /* ---- the product --------------------------------------------------------------------------------- */
 
-#define GGUF_PIECE 16 /* weight rows a thread takes at a time (OpenMP's dynamic schedule, as PIECE_ROWS) */
+/* The rows of W in GGUF_PIECES contiguous pieces a thread (at least 64 rows each), taken in turn by the
+   threads as they finish one (OpenMP's dynamic schedule: a core the machine slows does fewer). Pieces of
+   16 rows read the weights at 17 GB/s from memory on 2 threads, no faster than one thread (704 pieces of a
+   11264-row Q4_K matrix, each thread's reads broken every 18 KB); two pieces a thread at 25-31 GB/s, as a
+   streaming read of the same memory (benchmarks/stream_read.c: 29-30 GB/s), on the AVX-512 EPYC host. */
+#define GGUF_PIECES 2
 #define FLOAT_ROWS(UNPACK, VALUES, SUB)                                                                   \
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)")                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, piece)")                         \
     for (int64_t n = 0; n < N; n++) {                                                                     \
         if (M == 1)                                                                                       \
             float_row(UNPACK, W + n * nb * wbytes, wbytes, nb, VALUES, SUB, x, xsum, 1, K, y + n, N);     \
@@ -452,7 +457,7 @@ static inline __attribute__((always_inline)) void float_row(
             for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];                                      \
     }
 #define GGUF_ROWS(DOT)                                                                                    \
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, GGUF_PIECE)")                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, piece)")                         \
     for (int64_t n = 0; n < N; n++) {                                                                     \
         const char *row = W + n * nb * wbytes;                                                            \
         for (int64_t m = 0; m < M; m++) y[m * N + n] = DOT(row, act + m * nb * abytes, nb) + (bias ? bias[n] : 0.0f); \
@@ -473,6 +478,7 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int
     if (K <= 0 || K % values || M < 1 || M > LMHEAD_GGUF_MAX_ROWS || N < 0 || row_bytes != K / values * wbytes)
         return -2;
     const int64_t nb = K / values;
+    const int64_t piece = N / (GGUF_PIECES * threads) > 64 ? N / (GGUF_PIECES * threads) : 64;
     const char *W = w;
     if (!rounded && type == LMHEAD_TYPE_Q8_0) /* Q8_0 unrounded: its one product, above */
         return LMHEAD_VARIANT(lmhead_q8_0_matvec)(w, x, bias, y, N, K, M, threads);

@@ -1,0 +1,113 @@
+"""Llama's compiled decoding step (engine/llama_step.py LlamaStepPlan, csrc/llama_step.c): every layer of
+one new position in one C call gives the torch path's figures, on float32 weights and on GGUF blocks,
+for one row and for left-padded rows, with q/k/v and gate/up stacked or apart; and it stands aside where
+a hook must see the modules run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_llama_engine import IDS, build
+
+import lmhead_cli
+from lmhead_cli.engine import kernels
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the compiled kernels are not built here")
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+            tie_word_embeddings=False)  # rows of 256: every GGUF block type fits
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A grouped-query Llama (float32 folder; F32, Q8_0, Q4_K, Q6_K GGUFs) and a Qwen2 with q/k/v biases."""
+    from helpers import write_gguf
+
+    root = tmp_path_factory.mktemp("llama-step")
+    folder, model = build(root / "llama", "llama", **WIDE)
+    out = {"llama": folder, "qwen2": build(root / "qwen2", "qwen2", **WIDE)[0]}
+    for qtype in ("F32", "Q8_0", "Q4_K", "Q6_K"):
+        out[qtype] = root / f"llama-{qtype}.gguf"
+        write_gguf(model, out[qtype], qtype)
+    return out
+
+
+def steps(eng, rows: list[list[int]], news: list[list[int]]) -> torch.Tensor:
+    """The logits of each new token after `rows` (left-padded to one length, a mask where they differ)."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    cache = eng.new_cache(len(rows), 32)
+    out = []
+    with torch.inference_mode():
+        eng.body(ids, cache, mask if len(set(map(len, rows))) > 1 else None)
+        for new in news:
+            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+            h = eng.body(torch.tensor(new)[:, None], cache, mask if len(set(map(len, rows))) > 1 else None)
+            out.append(eng.head(h[:, -1]))
+    return torch.stack(out)
+
+
+def both(eng, rows, news, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The torch path's logits, the compiled step's, and how many layers the compiled run sent to torch."""
+    from lmhead_cli.engine import llama
+
+    monkeypatch.setenv("LMHEAD_STEP", "0")
+    want = steps(eng, rows, news)
+    monkeypatch.setenv("LMHEAD_STEP", "1")
+    calls = []
+    real = llama.Layer.forward
+    monkeypatch.setattr(llama.Layer, "forward", lambda self, *a: calls.append(1) or real(self, *a))
+    got = steps(eng, rows, news)
+    monkeypatch.setattr(llama.Layer, "forward", real)
+    prompt_layers = len(eng.llama.model.layers)  # the prompt itself runs the torch path (more than one position)
+    return want, got, len(calls) - prompt_layers
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "F32", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [[IDS[:5]], [IDS[:5], IDS[4:13]]], ids=["one row", "left-padded rows"])
+def test_the_compiled_step_gives_the_torch_path_s_logits(files, name, rows, monkeypatch):
+    monkeypatch.setenv("LMHEAD_GGUF_ARITHMETIC", "exact")  # x unrounded: no rounding to amplify sums' order
+    eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
+    news = [[IDS[j + i] for i in range(len(rows))] for j in (7, 2, 11)]
+    want, got, to_torch = both(eng, rows, news, monkeypatch)
+    assert eng._plan.ready and to_torch == 0  # every step ran compiled
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("name", ["llama", "Q4_K"])
+def test_projections_held_apart_run_as_their_own_products(files, name, monkeypatch):
+    """Where q, k and v (or gate and up) could not be stacked (blocks of different types: Q4_K_M's v is
+    often Q6_K), each is its own product, its columns copied beside the others', for one row and more."""
+    monkeypatch.setenv("LMHEAD_GGUF_ARITHMETIC", "exact")
+    eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
+    for layer in eng.llama.model.layers:
+        layer.self_attn.qkv = layer.mlp.gate_up = None
+    for rows in ([IDS[:5]], [IDS[:5], IDS[4:13]]):
+        want, got, to_torch = both(eng, rows, [[IDS[7]] * len(rows)], monkeypatch)
+        assert eng._plan.layers[0].w[1] and eng._plan.layers[0].w[5] and to_torch == 0
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def test_a_hook_sends_the_step_to_the_modules(files, monkeypatch):
+    """A hook on any layer's module must see it run: the step then runs the torch path, layer by layer."""
+    eng = lmhead_cli.load(str(files["Q8_0"]), device="cpu").loaded.engine
+    seen = []
+    handle = eng.llama.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        want, got, to_torch = both(eng, [IDS[:5]], [[IDS[7]]], monkeypatch)
+    finally:
+        handle.remove()
+    assert to_torch == len(eng.llama.model.layers) and len(seen) == 4  # prompt and step, each path
+    assert torch.equal(got, want)
+
+
+def test_each_product_s_arithmetic_follows_the_setting(files, monkeypatch):
+    """LMHEAD_GGUF_ARITHMETIC, read at each step as the torch path's products read it: the plan rewrites
+    its products' `rounded` fields when it changes (Q8_0: unrounded by default, rounded as llama.cpp)."""
+    eng = lmhead_cli.load(str(files["Q8_0"]), device="cpu").loaded.engine
+    runs = {}
+    for setting in ("exact", "llama.cpp", ""):
+        monkeypatch.setenv("LMHEAD_GGUF_ARITHMETIC", setting)
+        runs[setting] = steps(eng, [IDS[:5]], [[IDS[7]]])
+        assert {eng._plan.layers[i].rounded[j] for i in range(2) for j in (0, 3, 4, 6)} == {setting == "llama.cpp"}
+    assert torch.equal(runs["exact"], runs[""]) and not torch.equal(runs["exact"], runs["llama.cpp"])
