@@ -38,6 +38,15 @@ static inline float f16_to_f32(uint16_t h) { /* IEEE half to float, exactly (sub
 #endif
 }
 
+/* The rows of W shared by OpenMP's guided schedule: each thread takes a share of the rows left, halving
+   as they run out, down to GGUF_PIECE rows, so that the threads read long runs of W and still end
+   together when the machine slows one. 16-row pieces taken in turn read a cold Q4_K matrix at 17 GB/s on
+   2 threads, no faster than one (each thread's reads broken every 18 KB); measured in one process on
+   the AVX-512 EPYC host, a Q4_K_M step of TinyLlama's sizes took 18.3-20.6 ms guided, 18.5-20.7 static,
+   19.4-20.0 in 512-row pieces, 22.0-22.6 in pieces of a quarter of the rows (a slow thread's last piece
+   waited for), 22.6-22.7 in 64-row pieces. */
+#define GGUF_PIECE 64
+
 /* ---- Q8_0 with float activations ------------------------------------------------------------------- */
 
 /* y[m, n] = Σ_b d(n, b) · Σ_i q(n, b, i) · x[m, 32b + i] (+ bias[n]): W (N, K) as Q8_0 blocks, x (M, K)
@@ -45,7 +54,7 @@ static inline float f16_to_f32(uint16_t h) { /* IEEE half to float, exactly (sub
 int LMHEAD_VARIANT(lmhead_q8_0_matvec)(const lmhead_block_q8_0 *w, const float *x, const float *bias, float *y,
                                        int64_t N, int64_t K, int64_t M, int threads) {
     const int64_t nb = K / LMHEAD_QK8_0;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, GGUF_PIECE)
     for (int64_t n = 0; n < N; n++) {
         const lmhead_block_q8_0 *row = w + n * nb;
         for (int64_t m = 0; m < M; m++) {
@@ -440,14 +449,8 @@ static inline __attribute__((always_inline)) void float_row(
 
 /* ---- the product --------------------------------------------------------------------------------- */
 
-/* The rows of W in GGUF_PIECES contiguous pieces a thread (at least 64 rows each), taken in turn by the
-   threads as they finish one (OpenMP's dynamic schedule: a core the machine slows does fewer). Pieces of
-   16 rows read the weights at 17 GB/s from memory on 2 threads, no faster than one thread (704 pieces of a
-   11264-row Q4_K matrix, each thread's reads broken every 18 KB); two pieces a thread at 25-31 GB/s, as a
-   streaming read of the same memory (benchmarks/stream_read.c: 29-30 GB/s), on the AVX-512 EPYC host. */
-#define GGUF_PIECES 2
 #define FLOAT_ROWS(UNPACK, VALUES, SUB)                                                                   \
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, piece)")                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(guided, GGUF_PIECE)")                     \
     for (int64_t n = 0; n < N; n++) {                                                                     \
         if (M == 1)                                                                                       \
             float_row(UNPACK, W + n * nb * wbytes, wbytes, nb, VALUES, SUB, x, xsum, 1, K, y + n, N);     \
@@ -457,7 +460,7 @@ static inline __attribute__((always_inline)) void float_row(
             for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];                                      \
     }
 #define GGUF_ROWS(DOT)                                                                                    \
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, piece)")                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(guided, GGUF_PIECE)")                     \
     for (int64_t n = 0; n < N; n++) {                                                                     \
         const char *row = W + n * nb * wbytes;                                                            \
         for (int64_t m = 0; m < M; m++) y[m * N + n] = DOT(row, act + m * nb * abytes, nb) + (bias ? bias[n] : 0.0f); \
@@ -478,7 +481,6 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int
     if (K <= 0 || K % values || M < 1 || M > LMHEAD_GGUF_MAX_ROWS || N < 0 || row_bytes != K / values * wbytes)
         return -2;
     const int64_t nb = K / values;
-    const int64_t piece = N / (GGUF_PIECES * threads) > 64 ? N / (GGUF_PIECES * threads) : 64;
     const char *W = w;
     if (!rounded && type == LMHEAD_TYPE_Q8_0) /* Q8_0 unrounded: its one product, above */
         return LMHEAD_VARIANT(lmhead_q8_0_matvec)(w, x, bias, y, N, K, M, threads);
