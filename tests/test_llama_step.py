@@ -111,3 +111,58 @@ def test_each_product_s_arithmetic_follows_the_setting(files, monkeypatch):
         runs[setting] = steps(eng, [IDS[:5]], [[IDS[7]]])
         assert {eng._plan.layers[i].rounded[j] for i in range(2) for j in (0, 3, 4, 6)} == {setting == "llama.cpp"}
     assert torch.equal(runs["exact"], runs[""]) and not torch.equal(runs["exact"], runs["llama.cpp"])
+
+
+def whole(eng, rows, new, record: bool = True):
+    """step_logits after `rows` (left-padded where they differ): the logits and the engine's record."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    padded = len(set(map(len, rows))) > 1
+    cache = eng.new_cache(len(rows), 32)
+    with torch.inference_mode():
+        eng.body(ids, cache, mask if padded else None)
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+        z, made = eng.step_logits(torch.tensor(new)[:, None], cache, mask if padded else None, record=record)
+    assert cache.length == width + 1
+    return z, made
+
+
+@pytest.mark.parametrize("name", ["llama", "F32", "Q8_0", "Q4_K"])
+def test_the_whole_step_gives_the_torch_path_s_logits_and_records(files, name, monkeypatch):
+    """step_logits: the layers, the final norm, the head and each row's greedy record in one call
+    (lmhead_llama_decode), against the modules' logits and the record computed from them."""
+    monkeypatch.setenv("LMHEAD_GGUF_ARITHMETIC", "exact")
+    eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
+    for rows in ([IDS[:5]], [IDS[:5], IDS[4:13]]):
+        new = [IDS[7 + i] for i in range(len(rows))]
+        monkeypatch.setenv("LMHEAD_STEP", "0")
+        want, none = whole(eng, rows, new)
+        monkeypatch.setenv("LMHEAD_STEP", "1")
+        got, (top_id, top) = whole(eng, rows, new)
+        assert none is None and torch.allclose(got, want, atol=2e-5, rtol=1e-5), (got - want).abs().max()
+        logp = got.log_softmax(-1)
+        assert torch.equal(top_id, got.argmax(-1))
+        assert torch.allclose(top[0], logp.max(-1).values, atol=1e-5)
+        assert torch.allclose(top[1], -(logp.exp() * logp).sum(-1), atol=1e-4)
+        assert torch.equal(top[2], got.max(-1).values)
+
+
+def test_a_hook_on_the_head_or_a_replaced_head_keeps_the_modules(files, monkeypatch):
+    """The whole step replaces the final norm and the head too: a hook on either, or a head replaced on
+    the engine (a reading that wraps it), runs the modules, and the step makes no record."""
+    eng = lmhead_cli.load(str(files["Q8_0"]), device="cpu").loaded.engine
+    seen = []
+    handle = eng.llama.lm_head.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        _, made = whole(eng, [IDS[:5]], [IDS[7]])
+    finally:
+        handle.remove()
+    assert made is None and seen == [1]
+    calls = []
+    real = eng.head
+    monkeypatch.setattr(eng, "head", lambda h: calls.append(1) or real(h))
+    _, made = whole(eng, [IDS[:5]], [IDS[7]])
+    assert made is None and calls == [1]
+    monkeypatch.undo()
+    assert whole(eng, [IDS[:5]], [IDS[7]])[1] is not None

@@ -24,7 +24,6 @@ hook sees what it would see in transformers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,93 +32,13 @@ from torch import nn
 from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm, position_ids
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
+from lmhead_cli.engine.llama_fields import (ARCHITECTURES, ROPE_TYPES, LlamaShape, lean_cannot_run,  # noqa: F401
+                                            rope_inv_freq, rope_parameters)
 from lmhead_cli.engine.lean import attend_one as attend_heads
 from lmhead_cli.engine.llama_step import LlamaStepPlan, attend_grouped, cast, fuse, hooked
 from lmhead_cli.engine.step import hook_dicts
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "llama3")  # the rope scalings LeanLlama computes
 TIE_NAMES = TieNames(head="lm_head.weight", embedding="model.embed_tokens.weight")
-
-
-@dataclass(frozen=True)
-class LlamaShape:
-    """The sizes and options of a Llama-family config.json, read once."""
-
-    vocab: int
-    width: int  # D
-    inner: int  # the MLP's width
-    layers: int
-    heads: int  # H
-    kv_heads: int  # K, a divisor of H
-    head_dim: int
-    eps: float
-    qkv_bias: bool  # Qwen2, or Llama's attention_bias
-    o_bias: bool  # Llama's attention_bias
-    mlp_bias: bool
-    positions: int
-
-    @classmethod
-    def of(cls, config: dict) -> "LlamaShape":
-        D, H = config["hidden_size"], config["num_attention_heads"]
-        qwen = config.get("model_type") == "qwen2"
-        bias = bool(config.get("attention_bias", False))
-        return cls(vocab=config["vocab_size"], width=D, inner=config["intermediate_size"],
-                   layers=config["num_hidden_layers"], heads=H, kv_heads=config.get("num_key_value_heads") or H,
-                   head_dim=config.get("head_dim") or D // H, eps=float(config.get("rms_norm_eps", 1e-6)),
-                   qkv_bias=qwen or bias, o_bias=bias and not qwen, mlp_bias=bool(config.get("mlp_bias", False)),
-                   positions=config.get("max_position_embeddings") or 2048)
-
-
-def rope_parameters(config: dict) -> dict:
-    """The rope's parameters in transformers 5's form ({"rope_type", "rope_theta", ...}), from either
-    `rope_parameters` or the older `rope_theta` + `rope_scaling` ("type" or "rope_type")."""
-    p = config.get("rope_scaling") or config.get("rope_parameters")  # rope_scaling first, as transformers
-    p = dict(p) if isinstance(p, dict) else {}
-    p["rope_type"] = p.get("rope_type", p.get("type")) or "default"
-    p.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    return p
-
-
-def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
-    """The rotary inverse frequencies (hd/2,) float32, as transformers computes them for rope types
-    default, linear (divided by the factor) and llama3 (Llama 3.1's wavelength-banded scaling), and as
-    llama.cpp does for a GGUF's rope_freqs (each divided by its own factor)."""
-    p = rope_parameters(config)
-    inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if config.get("rope_freqs"):  # a GGUF's rope_freqs.weight: llama.cpp divides each frequency by it
-        inv = inv / torch.tensor(config["rope_freqs"], dtype=torch.float32)
-    if p["rope_type"] == "linear":
-        return inv / p["factor"]
-    if p["rope_type"] == "llama3":
-        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-        old = p["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / low, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
-        return torch.where(medium, smoothed, scaled)
-    return inv
-
-
-def lean_cannot_run(config: dict) -> list[str]:
-    """What in a llama / qwen2 config the lean engine does not compute (empty: it runs it)."""
-    lacks = []
-    rope = rope_parameters(config)
-    if rope["rope_type"] not in ROPE_TYPES:
-        lacks.append(f"rope type {rope['rope_type']!r}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        lacks.append("partial rotary embeddings")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        lacks.append(f"hidden_act {act!r}")
-    if (config.get("model_type") == "qwen2" and config.get("use_sliding_window")) or (
-            config.get("model_type") == "mistral" and config.get("sliding_window", 4096) is not None):
-        lacks.append("sliding-window attention")
-    if (config.get("pretraining_tp") or 1) != 1:
-        lacks.append(f"pretraining_tp {config['pretraining_tp']}")
-    return lacks
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -364,11 +283,14 @@ class LeanLlama(RowSteps, Engine):
             cache.length += ids.shape[1]
         return self.llama.model.norm(x)
 
-    def _compiled_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):
+    def _compiled_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
+                       whole: bool = False, record: bool = False):
         """One new position's pass through every layer in the compiled step (engine/llama_step.py), the
-        residual stream (B, 1, D) before the final norm; None where it does not apply."""
+        residual stream (B, 1, D) before the final norm; with `whole`, on to the logits and records
+        (LlamaStepPlan.logits). None where it does not apply."""
         if self._plan is None:
-            self._plan = LlamaStepPlan(self.llama.model.layers, self.shape)
+            m = self.llama
+            self._plan = LlamaStepPlan(m.model.layers, self.shape, m.model.norm, m.lm_head)
         if not self._plan.ready or self.dtype != torch.float32 or self.device.type != "cpu":
             return None
         past = cache.length
@@ -378,7 +300,32 @@ class LeanLlama(RowSteps, Engine):
             pos = position_ids(attention_mask, 1)[:, 0]
             mask, end = _mask(attention_mask, 1, torch.float32), int(pos.max()) + 1
         x = self.llama.model.embed_tokens(ids).to(torch.float32)
-        return self._plan.run(x, cache, mask, pos, self._rope_rows(end, ids.device))
+        rope = self._rope_rows(end, ids.device)
+        return self._plan.logits(x, cache, mask, pos, rope, record) if whole else self._plan.run(x, cache, mask, pos, rope)
+
+    def last_logits(self, ids: torch.Tensor, cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Engine.last_logits; a decoding step (one new position of a few rows with a cache) runs token to
+        logits in one compiled call where nothing needs the modules (`step_logits`)."""
+        if cache is not None and lengths is None and ids.shape[1] == 1:
+            return self.step_logits(ids, cache, attention_mask)[0]
+        return super().last_logits(ids, cache, attention_mask, lengths)
+
+    @torch.inference_mode()
+    def step_logits(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
+                    record: bool = False) -> tuple[torch.Tensor, tuple | None]:
+        """Engine.step_logits: the layers, the final norm, the head and each row's greedy record in one
+        compiled call (LlamaStepPlan.logits) where the engine is as built (neither `body` nor `head`
+        replaced on the instance: a caller that wraps them sees every step); else the modules, and no
+        record."""
+        out = None
+        if (ids.shape[1] == 1 and cache.length + 1 <= self.n_ctx and "body" not in self.__dict__
+                and "head" not in self.__dict__):
+            out = self._compiled_step(ids, cache, attention_mask, whole=True, record=record)
+        if out is None:
+            return Engine.last_logits(self, ids, cache, attention_mask), None
+        cache.length += 1
+        return out
 
     @torch.inference_mode()
     def residuals(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

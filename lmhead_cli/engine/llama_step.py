@@ -94,45 +94,60 @@ def attend_grouped(q, k, v, mask) -> torch.Tensor | None:
 
 class LlamaStepPlan:
     """Every layer of a LeanLlama for a few rows of one new position in one C call (csrc/llama_step.c
-    lmhead_llama_step): the weights' pointers where the engine keeps them (GGUF blocks of the kernels'
-    types, float32 rows; nothing copied), made once. Between the products, the torch path dispatched
-    some thirty ops and Python calls a layer: at TinyLlama's sizes, 7 ms of a 43 ms Q4_K_M token.
+    lmhead_llama_step), or the whole step from the embedded tokens to the logits and each row's greedy
+    record (lmhead_llama_decode: the layers, the final norm and the head): the weights' pointers where the
+    engine keeps them (GGUF blocks of the kernels' types, float32 rows; nothing copied), made once.
+    Between the products, the torch path dispatched some thirty ops and Python calls a layer: at
+    TinyLlama's sizes, 7 ms of a 43 ms Q4_K_M token, and about 1 ms more around the layers' call.
 
-    `run` takes the step only where nothing needs torch's graph, else returns None and the engine runs
-    its torch path (the same figures, the sums in another order): the kernels loaded, every projection
-    in a layout the C step reads, one new position for 1 to MAX_ROWS rows with a float32 KV cache, and
-    no hook on any layer's module nor torch's global hooks. LMHEAD_STEP=0 turns it off, as GPT-2's."""
+    `run` and `logits` take the step only where nothing needs torch's graph, else return None and the
+    engine runs its torch path (the same figures, the sums in another order): the kernels loaded, every
+    projection in a layout the C step reads, one new position for 1 to MAX_ROWS rows with a float32 KV
+    cache, and no hook on any module the call replaces nor torch's global hooks. LMHEAD_STEP=0 turns
+    both off, as GPT-2's."""
 
-    def __init__(self, layers: nn.ModuleList, shape):
+    def __init__(self, layers: nn.ModuleList, shape, norm: nn.Module, head: nn.Module):
         self.shape, self.keep, self.types = shape, [], set()
         self.hooks = hook_dicts([m for layer in layers for m in layer.modules()])
+        self.whole = self.hooks + hook_dicts([*norm.modules(), *head.modules()])  # what `logits` replaces too
         built = [self._layer(layer) for layer in layers]
         self.ready = all(b is not None for b in built)
         self.layers = (kernels.LlamaLayer * len(built))(*built) if self.ready else None
         s = shape
         self.model = kernels.Llama(layers=ctypes.addressof(self.layers) if self.ready else None, L=len(built), D=s.width,
-                                   H=s.heads, K=s.kv_heads, hd=s.head_dim, inner=s.inner, eps=s.eps)
+                                   H=s.heads, K=s.kv_heads, hd=s.head_dim, inner=s.inner, eps=s.eps, V=s.vocab)
+        weight = self._weight(head.weight) if getattr(head, "bias", None) is None else None
+        norm_w = norm.weight.detach()
+        self.has_head = bool(weight and norm_w.dtype == torch.float32 and norm_w.is_contiguous() and norm_w.is_cpu)
+        if self.has_head:
+            data, self.model.head_type, self.model.head_row_bytes = weight
+            self.model.head, self.model.norm = data.data_ptr(), norm_w.data_ptr()
+            self.keep += [data, norm_w]
         self.arithmetic: dict[int, bool] | None = None  # the products' `rounded` fields, set at the first run
 
-    def _product(self, layer, i: int, module: nn.Module | None) -> bool:
-        """Product i of `layer` from `module` (None: carried by the product before it); False where its
-        weight is in no layout the C step reads."""
+    def _weight(self, w) -> tuple[torch.Tensor, int, int] | None:
+        """A product's weight as the C step reads it: (the tensor, its type, its row bytes), or None."""
         from lmhead_cli.engine.quant import COMPILED, Blocks
 
-        if module is None:
-            return True
-        w, b = module.weight, module.bias
         if isinstance(w, Blocks):
             layout = COMPILED.get(w.qtype)
             if not (layout and w.data.is_cpu and w.data.is_contiguous() and w.cols % layout[0] == 0
                     and w.data.shape[1] == w.cols // layout[0] * ctypes.sizeof(layout[1])):
-                return False
-            data, layer.type[i], layer.row_bytes[i] = w.data, w.qtype, w.data.shape[1]
+                return None
             self.types.add(w.qtype)
-        elif (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_cpu and w.dim() == 2
-              and w.is_contiguous()):
-            data, layer.type[i] = w.detach(), kernels.GGUF_TYPE_F32
-        else:
+            return w.data, w.qtype, w.data.shape[1]
+        if (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_cpu and w.dim() == 2
+                and w.is_contiguous()):
+            return w.detach(), kernels.GGUF_TYPE_F32, 0
+        return None
+
+    def _product(self, layer, i: int, module: nn.Module | None) -> bool:
+        """Product i of `layer` from `module` (None: carried by the product before it); False where its
+        weight is in no layout the C step reads."""
+        if module is None:
+            return True
+        weight, b = self._weight(module.weight), module.bias
+        if weight is None:
             return False
         if b is not None:
             b = b.detach()
@@ -140,6 +155,7 @@ class LlamaStepPlan:
                 return False
             layer.b[i] = b.data_ptr()
             self.keep.append(b)
+        data, layer.type[i], layer.row_bytes[i] = weight
         layer.w[i] = data.data_ptr()
         self.keep.append(data)
         return True
@@ -170,7 +186,28 @@ class LlamaStepPlan:
             for fields in self.layers:
                 for i in range(7):
                     fields.rounded[i] = int(now.get(fields.type[i], False))
+            self.model.head_rounded = int(now.get(self.model.head_type, False))
             self.arithmetic = now
+
+    def _takes(self, x: torch.Tensor, cache, mask: torch.Tensor | None, rope: torch.Tensor, hooks: list[dict]):
+        """The kernels where the step applies to these rows (see the class), else None."""
+        fast = kernels.load()
+        B, T, _ = x.shape
+        if (not self.ready or fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS
+                or x.dtype != torch.float32 or not x.is_cpu or hooked(hooks) or not _fits(cache, B, mask)
+                or rope.dtype != torch.float32 or not rope.is_contiguous()):
+            return None
+        self._round()
+        self.model.rope, self.model.rope_len = rope.data_ptr(), rope.shape[1]
+        return fast
+
+    def _arguments(self, h: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None) -> tuple:
+        """lmhead_llama_step's arguments, the model to the mask's stride, for rows h (B, D) at positions
+        pos (B,) int64 contiguous, or None (the caller holds each tensor until the call returns)."""
+        k, v = cache.k, cache.v
+        return (ctypes.addressof(self.model), h.data_ptr(), h.shape[0], None if pos is None else pos.data_ptr(),
+                k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), cache.length,
+                None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0))
 
     def run(self, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
             rope: torch.Tensor) -> torch.Tensor | None:
@@ -180,26 +217,42 @@ class LlamaStepPlan:
         additive float32 or None; rope the engine's table (2, n, hd) float32, covering every position.
         None (nothing done, or the cache's next position partly written, which the torch path writes
         again) where the step does not apply."""
-        fast = kernels.load()
-        B, T, D = x.shape
-        if (not self.ready or fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS
-                or x.dtype != torch.float32 or not x.is_cpu or hooked(self.hooks) or not _fits(cache, B, mask)
-                or rope.dtype != torch.float32 or not rope.is_contiguous()):
+        fast = self._takes(x, cache, mask, rope, self.hooks)
+        if fast is None:
             return None
-        self._round()
-        self.model.rope, self.model.rope_len = rope.data_ptr(), rope.shape[1]
-        k, v = cache.k, cache.v
-        h = x.reshape(B, D).contiguous().clone()
-        if pos is not None:
-            pos = pos.reshape(B).to(torch.int64).contiguous()
-        status = fast.lib.lmhead_llama_step(ctypes.addressof(self.model), h.data_ptr(), B,
-                                            None if pos is None else pos.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                            k.stride(0), k.stride(1), k.stride(2), cache.length,
-                                            None if mask is None else mask.data_ptr(),
-                                            0 if mask is None else mask.stride(0), torch.get_num_threads())
+        B, _, D = x.shape
+        h, pos = x.reshape(B, D).contiguous().clone(), _positions(pos, B)
+        status = fast.lib.lmhead_llama_step(*self._arguments(h, cache, mask, pos), torch.get_num_threads())
         if status == -1:
             raise MemoryError("the compiled decoding step could not allocate its buffers")
         return h.view(B, 1, D) if status == 0 else None
+
+    def logits(self, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
+               rope: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
+        """The whole step from the embedded tokens x (B, 1, D), as `run` and then the final norm and the
+        head: logits (B, V) float32, and with `record` each row's greedy record (top_id (B,) int64, (3, B)
+        float32: the top-1's log p, the entropy, the top-1's logit), None where a logit is not finite.
+        None where the step does not apply (a hook on the norm or the head too, or a head the C step does
+        not read)."""
+        fast = self._takes(x, cache, mask, rope, self.whole) if self.has_head else None
+        if fast is None:
+            return None
+        B, _, D = x.shape
+        h, pos = x.reshape(B, D).contiguous().clone(), _positions(pos, B)
+        z = torch.empty(B, self.model.V, dtype=torch.float32)
+        top_id, top = (torch.empty(B, dtype=torch.int64), torch.empty(3, B, dtype=torch.float32)) if record else (None, None)
+        status = fast.lib.lmhead_llama_decode(*self._arguments(h, cache, mask, pos), z.data_ptr(),
+                                              None if top_id is None else top_id.data_ptr(),
+                                              None if top is None else top.data_ptr(), torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("the compiled decoding step could not allocate its buffers")
+        if status < 0:
+            return None
+        return z, ((top_id, top) if record and status == 0 else None)
+
+
+def _positions(pos: torch.Tensor | None, B: int) -> torch.Tensor | None:
+    return None if pos is None else pos.reshape(B).to(torch.int64).contiguous()
 
 
 def _fits(cache, B: int, mask: torch.Tensor | None) -> bool:

@@ -82,7 +82,7 @@ def full_config(config: dict, path) -> dict:
 
 
 def _inv_freq(config: dict) -> torch.Tensor:
-    from lmhead_cli.engine.llama import LlamaShape, rope_inv_freq
+    from lmhead_cli.engine.llama_fields import LlamaShape, rope_inv_freq
 
     return rope_inv_freq(config, LlamaShape.of(config).head_dim)
 

@@ -42,7 +42,7 @@ def checkpoint_engine(engine: str, config: dict, announce) -> str:
     GPT-2, Llama and Qwen2 run on the lean engines; a config with a field they do not compute
     (gpt2_fields.ROUTED, engine/llama.py lean_cannot_run) runs on transformers, announced;
     `--engine lean` refuses it, naming the fields."""
-    from lmhead_cli.engine.llama import ARCHITECTURES, lean_cannot_run
+    from lmhead_cli.engine.llama_fields import ARCHITECTURES, lean_cannot_run
 
     kind = config.get("model_type")
     is_gpt2, is_llama = kind == "gpt2", kind in ARCHITECTURES
