@@ -358,3 +358,15 @@ class Engine(ABC):
     def tied(self) -> bool:
         """The head's weight is the embedding's weight object."""
         return self.head_weight is self.embedding_weight
+
+
+class WholeSteps:
+    """For an engine whose step_logits runs a decoding step token to logits in one compiled call (LeanGPT2,
+    LeanLlama): last_logits sends it one new position of a few rows with a cache."""
+
+    def last_logits(self, ids: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Engine.last_logits; a decoding step (one new position with a cache) through `step_logits`."""
+        if cache is not None and lengths is None and ids.shape[1] == 1:
+            return self.step_logits(ids, cache, attention_mask)[0]
+        return super().last_logits(ids, cache, attention_mask, lengths)

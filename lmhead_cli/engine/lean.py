@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm,
-                                    position_ids)
+from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, WholeSteps, capture_components,
+                                    linearise_norm, position_ids)
 from lmhead_cli.engine import int8, kernels
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.step import StepPlan
@@ -251,7 +251,7 @@ def _mask(attention_mask: torch.Tensor, T_new: int, dtype: torch.dtype) -> torch
 TIE_NAMES = TieNames(head="lm_head.weight", embedding="wte.weight")  # the checkpoint keys, as nanoGPT names them
 
 
-class LeanGPT2(RowSteps, Engine):
+class LeanGPT2(RowSteps, WholeSteps, Engine):
     """The plain-torch GPT-2 engine."""
 
     def __init__(self, config: dict, module: GPT2):
@@ -360,14 +360,6 @@ class LeanGPT2(RowSteps, Engine):
         if cache is not None:
             cache.length += ids.shape[1]
         return self.gpt.ln_f(x)
-
-    def last_logits(self, ids: torch.Tensor, cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
-                    lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Engine.last_logits; a decoding step (one new position of a few rows with a cache) runs token to
-        logits in one compiled call where nothing needs the modules (`step_logits`)."""
-        if cache is not None and lengths is None and ids.shape[1] == 1:
-            return self.step_logits(ids, cache, attention_mask)[0]
-        return super().last_logits(ids, cache, attention_mask, lengths)
 
     def step_logits(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
                     record: bool = False) -> tuple[torch.Tensor, tuple | None]:

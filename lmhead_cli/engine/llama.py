@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import Components, Engine, LayerTaps, TieNames, capture_components, linearise_norm, position_ids
+from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, WholeSteps, capture_components,
+                                    linearise_norm, position_ids)
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
 from lmhead_cli.engine.llama_fields import (ARCHITECTURES, ROPE_TYPES, LlamaShape, lean_cannot_run,  # noqa: F401
@@ -182,7 +183,7 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config, s.head_dim), persistent=False)
 
 
-class LeanLlama(RowSteps, Engine):
+class LeanLlama(RowSteps, WholeSteps, Engine):
     """lmhead's own Llama / Qwen2 engine (see the module's docstring)."""
 
     def __init__(self, config: dict, module: Llama):
@@ -302,14 +303,6 @@ class LeanLlama(RowSteps, Engine):
         x = self.llama.model.embed_tokens(ids).to(torch.float32)
         rope = self._rope_rows(end, ids.device)
         return self._plan.logits(x, cache, mask, pos, rope, record) if whole else self._plan.run(x, cache, mask, pos, rope)
-
-    def last_logits(self, ids: torch.Tensor, cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
-                    lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Engine.last_logits; a decoding step (one new position of a few rows with a cache) runs token to
-        logits in one compiled call where nothing needs the modules (`step_logits`)."""
-        if cache is not None and lengths is None and ids.shape[1] == 1:
-            return self.step_logits(ids, cache, attention_mask)[0]
-        return super().last_logits(ids, cache, attention_mask, lengths)
 
     @torch.inference_mode()
     def step_logits(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
