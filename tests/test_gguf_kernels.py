@@ -162,3 +162,27 @@ def test_quant_linear_takes_the_compiled_product_in_each_type_s_arithmetic(qtype
     assert torch.allclose(exact.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
     assert not torch.equal(rounded, exact)
     assert torch.allclose(rounded.double(), want, rtol=0, atol=0.05 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_avx512_rounding_of_x_gives_the_scalar_code_s_bits(qtype):
+    """The AVX-512 variants round x 16 values a step, the AVX2 one value by value; their dots are the same
+    code (ggml's AVX2), so the products must agree to the bit: ties of the largest magnitude with both
+    signs (Q8_K takes the first one's sign), an all-zero block, tiny and huge values."""
+    if K is None:
+        pytest.skip(f"the compiled kernels did not load: {kernels.unavailable()}")
+    wide = [v for v in VARIANTS if v.startswith("avx512")]
+    if "avx2" not in VARIANTS or not wide:
+        pytest.skip("this CPU does not run both an AVX2 and an AVX-512 variant")
+    from gguf.constants import GGMLQuantizationType
+
+    t = GGMLQuantizationType[qtype]
+    raw = torch.from_numpy(np.ascontiguousarray(blocks(qtype, 40, 512, seed=3)))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 512, generator=g) * torch.rand(4, 512, generator=g) ** 3
+    x[1, :256] = 0.0
+    x[2, 7], x[2, 200] = -x[2].abs().max() * 2, x[2].abs().max() * 2  # a tie: the first is negative
+    x[3] *= 1e30
+    got = {v: kernels._open(kernels.module_path(), v).gguf_times(int(t), x, raw, None, rounded=True)
+           for v in ["avx2", *wide]}
+    assert all(y is not None and torch.equal(y, got["avx2"]) for y in got.values())

@@ -95,9 +95,36 @@ static inline int finite_abs(float v, float *a) { /* *a = |v|; 0 for NaN or infi
     return *a <= 3.4028234663852886e38f;
 }
 
+#if defined(__AVX512F__)
+/* 16 values of x: |x| folded into *amax; 0 where one is NaN or infinite. */
+static inline int amax16(const float *x, __m512 *amax) {
+    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x));
+    *amax = _mm512_max_ps(*amax, v);
+    return !_mm512_cmp_ps_mask(v, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ);
+}
+/* 16 values of x times s, rounded half to even (the rounding mode's default, as nearest_int), at most
+   127, stored as int8; their sum returned. */
+static inline int round16(const float *x, float s, int8_t *q) {
+    const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_set1_ps(s), _mm512_loadu_ps(x))),
+                                       _mm512_set1_epi32(127));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(v));
+    return _mm512_reduce_add_epi32(v);
+}
+#endif
+
 /* x (K) as Q8_0 blocks with float scales, as quantize_row_q8_0_ref (but d not rounded to a half, and q
    rounded half to even as its AVX2 twin); 0 if x is not finite. */
 static int act_q8_0(const float *x, int64_t K, lmhead_block_q8_0f *a) {
+#if defined(__AVX512F__) /* the same figures, 16 values a step (a step's activations were rounded one by one) */
+    for (int64_t b = 0; b < K / LMHEAD_QK8_0; b++, x += LMHEAD_QK8_0) {
+        __m512 m = _mm512_setzero_ps();
+        if (!amax16(x, &m) || !amax16(x + 16, &m)) return 0;
+        const float d = _mm512_reduce_max_ps(m) / 127.0f, id = d ? 1.0f / d : 0.0f;
+        a[b].d = d;
+        round16(x, id, a[b].qs), round16(x + 16, id, a[b].qs + 16);
+    }
+    return 1;
+#else
     for (int64_t b = 0; b < K / LMHEAD_QK8_0; b++, x += LMHEAD_QK8_0) {
         float amax = 0.0f, v;
         for (int j = 0; j < LMHEAD_QK8_0; j++) {
@@ -109,10 +136,35 @@ static int act_q8_0(const float *x, int64_t K, lmhead_block_q8_0f *a) {
         for (int j = 0; j < LMHEAD_QK8_0; j++) a[b].qs[j] = (int8_t)nearest_int(x[j] * id);
     }
     return 1;
+#endif
 }
 
 /* x (K) as Q8_K super-blocks, as quantize_row_q8_K_ref; 0 if x is not finite. */
 static int act_q8_K(const float *x, int64_t K, lmhead_block_q8_K *a) {
+#if defined(__AVX512F__) /* the same figures, 16 values (one of bsums' groups) a step: 0.8 ms of a Q4_K_M token one by one */
+    for (int64_t b = 0; b < K / LMHEAD_QK_K; b++, x += LMHEAD_QK_K) {
+        __m512 m = _mm512_setzero_ps();
+        for (int j = 0; j < LMHEAD_QK_K; j += 16)
+            if (!amax16(x + j, &m)) return 0;
+        const float amax = _mm512_reduce_max_ps(m);
+        if (!amax) {
+            memset(&a[b], 0, sizeof a[b]);
+            continue;
+        }
+        float max = 0.0f; /* the first value of the largest magnitude, with its sign (the scalar loop's) */
+        for (int j = 0; j < LMHEAD_QK_K; j += 16) {
+            const __mmask16 at = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + j)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (at) {
+                max = x[j + __builtin_ctz(at)];
+                break;
+            }
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < LMHEAD_QK_K; j += 16) a[b].bsums[j / 16] = (int16_t)round16(x + j, iscale, a[b].qs + j);
+        a[b].d = 1 / iscale;
+    }
+    return 1;
+#else
     for (int64_t b = 0; b < K / LMHEAD_QK_K; b++, x += LMHEAD_QK_K) {
         float amax = 0.0f, max = 0.0f, v;
         for (int j = 0; j < LMHEAD_QK_K; j++) {
@@ -134,6 +186,7 @@ static int act_q8_K(const float *x, int64_t K, lmhead_block_q8_K *a) {
         a[b].d = 1 / iscale;
     }
     return 1;
+#endif
 }
 
 /* ---- the dots: one row of W (nb blocks) against one row of rounded x ------------------------------- */
