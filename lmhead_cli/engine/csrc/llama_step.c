@@ -31,15 +31,21 @@ static void llama_norm(const float *x, float *y, int64_t B, int64_t D, const flo
     }
 }
 
-/* One product of a layer: y (M, N) = x (M, K) · Wᵀ (+ bias), W as GGUF blocks or float32 rows. 0 done; -1
-   no memory; -2 not taken (a type the kernels lack, or a row of x not finite where x is rounded). */
+/* y (M, N) = x (M, K) · Wᵀ (+ bias), W as GGUF blocks of `type` (rows `row_bytes` apart, x `rounded` or
+   not) or float32 rows (LMHEAD_TYPE_F32). 0 done; -1 no memory; -2 not taken (a type the kernels lack,
+   or a row of x not finite where x is rounded). */
+static int llama_times(int type, int rounded, const void *w, int64_t row_bytes, const float *bias, const float *x,
+                       float *y, int64_t M, int64_t K, int64_t N, int threads) {
+    if (type == LMHEAD_TYPE_F32)
+        return LMHEAD_VARIANT(lmhead_f32_matvec)((const float *)w, x, bias, y, N, K, M, threads) ? -2 : 0;
+    int status = LMHEAD_VARIANT(lmhead_gguf_matvec)(type, rounded, w, row_bytes, x, bias, y, N, K, M, threads);
+    return status == 0 ? 0 : status == -1 ? -1 : -2;
+}
+
+/* Product i of a layer (llama_times over its fields). */
 static int llama_product(const lmhead_llama_layer *l, int i, const float *x, float *y, int64_t M, int64_t K,
                          int64_t N, int threads) {
-    if (l->type[i] == LMHEAD_TYPE_F32)
-        return LMHEAD_VARIANT(lmhead_f32_matvec)((const float *)l->w[i], x, l->b[i], y, N, K, M, threads) ? -2 : 0;
-    int status = LMHEAD_VARIANT(lmhead_gguf_matvec)(l->type[i], l->rounded[i], l->w[i], l->row_bytes[i], x, l->b[i],
-                                                    y, N, K, M, threads);
-    return status == 0 ? 0 : status == -1 ? -1 : -2;
+    return llama_times(l->type[i], l->rounded[i], l->w[i], l->row_bytes[i], l->b[i], x, y, M, K, N, threads);
 }
 
 /* Products first .. first + n - 1 of one input x (M, K), their outputs side by side in y (M, Σ N): one
@@ -75,12 +81,10 @@ static void llama_swiglu(const float *gu, float *f, int64_t M, int64_t I) {
         float *fm = f + m * I;
         int64_t j = 0;
 #if LANES
-        /* sigmoid(x) = (1 + tanh(x / 2)) / 2, tanh(t) = sign(t) (1 - e) / (1 + e), e = exp(-2|t|): the
-           GELU's form in step.c, within a few ulp */
+        /* sigmoid(x) = (1 + tanh(x / 2)) / 2, with step.c's vtanh (the GELU's) */
         for (; j + LANES <= I; j += LANES) {
             vf x = vload(g + j);
-            vf e = exp_le0(vmul(vabs(x), vbroadcast(-1.0f)));
-            vf t = vsign_of(vdiv(vsub(vbroadcast(1.0f), e), vadd(vbroadcast(1.0f), e)), x);
+            vf t = vtanh(vmul(x, vbroadcast(0.5f)));
             vstore(fm + j, vmul(vmul(vmul(vbroadcast(0.5f), x), vadd(vbroadcast(1.0f), t)), vload(u + j)));
         }
 #endif
@@ -161,14 +165,8 @@ int LMHEAD_VARIANT(lmhead_llama_decode)(const lmhead_llama *m, float *x, int64_t
     if (!status && !h) status = -1;
     if (!status) {
         llama_norm(x, h, B, m->D, m->norm, m->eps);
-        if (m->head_type == LMHEAD_TYPE_F32)
-            status = LMHEAD_VARIANT(lmhead_f32_matvec)((const float *)m->head, h, NULL, logits, m->V, m->D, B, threads)
-                         ? -2 : 0;
-        else {
-            status = LMHEAD_VARIANT(lmhead_gguf_matvec)(m->head_type, m->head_rounded, m->head, m->head_row_bytes, h,
-                                                        NULL, logits, m->V, m->D, B, threads);
-            status = status == 0 ? 0 : status == -1 ? -1 : -2;
-        }
+        status = llama_times(m->head_type, m->head_rounded, m->head, m->head_row_bytes, NULL, h, logits, B, m->D, m->V,
+                             threads);
     }
     free(h);
     return !status && top_id ? step_record(logits, B, m->V, top_id, top, threads) : status;

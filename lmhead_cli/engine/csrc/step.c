@@ -50,17 +50,23 @@ static void step_norm(const float *x, float *y, int64_t B, int64_t D, const void
     }
 }
 
+#if LANES
+/* tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): scoring's exp_le0, within a few ulp (GPT-2's GELU
+   here, Llama's SiLU in llama_step.c) */
+static inline vf vtanh(vf u) {
+    vf e = exp_le0(vmul(vabs(u), vbroadcast(-2.0f)));
+    return vsign_of(vdiv(vsub(vbroadcast(1.0f), e), vadd(vbroadcast(1.0f), e)), u);
+}
+#endif
+
 /* GELU, tanh form (GPT-2's gelu_new, torch's approximate="tanh"), in place over n floats. */
 static void step_gelu(float *x, int64_t n, int kind) {
     const float c = 0.7978845608028654f, a = 0.044715f;
     int64_t i = 0;
 #if LANES
-    /* tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): scoring's exp_le0, within a few ulp */
     for (; i + LANES <= n; i += LANES) {
         vf v = vload(x + i);
-        vf u = vmul(vbroadcast(c), vfma(vmul(vbroadcast(a), v), vmul(v, v), v));
-        vf e = exp_le0(vmul(vabs(u), vbroadcast(-2.0f)));
-        vf t = vsign_of(vdiv(vsub(vbroadcast(1.0f), e), vadd(vbroadcast(1.0f), e)), u);
+        vf t = vtanh(vmul(vbroadcast(c), vfma(vmul(vbroadcast(a), v), vmul(v, v), v)));
         vstore(x + i, vmul(vmul(vbroadcast(0.5f), v), vadd(vbroadcast(1.0f), t)));
     }
 #endif
