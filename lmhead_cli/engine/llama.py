@@ -33,8 +33,7 @@ from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, Who
                                     linearise_norm, position_ids)
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
-from lmhead_cli.engine.llama_fields import (ARCHITECTURES, ROPE_TYPES, LlamaShape, lean_cannot_run,  # noqa: F401
-                                            rope_inv_freq, rope_parameters)
+from lmhead_cli.engine.llama_fields import LlamaShape, rope_inv_freq
 from lmhead_cli.engine.lean import attend_one as attend_heads
 from lmhead_cli.engine.llama_step import LlamaStepPlan, attend_grouped, cast, fuse, hooked
 from lmhead_cli.engine.step import hook_dicts

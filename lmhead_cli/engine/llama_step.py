@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from lmhead_cli.engine import kernels
-from lmhead_cli.engine.step import MAX_ROWS, hook_dicts, turned_off
+from lmhead_cli.engine.step import MAX_ROWS, fits, hook_dicts, turned_off
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -127,12 +127,10 @@ class LlamaStepPlan:
 
     def _weight(self, w) -> tuple[torch.Tensor, int, int] | None:
         """A product's weight as the C step reads it: (the tensor, its type, its row bytes), or None."""
-        from lmhead_cli.engine.quant import COMPILED, Blocks
+        from lmhead_cli.engine.quant import Blocks
 
         if isinstance(w, Blocks):
-            layout = COMPILED.get(w.qtype)
-            if not (layout and w.data.is_cpu and w.data.is_contiguous() and w.cols % layout[0] == 0
-                    and w.data.shape[1] == w.cols // layout[0] * ctypes.sizeof(layout[1])):
+            if not w.compiled():
                 return None
             self.types.add(w.qtype)
             return w.data, w.qtype, w.data.shape[1]
@@ -194,20 +192,33 @@ class LlamaStepPlan:
         fast = kernels.load()
         B, T, _ = x.shape
         if (not self.ready or fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS
-                or x.dtype != torch.float32 or not x.is_cpu or hooked(hooks) or not _fits(cache, B, mask)
+                or x.dtype != torch.float32 or not x.is_cpu or hooked(hooks) or not fits(cache, B, mask)
                 or rope.dtype != torch.float32 or not rope.is_contiguous()):
             return None
         self._round()
         self.model.rope, self.model.rope_len = rope.data_ptr(), rope.shape[1]
         return fast
 
-    def _arguments(self, h: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None) -> tuple:
-        """lmhead_llama_step's arguments, the model to the mask's stride, for rows h (B, D) at positions
-        pos (B,) int64 contiguous, or None (the caller holds each tensor until the call returns)."""
+    def _call(self, function: str, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
+              rope: torch.Tensor, hooks: list[dict], *out) -> tuple[int, torch.Tensor] | None:
+        """`function` (lmhead_llama_step or _decode) on a copy h (B, D) of x (B, 1, D), rows at positions pos
+        (B,) or None (the cache's length), then `out`'s pointers: (its status, h); None where the step does
+        not apply (`_takes`). MemoryError where the C call could not allocate its buffers."""
+        fast = self._takes(x, cache, mask, rope, hooks)
+        if fast is None:
+            return None
+        B, _, D = x.shape
+        h = x.reshape(B, D).contiguous().clone()
+        pos = None if pos is None else pos.reshape(B).to(torch.int64).contiguous()  # held across the call
         k, v = cache.k, cache.v
-        return (ctypes.addressof(self.model), h.data_ptr(), h.shape[0], None if pos is None else pos.data_ptr(),
-                k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), cache.length,
-                None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0))
+        status = getattr(fast.lib, function)(ctypes.addressof(self.model), h.data_ptr(), B,
+                                             None if pos is None else pos.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                             k.stride(0), k.stride(1), k.stride(2), cache.length,
+                                             None if mask is None else mask.data_ptr(),
+                                             0 if mask is None else mask.stride(0), *out, torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("the compiled decoding step could not allocate its buffers")
+        return status, h
 
     def run(self, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
             rope: torch.Tensor) -> torch.Tensor | None:
@@ -217,15 +228,8 @@ class LlamaStepPlan:
         additive float32 or None; rope the engine's table (2, n, hd) float32, covering every position.
         None (nothing done, or the cache's next position partly written, which the torch path writes
         again) where the step does not apply."""
-        fast = self._takes(x, cache, mask, rope, self.hooks)
-        if fast is None:
-            return None
-        B, _, D = x.shape
-        h, pos = x.reshape(B, D).contiguous().clone(), _positions(pos, B)
-        status = fast.lib.lmhead_llama_step(*self._arguments(h, cache, mask, pos), torch.get_num_threads())
-        if status == -1:
-            raise MemoryError("the compiled decoding step could not allocate its buffers")
-        return h.view(B, 1, D) if status == 0 else None
+        done = self._call("lmhead_llama_step", x, cache, mask, pos, rope, self.hooks)
+        return done[1].view(x.shape) if done is not None and done[0] == 0 else None
 
     def logits(self, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
                rope: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
@@ -234,31 +238,13 @@ class LlamaStepPlan:
         float32: the top-1's log p, the entropy, the top-1's logit), None where a logit is not finite.
         None where the step does not apply (a hook on the norm or the head too, or a head the C step does
         not read)."""
-        fast = self._takes(x, cache, mask, rope, self.whole) if self.has_head else None
-        if fast is None:
+        if not self.has_head:
             return None
-        B, _, D = x.shape
-        h, pos = x.reshape(B, D).contiguous().clone(), _positions(pos, B)
+        B = x.shape[0]
         z = torch.empty(B, self.model.V, dtype=torch.float32)
         top_id, top = (torch.empty(B, dtype=torch.int64), torch.empty(3, B, dtype=torch.float32)) if record else (None, None)
-        status = fast.lib.lmhead_llama_decode(*self._arguments(h, cache, mask, pos), z.data_ptr(),
-                                              None if top_id is None else top_id.data_ptr(),
-                                              None if top is None else top.data_ptr(), torch.get_num_threads())
-        if status == -1:
-            raise MemoryError("the compiled decoding step could not allocate its buffers")
-        if status < 0:
+        done = self._call("lmhead_llama_decode", x, cache, mask, pos, rope, self.whole, z.data_ptr(),
+                          None if top_id is None else top_id.data_ptr(), None if top is None else top.data_ptr())
+        if done is None or done[0] < 0:
             return None
-        return z, ((top_id, top) if record and status == 0 else None)
-
-
-def _positions(pos: torch.Tensor | None, B: int) -> torch.Tensor | None:
-    return None if pos is None else pos.reshape(B).to(torch.int64).contiguous()
-
-
-def _fits(cache, B: int, mask: torch.Tensor | None) -> bool:
-    """Whether B rows' cache (L, B, K, T_max, hd) and mask are in the layout csrc/llama_step.c reads."""
-    k, v, past = cache.k, cache.v, cache.length
-    return (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.stride() == v.stride()
-            and k.shape[1] == B and past + 1 <= k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
-            and (mask is None or (mask.dtype == torch.float32 and mask.shape == (B, 1, 1, past + 1)
-                                  and mask.stride(-1) == 1)))
+        return z, ((top_id, top) if record and done[0] == 0 else None)

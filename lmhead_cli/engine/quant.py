@@ -162,6 +162,13 @@ class Blocks:
             out[a:a + rows.shape[0]] = rows
         return out
 
+    def compiled(self) -> bool:
+        """Whether the compiled kernels read these blocks where they lie: a type they take (COMPILED), on the
+        CPU, contiguous, whole blocks a row (QuantLinear's products and Llama's compiled step)."""
+        layout = COMPILED.get(self.qtype)
+        return bool(layout and self.data.is_cpu and self.data.is_contiguous() and self.cols % layout[0] == 0
+                    and self.data.shape[1] == self.cols // layout[0] * ctypes.sizeof(layout[1]))
+
     def same_as(self, other: "Blocks") -> bool:
         """The same type and bytes (a GGUF's output.weight stored equal to token_embd.weight)."""
         return self.qtype == other.qtype and self.shape == other.shape and torch.equal(self.data, other.data)
@@ -220,10 +227,7 @@ class QuantLinear(nn.Module):
         layout is checked once per weight."""
         w = self.weight
         if self._checked is not w:  # the blocks' layout, once (a weight swapped in is checked again)
-            layout = COMPILED.get(w.qtype)
-            self._takes = bool(layout and w.data.is_cpu and w.data.is_contiguous() and w.cols % layout[0] == 0
-                               and w.data.shape[1] == w.cols // layout[0] * ctypes.sizeof(layout[1]))
-            self._checked = w
+            self._takes, self._checked = w.compiled(), w
         if not (self._takes and KERNEL_ROWS and x2.is_cpu):
             return None
         fast = kernels.load()

@@ -104,6 +104,17 @@ def _tail(gpt: nn.Module, kind: int, D: int, keep: list[torch.Tensor]) -> dict |
     return {"V": V, "n_pos": n_pos, **{k: t.data_ptr() for k, t in tensors.items()}}
 
 
+def fits(cache, B: int, mask: torch.Tensor | None, T: int = 1) -> bool:
+    """Whether B rows' cache (L, B, heads, T_max, hd) and mask, for T new positions each, are in the layout
+    the compiled steps read (csrc/step.c's both calls, csrc/llama_step.c's): float32 keys and values laid
+    out alike, the mask's (past + T) rows evenly spaced."""
+    k, v, past = cache.k, cache.v, cache.length
+    return (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.stride() == v.stride()
+            and k.shape[1] == B and past + T <= k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+            and (mask is None or (mask.dtype == torch.float32 and mask.shape == (B, 1, T, past + T)
+                                  and mask.stride(-1) == 1 and (T == 1 or mask.stride(0) == T * mask.stride(2)))))
+
+
 class StepPlan:
     """The blocks' weight pointers for csrc/step.c, made once per engine (a few hundred pointers), and
     the modules whose hooks send a step back to torch; with the embeddings, ln_f and the head (`model`,
@@ -146,15 +157,6 @@ class StepPlan:
         return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
                     or any(self.hooks if hooks is None else hooks))
 
-    def _fits(self, cache, B: int, mask: torch.Tensor | None, T: int = 1) -> bool:
-        """Whether B rows' cache and mask, for T new positions each, are in the layout csrc/step.c reads
-        (both calls take them so): the mask's (past + T) rows evenly spaced (`_mask_rows`)."""
-        k, v, past = cache.k, cache.v, cache.length
-        return (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.stride() == v.stride()
-                and k.shape[1] == B and past + T <= k.shape[3] and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
-                and (mask is None or (mask.dtype == torch.float32 and mask.shape == (B, 1, T, past + T)
-                                      and mask.stride(-1) == 1 and (T == 1 or mask.stride(0) == T * mask.stride(2)))))
-
     def logits(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
                record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
         """The whole step for tokens ids (B, 1) at positions pos (B,) int64 (None: every row at the
@@ -175,7 +177,7 @@ class StepPlan:
             return self._groups(ids, cache, mask, pos, record)
         most = fast.f32_max_rows if self.kind == KINDS[torch.float32] else fast.max_rows  # the head kernel's
         if (turned_off() or cache is None or ids.shape[1] != 1 or not 1 <= B <= min(MAX_ROWS, most)
-                or not ids.is_cpu or ids.dtype != torch.int64 or self.hooked(self.whole) or not self._fits(cache, B, mask)):
+                or not ids.is_cpu or ids.dtype != torch.int64 or self.hooked(self.whole) or not fits(cache, B, mask)):
             return None
         ids = ids.contiguous()
         if pos is not None:
@@ -229,7 +231,7 @@ class StepPlan:
         fast = kernels.load()
         B, T, D = x.shape
         if (fast is None or turned_off() or cache is None or not 1 <= B * T <= MAX_ROWS or not x.is_cpu
-                or (T > 1 and mask is None and cache.length) or self.hooked() or not self._fits(cache, B, mask, T)):
+                or (T > 1 and mask is None and cache.length) or self.hooked() or not fits(cache, B, mask, T)):
             return None
         k, v, past = cache.k, cache.v, cache.length
         h = x.reshape(B * T, D).to(torch.float32, copy=True).contiguous()  # (B·T, D), updated in place
