@@ -170,9 +170,9 @@ def cpu_features() -> str:
 def print_section(res: dict, text: str, write: bool, begin: str, end: str) -> None:
     """A section's figures (JSON) and its markdown; with `write`, the markdown kept in benchmarks/RESULTS.md
     in place of the previous one between the same markers (batching_bench.py, grammar_bench.py)."""
-    import versus_llamacpp
+    import versus_llamacpp_report
 
     print(json.dumps(res, indent=1))
     print(text)
     if write:
-        versus_llamacpp.splice(HERE / "RESULTS.md", text, begin, end)
+        versus_llamacpp_report.splice(HERE / "RESULTS.md", text, begin, end)

@@ -8,6 +8,9 @@ the machine's read bandwidth (benchmarks/bandwidth.py).
     python benchmarks/versus_llamacpp.py --only llama    # a Llama's GGUF files (benchmarks/llama_bench.py), its own section
     python benchmarks/versus_llamacpp.py --quick         # a smoke test: 1 run each, 32 tokens, no busy rows
 
+A run of some parts (--only decode,busy) writes those and keeps the others from the section already in
+RESULTS.md, each under a line naming the run that measured it (benchmarks/versus_llamacpp_report.py).
+
 llama.cpp is built once by benchmarks/llamacpp.py (cached in $LMHEAD_BENCH_LLAMACPP, else
 ~/.cache/lmhead-bench/llamacpp; building it took over an hour on a loaded 2-core machine and is not counted above) and
 the benchmark's checkpoint (benchmarks/checkpoint.py) converted by its convert_hf_to_gguf.py into F32,
@@ -27,7 +30,6 @@ import json
 import math
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,13 +45,10 @@ import bandwidth  # noqa: E402
 import llama_bench  # noqa: E402
 import llamacpp  # noqa: E402
 from harness import PYTHON, QUIET, Competitor, cpu_features, lmhead, load1, log, probe, run  # noqa: E402
+from versus_llamacpp_report import BEGIN, BUSY_TIMEOUT_S, END, PROMPT, report, section_in, splice  # noqa: E402
 
-PROMPT = "The keys on the table"
-TARGET = 1.0  # lmhead ≥ 1.0× llama.cpp in every row
-BEGIN, END = "<!-- versus llama.cpp: begin -->", "<!-- versus llama.cpp: end -->"
 SECTIONS = ("decode", "busy", "score", "serve", "llama")  # llama: TinyLlama's shapes (llama_bench.py), busy rows too
 SERVE_CLIENTS = (1, 4, 16)
-BUSY_TIMEOUT_S = 150  # a llama-bench run beside the spin loop has taken 75 s (1.7 tok/s); past this it counts as failed
 
 
 # ---- decoding -----------------------------------------------------------------------------------
@@ -108,14 +107,6 @@ def drop_from_page_cache(files: list[Path]) -> list[str]:
         finally:
             os.close(fd)
     return dropped
-
-
-def summary(samples: list[float | None], busy: bool) -> float | None:
-    """Idle: the best run; busy: the median (a failed llama.cpp run counts as 0 tok/s)."""
-    xs = [x or 0.0 for x in samples]
-    if not xs:
-        return None
-    return statistics.median(xs) if busy else max(xs)
 
 
 # ---- scoring ------------------------------------------------------------------------------------
@@ -328,179 +319,6 @@ def serve(folder: Path, gguf: Path, threads: int, max_tokens: int, per_client: d
     return out
 
 
-# ---- the report ---------------------------------------------------------------------------------
-
-def fmt(x: float | None, spec: str = ".1f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
-def ratio_cell(ours: float | None, theirs: float | None) -> str:
-    if not ours or not theirs:
-        return "n/a" if ours is None or theirs is None else ("∞" if not theirs else "0.00×")
-    x = ours / theirs
-    return f"{'✅' if x >= TARGET else '❌'} {x:.2f}×"
-
-
-def report(R: dict) -> str:
-    m, args, bw = R["machine"], R["args"], R.get("bandwidth")
-    loads = ", ".join(f"{k} {v:.2f}" for k, v in R["loads"])
-    lines = [
-        BEGIN,
-        "## Against llama.cpp",
-        "",
-        f"Written by `python benchmarks/versus_llamacpp.py{' --write' if args.get('write') else ''}"
-        f"{' --only ' + args['only'] if args.get('only') else ''}{' --quick' if args.get('quick') else ''}` on "
-        f"{R['date']}, in {R['elapsed_s'] / 60:.1f} min (llama.cpp's build not counted). llama.cpp: "
-        f"{R['llamacpp']['version']}, built by benchmarks/llamacpp.py (Release, GGML_NATIVE), the checkpoint "
-        "converted by its convert_hf_to_gguf.py into F32, then by llama-quantize into BF16 and Q8_0.",
-        "",
-        f"- machine: {m['cpu']}, {m['cores']} cores ({m.get('features', 'instruction set not recorded')}); {m['os']}; lmhead with its defaults (threads chosen by "
-        f"timing), llama.cpp with -t {R['threads']}",
-        f"- load average (1 min) at the start of each section: {loads} (on {m['cores']} cores). Before each "
-        f"measured process the run waited for idle CPUs (it waited {R['quiet']['waited_s']:.0f} s in all) and "
-        f"took a disturbed measurement again ({R['quiet']['repeated']} taken again, {R['quiet']['noisy']} kept "
-        "although disturbed)",
-        "- page cache: " + (f"{', '.join(R['dropped'])} dropped from it before the first section (each engine "
-                            "then reads its own file into it its own way, as after a reboot; engine/pages.py)"
-                            if R.get("dropped") else "as found (nothing dropped)"),
-    ]
-    if bw:
-        best = f"{bw['method']}, {bw['threads']} thread{'s' if bw['threads'] > 1 else ''}"
-        lines.append(
-            f"- read bandwidth (benchmarks/bandwidth.py, {bw['buffer_mb']:.0f} MB buffer, the fastest pass of each "
-            f"method at {bw['points']} point{'s' if bw['points'] > 1 else ''} of the run): **{bw['read_gbs']:.1f} GB/s** ({best}); 1 thread "
-            f"{bw['read_gbs_1']:.1f} GB/s ({bw['method_1']}). Every method: "
-            + ", ".join(f"{x['method']} ×{x['threads']} {x['gbs']:.1f}" for x in bw["methods"])
-            + ("" if bw["compiled"] else " (no C compiler: the compiled read was left out)"))
-    dec, busy = R.get("decode"), R.get("busy")
-    if dec:
-        lines += ["", "### Greedy decoding", "",
-                  f"{args['new_tokens']} new tokens: `lmhead greedy --json`'s steady rate (first new token to last, "
-                  f"after the {len(PROMPT.split())}-word prompt, end-of-text ignored) against `llama-bench -p 0 -n "
-                  f"{args['new_tokens']} -r 1 -t {R['threads']}` (tg{args['new_tokens']}: one timed run of "
-                  f"{args['new_tokens']} tokens after its one-token warm-up), fresh processes, alternating. "
-                  "Idle: the best of "
-                  f"{args['rounds']}; beside one busy process (`python -c 'while True: pass'`): the median of "
-                  f"{args['busy_rounds']} (a llama-bench run that had not ended after {BUSY_TIMEOUT_S} s counts "
-                  "as 0). The bound: the weight bytes one step reads ÷ the read bandwidth above; lmhead's bytes as "
-                  "benchmarks/probes.py weight-bytes counts them, llama.cpp's from the GGUF file (every tensor "
-                  "but position_embd; tied, token_embd is the head).",
-                  "",
-                  "| lmhead | llama.cpp | idle: lmhead | idle: llama.cpp | idle ratio | busy: lmhead | busy: "
-                  "llama.cpp | busy ratio | bytes / token (lmhead, llama.cpp) | lmhead, fraction of bound | "
-                  "llama.cpp, fraction of bound | all runs (tok/s): lmhead; llama.cpp |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for t, pair in dec.items():
-            dtype = llamacpp.LMHEAD_DTYPE[t]
-            ours = summary([r["tps"] for r in pair["lmhead"]], False)
-            theirs = summary([r["tps"] for r in pair["llama"]], False)
-            b = busy.get(t) if busy else None
-            b_ours = summary([r["tps"] for r in b["lmhead"]], True) if b else None
-            b_theirs = summary([r["tps"] for r in b["llama"]], True) if b else None
-            nb_ours, nb_theirs = R["bytes"]["lmhead"].get(dtype), R["bytes"]["llama"][t]["bytes"]
-            def frac(tps, nb):
-                return fmt(tps * nb / (bw["read_gbs"] * 1e9), ".2f") if bw and tps and nb else "n/a"
-
-            runs = "; ".join(", ".join(fmt(r["tps"]) for r in pair[k]) for k in ("lmhead", "llama"))
-            lines.append(f"| {dtype} | {t} | {fmt(ours)} | {fmt(theirs)} | {ratio_cell(ours, theirs)} | "
-                         f"{fmt(b_ours)} | {fmt(b_theirs)} | {ratio_cell(b_ours, b_theirs) if b else 'n/a'} | "
-                         f"{nb_ours / 1e6:.0f} MB, {nb_theirs / 1e6:.0f} MB | {frac(ours, nb_ours)} | "
-                         f"{frac(theirs, nb_theirs)} | {runs} |")
-        failed = [(t, r["error"]) for src in (dec, busy or {}) for t, p in src.items() for r in p["llama"]
-                  if r.get("error")]
-        if failed:
-            lines += ["", f"llama-bench runs that failed or ran past {BUSY_TIMEOUT_S} s: "
-                      + "; ".join(f"{t}: {e}" for t, e in failed)]
-        if bw:
-            top = max(((t, summary([r["tps"] for r in p["llama"]], False) or 0) for t, p in dec.items()),
-                      key=lambda x: x[1] * R["bytes"]["llama"][x[0]]["bytes"])
-            achieved = top[1] * R["bytes"]["llama"][top[0]]["bytes"] / 1e9
-            lines += ["", f"Check of the bound: llama.cpp's fastest achieved read rate here is {achieved:.1f} GB/s "
-                      f"({top[0]}: {top[1]:.1f} tok/s × {R['bytes']['llama'][top[0]]['bytes'] / 1e6:.0f} MB), "
-                      + (f"{achieved / bw['read_gbs']:.2f} of the measured {bw['read_gbs']:.1f} GB/s: ✅ the "
-                         "probe reads at least as fast as llama.cpp does." if achieved <= bw["read_gbs"] else
-                         f"above the measured {bw['read_gbs']:.1f} GB/s: ❌ the probe did not reach the machine's "
-                         "limit in this run (or llama.cpp's step hits the cache), so every fraction above is too "
-                         "high.")]
-    sc = R.get("score")
-    if sc:
-        best = lambda xs, k: min(x[k] for x in xs)  # noqa: E731 - idle: the fastest run
-        ours, theirs = sc["lmhead"], sc["llama"]
-        o, t = ours[0], theirs[0]
-        o_s, t_s = best(ours, "s"), best(theirs, "s")
-        lines += ["", "### Scoring: `lmhead score` against `llama-perplexity`", "",
-                  f"The same {sc['tokens']:,}-token English-like text (benchmarks/score_bench.py make_text), float32 / "
-                  f"F32. lmhead: `Model.score(text)` timed in a fresh process after loading and one short warm-up "
-                  f"(windows of {o['window']} every {o['stride']} tokens: each token scored once). llama.cpp: "
-                  f"`llama-perplexity -c 1024 -b 1024 -t {R['threads']}`, timed by its own log's clock from the "
-                  "first chunk to the final estimate (chunks of 1,024, the second half of each scored). Fastest of "
-                  f"{len(ours)} runs each, alternating. Both run every 1,024-token window through the whole "
-                  "model; lmhead's overlapping windows score every token, llama-perplexity's half of them, so "
-                  "both rates are given. Check: the perplexity of the tokens llama-perplexity scores, from "
-                  "lmhead's own log-probs of the same positions.",
-                  "",
-                  "| | lmhead score | llama-perplexity | ratio |",
-                  "|---|---:|---:|---:|",
-                  f"| seconds (own timing; process wall) | {o_s:.2f} s ({best(ours, 'wall_s'):.1f} s) | {t_s:.2f} s "
-                  f"({best(theirs, 'wall_s'):.1f} s) | |",
-                  f"| tokens scored | {o['scored']:,} | {t['scored']:,} | |",
-                  f"| scored tokens/s | {o['scored'] / o_s:.0f} | {t['scored'] / t_s:.0f} | "
-                  f"{ratio_cell(o['scored'] / o_s, t['scored'] / t_s)} |",
-                  f"| positions through the model | {o['forwarded']:,} | {t['forwarded']:,} | |",
-                  f"| positions/s | {o['forwarded'] / o_s:.0f} | {t['forwarded'] / t_s:.0f} | "
-                  f"{ratio_cell(o['forwarded'] / o_s, t['forwarded'] / t_s)} |",
-                  f"| perplexity of the second halves ({o['halves']:,} tokens) | {o['halves_ppl']:,.2f} | "
-                  f"{t['ppl']:,.2f} | {o['halves_ppl'] / t['ppl']:.4f} |"]
-    sv = R.get("serve")
-    if sv:
-        lines += ["", "### Serving: `lmhead serve` against `llama-server`", "",
-                  f"Greedy completions of {args['serve_tokens']} tokens (`/v1/completions`, temperature 0) for "
-                  "12-word prompts, from 1, 4 and 16 client threads at once (each its own connection, its "
-                  "requests one after the other); completion tokens as each server's usage counts them, per "
-                  "second of wall time, all clients together, after one warm-up request. `lmhead serve --dtype "
-                  f"float32` with its defaults; `llama-server -np 16 -c 4096 -t {R['threads']}` (F32; continuous "
-                  "batching on, its default). One server at a time.",
-                  "",
-                  "| clients | requests | lmhead serve | llama-server | ratio | lmhead vs its 1 client | "
-                  "llama-server vs its 1 client |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
-        for a, b in zip(sv["lmhead"], sv["llama"]):
-            lines.append(f"| {a['clients']} | {a['requests']} | {a['tps']:.1f} tok/s | {b['tps']:.1f} tok/s | "
-                         f"{ratio_cell(a['tps'], b['tps'])} | {a['tps'] / sv['lmhead'][0]['tps']:.2f}× | "
-                         f"{b['tps'] / sv['llama'][0]['tps']:.2f}× |")
-        ft = sv.get("first_token")
-        if ft:  # kept figures from before it was measured have none
-            o, t = ft["lmhead"], ft["llama"]
-            lines += ["", f"A lone request's first token (a streamed 12-word prompt new to the server, 8 tokens, "
-                      f"temperature 0, a new connection each; {o['n']} after the warm-up, before the clients): lmhead serve "
-                      f"{o['best_s'] * 1e3:.1f} ms best ({o['median_s'] * 1e3:.1f} median), llama-server "
-                      f"{t['best_s'] * 1e3:.1f} ms best ({t['median_s'] * 1e3:.1f} median); llama-server's best over "
-                      f"lmhead's: {ratio_cell(t['best_s'], o['best_s'])}."]
-    lines += ["", f"Targets: lmhead ≥ {TARGET:.1f}× llama.cpp in every row (decode idle and busy, score, serve at "
-              "16 clients, and a lone request's first token: llama-server's time over lmhead's); ❌ marks a "
-              "shortfall.", END]
-    return "\n".join(lines) + "\n"
-
-
-def section_in(text: str, begin: str = BEGIN, end: str = END) -> str | None:
-    """The section between `begin` and `end` (the llama.cpp one by default) held in a RESULTS.md text,
-    markers included; None if it holds none."""
-    if begin not in text or end not in text:
-        return None
-    return begin + text.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
-
-
-def splice(results_md: Path, section: str, begin: str = BEGIN, end: str = END) -> None:
-    """Put the section into RESULTS.md in place of the previous one between the same markers (or at the end)."""
-    text = results_md.read_text(encoding="utf-8") if results_md.is_file() else ""
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    results_md.write_text(text, encoding="utf-8")
-
-
 # ---- the run ------------------------------------------------------------------------------------
 
 def machine() -> dict:
@@ -611,13 +429,17 @@ def keep(R: dict, args, began: float) -> int:
 
 
 def emit(R: dict, args) -> int:
-    parts = ([(report(R), BEGIN, END)] if "bytes" in R else []) + (
+    """The run's sections, printed and written (into RESULTS.md with --write, else beside the kept
+    figures). The GPT-2 section keeps the parts this run did not measure from the one in RESULTS.md."""
+    results = HERE / "RESULTS.md"
+    previous = section_in(results.read_text(encoding="utf-8")) if results.is_file() else None
+    parts = ([(report(R, previous), BEGIN, END)] if "bytes" in R else []) + (
         [(llama_bench.report(R), llama_bench.BEGIN, llama_bench.END)] if "llama" in R else [])
     text = "\n".join(p for p, _, _ in parts)
     print(text)
     if args.write:
         for part, begin, end in parts:
-            splice(HERE / "RESULTS.md", part, begin, end)
+            splice(results, part, begin, end)
         log("written into benchmarks/RESULTS.md")
     else:
         out = HERE / ".cache" / "RESULTS-llamacpp.md"

@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 import bandwidth  # noqa: E402
 import llamacpp  # noqa: E402
 import versus_llamacpp  # noqa: E402
+import versus_llamacpp_report  # noqa: E402
 
 
 # ---- the compiled streaming read ---------------------------------------------------------------
@@ -180,9 +181,9 @@ def test_score_probe_perplexity_of_the_second_halves_matches_transformers(tmp_pa
 # ---- the report ----------------------------------------------------------------------------------
 
 def test_summary_is_the_best_idle_and_the_median_busy_with_a_failed_run_as_zero():
-    assert versus_llamacpp.summary([10.0, 30.0, 20.0], busy=False) == 30.0
-    assert versus_llamacpp.summary([10.0, None, 20.0], busy=True) == 10.0
-    assert versus_llamacpp.summary([], busy=True) is None
+    assert versus_llamacpp_report.summary([10.0, 30.0, 20.0], busy=False) == 30.0
+    assert versus_llamacpp_report.summary([10.0, None, 20.0], busy=True) == 10.0
+    assert versus_llamacpp_report.summary([], busy=True) is None
 
 
 def _figures() -> dict:
@@ -246,6 +247,84 @@ def test_splice_replaces_the_section_and_keeps_the_rest(tmp_path):
     assert text.endswith("\nafter\n")
     kept = versus_llamacpp.section_in(text)  # what benchmarks/run.py --write carries into its new report
     assert kept == versus_llamacpp.report(R) and versus_llamacpp.section_in("# no section\n") is None
+
+
+
+def _score_figures() -> dict:
+    ours = {"s": 12.0, "wall_s": 14.0, "tokens": 4096, "scored": 4095, "window": 1024, "stride": 512,
+            "forwarded": 7168, "halves": 2044, "halves_ppl": 600.0}
+    return {"tokens": 4096, "lmhead": [ours], "llama": [{"s": 8.0, "wall_s": 9.0, "forwarded": 4096, "chunks": 4,
+                                                         "scored": 2044, "ppl": 600.5}]}
+
+
+def _part(section: str, heading: str) -> str:
+    """One subsection of a written section: from its heading to the next heading or the targets."""
+    return section.split(heading, 1)[1].split("\n### ", 1)[0].split("\nTargets: ", 1)[0]
+
+
+def test_a_write_of_some_parts_keeps_the_others_from_the_section_in_results_md(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(versus_llamacpp, "HERE", tmp_path)  # its RESULTS.md and .cache
+    md = tmp_path / "RESULTS.md"
+    full = {**_figures(), "score": _score_figures()}  # a whole run, 2026-12-02 17:00
+    md.write_text("# results\n\nbefore\n\n" + versus_llamacpp.report(full) + "\nafter\n", encoding="utf-8")
+    old = versus_llamacpp.section_in(md.read_text())
+    first = "`python benchmarks/versus_llamacpp.py --write` on 2026-12-02 17:00 UTC"
+
+    decode = _figures()  # --only decode on 2026-12-03: idle decoding measured again, nothing else
+    del decode["busy"], decode["serve"]
+    decode["date"], decode["args"]["only"] = "2026-12-03 09:00 UTC", "decode"
+    decode["decode"]["F32"]["lmhead"] = [{"tps": 50.0}, {"tps": 45.0}]
+    versus_llamacpp.emit(decode, argparse.Namespace(write=True))
+    text = md.read_text(encoding="utf-8")
+    assert text.startswith("# results\n\nbefore\n\n") and text.endswith("\nafter\n")
+    section = versus_llamacpp.section_in(text)
+    assert section.count(versus_llamacpp.BEGIN) == 1
+    assert "`python benchmarks/versus_llamacpp.py --write --only decode` on 2026-12-03 09:00 UTC" in section
+    f32 = next(line for line in section.splitlines() if line.startswith("| float32 | F32 |"))
+    cells = [c.strip() for c in f32.strip("|").split("|")]
+    # idle from this run (best of 50, 45 against 80); busy kept from the first (median 30 against 20)
+    assert cells[2:8] == ["50.0", "80.0", f"❌ {50 / 80:.2f}×", "30.0", "20.0", f"✅ {30 / 20:.2f}×"]
+    greedy = _part(section, "### Greedy decoding")
+    assert f"The busy columns are kept from an earlier run (this run did not measure them): {first}" in greedy
+    for heading in ("### Scoring", "### Serving"):  # not run: kept whole, figures and all, and said so
+        kept = _part(section, heading)
+        assert f"Kept from an earlier run (this run did not measure it): {first}" in kept
+        body = _part(old, heading)
+        assert all(line in kept for line in body.splitlines() if line)
+    for figure in ("| scored tokens/s | 341 | 256 |", "| 16 | 4 | 120.0 tok/s | 100.0 tok/s |",
+                   "lmhead serve 20.0 ms best (25.0 median)"):
+        assert figure in section  # what the README quotes stays in RESULTS.md
+    assert ("This run measured greedy decoding idle; greedy decoding's busy columns, scoring and serving are kept "
+            "from earlier runs") in section.split("###", 1)[0]
+
+    score = {**_figures(), "score": _score_figures()}  # --only score on 2026-12-04: decode is kept in turn
+    for k in ("decode", "busy", "serve"):
+        del score[k]
+    score["date"], score["args"]["only"] = "2026-12-04 10:00 UTC", "score"
+    versus_llamacpp.emit(score, argparse.Namespace(write=True))
+    section = versus_llamacpp.section_in(md.read_text(encoding="utf-8"))
+    greedy = _part(section, "### Greedy decoding")
+    assert ("Kept from an earlier run (this run did not measure it): `python benchmarks/versus_llamacpp.py "
+            "--write --only decode` on 2026-12-03 09:00 UTC") in greedy
+    assert f"The busy columns are kept from an earlier run (this run did not measure them): {first}" in greedy
+    assert "| float32 | F32 | 50.0 | 80.0 |" in greedy
+    serving = _part(section, "### Serving")  # kept twice: still the first run's, said once
+    assert serving.count("Kept from an earlier run") == 1 and first in serving
+    assert "Kept from" not in _part(section, "### Scoring") and "2026-12-04 10:00 UTC" in section
+
+    busy = _figures()  # --only busy on 2026-12-05: the idle columns and the check of the bound are kept
+    del busy["decode"], busy["serve"]
+    busy["date"], busy["args"]["only"] = "2026-12-05 11:00 UTC", "busy"
+    busy["busy"]["F32"]["lmhead"] = [{"tps": 36.0}, {"tps": 35.0}, {"tps": 34.0}]
+    versus_llamacpp.emit(busy, argparse.Namespace(write=True))
+    greedy = _part(versus_llamacpp.section_in(md.read_text(encoding="utf-8")), "### Greedy decoding")
+    assert "Kept from an earlier run" not in greedy  # measured in part by this run
+    assert f"| float32 | F32 | 50.0 | 80.0 | ❌ {50 / 80:.2f}× | 35.0 | 20.0 | ✅ {35 / 20:.2f}× |" in greedy
+    assert ("The idle columns and the check of the bound are kept from an earlier run (this run did not measure "
+            "them): `python benchmarks/versus_llamacpp.py --write --only decode` on 2026-12-03 09:00 UTC") in greedy
+    assert "Check of the bound: llama.cpp's fastest achieved read rate here is 39.6 GB/s" in greedy
 
 
 def test_llama_score_reads_llama_perplexitys_own_clock(monkeypatch):
