@@ -76,7 +76,7 @@ def test_each_type_s_product_is_the_dequantised_matrix_times_the_rows(build, qty
 
     t = GGMLQuantizationType[qtype]
     cols = 512 if qtype in ("Q4_K", "Q6_K") else 96 * 4  # whole blocks; rows not a multiple of any width
-    for N, M in ((37, 1), (19, 3), (53, kernels.GGUF_MAX_ROWS)):
+    for N, M in ((37, 1), (19, 3), (53, kernels.GGUF_MAX_ROWS), (45, 51)):  # 51: a prompt's rows, 4 tiles of 16 (the last of 3)
         raw = blocks(qtype, N, cols, seed=N)
         w = dequantize(raw, t).astype(np.float64)  # (N, cols)
         rng = np.random.default_rng(M)
@@ -96,16 +96,21 @@ def test_each_type_s_product_is_the_dequantised_matrix_times_the_rows(build, qty
         got = build.gguf_times(int(t), torch.from_numpy(x), torch.from_numpy(raw), bias, rounded=False)
         got = got.double().numpy() - bias.double().numpy()
         assert np.all(np.abs(got - exact) <= 2e-6 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30), qtype
-        for rounded_x in (True, False):  # each row alone: the same bits as in the batch (one order of sums)
+        for rounded_x in (True, False):  # one order of sums for a row of x, whoever it comes with:
             xs, raws = torch.from_numpy(x), torch.from_numpy(raw)
             batch = build.gguf_times(int(t), xs, raws, bias, rounded=rounded_x)
-            alone = torch.cat([build.gguf_times(int(t), xs[m:m + 1], raws, bias, rounded=rounded_x) for m in range(M)])
+            if M <= kernels.GGUF_MAX_ROWS:  # a step's rows: each alone gives the bits it gives in the batch
+                alone = torch.cat([build.gguf_times(int(t), xs[m:m + 1], raws, bias, rounded=rounded_x)
+                                   for m in range(M)])
+            else:  # a prompt's (whose K-quants may take another order of float sums): any other prompt's
+                alone = torch.cat([build.gguf_times(int(t), xs[a:a + 17], raws, bias, rounded=rounded_x)
+                                   for a in range(0, M, 17)])
             assert torch.equal(batch, alone), (qtype, rounded_x)
 
 
 def test_the_product_refuses_what_it_does_not_take(build):
     """Rows of x not finite (when rounded), a type without a product, K not whole blocks, rows of W whose
-    bytes are not K's blocks of the type (the C side checks them against its own block), too many rows."""
+    bytes are not K's blocks of the type (the C side checks them against its own block), no rows."""
     from gguf.constants import GGMLQuantizationType
 
     raw = torch.from_numpy(blocks("Q4_K", 4, 256, seed=0))
@@ -123,15 +128,17 @@ def test_the_product_refuses_what_it_does_not_take(build):
     assert build.gguf_times(int(GGMLQuantizationType.Q4_K), x, short, None) is None
     assert build.gguf_times(int(GGMLQuantizationType.Q6_K), x, raw, None) is None  # Q4_K's rows read as Q6_K's
     assert build.q8_0_times(x, raw, None) is None  # nor as Q8_0's
-    many = torch.zeros(kernels.GGUF_MAX_ROWS + 1, 256)
-    assert build.gguf_times(int(GGMLQuantizationType.Q4_K), many, raw, None) is None
+    assert build.gguf_times(int(GGMLQuantizationType.Q4_K), x[:0], raw, None) is None  # no rows
+    for name in ("Q5_K", "Q4_K"):  # dequantising: another type, rows a byte short
+        assert build.gguf_rows(int(GGMLQuantizationType[name]), short, 256) is None
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_quant_linear_takes_the_compiled_product_in_each_type_s_arithmetic(qtype, monkeypatch):
-    """QuantLinear runs the kernel KERNEL_ROWS rows a call, in the type's arithmetic (quant.ROUNDED: x
-    rounded for the 4-bit types, unrounded for Q8_0) or the one LMHEAD_GGUF_ARITHMETIC asks for; torch's
-    chunked product of the dequantised matrix where the kernels are off. All agree within the rounding."""
+    """QuantLinear runs the kernel in the type's arithmetic (quant.ROUNDED: x rounded for the 4-bit types,
+    unrounded for Q8_0) or the one LMHEAD_GGUF_ARITHMETIC asks for: rounded, one call for any number of
+    rows; unrounded, the kernel for up to KERNEL_ROWS rows and torch's
+    chunked product of the dequantised matrix for more (a prompt's). All agree within the rounding."""
     from gguf.constants import GGMLQuantizationType
 
     if K is None:
@@ -139,39 +146,51 @@ def test_quant_linear_takes_the_compiled_product_in_each_type_s_arithmetic(qtype
     t = GGMLQuantizationType[qtype]
     raw = blocks(qtype, 40, 512, seed=9)
     layer = quant.QuantLinear(quant.Blocks(torch.from_numpy(raw), t, 512), torch.randn(40))
-    x = torch.randn(3, 13, 512)  # 39 rows: three calls of at most 16
+    x = torch.randn(3, 13, 512)  # 39 rows: a prompt's, more than KERNEL_ROWS
     flat = x.view(39, 512)
+    step = flat[:quant.KERNEL_ROWS].contiguous()  # a decoding step's rows
 
-    def calls(rounded: bool) -> torch.Tensor:
-        if qtype == "Q8_0" and not rounded:
-            return torch.cat([K.q8_0_times(flat[a:a + 16].contiguous(), layer.weight.data, layer.bias)
-                              for a in range(0, 39, 16)])
-        return torch.cat([K.gguf_times(int(t), flat[a:a + 16].contiguous(), layer.weight.data, layer.bias, rounded)
-                          for a in range(0, 39, 16)])
+    def calls(rows: torch.Tensor, rounded: bool) -> torch.Tensor:  # the kernel: rounded, one call; else 16 rows a call
+        if rounded:
+            return K.gguf_times(int(t), rows.contiguous(), layer.weight.data, layer.bias, rounded)
+        if qtype == "Q8_0":
+            return torch.cat([K.q8_0_times(rows[a:a + 16].contiguous(), layer.weight.data, layer.bias)
+                              for a in range(0, rows.shape[0], 16)])
+        return torch.cat([K.gguf_times(int(t), rows[a:a + 16].contiguous(), layer.weight.data, layer.bias, False)
+                          for a in range(0, rows.shape[0], 16)])
+
+    def chunked(rows: torch.Tensor) -> torch.Tensor:  # torch's product, as where the kernels are off
+        with monkeypatch.context() as m:
+            m.setattr(quant, "KERNEL_ROWS", 0)
+            return layer(rows)
 
     default = layer(x).view(39, 40)
-    assert torch.equal(default, calls(qtype != "Q8_0")) and quant.rounded(int(t)) == (qtype != "Q8_0")
+    rounds = qtype != "Q8_0"
+    assert torch.equal(default, calls(flat, True) if rounds else chunked(flat)) and quant.rounded(int(t)) == rounds
+    assert torch.equal(layer(step), calls(step, rounds))
     monkeypatch.setenv(quant.ARITHMETIC, "exact")
     exact = layer(x).view(39, 40)
-    assert torch.equal(exact, calls(False)) and not quant.rounded(int(t))
+    assert torch.equal(exact, chunked(flat)) and torch.equal(layer(step), calls(step, False))
+    assert not quant.rounded(int(t))
     monkeypatch.setenv(quant.ARITHMETIC, "llama.cpp")
     rounded = layer(x).view(39, 40)
-    assert torch.equal(rounded, calls(True)) and quant.rounded(int(t))
-    monkeypatch.setattr(quant, "KERNEL_ROWS", 0)  # torch's chunked product of the dequantised matrix
-    want = layer(x).view(39, 40).double()
-    assert torch.allclose(exact.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert torch.equal(rounded, calls(flat, True)) and quant.rounded(int(t))
+    want = chunked(flat).double()
+    assert torch.allclose(calls(flat, False).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
     assert not torch.equal(rounded, exact)
     assert torch.allclose(rounded.double(), want, rtol=0, atol=0.05 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_avx512_rounding_of_x_gives_the_scalar_code_s_bits(qtype):
-    """The AVX-512 variants round x 16 values a step, the AVX2 one value by value; their dots are the same
-    code (ggml's AVX2), so the products must agree to the bit: ties of the largest magnitude with both
-    signs (Q8_K takes the first one's sign), an all-zero block, tiny and huge values."""
+    """The AVX-512 variants round x 16 values a step, the AVX2 one value by value; where their dots are the
+    same code (ggml's AVX2: every type's without VNNI, Q4_0's and Q8_0's with it) the products must agree
+    to the bit: ties of the largest magnitude with both signs (Q8_K takes the first one's sign), an
+    all-zero block, tiny and huge values. (With VNNI the K-quants' sums run in another order: the first
+    test holds them to the product of x rounded.)"""
     if K is None:
         pytest.skip(f"the compiled kernels did not load: {kernels.unavailable()}")
-    wide = [v for v in VARIANTS if v.startswith("avx512")]
+    wide = [v for v in VARIANTS if v.startswith("avx512") and (qtype in ("Q4_0", "Q8_0") or v == "avx512")]
     if "avx2" not in VARIANTS or not wide:
         pytest.skip("this CPU does not run both an AVX2 and an AVX-512 variant")
     from gguf.constants import GGMLQuantizationType

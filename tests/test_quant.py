@@ -10,6 +10,7 @@ with helpers.k_quantize (gguf-py dequantises these types but cannot quantise to 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch
 from helpers import PROMPT, _env, _tokenizer_files, agrees_with_oracle, cli, gguf_oracle, k_quant_blocks, write_gguf
 
 import lmhead_cli
-from lmhead_cli.engine import quant
+from lmhead_cli.engine import kernels, quant
 
 QTYPES = ("F32", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 KL_BOUND = {"F32": 1e-5, "Q8_0": 1e-5, "Q4_0": 1e-3, "Q4_K": 1e-3, "Q6_K": 1e-3}
@@ -63,7 +64,7 @@ def qwen2():
 # ---- the blocks ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
-def test_blocks_dequantise_as_gguf_quants_does(qtype):
+def test_blocks_dequantise_as_gguf_quants_does(qtype, monkeypatch):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -75,8 +76,13 @@ def test_blocks_dequantise_as_gguf_quants_does(qtype):
     want = torch.from_numpy(dequantize(raw, t))
     blocks = quant.Blocks(torch.from_numpy(raw.copy()), t, 512)
     assert blocks.shape == (6, 512) and blocks.kind == qtype
-    assert torch.equal(blocks.dequantise(), want)  # bit for bit: Q8_0 and Q4_0 are dequantised in torch
+    assert torch.equal(blocks.dequantise(), want)  # bit for bit, in the compiled kernels where built
     assert torch.equal(blocks.rows(torch.tensor([4, 0, 4])), want[[4, 0, 4]])
+    if kernels.load() is not None:  # each variant's own, and the fallback (torch for Q8_0 and Q4_0, else gguf's)
+        for v in kernels.variants(ctypes.CDLL(str(kernels.module_path()))):
+            assert torch.equal(kernels._open(kernels.module_path(), v).gguf_rows(int(t), blocks.data, 512), want), v
+        monkeypatch.setattr(kernels, "load", lambda: None)
+        assert torch.equal(blocks.dequantise(), want)
 
 
 def test_the_chunked_product_is_the_dequantised_matrix_s(monkeypatch):

@@ -23,6 +23,7 @@ KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the varian
     "lmhead_int8_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_q8_0_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_gguf_matvec": (_int, [_int, _int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
+    "lmhead_gguf_dequantise": (_int, [_int, _ptr, _i64, _ptr, _i64, _i64, _int]),
     "lmhead_bf16_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),
     "lmhead_f32_kn_matvec": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]),

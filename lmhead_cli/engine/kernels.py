@@ -138,13 +138,21 @@ class Kernels:
 
     def gguf_times(self, qtype: int, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
                    rounded: bool = True) -> torch.Tensor | None:
-        """The same for W held as GGUF blocks of `qtype` (Q4_0, Q8_0, Q4_K, Q6_K as GGML numbers them), M up to
-        GGUF_MAX_ROWS: `rounded`, llama.cpp's arithmetic (each row of x rounded to 8 bits per block, integer
-        dots), else x unrounded (float32 sums of the blocks' integers); None for what the kernel does not
-        take (another type, a row of x not finite when rounded)."""
-        if x.shape[0] > GGUF_MAX_ROWS:
-            return None
+        """The same for W held as GGUF blocks of `qtype` (Q4_0, Q8_0, Q4_K, Q6_K as GGML numbers them), any M
+        (GGUF_MAX_ROWS rows at a time): `rounded`, llama.cpp's arithmetic (each row of x rounded to 8 bits
+        per block, integer dots), else x unrounded (float32 sums of the blocks' integers); None for what the
+        kernel does not take (another type, a row of x not finite when rounded)."""
         return self._blocks(int(qtype), x, blocks, bias, rounded)
+
+    def gguf_rows(self, qtype: int, blocks: torch.Tensor, cols: int) -> torch.Tensor | None:
+        """Rows held as GGUF blocks of `qtype`, (n, bytes per row) uint8, dequantised: (n, cols) float32 with
+        gguf.quants.dequantize's bits; None for what the kernel does not take (another type or layout)."""
+        if not (blocks.dim() == 2 and blocks.dtype == torch.uint8 and blocks.is_cpu and blocks.is_contiguous()):
+            return None
+        out = torch.empty(blocks.shape[0], cols, dtype=torch.float32)
+        status = self.lib.lmhead_gguf_dequantise(int(qtype), blocks.data_ptr(), blocks.shape[1], out.data_ptr(),
+                                                 blocks.shape[0], cols, torch.get_num_threads())
+        return out if status == 0 else None
 
     def _blocks(self, qtype: int | None, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
                 rounded: bool = False) -> torch.Tensor | None:

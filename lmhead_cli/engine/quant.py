@@ -7,13 +7,15 @@ numbers them). The matrix is never dequantised whole on the hot path: `QuantLine
 chunk of rows at a time (at most CHUNK_VALUES float32 values dequantised at once, whatever the
 matrix's size), `QuantEmbedding` dequantises only the rows it looks up.
 
-Dequantisation is the gguf package's (gguf.quants.dequantize, llama.cpp's own numpy port of ggml's),
-except for Q8_0 and Q4_0, dequantised here in torch with the same arithmetic (d · q in float32: the same
-bits; tests/test_quant.py compares them).
+Dequantisation is the compiled kernels' for the types they take (lmhead_gguf_dequantise: ggml's
+dequantize_row_* operation for operation, about 0.25 ms less a Llama token's embedding row than numpy);
+where they are not built, the gguf package's (gguf.quants.dequantize, llama.cpp's own numpy port of
+ggml's), Q8_0 and Q4_0 here in torch with the same arithmetic (d · q in float32). All give the same bits
+(tests/test_quant.py compares them).
 
 Q8_0, Q4_0, Q4_K and Q6_K are multiplied by compiled products over the blocks (csrc/quants.c, their
-layouts declared once in csrc/kernels.h and mirrored below), KERNEL_ROWS rows of x a call, in one of two
-arithmetics per type (ROUNDED, or LMHEAD_GGUF_ARITHMETIC=exact / =llama.cpp for every type):
+layouts declared once in csrc/kernels.h and mirrored below), in one of two arithmetics per type (ROUNDED,
+or LMHEAD_GGUF_ARITHMETIC=exact / =llama.cpp for every type):
 - x unrounded (Q8_0's by default): each block's integers summed against x in float32, then scaled: the
   dequantised matrix's product to float32 rounding, so the figures are transformers' on the file's
   dequantised weights (top 5 equal, KL <= 1e-5 at every position, tests/test_quant.py).
@@ -77,8 +79,11 @@ STRUCTURES = {"lmhead_block_q8_0": BlockQ8_0, "lmhead_block_q4_0": BlockQ4_0, "l
 COMPILED = {Q4_0: (QK8_0, BlockQ4_0), Q8_0: (QK8_0, BlockQ8_0), Q4_K: (QK_K, BlockQ4_K), Q6_K: (QK_K, BlockQ6_K)}
 Q8_0_VALUES, Q8_0_BYTES = QK8_0, ctypes.sizeof(BlockQ8_0)
 
-# The most rows of x a compiled product takes in one call (a decoding step's few); more rows (a prompt's)
-# run it KERNEL_ROWS at a time, still far faster than dequantising the matrix (tests/test_gguf_kernels.py)
+# The most rows of x (a decoding step's few) that a product with x unrounded gives the compiled kernel; more
+# (a prompt's) go to torch's matrix product over W dequantised a chunk at a time, the same float32 product
+# summed in another order, and faster: a TinyLlama-shaped Q8_0 file read a 512-token prompt at 78 tok/s
+# that way against 38.6 in the kernel (one process, this AVX-512 host). Rounded x stays in the kernel at
+# any number of rows (integer dots, each super-block unpacked once for 16 rows of x).
 KERNEL_ROWS = GGUF_MAX_ROWS
 # The arithmetic, per type: True, llama.cpp's (each row of x rounded to 8 bits per block, integer dots:
 # fast); False, x unrounded (float32 sums of the blocks' integers: the dequantised matrix's product).
@@ -178,6 +183,10 @@ class Blocks:
 
 def dequantise(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """Blocks (n, bytes per row) uint8 -> (n, cols) float32, as gguf.quants.dequantize computes them."""
+    fast = kernels.load() if qtype in COMPILED else None
+    got = fast.gguf_rows(qtype, data.contiguous(), cols) if fast is not None else None
+    if got is not None:
+        return got
     n = data.shape[0]
     if qtype == 8:  # Q8_0: 32 values a block: d (float16), 32 int8 q; x = d·q
         b = data.reshape(n, -1, Q8_0_BYTES)
@@ -221,10 +230,10 @@ class QuantLinear(nn.Module):
         return out.view(*x.shape[:-1], -1).to(x.dtype)
 
     def _compiled(self, x2: torch.Tensor) -> torch.Tensor | None:
-        """x2 (M, in) times the blocks in the compiled kernels, KERNEL_ROWS rows a call: (M, out) float32, in
-        the type's arithmetic (`rounded`); None where they do not take it (not built, another type or
-        layout, a row of x not finite where x is rounded). Called ~150 times a Llama's decoding step: the
-        layout is checked once per weight."""
+        """x2 (M, in) times the blocks in the compiled kernels: (M, out) float32, in the type's arithmetic
+        (`rounded`); None where they do not take it (not built, another type or layout, a row of x not
+        finite where x is rounded, more than KERNEL_ROWS rows with x unrounded). Called ~150 times a
+        Llama's decoding step: the layout is checked once per weight."""
         w = self.weight
         if self._checked is not w:  # the blocks' layout, once (a weight swapped in is checked again)
             self._takes, self._checked = w.compiled(), w
@@ -233,15 +242,10 @@ class QuantLinear(nn.Module):
         fast = kernels.load()
         if fast is None:
             return None
-        round_x = rounded(w.qtype)  # read once a call, not once a chunk of rows
-        parts = []
-        for a in range(0, x2.shape[0], KERNEL_ROWS):
-            x = x2[a:a + KERNEL_ROWS].contiguous() if x2.shape[0] > KERNEL_ROWS else x2.contiguous()
-            y = fast.gguf_times(w.qtype, x, w.data, self.bias, rounded=round_x)
-            if y is None:
-                return None
-            parts.append(y)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        round_x = rounded(w.qtype)
+        if not round_x and x2.shape[0] > KERNEL_ROWS:
+            return None  # a prompt's rows, unrounded: torch's matrix product is faster (KERNEL_ROWS)
+        return fast.gguf_times(w.qtype, x2.contiguous(), w.data, self.bias, rounded=round_x)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.weight.kind}"

@@ -12,10 +12,10 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 19 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 20 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
-#define LMHEAD_GGUF_MAX_ROWS 16 /* the most rows of x lmhead_gguf_matvec takes (a decoding step's) */
+#define LMHEAD_GGUF_MAX_ROWS 16 /* the rows of x lmhead_gguf_matvec takes together (a decoding step's; more in tiles of this) */
 #define LMHEAD_STEP_MAX_ROWS 16 /* the most rows × positions of a compiled step (lmhead_step), rows of lmhead_f32_kn_matvec */
 
 /* x86-64 with GCC: a variant per instruction-set level (variant_*.c), best first; elsewhere (another
@@ -141,12 +141,17 @@ int LMHEAD_VARIANT(lmhead_int8_matvec)(const int8_t *q, const float *s, const fl
                                        int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_q8_0_matvec)(const lmhead_block_q8_0 *w, const float *x, const float *bias, float *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
-/* y = W·x (+ bias) for W (N, K) held as GGUF blocks of `type` (LMHEAD_TYPE_*), x (M, K) float32, M up to
-   LMHEAD_GGUF_MAX_ROWS, W's rows `row_bytes` apart (checked against K and the type's block); x `rounded`
-   per block to 8 bits (llama.cpp's arithmetic) or not (float32 sums): 0 done, 1 a row of x not finite
-   when rounded (nothing written), -1 no memory, -2 a type or shape it does not take. */
+/* y = W·x (+ bias) for W (N, K) held as GGUF blocks of `type` (LMHEAD_TYPE_*), x (M, K) float32, any M (a
+   step's few rows, or a prompt's, taken LMHEAD_GGUF_MAX_ROWS at a time), W's rows `row_bytes` apart (checked
+   against K and the type's block); x `rounded` per block to 8 bits (llama.cpp's arithmetic) or not (float32
+   sums): 0 done, 1 a row of x not finite when rounded (nothing written), -1 no memory, -2 a type or shape it
+   does not take. */
 int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int64_t row_bytes, const float *x,
                                        const float *bias, float *y, int64_t N, int64_t K, int64_t M, int threads);
+/* out (rows, K) float32: W's rows as GGUF blocks of `type` dequantised, the bits of ggml's dequantize_row_*:
+   0 done, -2 a type or shape it does not take. */
+int LMHEAD_VARIANT(lmhead_gguf_dequantise)(int type, const void *w, int64_t row_bytes, float *out, int64_t rows,
+                                           int64_t K, int threads);
 int LMHEAD_VARIANT(lmhead_bf16_matvec)(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                                        int64_t N, int64_t K, int64_t M, int threads);
 int LMHEAD_VARIANT(lmhead_f32_matvec)(const float *w, const float *x, const float *bias, float *y, int64_t N,

@@ -192,6 +192,16 @@ static int act_q8_K(const float *x, int64_t K, lmhead_block_q8_K *a) {
 
 /* ---- the dots: one row of W (nb blocks) against one row of rounded x ------------------------------- */
 
+/* With AVX-512 VNNI a prompt's rows of x take kq_row below for the K-quants (a super-block unpacked once
+   for 16 rows of x); a step's few rows, and every row elsewhere, dot_q4_K and dot_q6_K, one row of x at
+   a time (at one row, kq_row's 512-bit unpacking cost a cold 5,632 × 2,048 Q4_K product 259-279 µs
+   against 222-234, measured alternately in one process). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KQ_VNNI 1
+#else
+#define KQ_VNNI 0
+#endif
+
 #if defined(__AVX2__)
 static inline __m256 mul_sum_us8_pairs_float(const __m256i ax, const __m256i sy) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -398,6 +408,118 @@ static float dot_q6_K(const void *vw, const void *va, int64_t nb) {
 #endif
 }
 
+/* ---- K-quants with AVX-512 VNNI: a row's super-block unpacked once for every row of x ------------- */
+
+#if KQ_VNNI
+/* The 16-bit scale lanes that _mm512_packs_epi32 of two dpbusd sums meets: a 128-bit lane L of the pack
+   holds 4 sums of the first operand's lanes 4L..4L+3, then 4 of the second's. Q4_K: a sum's lanes 0-7
+   are sub-block 2j's, 8-15 sub-block 2j + 1's (the low nibbles, then the high); Q6_K: lanes 4i..4i+3
+   are sub-block 4k + i's. Indices into the scales widened to 16 bits. */
+#define KQ_LANE(p, first, second) ((p) % 8 < 4 ? (first) : (second))
+#define KQ_PICK32(P, j) P(0, j), P(1, j), P(2, j), P(3, j), P(4, j), P(5, j), P(6, j), P(7, j), P(8, j), P(9, j),  \
+                        P(10, j), P(11, j), P(12, j), P(13, j), P(14, j), P(15, j), P(16, j), P(17, j), P(18, j), \
+                        P(19, j), P(20, j), P(21, j), P(22, j), P(23, j), P(24, j), P(25, j), P(26, j), P(27, j), \
+                        P(28, j), P(29, j), P(30, j), P(31, j)
+#define Q4P(p, j) KQ_LANE(p, 2 * (j) + (p) / 16, 2 * (j) + 2 + (p) / 16)
+#define Q6P(p, k) KQ_LANE(p, 4 * (k) + (p) / 8, 4 * (k) + 4 + (p) / 8)
+static const int16_t q4_K_pick[2][32] = {{KQ_PICK32(Q4P, 0)}, {KQ_PICK32(Q4P, 2)}};
+static const int16_t q6_K_pick[2][32] = {{KQ_PICK32(Q6P, 0)}, {KQ_PICK32(Q6P, 2)}};
+static const int16_t q4_K_mins_pick[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+
+/* One super-block of a row of W unpacked: its 256 values as 4 × 64 unsigned bytes in order, its scales in
+   the 16-bit lanes kq_sums takes them, Q4_K's dmin · m for each 16 of x (`mins`), Q6_K's scales for each
+   16 (`per16`), d. */
+typedef struct {
+    __m512i q[4], s01, s23;
+    __m256i per16;
+    __m512 mins;
+    float d;
+} kq_block;
+
+static inline __attribute__((always_inline)) void kq_unpack(const void *row, int64_t b, const int six, kq_block *u) {
+    if (six) {
+        const lmhead_block_q6_K *w = (const lmhead_block_q6_K *)row + b;
+        const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30), lo2 = _mm512_set1_epi8(0x03);
+        for (int n = 0; n < 2; n++) { /* values 128n + 0..63, then 128n + 64..127 */
+            const __m512i l = _mm512_loadu_si512(w->ql + 64 * n);
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(w->qh + 32 * n));
+            const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+            u->q[2 * n] = _mm512_or_si512(_mm512_and_si512(l, lo4), _mm512_slli_epi16(_mm512_and_si512(h2, lo2), 4));
+            u->q[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), lo4), _mm512_and_si512(h2, hi2));
+        }
+        u->per16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->scales));
+        u->s01 = _mm512_permutexvar_epi16(_mm512_loadu_si512(q6_K_pick[0]), _mm512_castsi256_si512(u->per16));
+        u->s23 = _mm512_permutexvar_epi16(_mm512_loadu_si512(q6_K_pick[1]), _mm512_castsi256_si512(u->per16));
+        u->mins = _mm512_setzero_ps();
+        u->d = f16_to_f32(w->d);
+    } else {
+        const lmhead_block_q4_K *w = (const lmhead_block_q4_K *)row + b;
+        const __m256i m4 = _mm256_set1_epi8(0xF);
+        uint32_t utmp[4];
+        q4_K_scales(w->scales, utmp);
+        for (int j = 0; j < 4; j++) { /* values 64j + 0..31 (low nibbles), then 64j + 32..63 (high) */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w->qs + 32 * j));
+            u->q[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                                         _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+        }
+        const __m256i sm = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0])); /* scales, mins */
+        u->s01 = _mm512_permutexvar_epi16(_mm512_loadu_si512(q4_K_pick[0]), _mm512_castsi256_si512(sm));
+        u->s23 = _mm512_permutexvar_epi16(_mm512_loadu_si512(q4_K_pick[1]), _mm512_castsi256_si512(sm));
+        const __m256i m16 = _mm256_permutexvar_epi16(_mm256_loadu_si256((const __m256i *)q4_K_mins_pick), sm);
+        u->mins = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(w->dmin)), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(m16)));
+        u->per16 = _mm256_setzero_si256();
+        u->d = f16_to_f32(w->d);
+    }
+}
+
+/* out[m · stride] = row · a_m (+ bias) for one row of W as Q4_K or (six) Q6_K blocks and mt ≤
+   LMHEAD_GGUF_MAX_ROWS rows of x rounded to Q8_K (`a`, nb blocks a row; `asum`, each block's d · bsums as
+   float32, K / 16 a row): each super-block unpacked once for the mt rows. Q4_K's mins, Σ_g dmin · m_g ·
+   d_a · Σ a over each 16, are one float32 product of 16 lanes per super-block, into the same sums; Q6_K's
+   q − 32 is taken off in integers. The float32 sums run in the same order whatever mt is, so a row of x
+   gets the same bits alone or among others (a decoding step's batch, a prompt's tiles). Two rows of W
+   sharing each row of x's loads were no faster (Q4_K 126-132 against 125-132 GMAC/s at M = 512, slower
+   at M = 4: measured alternately in one process on the AVX-512 EPYC host). */
+static inline __attribute__((always_inline)) void kq_row(const char *row, const lmhead_block_q8_K *a,
+                                                         const float *asum, int64_t nb, int64_t mt, float *out,
+                                                         int64_t stride, float bias, const int six) {
+    __m512 acc[LMHEAD_GGUF_MAX_ROWS];
+    for (int64_t m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i z = _mm512_setzero_si512();
+    for (int64_t b = 0; b < nb; b++) {
+        kq_block u;
+        kq_unpack(row, b, six, &u);
+        for (int64_t m = 0; m < mt; m++) {
+            const lmhead_block_q8_K *am = a + m * nb + b;
+            const __m512i d0 = _mm512_dpbusd_epi32(z, u.q[0], _mm512_loadu_si512(am->qs));
+            const __m512i d1 = _mm512_dpbusd_epi32(z, u.q[1], _mm512_loadu_si512(am->qs + 64));
+            const __m512i d2 = _mm512_dpbusd_epi32(z, u.q[2], _mm512_loadu_si512(am->qs + 128));
+            const __m512i d3 = _mm512_dpbusd_epi32(z, u.q[3], _mm512_loadu_si512(am->qs + 192));
+            /* each sum of 4 products is at most 4 · 63 · 127: exact in the 16 bits the pack leaves */
+            __m512i sumi = _mm512_add_epi32(_mm512_madd_epi16(_mm512_packs_epi32(d0, d1), u.s01),
+                                            _mm512_madd_epi16(_mm512_packs_epi32(d2, d3), u.s23));
+            if (six) { /* q − 32: 32 · Σ_j sc_j · Σ a over sub-block j taken off */
+                const __m256i per = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)am->bsums), u.per16);
+                sumi = _mm512_sub_epi32(sumi, _mm512_zextsi256_si512(_mm256_slli_epi32(per, 5)));
+            } else { /* the mins */
+                acc[m] = _mm512_fnmadd_ps(u.mins, _mm512_loadu_ps(asum + m * nb * 16 + b * 16), acc[m]);
+            }
+            acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(am->d * u.d), _mm512_cvtepi32_ps(sumi), acc[m]);
+        }
+    }
+    for (int64_t m = 0; m < mt; m++) out[m * stride] = _mm512_reduce_add_ps(acc[m]) + bias;
+}
+/* R rows of W, row_bytes apart, one at a time through kq_row. */
+#define KQ_ROWS(NAME, SIX)                                                                                \
+    static void NAME(const char *row, int64_t row_bytes, int64_t R, const void *a, const float *asum,      \
+                     int64_t nb, int64_t mt, float *out, int64_t stride, const float *bias) {             \
+        for (int64_t r = 0; r < R; r++)                                                                   \
+            kq_row(row + r * row_bytes, a, asum, nb, mt, out + r, stride, bias ? bias[r] : 0.0f, SIX);   \
+    }
+KQ_ROWS(q4_K_rows, 0)
+KQ_ROWS(q6_K_rows, 1)
+#endif
+
 /* ---- x unrounded: each block's small integers q widened to float32 -------------------------------- */
 
 /* One block of W as small integers q with a scale and an offset per sub-block of `sub` values:
@@ -503,6 +625,11 @@ static inline __attribute__((always_inline)) void float_row(
 
 /* ---- the product --------------------------------------------------------------------------------- */
 
+/* Rows of x taken together (a prompt's, in tiles of LMHEAD_GGUF_MAX_ROWS), and rows of W a thread takes
+   in turn for every tile: a tile's rounded x (at most 16 × 6.6 KB at K = 5,632) and the block of W's rows
+   (16 rows, at most 50 KB at K = 5,632 for Q4_K) stay in L2 while every pairing of them is summed. */
+#define GGUF_ROW_BLOCK 16
+
 #define FLOAT_ROWS(UNPACK, VALUES, SUB)                                                                   \
     _Pragma("omp parallel for num_threads(threads) schedule(guided, GGUF_PIECE)")                     \
     for (int64_t n = 0; n < N; n++) {                                                                     \
@@ -513,32 +640,69 @@ static inline __attribute__((always_inline)) void float_row(
         if (bias)                                                                                         \
             for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];                                      \
     }
-#define GGUF_ROWS(DOT)                                                                                    \
-    _Pragma("omp parallel for num_threads(threads) schedule(guided, GGUF_PIECE)")                     \
-    for (int64_t n = 0; n < N; n++) {                                                                     \
-        const char *row = W + n * nb * wbytes;                                                            \
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = DOT(row, act + m * nb * abytes, nb) + (bias ? bias[n] : 0.0f); \
+
+/* R rows of W (row_bytes apart) against mt rows of rounded x, each pairing alone through a type's dot. */
+#define DOT_ROWS(NAME, DOT, ABYTES)                                                                       \
+    static void NAME(const char *row, int64_t row_bytes, int64_t R, const void *a, const float *asum,      \
+                     int64_t nb, int64_t mt, float *out, int64_t stride, const float *bias) {             \
+        (void)asum;                                                                                       \
+        for (int64_t r = 0; r < R; r++)                                                                   \
+            for (int64_t m = 0; m < mt; m++)                                                              \
+                out[r + m * stride] = DOT(row + r * row_bytes, (const char *)a + m * nb * ABYTES, nb) + (bias ? bias[r] : 0.0f); \
     }
+DOT_ROWS(q4_0_dots, dot_q4_0, (int64_t)sizeof(lmhead_block_q8_0f))
+DOT_ROWS(q8_0_dots, dot_q8_0, (int64_t)sizeof(lmhead_block_q8_0f))
+DOT_ROWS(q4_K_dots, dot_q4_K, (int64_t)sizeof(lmhead_block_q8_K))
+DOT_ROWS(q6_K_dots, dot_q6_K, (int64_t)sizeof(lmhead_block_q8_K))
+#if !KQ_VNNI /* a prompt's rows through the same dots */
+#define q4_K_rows q4_K_dots
+#define q6_K_rows q6_K_dots
+#endif
+
+/* Every row of x rounded (`act`, nb blocks of abytes a row) against every row of W: blocks of
+   GGUF_ROW_BLOCK rows of W shared by the guided schedule (at least GGUF_PIECE rows a take), each block
+   against each tile of x in turn. ROWS is inlined, one loop per type. */
+#define GGUF_ROWS(ROWS)                                                                                   \
+    _Pragma("omp parallel for num_threads(threads) schedule(guided, GGUF_PIECE / GGUF_ROW_BLOCK)")    \
+    for (int64_t r0 = 0; r0 < N; r0 += GGUF_ROW_BLOCK)                                                    \
+        for (int64_t m0 = 0; m0 < M; m0 += LMHEAD_GGUF_MAX_ROWS)                                          \
+            ROWS(W + r0 * row_bytes, row_bytes, N - r0 < GGUF_ROW_BLOCK ? N - r0 : GGUF_ROW_BLOCK,          \
+                 act + m0 * nb * abytes, asum + m0 * (K / 16), nb,                                        \
+                 M - m0 < LMHEAD_GGUF_MAX_ROWS ? M - m0 : LMHEAD_GGUF_MAX_ROWS, y + m0 * N + r0, N,       \
+                 bias ? bias + r0 : NULL);
+
+/* The bytes of one block of `type`, and its values: 0 for a type these kernels do not take. */
+static int64_t block_bytes(int type, int *values) {
+    *values = type == LMHEAD_TYPE_Q4_K || type == LMHEAD_TYPE_Q6_K ? LMHEAD_QK_K : LMHEAD_QK8_0;
+    switch (type) {
+    case LMHEAD_TYPE_Q4_0: return sizeof(lmhead_block_q4_0);
+    case LMHEAD_TYPE_Q8_0: return sizeof(lmhead_block_q8_0);
+    case LMHEAD_TYPE_Q4_K: return sizeof(lmhead_block_q4_K);
+    case LMHEAD_TYPE_Q6_K: return sizeof(lmhead_block_q6_K);
+    default: return 0;
+    }
+}
 
 int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int64_t row_bytes, const float *x,
                                        const float *bias, float *y, int64_t N, int64_t K, int64_t M, int threads) {
-    int64_t wbytes; /* bytes per weight block */
-    int kquant = type == LMHEAD_TYPE_Q4_K || type == LMHEAD_TYPE_Q6_K, sub = LMHEAD_QK8_0;
-    switch (type) {
-    case LMHEAD_TYPE_Q4_0: wbytes = sizeof(lmhead_block_q4_0); break;
-    case LMHEAD_TYPE_Q8_0: wbytes = sizeof(lmhead_block_q8_0); break;
-    case LMHEAD_TYPE_Q4_K: wbytes = sizeof(lmhead_block_q4_K); break;
-    case LMHEAD_TYPE_Q6_K: wbytes = sizeof(lmhead_block_q6_K), sub = 16; break;
-    default: return -2;
-    }
-    const int values = kquant ? LMHEAD_QK_K : LMHEAD_QK8_0;
-    if (K <= 0 || K % values || M < 1 || M > LMHEAD_GGUF_MAX_ROWS || N < 0 || row_bytes != K / values * wbytes)
-        return -2;
+    int values;
+    const int64_t wbytes = block_bytes(type, &values); /* bytes per weight block */
+    const int kquant = values == LMHEAD_QK_K, sub = type == LMHEAD_TYPE_Q6_K ? 16 : LMHEAD_QK8_0;
+    if (!wbytes || K <= 0 || K % values || M < 1 || N < 0 || row_bytes != K / values * wbytes) return -2;
     const int64_t nb = K / values;
     const char *W = w;
     if (!rounded && type == LMHEAD_TYPE_Q8_0) /* Q8_0 unrounded: its one product, above */
         return LMHEAD_VARIANT(lmhead_q8_0_matvec)(w, x, bias, y, N, K, M, threads);
-    if (!rounded) { /* x unrounded: the sums of x per sub-block, then each row of W unpacked once for all M */
+    if (!rounded) { /* x unrounded: the sums of x per sub-block, then each row of W unpacked once for a tile of x */
+        if (M > LMHEAD_GGUF_MAX_ROWS) { /* tile by tile (y's rows N apart, whichever the tile) */
+            for (int64_t m0 = 0; m0 < M; m0 += LMHEAD_GGUF_MAX_ROWS) {
+                const int64_t mt = M - m0 < LMHEAD_GGUF_MAX_ROWS ? M - m0 : LMHEAD_GGUF_MAX_ROWS;
+                const int status = LMHEAD_VARIANT(lmhead_gguf_matvec)(type, 0, w, row_bytes, x + m0 * K, bias,
+                                                                      y + m0 * N, N, K, mt, threads);
+                if (status) return status;
+            }
+            return 0;
+        }
         float *xsum = malloc((size_t)(M * (K / sub)) * sizeof(float));
         if (!xsum) return -1;
         for (int64_t i = 0; i < M * (K / sub); i++) {
@@ -557,20 +721,83 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int
     const int64_t abytes = kquant ? (int64_t)sizeof(lmhead_block_q8_K) : (int64_t)sizeof(lmhead_block_q8_0f);
     char *act = malloc((size_t)(M * nb * abytes));
     if (!act) return -1;
+    float *asum = kquant ? malloc((size_t)(M * (K / 16)) * sizeof(float)) : NULL; /* d · bsums, per 16 of x */
+    if (kquant && !asum) {
+        free(act);
+        return -1;
+    }
     for (int64_t m = 0; m < M; m++) {
         int ok = kquant ? act_q8_K(x + m * K, K, (lmhead_block_q8_K *)(act + m * nb * abytes))
                         : act_q8_0(x + m * K, K, (lmhead_block_q8_0f *)(act + m * nb * abytes));
         if (!ok) {
-            free(act);
+            free(act), free(asum);
             return 1;
         }
+        for (int64_t b = 0; kquant && b < nb; b++) {
+            const lmhead_block_q8_K *ab = (const lmhead_block_q8_K *)(act + (m * nb + b) * abytes);
+            for (int g = 0; g < LMHEAD_QK_K / 16; g++) asum[m * (K / 16) + b * 16 + g] = ab->d * (float)ab->bsums[g];
+        }
     }
-    switch (type) { /* one loop per type, its dot inlined */
-    case LMHEAD_TYPE_Q4_0: GGUF_ROWS(dot_q4_0); break;
-    case LMHEAD_TYPE_Q8_0: GGUF_ROWS(dot_q8_0); break;
-    case LMHEAD_TYPE_Q4_K: GGUF_ROWS(dot_q4_K); break;
-    default: GGUF_ROWS(dot_q6_K); break;
+    /* one loop per type, its rows inlined; the K-quants' a prompt's rows (more than a step's) through
+       kq_row where it is built: the same integer sums, in float32 in another order */
+    const int prompt = M > LMHEAD_GGUF_MAX_ROWS;
+    switch (type) {
+    case LMHEAD_TYPE_Q4_0: GGUF_ROWS(q4_0_dots); break;
+    case LMHEAD_TYPE_Q8_0: GGUF_ROWS(q8_0_dots); break;
+    case LMHEAD_TYPE_Q4_K:
+        if (prompt) { GGUF_ROWS(q4_K_rows) } else { GGUF_ROWS(q4_K_dots) }
+        break;
+    default:
+        if (prompt) { GGUF_ROWS(q6_K_rows) } else { GGUF_ROWS(q6_K_dots) }
+        break;
     }
-    free(act);
+    free(act), free(asum);
+    return 0;
+}
+
+/* ---- dequantised rows ------------------------------------------------------------------------------ */
+
+/* out (rows, K) float32 = W's rows as GGUF blocks of `type`, each value as ggml's dequantize_row_* and
+   gguf-py's numpy port compute it (the same float32 operations in the same order: the same bits): Q8_0
+   d · q, Q4_0 d · (q − 8), Q4_K (d · sc) · q − (dmin · m), Q6_K (d · sc) · (q − 32). Rows in parallel
+   where there are many. 0 done, -2 a type or shape it does not take. */
+int LMHEAD_VARIANT(lmhead_gguf_dequantise)(int type, const void *w, int64_t row_bytes, float *out, int64_t rows,
+                                           int64_t K, int threads) {
+    int values;
+    const int64_t wbytes = block_bytes(type, &values);
+    if (!wbytes || K <= 0 || K % values || rows < 0 || row_bytes != K / values * wbytes) return -2;
+    const int64_t nb = K / values;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * K >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)w + r * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            float *o = out + r * K + b * values;
+            const char *blk = row + b * wbytes;
+            if (type == LMHEAD_TYPE_Q8_0 || type == LMHEAD_TYPE_Q4_0) {
+                int8_t q[LMHEAD_QK8_0];
+                float d;
+                if (type == LMHEAD_TYPE_Q8_0) {
+                    const lmhead_block_q8_0 *bl = (const lmhead_block_q8_0 *)blk;
+                    memcpy(q, bl->qs, sizeof q), d = f16_to_f32(bl->d);
+                } else {
+                    const lmhead_block_q4_0 *bl = (const lmhead_block_q4_0 *)blk;
+                    for (int j = 0; j < LMHEAD_QK8_0 / 2; j++)
+                        q[j] = (int8_t)((bl->qs[j] & 0xF) - 8), q[j + LMHEAD_QK8_0 / 2] = (int8_t)((bl->qs[j] >> 4) - 8);
+                    d = f16_to_f32(bl->d);
+                }
+                for (int i = 0; i < LMHEAD_QK8_0; i++) o[i] = d * (float)q[i];
+            } else if (type == LMHEAD_TYPE_Q4_K) {
+                int8_t q[LMHEAD_QK_K];
+                float scale[LMHEAD_QK_K / 16], min[LMHEAD_QK_K / 16];
+                unpack_q4_K(blk, q, scale, min); /* scale d · sc, min dmin · m, per 32 */
+                for (int i = 0; i < LMHEAD_QK_K; i++) o[i] = scale[i / 32] * (float)q[i] - min[i / 32];
+            } else {
+                int8_t q[LMHEAD_QK_K];
+                float scale[LMHEAD_QK_K / 16], min[LMHEAD_QK_K / 16];
+                unpack_q6_K(blk, q, scale, min); /* scale d · sc per 16, q 0..63 */
+                for (int i = 0; i < LMHEAD_QK_K; i++) o[i] = scale[i / 16] * (float)(q[i] - 32);
+            }
+        }
+    }
     return 0;
 }
