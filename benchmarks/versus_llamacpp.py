@@ -232,11 +232,28 @@ class Server:
         self.log.close()
 
 
-def serve_prompts(n: int) -> list[str]:
+def serve_prompts(n: int, start: int = 0) -> list[str]:
+    """Prompts start .. start + n - 1 of one sequence of 12-word prompts (distinct for the first
+    len(score_bench.WORDS): 158)."""
     import score_bench
 
     words = score_bench.WORDS
-    return [" ".join(words[(7 * i + 3 * k) % len(words)] for k in range(12)).capitalize() for i in range(n)]
+    return [" ".join(words[(7 * i + 3 * k) % len(words)] for k in range(12)).capitalize()
+            for i in range(start, start + n)]
+
+
+def throughput_prompts(per_client: dict[int, int]) -> dict[int, list[str]]:
+    """Each client count's prompts (clients × per_client[clients]), none sent before in the run: the
+    warm-up takes prompt 0, each count the next ones, the first-token probes FIRST_PROMPTS on.
+    llama-server keeps each slot's last prompt and reads only what follows a cached prefix, so a prompt
+    sent again would be read at one position's cost (lmhead keeps no prompt cache)."""
+    out, start = {}, 1
+    for clients in SERVE_CLIENTS:
+        out[clients] = serve_prompts(clients * per_client[clients], start)
+        start += len(out[clients])
+    if start > FIRST_PROMPTS:
+        raise ValueError(f"{start - 1} throughput prompts run into the first-token ones (from {FIRST_PROMPTS})")
+    return out
 
 
 def load_clients(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
@@ -312,8 +329,7 @@ def serve(folder: Path, gguf: Path, threads: int, max_tokens: int, per_client: d
             out.setdefault("first_token", {})[name] = first_tokens(server.url, firsts)
             log(f"  serve {name}, a lone request's first token: {out['first_token'][name]['best_s'] * 1e3:.1f} ms")
             out[name] = []
-            for clients in SERVE_CLIENTS:
-                prompts = serve_prompts(clients * per_client[clients])
+            for clients, prompts in throughput_prompts(per_client).items():
                 out[name].append(load_clients(server.url, prompts, clients, max_tokens))
                 log(f"  serve {name}, {clients} clients: {out[name][-1]['tps']:.1f} tok/s")
     return out

@@ -178,6 +178,21 @@ def test_score_probe_perplexity_of_the_second_halves_matches_transformers(tmp_pa
     assert got["scored"] == len(ids) - 1 and got["s"] > 0
 
 
+def test_every_serving_request_brings_a_prompt_the_server_has_not_seen():
+    """llama-server reads only what follows a slot's cached prompt: a prompt sent again (the warm-up's,
+    or one client count's again for the next) was read at one position's cost by llama.cpp, at full
+    cost by lmhead. The warm-up, every client count's requests and the first-token probes differ."""
+    for per_client in ({1: 4, 4: 2, 16: 2}, {1: 2, 4: 2, 16: 1}):  # the full run's and --quick's
+        sent = versus_llamacpp.serve_prompts(1)  # the warm-up
+        for clients, prompts in versus_llamacpp.throughput_prompts(per_client).items():
+            assert len(prompts) == clients * per_client[clients]
+            sent += prompts
+        sent += versus_llamacpp.serve_prompts(20, versus_llamacpp.FIRST_PROMPTS)  # first tokens
+        assert len(set(sent)) == len(sent)
+    with pytest.raises(ValueError, match="first-token"):
+        versus_llamacpp.throughput_prompts({1: 40, 4: 10, 16: 5})
+
+
 # ---- the report ----------------------------------------------------------------------------------
 
 def test_summary_is_the_best_idle_and_the_median_busy_with_a_failed_run_as_zero():

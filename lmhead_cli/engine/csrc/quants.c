@@ -1,5 +1,5 @@
-/* GGUF's quantised blocks (kernels.h lmhead_block_*): products y = W·x (+ bias) for a few rows of x (a
-   decoding step's), W held as the file's own blocks and never dequantised. Two arithmetics:
+/* GGUF's quantised blocks (kernels.h lmhead_block_*): products y = W·x (+ bias) for rows of x (a decoding
+   step's few, a prompt's many), W held as the file's own blocks and never dequantised whole. Two arithmetics:
 
    - lmhead_q8_0_matvec, Q8_0 weights with x float32 unrounded: each block's 32 products summed in
      float32 and scaled by its d, the dequantised matrix's product up to float32 rounding (also
@@ -7,7 +7,9 @@
    - lmhead_gguf_matvec, Q4_0, Q8_0, Q4_K and Q6_K weights with llama.cpp's arithmetic: each row of x
      rounded per block to 8 bits (a Q8_0 block with a float scale for Q4_0 and Q8_0 weights, a Q8_K
      super-block with its sums of 16 for Q4_K and Q6_K), integer dot products per block (maddubs, or
-     vpdpbusd where AVX-512 VNNI is there), each block's integer sum scaled in float32.
+     vpdpbusd where AVX-512 VNNI is there), each block's integer sum scaled in float32. A prompt's rows of
+     x (more than a step's) against Q4_K and Q6_K take kq_row where AVX-512 VNNI is there: the same
+     integer sums, each super-block unpacked once for 16 rows of x.
 
    Ported from llama.cpp (MIT licence, Copyright (c) 2023-2024 The ggml authors): the rounding of x from
    ggml/src/ggml-quants.c (nearest_int, quantize_row_q8_0_ref, quantize_row_q8_K_ref); the portable dots
@@ -427,8 +429,8 @@ static const int16_t q6_K_pick[2][32] = {{KQ_PICK32(Q6P, 0)}, {KQ_PICK32(Q6P, 2)
 static const int16_t q4_K_mins_pick[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
 
 /* One super-block of a row of W unpacked: its 256 values as 4 × 64 unsigned bytes in order, its scales in
-   the 16-bit lanes kq_sums takes them, Q4_K's dmin · m for each 16 of x (`mins`), Q6_K's scales for each
-   16 (`per16`), d. */
+   the 16-bit lanes where kq_row's packs put each sub-block's sums, Q4_K's dmin · m for each 16 of x
+   (`mins`), Q6_K's scales for each 16 (`per16`), d. */
 typedef struct {
     __m512i q[4], s01, s23;
     __m256i per16;
@@ -477,7 +479,8 @@ static inline __attribute__((always_inline)) void kq_unpack(const void *row, int
    float32, K / 16 a row): each super-block unpacked once for the mt rows. Q4_K's mins, Σ_g dmin · m_g ·
    d_a · Σ a over each 16, are one float32 product of 16 lanes per super-block, into the same sums; Q6_K's
    q − 32 is taken off in integers. The float32 sums run in the same order whatever mt is, so a row of x
-   gets the same bits alone or among others (a decoding step's batch, a prompt's tiles). Two rows of W
+   gets the same bits in any tile (a prompt's last is short). Not ported: ggml's own prompt kernels for
+   these types work on rows repacked at load (repack.cpp), which lmhead does not do. Two rows of W
    sharing each row of x's loads were no faster (Q4_K 126-132 against 125-132 GMAC/s at M = 512, slower
    at M = 4: measured alternately in one process on the AVX-512 EPYC host). */
 static inline __attribute__((always_inline)) void kq_row(const char *row, const lmhead_block_q8_K *a,
