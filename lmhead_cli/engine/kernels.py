@@ -57,7 +57,7 @@ ABI = _HEADER["LMHEAD_KERNELS_ABI"]  # the module must report the same (lmhead_k
 STEP_MAX_ROWS = _HEADER["LMHEAD_STEP_MAX_ROWS"]  # the most rows of a compiled step (engine/step.py), and of f32_columns_times
 STEP_KINDS = {kind: _HEADER[f"LMHEAD_STEP_{name}"] for kind, name in
               (("float32", "F32"), ("bfloat16", "BF16"), ("int8", "INT8"))}  # lmhead_model's `kind`
-GGUF_MAX_ROWS = _HEADER["LMHEAD_GGUF_MAX_ROWS"]  # the most rows of x gguf_times takes (engine/quant.py mirrors the blocks)
+GGUF_MAX_ROWS = _HEADER["LMHEAD_GGUF_MAX_ROWS"]  # a step's most rows of x: gguf_times takes more in tiles of this (engine/quant.py mirrors the blocks)
 GGUF_TYPE_F32 = _HEADER["LMHEAD_TYPE_F32"]  # a Llama step's float32 rows (lmhead_llama_layer `type`)
 Q8_0_VALUES = _HEADER["LMHEAD_QK8_0"]  # kernels.h lmhead_block_q8_0: a half d, then LMHEAD_QK8_0 int8 q
 OFF = ("0", "off", "no", "false")  # LMHEAD_KERNELS values that turn the kernels off
