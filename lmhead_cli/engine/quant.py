@@ -8,7 +8,7 @@ chunk of rows at a time (at most CHUNK_VALUES float32 values dequantised at once
 matrix's size), `QuantEmbedding` dequantises only the rows it looks up.
 
 Dequantisation is the compiled kernels' for the types they take (lmhead_gguf_dequantise: ggml's
-dequantize_row_* operation for operation, about 0.25 ms less a Llama token's embedding row than numpy);
+dequantize_row_* operation for operation; a 2,048-wide Q4_K embedding row in 14 µs against numpy's 95);
 where they are not built, the gguf package's (gguf.quants.dequantize, llama.cpp's own numpy port of
 ggml's), Q8_0 and Q4_0 here in torch with the same arithmetic (d · q in float32). All give the same bits
 (tests/test_quant.py compares them).
