@@ -610,15 +610,6 @@ static inline __attribute__((always_inline)) void kq_row(const char *row, const 
     }
     for (int64_t m = 0; m < mt; m++) out[m * stride] = _mm512_reduce_add_ps(acc[m]) + bias;
 }
-/* R rows of W, row_bytes apart, one at a time through kq_row. */
-#define KQ_ROWS(NAME, SIX)                                                                                \
-    static void NAME(const char *row, int64_t row_bytes, int64_t R, const void *a, const float *asum,      \
-                     int64_t nb, int64_t mt, float *out, int64_t stride, const float *bias) {             \
-        for (int64_t r = 0; r < R; r++)                                                                   \
-            kq_row(row + r * row_bytes, a, asum, nb, mt, out + r, stride, bias ? bias[r] : 0.0f, SIX);   \
-    }
-KQ_ROWS(q4_K_rows, 0)
-KQ_ROWS(q6_K_rows, 1)
 #endif
 
 /* ---- x unrounded: each block's small integers q widened to float32 -------------------------------- */
@@ -753,23 +744,33 @@ static inline __attribute__((always_inline)) void float_row(
     }
 DOT_ROWS(q4_0_dots, dot_q4_0, (int64_t)sizeof(lmhead_block_q8_0f))
 DOT_ROWS(q8_0_dots, dot_q8_0, (int64_t)sizeof(lmhead_block_q8_0f))
-#if defined(__AVX2__) /* one row of x through the dot, more through k_dots: the same bits */
-#define K_DOTS(NAME, DOT, SIX)                                                                            \
+#if defined(__AVX2__)
+/* One row of W against mt rows of x: one row of x through the dot, more through k_dots (the same bits). */
+static inline __attribute__((always_inline)) void k_row(const char *row, const lmhead_block_q8_K *a,
+                                                        const float *asum, int64_t nb, int64_t mt, float *out,
+                                                        int64_t stride, float bias, const int six) {
+    if (mt == 1)
+        out[0] = (six ? dot_q6_K(row, a, nb) : dot_q4_K(row, a, nb)) + bias;
+    else
+        k_dots(row, a, asum, nb, mt, out, stride, bias, six);
+}
+/* R rows of W, row_bytes apart, one at a time through a K-quant's ROW (k_row, kq_row). */
+#define ROWS_OF(NAME, ROW, SIX)                                                                           \
     static void NAME(const char *row, int64_t row_bytes, int64_t R, const void *a, const float *asum,      \
                      int64_t nb, int64_t mt, float *out, int64_t stride, const float *bias) {             \
         for (int64_t r = 0; r < R; r++)                                                                   \
-            if (mt == 1)                                                                                  \
-                out[r] = DOT(row + r * row_bytes, a, nb) + (bias ? bias[r] : 0.0f);                       \
-            else                                                                                          \
-                k_dots(row + r * row_bytes, a, asum, nb, mt, out + r, stride, bias ? bias[r] : 0.0f, SIX); \
+            ROW(row + r * row_bytes, a, asum, nb, mt, out + r, stride, bias ? bias[r] : 0.0f, SIX);      \
     }
-K_DOTS(q4_K_dots, dot_q4_K, 0)
-K_DOTS(q6_K_dots, dot_q6_K, 1)
+ROWS_OF(q4_K_dots, k_row, 0)
+ROWS_OF(q6_K_dots, k_row, 1)
 #else
 DOT_ROWS(q4_K_dots, dot_q4_K, (int64_t)sizeof(lmhead_block_q8_K))
 DOT_ROWS(q6_K_dots, dot_q6_K, (int64_t)sizeof(lmhead_block_q8_K))
 #endif
-#if !KQ_VNNI /* a prompt's rows through the same */
+#if KQ_VNNI /* a prompt's rows of x */
+ROWS_OF(q4_K_rows, kq_row, 0)
+ROWS_OF(q6_K_rows, kq_row, 1)
+#else /* a prompt's rows through the same as a step's */
 #define q4_K_rows q4_K_dots
 #define q6_K_rows q6_K_dots
 #endif
@@ -782,7 +783,7 @@ DOT_ROWS(q6_K_dots, dot_q6_K, (int64_t)sizeof(lmhead_block_q8_K))
     for (int64_t r0 = 0; r0 < N; r0 += GGUF_ROW_BLOCK)                                                    \
         for (int64_t m0 = 0; m0 < M; m0 += LMHEAD_GGUF_MAX_ROWS)                                          \
             ROWS(W + r0 * row_bytes, row_bytes, N - r0 < GGUF_ROW_BLOCK ? N - r0 : GGUF_ROW_BLOCK,          \
-                 act + m0 * nb * abytes, asum + m0 * (K / 16), nb,                                        \
+                 act + m0 * nb * abytes, asum ? asum + m0 * (K / 16) : NULL, nb,                            \
                  M - m0 < LMHEAD_GGUF_MAX_ROWS ? M - m0 : LMHEAD_GGUF_MAX_ROWS, y + m0 * N + r0, N,       \
                  bias ? bias + r0 : NULL);
 
@@ -836,8 +837,10 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int
     const int64_t abytes = kquant ? (int64_t)sizeof(lmhead_block_q8_K) : (int64_t)sizeof(lmhead_block_q8_0f);
     char *act = malloc((size_t)(M * nb * abytes));
     if (!act) return -1;
-    float *asum = kquant ? malloc((size_t)(M * (K / 16)) * sizeof(float)) : NULL; /* d · bsums, per 16 of x */
-    if (kquant && !asum) {
+    /* kq_row's d · bsums per 16 of x, only where it runs (a prompt's K-quant rows, with VNNI) */
+    const int prompt = M > LMHEAD_GGUF_MAX_ROWS, sums = KQ_VNNI && kquant && prompt;
+    float *asum = sums ? malloc((size_t)(M * (K / 16)) * sizeof(float)) : NULL;
+    if (sums && !asum) {
         free(act);
         return -1;
     }
@@ -848,14 +851,13 @@ int LMHEAD_VARIANT(lmhead_gguf_matvec)(int type, int rounded, const void *w, int
             free(act), free(asum);
             return 1;
         }
-        for (int64_t b = 0; kquant && b < nb; b++) {
+        for (int64_t b = 0; sums && b < nb; b++) {
             const lmhead_block_q8_K *ab = (const lmhead_block_q8_K *)(act + (m * nb + b) * abytes);
             for (int g = 0; g < LMHEAD_QK_K / 16; g++) asum[m * (K / 16) + b * 16 + g] = ab->d * (float)ab->bsums[g];
         }
     }
     /* one loop per type, its rows inlined; the K-quants' a prompt's rows (more than a step's) through
        kq_row where it is built: the same integer sums, in float32 in another order */
-    const int prompt = M > LMHEAD_GGUF_MAX_ROWS;
     switch (type) {
     case LMHEAD_TYPE_Q4_0: GGUF_ROWS(q4_0_dots); break;
     case LMHEAD_TYPE_Q8_0: GGUF_ROWS(q8_0_dots); break;
