@@ -13,8 +13,13 @@ Three things follow (figures in README, Performance):
   process the chooser below runs one thread, which waits for nobody.
 * `ThreadChooser` times the first calls of repeated work (decoding steps, batches of a file, prompts
   in a session) with torch's thread count and with one thread, keeps the faster, and times both
-  again when its speed halves, or after `recheck` calls (twice as many after each trial that kept
-  the count: on a busy machine the call on the slower count can take many times longer). Where the
+  again when its speed halves, when the calls on more threads lose their cores (their CPU time falls
+  short of wall time × threads: another process took one), or after `recheck` calls (twice as many
+  after each trial that kept the count: on a busy machine the call on the slower count can take many
+  times longer). More threads that keep their cores are not timed again on that schedule: on a quiet
+  machine nothing has changed, and each trial costs a call on one thread (idle, a Q4_K_M step of
+  TinyLlama's sizes took 35 ms there against 20 on two: the three such calls of a 128-token run, the
+  warm-up, the trial and the schedule's, were 2% of it; now the trial's alone). Where the
   two counts come out close (within CLEAR), as they do beside a busy process, one call each says
   little (a call on two threads there took from 1x to 1.5x the time of the next): the trial times
   each count twice more and compares medians, and more threads are kept only when faster by MARGIN,
@@ -80,7 +85,9 @@ class ThreadChooser:
     time them all.
 
     `run(fn, units)` runs fn and times it per unit of work (a token). The first call is a warm-up on
-    one thread (first-call set-up is not what is compared); the next settings × trials calls
+    the count of the trial's first call (first-call set-up is not what is compared; beside a busy
+    process a Q4_K_M step took 41 ms there on two threads against 35 on one); the next settings ×
+    trials calls
     alternate between the settings, then, where one thread and torch's count came out within CLEAR
     of each other or the calls on more threads had less than SHARED of their cores' CPU time,
     settings × more up to ROUNDS in all; the fastest by its median time per unit is kept, torch's
@@ -88,8 +95,10 @@ class ThreadChooser:
     form on one thread, then torch's count with the fastest of them: one call on more threads, not
     one per form. Then the median of the last 5 calls
     is watched against the median of the first 5 after the choice: when it is more than `slack` times
-    slower, or more than REJECTED times the time of the count the trial did not keep, or after
-    `recheck` calls, the trial runs again. A trial costs calls on slower settings,
+    slower, or more than REJECTED times the time of the count the trial did not keep, or the median
+    call on more threads had less than SHARED of its cores, or after `recheck` calls unless each of
+    the last 5 calls on more threads had its cores, the trial runs again. A trial costs calls on
+    slower settings,
     which on a busy machine can take many times longer, so a trial that keeps the same setting
     multiplies the calls until the next by how many times slower the slowest was (at least 2, up to
     `max_recheck` calls). With `fixed` (or one core, or a GPU) the thread count is not timed; forms
@@ -119,6 +128,7 @@ class ThreadChooser:
         self._shares: list[float] = []  # this trial's calls on more threads: CPU time / (wall time × threads)
         self._rejected: float | None = None  # the fastest time per unit of a count the last trial did not keep
         self._window: deque[float] = deque(maxlen=self.WINDOW)
+        self._window_shares: deque[float] = deque(maxlen=self.WINDOW)  # the watched calls' CPU / (wall × threads)
         self._reference: float | None = None
         self._interval, self._since = recheck, 0
         self._warm_up = 1 if self._settings else 0
@@ -221,6 +231,7 @@ class ThreadChooser:
         self._interval = min(int(self._interval * max(2.0, lost_by)), self.max_recheck) if kept else self.recheck
         self._since, self._reference = 0, None
         self._window.clear()
+        self._window_shares.clear()
         one, more = self._counts_best(scores)
         other = more if best[0] == 1 else one
         self._rejected = scores[other] if n is not None and other is not None and other[0] != n else None
@@ -230,10 +241,10 @@ class ThreadChooser:
         if not self._settings:
             return fn()
 
-        if self._warm_up:  # on one thread: on a busy machine the other count can take many times longer
+        if self._warm_up:  # on the trial's first setting's count: the first timed call does not switch
             self._warm_up -= 1
-            if self.candidates:
-                self._set(1)
+            if self.candidates and self._pending and self._pending[0][0] is not None:
+                self._set(self._pending[0][0])
             return fn()
 
         if self._pending:
@@ -256,17 +267,29 @@ class ThreadChooser:
             return out
         self._since += 1
         self._window.append(per_unit)
+        n = self.count or 1
+        if n > 1 and wall > 0:
+            self._window_shares.append(cpu / (wall * n))
         full = len(self._window) == self.WINDOW
         if full:
             now = statistics.median(self._window)
             if self._reference is None:
                 self._reference = now
-            # `slack` times its own first calls, or REJECTED times the count it beat: the machine changed
-            if now > self.slack * self._reference or (self._rejected is not None and now > REJECTED * self._rejected):
+            # `slack` times its own first calls, REJECTED times the count it beat, or calls on more threads
+            # without their cores (another process took one): the machine changed
+            if (now > self.slack * self._reference or (self._rejected is not None and now > REJECTED * self._rejected)
+                    or (len(self._window_shares) == self.WINDOW and statistics.median(self._window_shares) < SHARED)):
                 self._start_trial()
-        if self._since >= self._interval:
+                return out
+        if self._since >= self._interval and not self._cores_held():
             self._start_trial()
         return out
+
+    def _cores_held(self) -> bool:
+        """Whether the kept count is more than one thread and each of its last calls (up to WINDOW) had its
+        cores (SHARED of them or more): nothing took a core, so the trial that chose this count needs no
+        repeat on a schedule (a change shows in the shares, or as a slowdown)."""
+        return bool(self._window_shares) and min(self._window_shares) >= SHARED
 
     def settle(self, fn: Callable[[], object], units: float = 1.0) -> int:
         """Run fn as often as the trial needs to choose (nothing when fixed); the count chosen."""
