@@ -103,6 +103,32 @@ def test_a_hook_sends_the_step_to_the_modules(files, monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_a_step_s_token_row_is_the_table_s_and_a_hook_on_the_table_sees_it(files, name, monkeypatch):
+    """A step's one token: its row of the quantised table dequantised where it lies, not through the
+    module (the module's bits); a hook on the table sends the step's lookup through the module."""
+    from lmhead_cli.engine import quant
+
+    eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
+    table = eng.llama.model.embed_tokens
+    assert isinstance(table.weight, quant.Blocks)
+    ids = torch.tensor([[IDS[7]]])
+    with torch.inference_mode():
+        assert torch.equal(eng._embedded(ids), table(ids))
+    calls = []
+    real = quant.QuantEmbedding.forward
+    monkeypatch.setattr(quant.QuantEmbedding, "forward", lambda self, i: calls.append(i.tolist()) or real(self, i))
+    whole(eng, [IDS[:5]], [IDS[7]])
+    assert calls == [[IDS[:5]]]  # the prompt's lookup only
+    seen = []
+    handle = table.register_forward_hook(lambda m, args, out: seen.append(args[0].tolist()))
+    try:
+        whole(eng, [IDS[:5]], [IDS[7]])
+    finally:
+        handle.remove()
+    assert seen == [[IDS[:5]], [[IDS[7]]]]
+
+
 def test_each_product_s_arithmetic_follows_the_setting(files, monkeypatch):
     """LMHEAD_GGUF_ARITHMETIC, read at each step as the torch path's products read it: the plan rewrites
     its products' `rounded` fields when it changes (Q8_0: unrounded by default, rounded as llama.cpp)."""
