@@ -129,6 +129,27 @@ def test_a_step_s_token_row_is_the_table_s_and_a_hook_on_the_table_sees_it(files
     assert seen == [[IDS[:5]], [[IDS[7]]]]
 
 
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K"])
+def test_the_whole_step_looks_its_tokens_up_in_the_call(files, name, monkeypatch):
+    """step_logits hands the C call the token ids, and it reads their rows from the table (float32 rows,
+    or GGUF blocks dequantised as gguf-py does): the logits and records of the step from x embedded in
+    Python, bit for bit, with no lookup in Python. An id outside the table: the call declines before it
+    writes anything, and the torch path's lookup refuses it."""
+    eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
+    rows = [IDS[:5], IDS[4:13]]
+    news = [IDS[7], IDS[8]]
+    got, made = whole(eng, rows, news)
+    eng._plan.embeds = False  # the step from x, embedded by the module
+    want, want_made = whole(eng, rows, news)
+    eng._plan.embeds = True
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(made, want_made))
+    monkeypatch.setattr(type(eng), "_embedded", lambda *a: pytest.fail("looked up in Python"))
+    assert torch.equal(whole(eng, rows, news)[0], got)
+    monkeypatch.undo()
+    with pytest.raises(IndexError):
+        whole(eng, [IDS[:5]], [eng.llama.model.embed_tokens.weight.shape[0]])
+
+
 def test_each_product_s_arithmetic_follows_the_setting(files, monkeypatch):
     """LMHEAD_GGUF_ARITHMETIC, read at each step as the torch path's products read it: the plan rewrites
     its products' `rounded` fields when it changes (Q8_0: unrounded by default, rounded as llama.cpp)."""

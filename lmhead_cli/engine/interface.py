@@ -37,9 +37,10 @@ KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the varian
     # the record's top-1 ids and figures
     # the lmhead_llama, the rows of x, their positions, the cache and mask as lmhead_step's
     "lmhead_llama_step": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _int]),
-    # lmhead_llama_step's arguments, then the logits and the record's top-1 ids and figures
-    "lmhead_llama_decode": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                                   _ptr, _ptr, _int]),
+    # lmhead_llama_step's arguments with the token ids after x (x or the ids NULL), then the logits and the
+    # record's top-1 ids and figures
+    "lmhead_llama_decode": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64,
+                                   _ptr, _ptr, _ptr, _int]),
     "lmhead_decode": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
                              _ptr, _int]),
 }
@@ -73,8 +74,9 @@ class LlamaLayer(ctypes.Structure):
 
 class Llama(ctypes.Structure):
     """csrc/kernels.h's lmhead_llama: the layers (an array of LlamaLayer), the sizes, RoPE's table, the final
-    norm and the head."""
+    norm, the head and the token table."""
 
     _fields_ = [("layers", _ptr), ("L", _i64), ("D", _i64), ("H", _i64), ("K", _i64), ("hd", _i64),
                 ("inner", _i64), ("rope_len", _i64), ("eps", ctypes.c_float), ("rope", _ptr), ("norm", _ptr),
-                ("head", _ptr), ("V", _i64), ("head_row_bytes", _i64), ("head_type", _int), ("head_rounded", _int)]
+                ("head", _ptr), ("V", _i64), ("head_row_bytes", _i64), ("head_type", _int), ("head_rounded", _int),
+                ("embed", _ptr), ("embed_rows", _i64), ("embed_row_bytes", _i64), ("embed_type", _int)]

@@ -290,7 +290,7 @@ class LeanLlama(RowSteps, WholeSteps, Engine):
         (LlamaStepPlan.logits). None where it does not apply."""
         if self._plan is None:
             m = self.llama
-            self._plan = LlamaStepPlan(m.model.layers, self.shape, m.model.norm, m.lm_head)
+            self._plan = LlamaStepPlan(m.model.layers, self.shape, m.model.norm, m.lm_head, m.model.embed_tokens)
         if not self._plan.ready or self.dtype != torch.float32 or self.device.type != "cpu":
             return None
         past = cache.length
@@ -299,8 +299,10 @@ class LeanLlama(RowSteps, WholeSteps, Engine):
         else:
             pos = position_ids(attention_mask, 1)[:, 0]
             mask, end = _mask(attention_mask, 1, torch.float32), int(pos.max()) + 1
-        x = self._embedded(ids)
         rope = self._rope_rows(end, ids.device)
+        if whole and self._plan.embeds and not hooked(self._plan.embed_hooks):  # the C call looks the tokens up
+            return self._plan.logits(None, cache, mask, pos, rope, record, ids=ids)
+        x = self._embedded(ids)
         return self._plan.logits(x, cache, mask, pos, rope, record) if whole else self._plan.run(x, cache, mask, pos, rope)
 
     def _embedded(self, ids: torch.Tensor) -> torch.Tensor:

@@ -106,10 +106,12 @@ class LlamaStepPlan:
     cache, and no hook on any module the call replaces nor torch's global hooks. LMHEAD_STEP=0 turns
     both off, as GPT-2's."""
 
-    def __init__(self, layers: nn.ModuleList, shape, norm: nn.Module, head: nn.Module):
+    def __init__(self, layers: nn.ModuleList, shape, norm: nn.Module, head: nn.Module, embed: nn.Module | None = None):
         self.shape, self.keep, self.types = shape, [], set()
         self.hooks = hook_dicts([m for layer in layers for m in layer.modules()])
         self.whole = self.hooks + hook_dicts([*norm.modules(), *head.modules()])  # what `logits` replaces too
+        self.embed_hooks = hook_dicts([*embed.modules()]) if embed is not None else []
+        self.whole_ids = self.whole + self.embed_hooks  # what `logits` from token ids replaces
         built = [self._layer(layer) for layer in layers]
         self.ready = all(b is not None for b in built)
         self.layers = (kernels.LlamaLayer * len(built))(*built) if self.ready else None
@@ -123,6 +125,13 @@ class LlamaStepPlan:
             data, self.model.head_type, self.model.head_row_bytes = weight
             self.model.head, self.model.norm = data.data_ptr(), norm_w.data_ptr()
             self.keep += [data, norm_w]
+        w = getattr(embed, "weight", None)
+        table = self._weight(w) if w is not None and self.has_head and w.shape[-1] == s.width else None
+        self.embeds = table is not None  # `logits` takes token ids: the C call looks their rows up
+        if self.embeds:
+            data, self.model.embed_type, self.model.embed_row_bytes = table
+            self.model.embed, self.model.embed_rows = data.data_ptr(), data.shape[0]
+            self.keep.append(data)
         self.arithmetic: dict[int, bool] | None = None  # the products' `rounded` fields, set at the first run
 
     def _weight(self, w) -> tuple[torch.Tensor, int, int] | None:
@@ -187,31 +196,41 @@ class LlamaStepPlan:
             self.model.head_rounded = int(now.get(self.model.head_type, False))
             self.arithmetic = now
 
-    def _takes(self, x: torch.Tensor, cache, mask: torch.Tensor | None, rope: torch.Tensor, hooks: list[dict]):
-        """The kernels where the step applies to these rows (see the class), else None."""
+    def _takes(self, rows: torch.Tensor, dtype: torch.dtype, cache, mask: torch.Tensor | None, rope: torch.Tensor,
+               hooks: list[dict]):
+        """The kernels where the step applies to these rows (x (B, 1, D) float32, or token ids (B, 1) int64;
+        see the class), else None."""
         fast = kernels.load()
-        B, T, _ = x.shape
+        B, T = rows.shape[0], rows.shape[1]
         if (not self.ready or fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS
-                or x.dtype != torch.float32 or not x.is_cpu or hooked(hooks) or not fits(cache, B, mask)
+                or rows.dtype != dtype or not rows.is_cpu or hooked(hooks) or not fits(cache, B, mask)
                 or rope.dtype != torch.float32 or not rope.is_contiguous()):
             return None
         self._round()
         self.model.rope, self.model.rope_len = rope.data_ptr(), rope.shape[1]
         return fast
 
-    def _call(self, function: str, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
-              rope: torch.Tensor, hooks: list[dict], *out) -> tuple[int, torch.Tensor] | None:
-        """`function` (lmhead_llama_step or _decode) on a copy h (B, D) of x (B, 1, D), rows at positions pos
-        (B,) or None (the cache's length), then `out`'s pointers: (its status, h); None where the step does
-        not apply (`_takes`). MemoryError where the C call could not allocate its buffers."""
-        fast = self._takes(x, cache, mask, rope, hooks)
+    def _call(self, function: str, x: torch.Tensor | None, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
+              rope: torch.Tensor, hooks: list[dict], *out, ids: torch.Tensor | None = None
+              ) -> tuple[int, torch.Tensor | None] | None:
+        """`function` (lmhead_llama_step or _decode) on a copy h (B, D) of x (B, 1, D), or (_decode) on
+        token ids (B, 1) looked up in the call, rows at positions pos (B,) or None (the cache's length),
+        then `out`'s pointers: (its status, h or None); None where the step does not apply (`_takes`).
+        MemoryError where the C call could not allocate its buffers."""
+        rows = x if ids is None else ids
+        fast = self._takes(rows, torch.float32 if ids is None else torch.int64, cache, mask, rope, hooks)
         if fast is None:
             return None
-        B, _, D = x.shape
-        h = x.reshape(B, D).contiguous().clone()
+        B = rows.shape[0]
+        if ids is None:
+            h = x.reshape(B, x.shape[-1]).contiguous().clone()
+            lead = (h.data_ptr(),) if function == "lmhead_llama_step" else (h.data_ptr(), None)
+        else:
+            h, ids = None, ids.reshape(B).contiguous()  # held across the call
+            lead = (None, ids.data_ptr())
         pos = None if pos is None else pos.reshape(B).to(torch.int64).contiguous()  # held across the call
         k, v = cache.k, cache.v
-        status = getattr(fast.lib, function)(ctypes.addressof(self.model), h.data_ptr(), B,
+        status = getattr(fast.lib, function)(ctypes.addressof(self.model), *lead, B,
                                              None if pos is None else pos.data_ptr(), k.data_ptr(), v.data_ptr(),
                                              k.stride(0), k.stride(1), k.stride(2), cache.length,
                                              None if mask is None else mask.data_ptr(),
@@ -231,20 +250,24 @@ class LlamaStepPlan:
         done = self._call("lmhead_llama_step", x, cache, mask, pos, rope, self.hooks)
         return done[1].view(x.shape) if done is not None and done[0] == 0 else None
 
-    def logits(self, x: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
-               rope: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, tuple | None] | None:
-        """The whole step from the embedded tokens x (B, 1, D), as `run` and then the final norm and the
-        head: logits (B, V) float32, and with `record` each row's greedy record (top_id (B,) int64, (3, B)
-        float32: the top-1's log p, the entropy, the top-1's logit), None where a logit is not finite.
-        None where the step does not apply (a hook on the norm or the head too, or a head the C step does
-        not read)."""
-        if not self.has_head:
+    def logits(self, x: torch.Tensor | None, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
+               rope: torch.Tensor, record: bool = False, ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, tuple | None] | None:
+        """The whole step from the embedded tokens x (B, 1, D), or where the plan `embeds`, from x None and
+        the token ids (B, 1) int64 (their rows looked up in the C call, unless a hook asks for the table's
+        module), as `run` and then the final norm and the head: logits (B, V) float32, and with `record`
+        each row's greedy record (top_id (B,) int64, (3, B) float32: the top-1's log p, the entropy, the
+        top-1's logit), None where a logit is not finite. None where the step does not apply (a hook on
+        the norm or the head too, a head the C step does not read, an id out of the table)."""
+        if not self.has_head or (x is None and not self.embeds):
             return None
-        B = x.shape[0]
+        B = (x if x is not None else ids).shape[0]
         z = torch.empty(B, self.model.V, dtype=torch.float32)
         top_id, top = (torch.empty(B, dtype=torch.int64), torch.empty(3, B, dtype=torch.float32)) if record else (None, None)
-        done = self._call("lmhead_llama_decode", x, cache, mask, pos, rope, self.whole, z.data_ptr(),
-                          None if top_id is None else top_id.data_ptr(), None if top is None else top.data_ptr())
+        done = self._call("lmhead_llama_decode", x, cache, mask, pos, rope,
+                          self.whole if x is not None else self.whole_ids, z.data_ptr(),
+                          None if top_id is None else top_id.data_ptr(), None if top is None else top.data_ptr(),
+                          ids=None if x is not None else ids)
         if done is None or done[0] < 0:
             return None
         return z, ((top_id, top) if record and done[0] == 0 else None)

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 20 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 21 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
 #define LMHEAD_GGUF_MAX_ROWS 16 /* the rows of x lmhead_gguf_matvec takes together (a decoding step's; more in tiles of this) */
@@ -112,7 +112,9 @@ typedef struct {
 /* A Llama's layers and sizes (kernels.Llama): H query heads and K key heads of hd, the MLP's width, and
    RoPE's table: cos (rope_len, hd) then sin (rope_len, hd), float32, a row per position; for the whole
    step (lmhead_llama_decode), the final RMSNorm's weight (D) float32 and the head (V, D) as GGUF blocks
-   of head_type, rows head_row_bytes apart, x head_rounded or not, or float32 rows (LMHEAD_TYPE_F32). */
+   of head_type, rows head_row_bytes apart, x head_rounded or not, or float32 rows (LMHEAD_TYPE_F32); and
+   for a step from token ids, the token table (embed_rows, D) as GGUF blocks of embed_type, rows
+   embed_row_bytes apart, or float32 rows (LMHEAD_TYPE_F32), or NULL (the caller embeds). */
 typedef struct {
     const lmhead_llama_layer *layers;
     int64_t L, D, H, K, hd, inner, rope_len;
@@ -121,6 +123,9 @@ typedef struct {
     const void *head;
     int64_t V, head_row_bytes;
     int head_type, head_rounded;
+    const void *embed;
+    int64_t embed_rows, embed_row_bytes;
+    int embed_type;
 } lmhead_llama;
 /* The module's own functions (module.c). */
 int lmhead_kernels_abi(void); /* LMHEAD_KERNELS_ABI, as this module was built */
@@ -170,10 +175,10 @@ int LMHEAD_VARIANT(lmhead_step)(const lmhead_layer *layers, int64_t L, int kind,
 int LMHEAD_VARIANT(lmhead_llama_step)(const lmhead_llama *m, float *x, int64_t B, const int64_t *pos, float *kc,
                                       float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
                                       const float *mask, int64_t msb, int threads);
-int LMHEAD_VARIANT(lmhead_llama_decode)(const lmhead_llama *m, float *x, int64_t B, const int64_t *pos, float *kc,
-                                        float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
-                                        const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,
-                                        int threads);
+int LMHEAD_VARIANT(lmhead_llama_decode)(const lmhead_llama *m, float *x, const int64_t *ids, int64_t B,
+                                        const int64_t *pos, float *kc, float *vc, int64_t csl, int64_t csb,
+                                        int64_t csh, int64_t past, const float *mask, int64_t msb, float *logits,
+                                        int64_t *top_id, float *top, int threads);
 int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, const int64_t *pos, int64_t B,
                                   float *kc, float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
                                   const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,

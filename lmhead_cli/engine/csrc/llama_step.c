@@ -149,18 +149,46 @@ int LMHEAD_VARIANT(lmhead_llama_step)(const lmhead_llama *m, float *x, int64_t B
     return status;
 }
 
-/* The whole step from the embedded tokens: x (B, D) float32 (each row's token embedding; overwritten)
-   through lmhead_llama_step, the final RMSNorm and the head -> logits (B, V) float32; with top_id (B) and
-   top (3, B) given, each row's greedy record too (step.c's step_record). What LeanLlama's body, final norm,
-   head and the decoding loop's record did in Python and torch around the layers' call: about a millisecond
-   of a 23 ms Q4_K_M token at TinyLlama's sizes. Returns lmhead_llama_step's codes, or the number of rows
-   whose record a logit that is not finite spoilt (the logits are whole: the caller records them). */
-int LMHEAD_VARIANT(lmhead_llama_decode)(const lmhead_llama *m, float *x, int64_t B, const int64_t *pos, float *kc,
-                                        float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
-                                        const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,
-                                        int threads) {
-    if (!m->head || !m->norm) return -2;
-    int status = LMHEAD_VARIANT(lmhead_llama_step)(m, x, B, pos, kc, vc, csl, csb, csh, past, mask, msb, threads);
+/* Rows ids (B) of the token table (m->embed) into x (B, D) float32: GGUF blocks dequantised as
+   lmhead_gguf_dequantise (gguf-py's bits), float32 rows copied. -2 where there is no table or an id is
+   out of range (nothing written). */
+static int llama_embed(const lmhead_llama *m, const int64_t *ids, int64_t B, float *x) {
+    if (!m->embed) return -2;
+    for (int64_t b = 0; b < B; b++)
+        if (ids[b] < 0 || ids[b] >= m->embed_rows) return -2;
+    for (int64_t b = 0; b < B; b++) {
+        float *row = x + b * m->D;
+        if (m->embed_type == LMHEAD_TYPE_F32)
+            memcpy(row, (const float *)m->embed + ids[b] * m->D, (size_t)m->D * sizeof(float));
+        else if (LMHEAD_VARIANT(lmhead_gguf_dequantise)(m->embed_type, (const char *)m->embed + ids[b] * m->embed_row_bytes,
+                                                         m->embed_row_bytes, row, 1, m->D, 1))
+            return -2;
+    }
+    return 0;
+}
+
+/* The whole step: x (B, D) float32, each row's token embedding (overwritten), or with ids (B) the tokens,
+   looked up in the token table here (x NULL: a buffer of the call's own; llama_embed), through
+   lmhead_llama_step, the final RMSNorm and the head -> logits (B, V) float32; with top_id (B) and top
+   (3, B) given, each row's greedy record too (step.c's step_record). What LeanLlama's body, final norm,
+   head and the decoding loop's record did in Python and torch around the layers' call: about a
+   millisecond of a 23 ms Q4_K_M token at TinyLlama's sizes; and the lookup, ~0.1 ms more between two
+   steps once the step's weights have evicted Python's objects from the caches. Returns
+   lmhead_llama_step's codes (-2 too for an id out of range, before anything is written), or the number of
+   rows whose record a logit that is not finite spoilt (the logits are whole: the caller records them). */
+int LMHEAD_VARIANT(lmhead_llama_decode)(const lmhead_llama *m, float *x, const int64_t *ids, int64_t B,
+                                        const int64_t *pos, float *kc, float *vc, int64_t csl, int64_t csb,
+                                        int64_t csh, int64_t past, const float *mask, int64_t msb, float *logits,
+                                        int64_t *top_id, float *top, int threads) {
+    if (!m->head || !m->norm || B < 1 || B > STEP_MAX_ROWS || (!x && !ids)) return -2;
+    float *own = NULL;
+    int status = 0;
+    if (ids) {
+        if (!x && !(x = own = step_alloc(sizeof(float) * (size_t)(B * m->D)))) return -1;
+        status = llama_embed(m, ids, B, x);
+    }
+    if (!status)
+        status = LMHEAD_VARIANT(lmhead_llama_step)(m, x, B, pos, kc, vc, csl, csb, csh, past, mask, msb, threads);
     float *h = status ? NULL : step_alloc(sizeof(float) * (size_t)(B * m->D));
     if (!status && !h) status = -1;
     if (!status) {
@@ -168,6 +196,6 @@ int LMHEAD_VARIANT(lmhead_llama_decode)(const lmhead_llama *m, float *x, int64_t
         status = llama_times(m->head_type, m->head_rounded, m->head, m->head_row_bytes, NULL, h, logits, B, m->D, m->V,
                              threads);
     }
-    free(h);
+    free(h), free(own);
     return !status && top_id ? step_record(logits, B, m->V, top_id, top, threads) : status;
 }
