@@ -28,12 +28,14 @@ as the row asks (`mode`); echo uses the same choice.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from lmhead_cli.chunks import default_chunk
 from lmhead_cli.decoding import grammar, stages
 from lmhead_cli.decoding.prefill import PREFILL_CHUNK, Joining, _Prefill
-from lmhead_cli.decoding.record import Top, greedy_record, record, spread, step_of, top_tokens
+from lmhead_cli.decoding.record import FINITE, Top, greedy_record, record, spread, step_of, top_tokens
 from lmhead_cli.decoding.rows import Live, Row, Sink, Token, check_finite_rows
 from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.head import log_softmax
@@ -57,6 +59,11 @@ class Batch(Joining):
         self._joins = True  # False once engine.join_caches has said it cannot join this engine's caches
         self.holes = False  # whether a row waited a step (its empty column in the cache: `_forward`)
         self.row_kernel = loaded.execution.row_kernel()  # plain greedy steps' figures (record.greedy_record)
+
+    @cached_property
+    def device(self):
+        """The engine's device, asked once: a property through three modules, each step."""
+        return self.eng.device
 
     def __len__(self) -> int:
         """Rows running or being prefilled."""
@@ -100,7 +107,7 @@ class Batch(Joining):
         if going:
             at = {id(r): i for i, r in enumerate(self.live)}
             rows = [at[id(r)] for r in going]  # in order: `run` was, and regroup keeps the order
-            self._forward(torch.tensor(ids, dtype=torch.long, device=self.eng.device),
+            self._forward(torch.tensor(ids, dtype=torch.long, device=self.device),
                           rows=None if len(rows) == len(self.live) else rows)
         return len(run)
 
@@ -109,7 +116,7 @@ class Batch(Joining):
         generator), record it, hand it to `sink` and check end-of-text, stop strings and max_tokens.
         Returns the tokens (len(idx),) and the rows (indices into live) that ended with theirs."""
         live = [self.live[i] for i in idx]
-        logits = self.logits if len(idx) == len(self.live) else self.logits[torch.tensor(idx, device=self.eng.device)]
+        logits = self.logits if len(idx) == len(self.live) else self.logits[torch.tensor(idx, device=self.device)]
         k = max(r.row.alternatives for r in live)
         # plain greedy rows (no stage, nothing more asked of each step): the compiled kernel's two passes,
         # or the record the engine made with these very logits (`_forward`: these rows, in this order)
@@ -141,7 +148,9 @@ class Batch(Joining):
                 ids, lps = top_tokens(raw[i:i + 1], used[i:i + 1], r.row.mode, min(r.row.top, raw.shape[-1]))
                 top = Top(ids[0], lps[0])
             rec = table[i] if r.row.alternatives == k else _trim(table[i], k, r.row.alternatives)
-            st = step_of(rec, self.loaded.tokenizer.token_text, logits[i:i + 1], top)
+            # the row's logits only to say what is not finite: a slice a step is a dispatched op, ~30 us
+            # once a step's weights have evicted torch's code from the caches
+            st = step_of(rec, self.loaded.tokenizer.token_text, None if rec[FINITE] else logits[i:i + 1], top)
             r.count += 1
             self.tokens += 1
             reason = None
@@ -197,7 +206,7 @@ class Batch(Joining):
         if not live:
             self.cache, self.mask, self.logits = None, None, None
             return
-        at = torch.tensor(rows, device=self.eng.device)
+        at = torch.tensor(rows, device=self.device)
         self.cache = self.eng.reorder_cache(self.cache, at)
         self.logits = self.logits[at]
         if self.mask is not None:
@@ -232,7 +241,7 @@ class Batch(Joining):
         for r in running:
             r.length += 1
         if rows is not None and self.mask is None:
-            self.mask = torch.ones((len(self.live), S), dtype=torch.long, device=self.eng.device)
+            self.mask = torch.ones((len(self.live), S), dtype=torch.long, device=self.device)
         mask = ()  # none while no row is padded: the engine's plain one-position step
         if self.mask is not None:
             new = self.mask.new_ones((len(self.live), 1)) if rows is None else self.mask.new_zeros((len(self.live), 1))

@@ -157,8 +157,9 @@ def greedy_record(logits: torch.Tensor, kernel, made: tuple | None = None) -> tu
     return top_id, rows
 
 
-def step_of(row: list[float], token_text, logits: torch.Tensor, top: Top | None = None) -> Step:
-    """A Step from one row of `record` (logits only to explain non-finite values)."""
+def step_of(row: list[float], token_text, logits: torch.Tensor | None, top: Top | None = None) -> Step:
+    """A Step from one row of `record` (logits only to explain non-finite values: needed where the row is
+    not finite, else may be None)."""
     if not row[FINITE]:
         check_finite(logits)  # raises NonFiniteLogits with the count
     i, k = int(row[ID]), (len(row) - FIXED) // 2
