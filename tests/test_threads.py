@@ -78,8 +78,11 @@ def test_a_clear_first_round_decides_at_once(monkeypatch, restore_threads):
 
 
 @pytest.mark.parametrize("two, one, share, kept", [
-    ([1.0, 1.0, 1.0], [1.1, 1.1, 1.1], 1.0, 1),  # two threads 1.1x faster: under MARGIN, one thread kept
-    ([1.0, 1.0, 1.0], [1.3, 1.3, 1.3], 1.0, 2),  # 1.3x: over MARGIN, two threads kept
+    # two threads 1.1x faster with their cores (this host at times, nothing else running): kept
+    ([1.0, 1.0, 1.0], [1.1, 1.1, 1.1], 1.0, 2),
+    # the same without their cores (another process holds one): under MARGIN, one thread kept
+    ([1.0, 1.0, 1.0], [1.1, 1.1, 1.1], 0.7, 1),
+    ([1.0, 1.0, 1.0], [1.3, 1.3, 1.3], 0.7, 2),  # 1.3x: over MARGIN, two threads kept
     # a lucky first call on two threads, 2x faster, but without its cores (a busy machine): the medians decide
     ([0.6, 1.4, 1.4], [1.2, 1.2, 1.2], 0.6, 1),
 ])
@@ -137,6 +140,18 @@ def test_more_threads_that_lose_their_cores_are_timed_again(monkeypatch, restore
     seen = counts_seen(chooser, 1 + 2 + 5 + 3 + 2)
     assert seen == [2] + [2, 1] + [2] * 5 + [2] * 3 + [2, 1]
     assert chooser.choices == [2, 1]
+
+
+def test_more_threads_kept_beside_another_process_are_not_timed_again_for_it(monkeypatch, restore_threads):
+    """Two threads kept although their calls lacked their cores in the trial (twice as fast as one
+    beside a busy process): calls that go on lacking them are no change, and start no trial before
+    the schedule's (a trial every 5 calls would cost a call on one thread each time)."""
+    torch.set_num_threads(2)
+    chooser = ThreadChooser(recheck=12)
+    clock(monkeypatch, [1, 2] * 3 + [1] * 12 + [1, 2] * 3, share=0.6)
+    seen = counts_seen(chooser, 1 + 6 + 12 + 6)
+    assert seen == [2] + [2, 1] * 3 + [2] * 12 + [2, 1] * 3
+    assert chooser.choices == [2, 2]
 
 
 def test_a_count_slower_than_the_one_it_beat_is_timed_again(monkeypatch, restore_threads):

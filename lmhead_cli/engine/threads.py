@@ -22,10 +22,14 @@ Three things follow (figures in README, Performance):
   warm-up, the trial and the schedule's, were 2% of it; now the trial's alone). Where the
   two counts come out close (within CLEAR), as they do beside a busy process, one call each says
   little (a call on two threads there took from 1x to 1.5x the time of the next): the trial times
-  each count twice more and compares medians, and more threads are kept only when faster by MARGIN,
-  since one thread keeps its speed whatever the other core does and a wrong two-thread choice
+  each count twice more and compares medians, and where the calls on more threads lacked their cores
+  (the median below SHARED: another process holds one), more threads are kept only when faster by
+  MARGIN, since one thread keeps its speed whatever the other core does and a wrong two-thread choice
   does not (measured beside a spin loop: the chooser's two threads 20.3 tok/s in a run where
-  `--threads 1` gave 27.3).
+  `--threads 1` gave 27.3). Where they had their cores, the faster is kept: at times this host's two
+  cores read memory barely faster than one (GPT-2 in bfloat16, fresh processes, nothing else running:
+  8.3-9.7 ms a step on two threads, 9.2-12.7 on one, every call on two with 0.82-1.2 of its cores), and
+  MARGIN then kept one thread in 3 of 6 runs: 95-98 tok/s where two threads gave 104-107.
   A one-shot forward (`inspect`, `lens`) has nothing to compare with and runs on torch's count.
 * `--threads N` / LMHEAD_THREADS fix the count, and it is not timed.
 * The count is set for the model's own calls only (engine/execution.py scopes it and restores the
@@ -56,7 +60,8 @@ WAIT_SETTINGS = ("OMP_WAIT_POLICY", *SPIN)
 
 # A trial whose counts came out within CLEAR of each other, or whose calls on more threads got less than
 # SHARED of their cores' time (another process held a core), times each setting twice more (ROUNDS in
-# all); torch's count is kept over one thread only when faster by MARGIN; and the count kept is timed
+# all); torch's count is kept over one thread only when faster by MARGIN where its calls lacked their cores
+# (their median share under SHARED); and the count kept is timed
 # again once its calls run slower than REJECTED times the count it beat.
 CLEAR = 1.3
 SHARED = 0.8
@@ -91,7 +96,8 @@ class ThreadChooser:
     alternate between the settings, then, where one thread and torch's count came out within CLEAR
     of each other or the calls on more threads had less than SHARED of their cores' CPU time,
     settings × more up to ROUNDS in all; the fastest by its median time per unit is kept, torch's
-    count only when faster than one thread by MARGIN. With forms, the trial times each
+    count, where the median call on it had less than SHARED of its cores, only when faster than one
+    thread by MARGIN. With forms, the trial times each
     form on one thread, then torch's count with the fastest of them: one call on more threads, not
     one per form. Then the median of the last 5 calls
     is watched against the median of the first 5 after the choice: when it is more than `slack` times
@@ -127,6 +133,7 @@ class ThreadChooser:
         self._rounds = 0  # the rounds of the trial under way queued so far
         self._shares: list[float] = []  # this trial's calls on more threads: CPU time / (wall time × threads)
         self._rejected: float | None = None  # the fastest time per unit of a count the last trial did not keep
+        self._had_cores = True  # whether the last trial's calls on more threads had their cores (SHARED)
         self._window: deque[float] = deque(maxlen=self.WINDOW)
         self._window_shares: deque[float] = deque(maxlen=self.WINDOW)  # the watched calls' CPU / (wall × threads)
         self._reference: float | None = None
@@ -182,11 +189,14 @@ class ThreadChooser:
         return (min(one, key=scores.get) if one else None), (min(more, key=scores.get) if more else None)
 
     def _best(self) -> tuple[int | None, str | None]:
-        """The setting to keep: the fastest, except that more threads must beat one thread by MARGIN."""
+        """The setting to keep: the fastest (one thread on a tie), except that more threads whose calls
+        lacked their cores (the median share under SHARED: another process holds one) must beat one
+        thread by MARGIN."""
         scores = self._scores()
         best = min(scores, key=scores.get)
         one, more = self._counts_best(scores)
-        if best == more and one is not None and scores[one] <= MARGIN * scores[more]:
+        shared = bool(self._shares) and statistics.median(self._shares) < SHARED
+        if best == more and one is not None and scores[one] <= (MARGIN if shared else 1.0) * scores[more]:
             return one
         return best
 
@@ -235,6 +245,8 @@ class ThreadChooser:
         one, more = self._counts_best(scores)
         other = more if best[0] == 1 else one
         self._rejected = scores[other] if n is not None and other is not None and other[0] != n else None
+        # whether the trial's calls on more threads had their cores: only then is losing them a change
+        self._had_cores = not self._shares or statistics.median(self._shares) >= SHARED
 
     def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
         """fn(), timed per unit when the setting is being chosen or watched."""
@@ -276,9 +288,10 @@ class ThreadChooser:
             if self._reference is None:
                 self._reference = now
             # `slack` times its own first calls, REJECTED times the count it beat, or calls on more threads
-            # without their cores (another process took one): the machine changed
+            # without the cores they had in the trial (another process took one): the machine changed
             if (now > self.slack * self._reference or (self._rejected is not None and now > REJECTED * self._rejected)
-                    or (len(self._window_shares) == self.WINDOW and statistics.median(self._window_shares) < SHARED)):
+                    or (self._had_cores and len(self._window_shares) == self.WINDOW
+                        and statistics.median(self._window_shares) < SHARED)):
                 self._start_trial()
                 return out
         if self._since >= self._interval and not self._cores_held():
