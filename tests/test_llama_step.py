@@ -103,51 +103,36 @@ def test_a_hook_sends_the_step_to_the_modules(files, monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
-def test_a_step_s_token_row_is_the_table_s_and_a_hook_on_the_table_sees_it(files, name, monkeypatch):
-    """A step's one token: its row of the quantised table dequantised where it lies, not through the
-    module (the module's bits); a hook on the table sends the step's lookup through the module."""
-    from lmhead_cli.engine import quant
-
-    eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
-    table = eng.llama.model.embed_tokens
-    assert isinstance(table.weight, quant.Blocks)
-    ids = torch.tensor([[IDS[7]]])
-    with torch.inference_mode():
-        assert torch.equal(eng._embedded(ids), table(ids))
-    calls = []
-    real = quant.QuantEmbedding.forward
-    monkeypatch.setattr(quant.QuantEmbedding, "forward", lambda self, i: calls.append(i.tolist()) or real(self, i))
-    whole(eng, [IDS[:5]], [IDS[7]])
-    assert calls == [[IDS[:5]]]  # the prompt's lookup only
-    seen = []
-    handle = table.register_forward_hook(lambda m, args, out: seen.append(args[0].tolist()))
-    try:
-        whole(eng, [IDS[:5]], [IDS[7]])
-    finally:
-        handle.remove()
-    assert seen == [[IDS[:5]], [[IDS[7]]]]
-
-
 @pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K"])
 def test_the_whole_step_looks_its_tokens_up_in_the_call(files, name, monkeypatch):
     """step_logits hands the C call the token ids, and it reads their rows from the table (float32 rows,
-    or GGUF blocks dequantised as gguf-py does): the logits and records of the step from x embedded in
-    Python, bit for bit, with no lookup in Python. An id outside the table: the call declines before it
+    or GGUF blocks dequantised as gguf-py does): the logits and records of the step from x embedded by
+    the table's module, bit for bit, and the module not called for the step's tokens. A hook on the
+    table sees them: the module looks them up. An id outside the table: the call declines before it
     writes anything, and the torch path's lookup refuses it."""
     eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
-    rows = [IDS[:5], IDS[4:13]]
-    news = [IDS[7], IDS[8]]
+    rows, news = [IDS[:5], IDS[4:13]], [IDS[7], IDS[8]]
     got, made = whole(eng, rows, news)
     eng._plan.embeds = False  # the step from x, embedded by the module
     want, want_made = whole(eng, rows, news)
     eng._plan.embeds = True
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(made, want_made))
-    monkeypatch.setattr(type(eng), "_embedded", lambda *a: pytest.fail("looked up in Python"))
+    table = eng.llama.model.embed_tokens
+    calls = []
+    real = type(table).forward
+    monkeypatch.setattr(type(table), "forward", lambda self, i: calls.append(tuple(i.shape)) or real(self, i))
     assert torch.equal(whole(eng, rows, news)[0], got)
+    assert calls == [(2, 9)]  # the prompts' lookup only
     monkeypatch.undo()
+    seen = []
+    handle = table.register_forward_hook(lambda m, args, out: seen.append(args[0].tolist()))
+    try:
+        assert torch.equal(whole(eng, rows, news)[0], got)
+    finally:
+        handle.remove()
+    assert seen[1:] == [[[IDS[7]], [IDS[8]]]]
     with pytest.raises(IndexError):
-        whole(eng, [IDS[:5]], [eng.llama.model.embed_tokens.weight.shape[0]])
+        whole(eng, [IDS[:5]], [table.weight.shape[0]])
 
 
 def test_each_product_s_arithmetic_follows_the_setting(files, monkeypatch):

@@ -302,24 +302,8 @@ class LeanLlama(RowSteps, WholeSteps, Engine):
         rope = self._rope_rows(end, ids.device)
         if whole and self._plan.embeds and not hooked(self._plan.embed_hooks):  # the C call looks the tokens up
             return self._plan.logits(None, cache, mask, pos, rope, record, ids=ids)
-        x = self._embedded(ids)
+        x = self.llama.model.embed_tokens(ids).to(torch.float32)
         return self._plan.logits(x, cache, mask, pos, rope, record) if whole else self._plan.run(x, cache, mask, pos, rope)
-
-    def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
-        """The new tokens' embeddings (B, 1, D) float32 for the compiled step. One token of a table held as
-        GGUF blocks: its row dequantised where it lies, without the module's call, index_select and the
-        checks around them (the same bits: quant.dequantise either way), which after a step has streamed
-        the weights through the caches took ~70 of the ~550 us spent between two Q4_K_M steps of
-        TinyLlama's sizes. Otherwise, or where a hook asks for the module, the module."""
-        from lmhead_cli.engine.quant import Blocks, dequantise
-
-        emb = self.llama.model.embed_tokens
-        w = emb.weight
-        if ids.numel() == 1 and isinstance(w, Blocks) and not hooked(hook_dicts([emb])):
-            i = int(ids)
-            if 0 <= i < w.shape[0]:
-                return dequantise(w.data[i:i + 1], w.qtype, w.cols).view(1, 1, -1)
-        return emb(ids).to(torch.float32)
 
     @torch.inference_mode()
     def step_logits(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
