@@ -195,10 +195,15 @@ class ThreadChooser:
         scores = self._scores()
         best = min(scores, key=scores.get)
         one, more = self._counts_best(scores)
-        shared = bool(self._shares) and statistics.median(self._shares) < SHARED
-        if best == more and one is not None and scores[one] <= (MARGIN if shared else 1.0) * scores[more]:
+        margin = MARGIN if self._lacked_cores() else 1.0
+        if best == more and one is not None and scores[one] <= margin * scores[more]:
             return one
         return best
+
+    def _lacked_cores(self) -> bool:
+        """Whether this trial's median call on more threads had less than SHARED of its cores (another
+        process holds one): False where it timed none."""
+        return bool(self._shares) and statistics.median(self._shares) < SHARED
 
     def _close(self) -> bool:
         """Whether one thread and torch's count came out within CLEAR of each other, or the calls on
@@ -246,7 +251,7 @@ class ThreadChooser:
         other = more if best[0] == 1 else one
         self._rejected = scores[other] if n is not None and other is not None and other[0] != n else None
         # whether the trial's calls on more threads had their cores: only then is losing them a change
-        self._had_cores = not self._shares or statistics.median(self._shares) >= SHARED
+        self._had_cores = not self._lacked_cores()
 
     def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
         """fn(), timed per unit when the setting is being chosen or watched."""
