@@ -1015,3 +1015,35 @@ def refused_gguf(model, folder: Path, says: str, error, **kwargs) -> None:
     assert says in str(e.value), str(e.value)
     out = cli("inspect", PROMPT, "--model", str(path))
     assert out.exit_code == 1 and says in out.stderr and out.stderr.count("\n") == 1, out.output
+
+
+def run_against_steps(eng, prompt: list[int], n: int, eos_at: int | None = None):
+    """Engine.greedy_run against step_logits one step at a time after the same prompt: n greedy steps each
+    way (with `eos_at`, the top-1 of that step named end-of-text, where the run must stop). Asserts the
+    run's records, its last logits and the cache it wrote are the steps' bit for bit, and returns the run."""
+    with torch.inference_mode():
+        caches, firsts = [], []
+        for _ in range(2):
+            cache = eng.new_cache(1, len(prompt) + n + 1)
+            z = eng.head(eng.body(torch.tensor([prompt]), cache)[:, -1:])[:, 0].float()
+            caches.append(cache)
+            firsts.append(int(z.argmax()))
+        token, logits, top_ids, figures = firsts[0], [], [], []
+        for _ in range(n):
+            z, (top_id, top) = eng.step_logits(torch.tensor([[token]]), caches[0], record=True)
+            logits.append(z)
+            top_ids.append(int(top_id[0]))
+            figures.append(top[:, 0])
+            token = top_ids[-1]
+        eos = None if eos_at is None else top_ids[eos_at]
+        m = n if eos is None else top_ids.index(eos) + 1
+        run = eng.greedy_run(firsts[1], caches[1], n, eos)
+    assert run is not None and run.top_ids.tolist() == top_ids[:m]
+    assert torch.equal(run.figures, torch.stack(figures[:m], dim=1)) and torch.equal(run.logits, logits[m - 1])
+    done = len(prompt) + m
+    assert caches[1].length == done
+    if m == n:
+        assert caches[0].length == done
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        assert torch.equal(a[:, :, :, :done], b[:, :, :, :done])
+    return run

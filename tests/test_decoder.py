@@ -161,7 +161,7 @@ class _Batch:
             sink.token(key, None)
         return len(read)
 
-    def step(self, sink, turn=None):
+    def step(self, sink, turn=None, ahead=1):
         self.log.append(("step", [r.row for r in self.live]))
         for r in self.live:
             sink.finish(r.key, "length", "")
@@ -183,7 +183,7 @@ class _Request:
 
 
 STUB = SimpleNamespace(execution=SimpleNamespace(scope=contextlib.nullcontext, run=lambda f, units=1: f(),
-                                                 row_kernel=lambda: None),
+                                                 row_kernel=lambda: None, settled=True),
                        engine=SimpleNamespace(vocab_size=8))
 
 
@@ -199,7 +199,7 @@ def test_a_request_with_no_row_running_joins_a_full_batch_at_once():
     in turn. Mutant: admission only below max_rows (the 1-row request waits for the 8 to finish)."""
     log: list = []
     d = _decoder(log, max_rows=2)
-    d.batch.step = lambda sink, turn=None: None  # nothing ends: rows stay running
+    d.batch.step = lambda sink, turn=None, ahead=1: None  # nothing ends: rows stay running
     d.submit("many", _Request(*[f"m{i}" for i in range(8)]))
     list(d.round())
     assert log == [("prefill", ["m0", "m1"])] and d.waiting == 6
@@ -213,7 +213,7 @@ def test_a_request_with_no_row_running_joins_a_full_batch_at_once():
 def test_rows_beyond_max_rows_are_bounded():
     log: list = []
     d = _decoder(log, max_rows=1)
-    d.batch.step = lambda sink, turn=None: None
+    d.batch.step = lambda sink, turn=None, ahead=1: None
     for k in range(5):
         d.submit(k, _Request(f"r{k}"))
     list(d.round())
@@ -274,3 +274,31 @@ def test_the_worker_clock_counts_the_wait_and_the_first_token():
     finally:
         worker.stop()
         loop.close()
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_decoder_runs_ahead_only_where_no_request_can_join_and_the_threads_are_chosen(tiny, settled, monkeypatch):
+    """`decode` (one call's requests: no other can arrive) lets a lone greedy row run AHEAD positions a
+    round; the decoder the server drives (arrivals, cancellations) steps one position a round, so a
+    request that arrives joins at the next step; and no round runs ahead while the thread count's trial
+    is under way (not `settled`: a trial compares one step with one step). Mutants: AHEAD ignored; a
+    run ahead for the server; during a trial."""
+    from dataclasses import replace
+
+    from lmhead_cli.decoding import decoder as decoding
+
+    model = lmhead_cli.load(str(tiny[0]), device="cpu")
+    loaded = replace(model.loaded, execution=SimpleNamespace(run=lambda f, units=1: f(), settled=settled,
+                                                             row_kernel=lambda: None))
+    made = []
+    monkeypatch.setattr(decoding, "Decoder", lambda *a, **k: made.append(Decoder(*a, **k)) or made[-1])
+    decoding.decode(loaded, [])
+    monkeypatch.setattr(model, "loaded", loaded)
+    server = model.decoder(max_rows=4, arrivals=lambda: [], cancelled=lambda key: False)
+    for d, want in ((made[0], decoding.AHEAD if settled else 1), (server, 1)):
+        asked = []
+        d.batch = _Batch([])
+        d.batch.step = lambda sink, turn=None, ahead=1: asked.append(ahead) or 0
+        d.batch.live = [SimpleNamespace(key=(0, 0))]
+        list(d.round())
+        assert asked == [want]

@@ -205,19 +205,32 @@ def test_a_drawn_seed_spans_32_bits_and_its_generator_is_made_on_the_model_s_dev
     assert devices == [loaded.engine.device]
 
 
-def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny):
+@pytest.mark.parametrize("settled", [False, True])
+def test_only_the_one_position_steps_run_under_the_thread_chooser(tiny, settled):
     """The prompt's prefill runs on the model's thread count (execution.scope), untimed; each step, one
     position (the first runs the token chosen from the prompt's logits), goes through loaded.execution.run,
-    which times those steps to choose the thread count. Mutants: the prefill too, or none."""
+    which times those steps to choose the thread count, each counted as the positions it ran. While the
+    count is being chosen (not `settled`), a step a call; once it is, a lone greedy row runs its
+    positions ahead, several a call (the tiny model's whole compiled step, where the kernels load).
+    Mutants: the prefill too, or none; a run ahead during a trial; units not counted from the call."""
     from dataclasses import replace
+
+    from lmhead_cli.engine import kernels
 
     loaded = load(tiny[0])
     calls = []
-    timed = replace(loaded, execution=SimpleNamespace(run=lambda f, units=1: calls.append(1) or f(),
-                                                      scope=contextlib.nullcontext,
+
+    def run(f, units=1):
+        out = f()
+        calls.append(units(out) if callable(units) else units)
+        return out
+
+    timed = replace(loaded, execution=SimpleNamespace(run=run, scope=contextlib.nullcontext, settled=settled,
                                                       row_kernel=loaded.execution.row_kernel))
     g = generate(timed, PROMPT_IDS, make_settings(greedy=True, max_new_tokens=5))
-    assert len(g.steps) == 5 and len(calls) == 5  # 4 steps that run a token and choose the next, 1 that chooses the last
+    assert len(g.steps) == 5 and sum(calls) == 5  # 4 steps that run a token and choose the next, 1 that chooses the last
+    # ahead: the positions of the first 4 tokens in one call, then the step that chooses the last
+    assert calls == ([4, 1] if settled and kernels.load() is not None else [1] * 5)
 
 
 def test_greedy_ignores_the_seed_and_beams_agree_with_greedy_at_one(tiny):
@@ -497,12 +510,16 @@ class BigramEngine:
     def step_logits(self, ids, cache, attention_mask=None, record=False):
         return self.last_logits(ids, cache), None  # no record of its own: the loop makes it
 
+    def greedy_run(self, token, cache, n, eos):
+        return None  # no run of its own: the loop steps
+
 
 def bigram_loaded(table: torch.Tensor):
     text = lambda i: f"<{i}>"  # noqa: E731
     tokenizer = SimpleNamespace(token_text=text, token_bytes=lambda i: text(i).encode(),
                                 decode=lambda ids: "".join(map(text, ids)))
-    execution = SimpleNamespace(run=lambda f, units=1: f(), scope=contextlib.nullcontext, row_kernel=lambda: None)
+    execution = SimpleNamespace(run=lambda f, units=1: f(), scope=contextlib.nullcontext, row_kernel=lambda: None,
+                                settled=True)
     return SimpleNamespace(engine=BigramEngine(table), tokenizer=tokenizer, execution=execution)
 
 
@@ -850,10 +867,13 @@ def test_plain_greedy_figures_from_the_compiled_kernel_match_torchs_record():
 def test_plain_greedy_decoding_is_the_same_with_and_without_the_compiled_figures(tiny, monkeypatch):
     """The loop's fast path changes no token and no figure beyond float32's reach (LMHEAD_KERNELS=0:
     torch's record), whether the record is the loop's kernel call or the one the engine made with the
-    step's logits (every step after the prompt's, where the whole step runs in one call)."""
+    step's logits (every step after the prompt's, where the whole step runs in one call). One step a
+    round (AHEAD 1): a run ahead makes its records in the engine (test_batch.py compares it with this)."""
     from lmhead_cli.decoding import batch as loop
+    from lmhead_cli.decoding import decoder
     from lmhead_cli.engine import kernels
 
+    monkeypatch.setattr(decoder, "AHEAD", 1)
     loaded = load(tiny[0])
     used, made_by_engine = [], []
     original = loop.greedy_record

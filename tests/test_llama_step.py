@@ -200,3 +200,51 @@ def test_a_hook_on_the_head_or_a_replaced_head_keeps_the_modules(files, monkeypa
     assert made is None and calls == [1]
     monkeypatch.undo()
     assert whole(eng, [IDS[:5]], [IDS[7]])[1] is not None
+
+
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K", "qwen2"])
+def test_a_greedy_run_is_its_steps_in_one_call(files, name, monkeypatch):
+    """Engine.greedy_run (csrc/llama_step.c lmhead_greedy_run over lmhead_llama_decode): n steps from a
+    token in one call give step_logits' records and logits step after step and write the same cache, bit
+    for bit, in either arithmetic of the GGUF products; it stops after the step whose top-1 is
+    end-of-text, and at the end of the cache. A hook on the token table, LMHEAD_STEP=0 or a head replaced
+    on the instance: it runs nothing and says so."""
+    from helpers import run_against_steps
+
+    eng = lmhead_cli.load(str(files[name]), device="cpu").loaded.engine
+    for arithmetic in ("exact", "llama.cpp"):
+        monkeypatch.setenv("LMHEAD_GGUF_ARITHMETIC", arithmetic)
+        assert run_against_steps(eng, IDS[:5], 9).top_ids.shape == (9,)
+        assert run_against_steps(eng, IDS[:5], 9, eos_at=1).top_ids.shape[0] <= 2  # its top-1, first seen by then
+    cache = eng.new_cache(1, 8)
+    eng.body(torch.tensor([IDS[:5]]), cache)
+    handle = eng.llama.model.embed_tokens.register_forward_hook(lambda *a: None)
+    try:
+        assert eng.greedy_run(IDS[5], cache, 2, None) is None and cache.length == 5
+    finally:
+        handle.remove()
+    monkeypatch.setenv("LMHEAD_STEP", "0")
+    assert eng.greedy_run(IDS[5], cache, 2, None) is None and cache.length == 5
+    monkeypatch.delenv("LMHEAD_STEP")
+    monkeypatch.setattr(eng, "head", eng.head)
+    assert eng.greedy_run(IDS[5], cache, 2, None) is None and cache.length == 5
+    monkeypatch.undo()
+    assert eng.greedy_run(IDS[5], cache, 9, None).top_ids.shape == (3,) and cache.length == 8  # as far as the cache goes
+
+
+def test_generate_runs_ahead_to_the_same_tokens_and_figures(files, monkeypatch):
+    """lmhead_cli.load(a GGUF).generate(), greedy: with runs ahead (decoder.AHEAD) and one step a round,
+    the same tokens and the same figures, and the runs ran (Engine.greedy_run)."""
+    from lmhead_cli.decoding import decoder
+
+    m = lmhead_cli.load(str(files["Q4_K"]), device="cpu")
+    eng = m.loaded.engine
+    runs, real = [], eng.greedy_run
+    monkeypatch.setattr(eng, "greedy_run", lambda *a: runs.append(real(*a)) or runs[-1])
+    out = {}
+    for ahead in (8, 1):
+        monkeypatch.setattr(decoder, "AHEAD", ahead)
+        g = m.generate("The keys on the table", max_new_tokens=20, ignore_eos=True, greedy=True)
+        out[ahead] = [(s.id, s.logit, s.logprob, s.entropy) for s in g.steps]
+    assert out[8] == out[1] and len(out[1]) == 20
+    assert any(r is not None and r.top_ids.shape[0] > 1 for r in runs)

@@ -129,7 +129,7 @@ def test_choices_of_one_prompt_share_one_prefill(model):
             batch.add(j, Row(tuple(PROMPT_IDS), max_tokens=3, greedy=False, seed=100 + j))
         batch.run(sink)
     finally:
-        model.loaded.engine.body = body
+        del model.loaded.engine.body  # the class's again: an instance's own body would keep the compiled step off
     assert calls.count((1, len(PROMPT_IDS))) == 1 and calls[1:] == [(4, 1), (4, 1)]
     for j in range(4):
         same(alone(model, Row(tuple(PROMPT_IDS), max_tokens=3, greedy=False, seed=100 + j)), sink.got[j])
@@ -187,7 +187,7 @@ def test_a_joining_row_hands_out_its_first_token_from_its_prompt_before_any_step
         batch.add("late", Row(tuple(PROMPT_IDS), max_tokens=4))
         read = batch.prefill(sink)
     finally:
-        model.loaded.engine.last_logits = last_logits
+        del model.loaded.engine.last_logits
     assert read == len(PROMPT_IDS) and forwards == []  # no step ran
     assert [e[:2] for e in sink.got["late"]] == [("token", want[0, len(PROMPT_IDS)].item())]
     assert len(sink.got["running"]) == before  # the running row got nothing from the prefill
@@ -215,8 +215,9 @@ def test_prompts_waiting_together_are_read_in_one_pass_and_each_row_equals_its_a
     empty batch or a running one, with a prompt's n choices, a sampled row and a cancelled row among
     them. Mutants: positions counted from the padding, or the cache not right-aligned, change tokens."""
     passes = []
-    body = model.loaded.engine.body
-    monkeypatch.setattr(model.loaded.engine, "body", lambda ids, *a, **k: passes.append(tuple(ids.shape)) or body(ids, *a, **k))
+    body = type(model.loaded.engine).body  # patched on the class: set on the instance, undo would leave it there
+    monkeypatch.setattr(type(model.loaded.engine), "body",
+                        lambda self, ids, *a, **k: passes.append(tuple(ids.shape)) or body(self, ids, *a, **k))
     rows = {"greedy": ROWS["greedy"], "sampled": ROWS["sampled"], "stop": ROWS["stop"],
             "short": Row((464,), max_tokens=5), "gone": Row((11, 12, 13, 14), max_tokens=4)}
     choices = [Row((40, 1101, 257, 1110), max_tokens=4, greedy=False, seed=20 + j) for j in range(2)]
@@ -246,3 +247,100 @@ def test_prompts_waiting_together_are_read_in_one_pass_and_each_row_equals_its_a
             same(alone(model, row), sink.got[key])
     for j, row in enumerate(choices):
         same(alone(model, row), sink.got[("n", j)])
+
+
+class StepSink(Sink):
+    """Sink with each token's whole record (Step's figures) too."""
+
+    def token(self, key, t):
+        s = t.step
+        self.got.setdefault(key, []).append(("token", t.id, t.text, t.logprob, t.top_ids,
+                                             (s.logit, s.entropy, s.rank, s.raw_logprob, s.raw_entropy, s.removed_mass)))
+
+
+def run_ahead(loaded, row: Row, ahead: int, runs: list | None = None) -> list:
+    """One row alone, stepped with `ahead`: its events (StepSink's); `runs`, the positions of each
+    Engine.greedy_run call that ran some."""
+    eng, sink = loaded.engine, StepSink()
+    real = eng.greedy_run
+
+    def counted(*args):
+        out = real(*args)
+        if out is not None and runs is not None:
+            runs.append(out.top_ids.shape[0])
+        return out
+
+    eng.greedy_run = counted
+    try:
+        batch = Batch(loaded)
+        batch.add(0, row)
+        while batch.queued or batch.live:
+            if batch.queued:
+                batch.prefill(sink)
+            batch.step(sink, ahead=ahead)
+    finally:
+        del eng.greedy_run
+    return sink.got[0]
+
+
+def test_a_lone_greedy_row_run_ahead_hands_out_what_one_step_at_a_time_does(model, tiny):
+    """Batch.step with `ahead`: a lone plain greedy row runs up to that many positions in one engine call
+    (Engine.greedy_run) and hands their tokens out in order, each with its record, text and finish
+    exactly as one step a call makes them: whatever max_tokens leaves of a run, a stop string met in
+    the middle of one (the rest dropped), end-of-text where the run stops itself. The tokens are
+    transformers' generate(). Mutants: the last position's record handed out twice or not at all, runs
+    that pass max_tokens, the stop string missed, tokens after end-of-text."""
+    from lmhead_cli.engine import kernels
+
+    compiled = kernels.load() is not None
+    base = Row(tuple(PROMPT_IDS), max_tokens=30)
+    one = run_ahead(model.loaded, base, 1)
+    ids = [e[1] for e in one if e[0] == "token"]
+    want = tiny[1].generate(torch.tensor([PROMPT_IDS]), max_new_tokens=30, do_sample=False, pad_token_id=50256)
+    assert ids == want[0, len(PROMPT_IDS):].tolist()
+    later = next(i for i in range(9, len(ids)) if ids[i] not in ids[:i])  # a token first met in a later run
+    texts = [e[2] for e in one if e[0] == "token"]
+    rows = [Row(tuple(PROMPT_IDS), max_tokens=k) for k in (1, 2, 3, 9, 17, 30)]
+    rows += [Row(tuple(PROMPT_IDS), max_tokens=30, stop=(model.loaded.tokenizer.token_text(ids[later]),)),
+             Row(tuple(PROMPT_IDS), max_tokens=30, stop=(texts[1] + texts[2],)),
+             Row(tuple(PROMPT_IDS), max_tokens=30, eos=ids[later])]
+    for row in rows:
+        runs = []
+        got = run_ahead(model.loaded, row, 8, runs)
+        assert got == run_ahead(model.loaded, row, 1), row
+        assert got[-1][0] == "finish"
+        if compiled and row.max_tokens > 2:
+            assert runs and max(runs) <= 8 and sum(runs) <= row.max_tokens - 1  # the positions its tokens need, or fewer
+    assert run_ahead(model.loaded, rows[-1], 8)[-1][1] == "eos"
+
+
+def test_a_logit_that_is_not_finite_in_a_run_ahead_fails_where_one_step_at_a_time_does(tmp_path):
+    """A position whose embedding is NaN makes that step's logits NaN: run ahead, the run stops there
+    (its record spoilt) and the next step reports NonFiniteLogits, after the same tokens as one step a
+    call."""
+    from helpers import build_checkpoint
+
+    from lmhead_cli.errors import NonFiniteLogits
+
+    model = build_checkpoint(tmp_path)
+    with torch.no_grad():
+        model.transformer.wpe.weight[len(PROMPT_IDS) + 5] = float("nan")
+    model.save_pretrained(tmp_path)
+    from lmhead_cli.engine import kernels
+
+    loaded = lmhead_cli.load(str(tmp_path), device="cpu").loaded
+    runs, real = [], loaded.engine.greedy_run
+    loaded.engine.greedy_run = lambda *a: runs.append(real(*a)) or runs[-1]
+    outs = []
+    for ahead in (1, 8):
+        sink = StepSink()
+        batch = Batch(loaded)
+        batch.add(0, Row(tuple(PROMPT_IDS), max_tokens=20))
+        batch.prefill(sink)
+        with pytest.raises(NonFiniteLogits):
+            while batch.live:
+                batch.step(sink, ahead=ahead)
+        outs.append(sink.got[0])
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+    if kernels.load() is not None:  # one run, stopped at the sixth position: its record spoilt
+        assert len(runs) == 1 and runs[0].top_ids.tolist()[5:] == [-1]

@@ -405,7 +405,8 @@ def test_a_token_or_position_outside_the_tables_gets_the_torch_path_s_error(ragg
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_generation_runs_its_steps_token_to_logits_in_one_call(ragged, dtype, monkeypatch):
-    """lmhead_cli.load().generate(): every step after the prompt's is one call, and the greedy ids are
+    """lmhead_cli.load().generate(): every step after the prompt's is the whole step in a call (one step a
+    call, or several: a run ahead, once the thread count is chosen), and the greedy ids are
     transformers' generate() on the weights the engine runs (bfloat16: its own torch path's, the
     whole step turned off)."""
     import lmhead_cli
@@ -413,8 +414,11 @@ def test_generation_runs_its_steps_token_to_logits_in_one_call(ragged, dtype, mo
     folder, model = ragged
     m = lmhead_cli.load(str(folder), dtype=dtype, device="cpu")
     taken = count_steps(monkeypatch, "logits")
+    runs, real = [], step.StepPlan.greedy_run
+    monkeypatch.setattr(step.StepPlan, "greedy_run", lambda self, *a: runs.append(real(self, *a)) or runs[-1])
     got = m.generate("The keys on the table", max_new_tokens=NEW, ignore_eos=True, greedy=True)
-    assert taken[0] == NEW - 1
+    ran = [r.top_ids.shape[0] for r in runs if r is not None]
+    assert taken[0] + sum(ran) == NEW - 1 and max(ran) > 1
     prompt = got.prompt_ids
     if dtype == "bfloat16":
         monkeypatch.setenv(step.ENV, "0")
@@ -546,3 +550,32 @@ def test_the_thread_count_does_not_change_a_compiled_prompt_read(ragged):
             assert torch.equal(hidden, got[0][0]) and torch.equal(cache, got[0][1])
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_greedy_run_is_its_steps_in_one_call(ragged, dtype, monkeypatch):
+    """Engine.greedy_run (csrc/llama_step.c lmhead_greedy_run over lmhead_decode): n steps in one call give
+    step_logits' records and logits step after step and write the same cache, bit for bit; it stops
+    after the step whose top-1 is end-of-text. Where the whole step would not run (a hook on a block,
+    LMHEAD_STEP=0, a body replaced on the instance) it runs nothing and says so."""
+    from helpers import run_against_steps
+
+    eng = load_model(str(ragged[0]), device="cpu", dtype=dtype).engine
+    prompt = [464, 8251, 319, 262]
+    assert run_against_steps(eng, prompt, 9).top_ids.shape == (9,)
+    assert run_against_steps(eng, prompt, 9, eos_at=1).top_ids.shape[0] <= 2  # the top-1 of step 1, first seen by then
+    cache = eng.new_cache(1, 8)
+    eng.body(torch.tensor([prompt]), cache)
+    handle = eng.gpt.h[1].register_forward_hook(lambda *a: None)
+    try:
+        assert eng.greedy_run(5, cache, 3, None) is None and cache.length == 4
+    finally:
+        handle.remove()
+    monkeypatch.setenv(step.ENV, "0")
+    assert eng.greedy_run(5, cache, 3, None) is None and cache.length == 4
+    monkeypatch.delenv(step.ENV)
+    monkeypatch.setattr(eng, "body", eng.body)
+    assert eng.greedy_run(5, cache, 3, None) is None and cache.length == 4
+    monkeypatch.undo()
+    assert eng.greedy_run(5, cache, 9, None).top_ids.shape == (4,) and cache.length == 8  # as far as the cache goes

@@ -177,6 +177,33 @@ def test_units_normalise_the_work(monkeypatch, restore_threads):
     assert chooser.choices == [2]
 
 
+def test_units_counted_from_the_call_s_result_normalise_it_too(monkeypatch, restore_threads):
+    """`units` as a function of the call's result (a decoding round that ran several positions): a call
+    that returns 10 and took 5 s is 0.5 s a unit, and beats a 1-unit call of 1 s."""
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    chooser.run(lambda: None)  # the warm-up
+    clock(monkeypatch, [5, 1])
+    for ran in (10, 1):
+        assert chooser.run(lambda: ran, lambda out: out) == ran
+    assert chooser.choices == [2]
+
+
+def test_settled_while_calls_are_only_watched(monkeypatch, restore_threads):
+    """`settled` (a decoder may put several positions in a call): not during the warm-up or a trial, nor
+    when the next call starts one; yes while calls are watched."""
+    torch.set_num_threads(2)
+    chooser = ThreadChooser()
+    clock(monkeypatch, [1, 4] + [1] * 5 + [3] * 3 + [9, 2])
+    states = []
+    for _ in range(13):
+        states.append(chooser.settled)
+        chooser.run(lambda: None)
+    # warm-up, the trial's two calls, then watched until the slowdown (the tenth call) starts a trial
+    assert states == [False, False, False] + [True] * 8 + [False, False]
+    assert ThreadChooser(fixed=1).settled
+
+
 def test_fixed_count_is_set_inside_the_model_s_calls_only_and_nothing_is_timed(monkeypatch, restore_threads):
     from lmhead_cli.engine.execution import Execution
 

@@ -35,7 +35,8 @@ import torch
 from lmhead_cli.chunks import default_chunk
 from lmhead_cli.decoding import grammar, stages
 from lmhead_cli.decoding.prefill import PREFILL_CHUNK, Joining, _Prefill
-from lmhead_cli.decoding.record import FINITE, Top, greedy_record, record, spread, step_of, top_tokens
+from lmhead_cli.decoding.record import (FINITE, ID, Step, Top, greedy_record, greedy_rows, record, spread, step_of,
+                                        top_tokens)
 from lmhead_cli.decoding.rows import Live, Row, Sink, Token, check_finite_rows
 from lmhead_cli.decoding.stages import Knobs
 from lmhead_cli.head import log_softmax
@@ -74,12 +75,14 @@ class Batch(Joining):
         return max((r.length for r in self.live), default=0) if self.mask is None else self.mask.shape[1]
 
     @torch.inference_mode()
-    def step(self, sink: Sink, turn: set | None = None) -> int:
+    def step(self, sink: Sink, turn: set | None = None, ahead: int = 1) -> int:
         """Choose each live row's next token, hand it to `sink`, let finished and cancelled rows leave, and
         run one position for the rest (a row whose first token was chosen when it joined runs that one).
         `turn`: the keys of the rows that step (the decoder's turns across requests); the others wait,
         their cache and next logits kept (None: every row; an engine without Engine.step_rows steps
-        every row). Returns the rows that stepped."""
+        every row). `ahead`: where one plain greedy row runs alone, up to this many positions in one
+        engine call (`_run_ahead`). Returns the positions run, all rows together (the rows that stepped,
+        one each, but for a run ahead)."""
         if not self.live:
             return 0
         keep_cancel = [i for i, r in enumerate(self.live) if not sink.cancelled(r.key)]
@@ -105,6 +108,10 @@ class Batch(Joining):
         if ended:
             self.regroup([i for i in range(len(live)) if i not in ended])
         if going:
+            if ahead > 1 and len(self.live) == 1 and not self.queued and self.mask is None and _plain(going):
+                ran = self._run_ahead(going[0], ids[0], ahead, sink)
+                if ran:
+                    return ran
             at = {id(r): i for i, r in enumerate(self.live)}
             rows = [at[id(r)] for r in going]  # in order: `run` was, and regroup keeps the order
             self._forward(torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -151,25 +158,58 @@ class Batch(Joining):
             # the row's logits only to say what is not finite: a slice a step is a dispatched op, ~30 us
             # once a step's weights have evicted torch's code from the caches
             st = step_of(rec, self.loaded.tokenizer.token_text, None if rec[FINITE] else logits[i:i + 1], top)
-            r.count += 1
-            self.tokens += 1
-            reason = None
-            if st.id == r.row.eos:
-                reason = "eos"
-            elif r.text.add(st.id):
-                reason = "stop"
-            if reason is None and r.count >= r.row.max_tokens:
-                reason = "length"
-            piece = r.text.piece(final=reason is not None, flush=reason in ("eos", "length"))
-            lp = st.logprob if r.row.mode == "processed" else st.raw_logprob
             sp = (tuple(spread((used if r.row.mode == "processed" else raw)[i:i + 1])[0].tolist())
                   if r.row.uncertainty else None)
-            sink.token(r.key, Token(st.id, lp, top.ids.tolist() if top else [], top.logprobs.tolist() if top else [],
-                                    piece, st, sp))
-            if reason is not None:
+            if self._hand_out(r, st, top, sp, sink):
                 ended.add(idx[i])
-                sink.finish(r.key, reason, r.text.piece(final=True))
         return chosen, ended
+
+    def _hand_out(self, r: Live, st: Step, top: Top | None, sp: tuple | None, sink: Sink) -> str | None:
+        """Row r's chosen token `st` counted and handed to `sink` with the text it made safe to show (its
+        top tokens `top`, its spread `sp` where asked): "eos", "stop" or "length" where it ends the row (its
+        finish handed out too), else None."""
+        r.count += 1
+        self.tokens += 1
+        reason = None
+        if st.id == r.row.eos:
+            reason = "eos"
+        elif r.text.add(st.id):
+            reason = "stop"
+        if reason is None and r.count >= r.row.max_tokens:
+            reason = "length"
+        piece = r.text.piece(final=reason is not None, flush=reason in ("eos", "length"))
+        lp = st.logprob if r.row.mode == "processed" else st.raw_logprob
+        sink.token(r.key, Token(st.id, lp, top.ids.tolist() if top else [], top.logprobs.tolist() if top else [],
+                                piece, st, sp))
+        if reason is not None:
+            sink.finish(r.key, reason, r.text.piece(final=True))
+        return reason
+
+    def _run_ahead(self, r: Live, token: int, ahead: int, sink: Sink) -> int:
+        """Row r, the batch's one row, plain greedy, with nothing padded or queued: up to `ahead` positions
+        in one engine call (Engine.greedy_run), the first on `token` (chosen), each next on the top-1 of
+        the one before, as `step` would choose it. The tokens of all but the last are handed out here, in
+        order, as `step` hands one out (a stop string may end the row: the rest are dropped with it); the
+        last's logits and record are the next step's. Between two steps the decoding loop's own Python
+        took ~0.5 ms once a step's weights had evicted it from the caches (a 20 ms Q4_K_M step, a 5 ms
+        int8 one); run ahead, it is paid once a call. Returns the positions run; 0 where none was (the
+        caller steps)."""
+        n = min(ahead, r.row.max_tokens - r.count, _capacity(self.cache, self.eng) - self.columns)
+        if n < 2:
+            return 0
+        run = self.eng.greedy_run(token, self.cache, n, r.row.eos)
+        if run is None:
+            return 0
+        m = run.top_ids.shape[0]
+        r.length += m
+        rows = greedy_rows(run.top_ids.tolist(), *run.figures.tolist())
+        for rec in rows[:-1]:
+            if self._hand_out(r, step_of(rec, self.loaded.tokenizer.token_text, None), None, None, sink):
+                self.regroup([])
+                return m
+        self.logits = run.logits
+        self.record = ([r], (run.top_ids[m - 1:], run.figures[:, m - 1:])) if rows[-1][ID] >= 0 else None
+        return m
 
     def distributions(self, logits: torch.Tensor | None = None, live: list[Live] | None = None,
                       allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:

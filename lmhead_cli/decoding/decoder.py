@@ -33,6 +33,9 @@ from lmhead_cli.decoding.batch import Batch
 from lmhead_cli.decoding.request import Event, Request
 
 SPARE = 2  # rows a full batch may grow to, in multiples of max_rows, for requests with no row running
+# Positions a lone plain greedy row runs in one engine call (Batch.step's `ahead`) where no request can
+# join it (`decode`: one call's requests): its tokens then come AHEAD at a time.
+AHEAD = 8
 
 
 class Decoder:
@@ -40,12 +43,14 @@ class Decoder:
 
     def __init__(self, loaded, *, max_rows: int | None = None, budget: int | None = None, chunk: int | None = None,
                  arrivals: Callable[[], list[tuple[object, Request]]] | None = None,
-                 cancelled: Callable[[object], bool] | None = None):
+                 cancelled: Callable[[object], bool] | None = None, ahead: int = 1):
         """max_rows: rows the batch takes (None: every row at once, one call's choices); budget: prompt
         positions read per round (None: all); chunk: echo's head chunk; arrivals(): requests that came
-        meanwhile, as (key, Request); cancelled(key): whether a request's caller has gone."""
+        meanwhile, as (key, Request); cancelled(key): whether a request's caller has gone; ahead: positions
+        a plain greedy row alone in the batch may run in one round (Batch.step), while the thread count
+        is not being timed (its trials compare one step with one step)."""
         self.loaded, self.batch = loaded, Batch(loaded, chunk)
-        self.max_rows, self.budget = max_rows, budget
+        self.max_rows, self.budget, self.ahead = max_rows, budget, ahead
         self.arrivals = arrivals or (lambda: [])
         self.gone = cancelled or (lambda key: False)
         self.queue: deque[list] = deque()  # [key, rows, next row] of each request with rows not admitted, in turn
@@ -99,9 +104,9 @@ class Decoder:
             yield from self._drain()
         if self.batch.live:
             start = time.perf_counter()
-            batch, turn = self.batch, self._turns()
-            self.loaded.execution.run(lambda: batch.step(self, turn),
-                                      units=max(len(batch.live) if turn is None else len(turn), 1))
+            batch, turn, execution = self.batch, self._turns(), self.loaded.execution
+            ahead = self.ahead if execution.settled else 1
+            execution.run(lambda: batch.step(self, turn, ahead), units=lambda ran: max(ran, 1))
             self.step_s += time.perf_counter() - start
             for key in [k for k in self.running if self.gone(k)]:  # their rows left at this step
                 del self.running[key]
@@ -237,8 +242,9 @@ class Decoder:
 
 
 def decode(loaded, requests: list[Request]) -> Iterator[Event]:
-    """Every event of `requests` (keys 0 … len - 1), all rows at once: one call's prompts and choices."""
-    decoder = Decoder(loaded)
+    """Every event of `requests` (keys 0 … len - 1), all rows at once: one call's prompts and choices (no
+    other request can join, so a lone greedy row runs AHEAD positions a round)."""
+    decoder = Decoder(loaded, ahead=AHEAD)
     for key, request in enumerate(requests):
         decoder.submit(key, request)
     return decoder.events()

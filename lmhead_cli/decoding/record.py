@@ -152,9 +152,14 @@ def greedy_record(logits: torch.Tensor, kernel, made: tuple | None = None) -> tu
             return None
         top_logprob, h = top_logprob.tolist(), h.tolist()
         logit = z.numpy()[range(z.shape[0]), top_id.numpy()].tolist()
-    rows = [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0, NO_GRAMMAR, 0.0]
-            for i, lp, zz, e in zip(top_id.tolist(), top_logprob, logit, h)]
-    return top_id, rows
+    return top_id, greedy_rows(top_id.tolist(), top_logprob, h, logit)
+
+
+def greedy_rows(top_id: list[int], top_logprob: list[float], h: list[float], logit: list[float]) -> list[list[float]]:
+    """`record`'s rows for plain greedy choices from their greedy records (each the top-1's id, its log p,
+    the entropy, its logit): rank 1, finite, raw and processed one, nothing removed, no grammar."""
+    return [[float(i), lp, zz, e, 1.0, 1.0, lp, e, 0.0, NO_GRAMMAR, 0.0]
+            for i, lp, zz, e in zip(top_id, top_logprob, logit, h)]
 
 
 def step_of(row: list[float], token_text, logits: torch.Tensor | None, top: Top | None = None) -> Step:

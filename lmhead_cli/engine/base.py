@@ -175,6 +175,16 @@ def module_name(root: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in root.named_modules() if m is module)
 
 
+@dataclass(frozen=True)
+class GreedyRun:
+    """Greedy steps of one row run in one call (Engine.greedy_run), m of them: step i ran the token chosen
+    before it (the first, the caller's token; then the top-1 of the step before) and made its record."""
+
+    top_ids: torch.Tensor  # (m,) int64 each step's top-1; the last -1 where a logit not finite spoilt its record
+    figures: torch.Tensor  # (3, m) float32 each step's top-1 log p, entropy and top-1 logit (step_logits' record)
+    logits: torch.Tensor  # (1, V) float32 the last step's logits
+
+
 @dataclass
 class Engine(ABC):
     """What the rest of lmhead needs from a model.
@@ -278,6 +288,15 @@ class Engine(ABC):
         column stays zero, hidden by the mask). The logits (n, V) and records as step_logits' for those
         rows. None where the engine cannot step a part of its cache's rows (`steps_rows` False:
         decoding/batch.py then steps every row); an engine that can also implements `compact_cache`."""
+        return None
+
+    def greedy_run(self, token: int, cache: Any, n: int, eos: int | None) -> GreedyRun | None:
+        """Up to n greedy steps of a one-row `cache` (no mask) in one call: step_logits with `record` run on
+        `token`, then on each step's top-1 in turn, stopping after a step whose top-1 is `eos` (None: no
+        such token) or whose record a logit that is not finite spoilt; the cache advanced by the steps run.
+        What a decoding loop of plain greedy steps does, without its own work between the steps: the
+        tokens are the same. None where the engine does not run steps so (nothing done: the caller
+        steps)."""
         return None
 
     def compact_cache(self, cache: Any, keep: torch.Tensor, max_len: int) -> Any:

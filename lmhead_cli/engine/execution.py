@@ -94,11 +94,18 @@ class Execution:
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
 
-    def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
+    def run(self, fn: Callable[[], T], units: float | Callable[[T], float] = 1.0) -> T:
         """fn() in this model's scope, timed per unit (a token) while the thread count and the product
-        form are being chosen or watched (engine/threads.py)."""
+        form are being chosen or watched (engine/threads.py). `units`: a number, or a function of fn's
+        result that counts them (a decoding round that ran several positions)."""
         with self.scope():
             return self.chooser.run(fn, units)
+
+    @property
+    def settled(self) -> bool:
+        """Whether no trial of thread counts or forms is under way or due at the next call: calls are only
+        watched, so a call may hold more work than the one before (ThreadChooser.settled)."""
+        return self.chooser.settled
 
     def settle(self, fn: Callable[[], object], units: float = 1.0) -> int:
         """Run fn as often as the trial needs to choose (nothing when the count is fixed); the count chosen."""

@@ -33,16 +33,20 @@ KERNEL_FUNCTIONS = {  # one of each per variant, the name suffixed by the varian
     # the plan (an array of lmhead_layer), then the step's arguments in order
     "lmhead_step": (_int, [_ptr, _i64, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _ptr, _ptr, _i64, _i64,
                            _i64, _i64, _ptr, _i64, _int]),
-    # the lmhead_model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the logits,
-    # the record's top-1 ids and figures
     # the lmhead_llama, the rows of x, their positions, the cache and mask as lmhead_step's
     "lmhead_llama_step": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _int]),
     # lmhead_llama_step's arguments with the token ids after x (x or the ids NULL), then the logits and the
     # record's top-1 ids and figures
     "lmhead_llama_decode": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64,
                                    _ptr, _ptr, _ptr, _int]),
+    # the lmhead_model, then the tokens, positions, rows, the cache and mask as lmhead_step's, the logits,
+    # the record's top-1 ids and figures
     "lmhead_decode": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
                              _ptr, _int]),
+    # the model (lmhead_llama or lmhead_model, as the flag says), the first token, the steps, end-of-text,
+    # the cache as lmhead_step's, its length, the logits (2, V), each step's top-1 id and figures
+    "lmhead_greedy_run": (_int, [_ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
+                                 _ptr, _int]),
 }
 FUNCTIONS = tuple(KERNEL_FUNCTIONS)
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, WholeSteps, capture_components,
-                                    linearise_norm, position_ids)
+from lmhead_cli.engine.base import (Components, Engine, GreedyRun, LayerTaps, TieNames, WholeSteps,
+                                    capture_components, linearise_norm, position_ids)
 from lmhead_cli.engine import int8, kernels
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.step import StepPlan
@@ -371,10 +371,27 @@ class LeanGPT2(RowSteps, WholeSteps, Engine):
         return out if out is not None else (Engine.last_logits(self, ids, cache, attention_mask), None)
 
     @torch.inference_mode()
+    def greedy_run(self, token: int, cache: KVCache, n: int, eos: int | None) -> GreedyRun | None:
+        """Engine.greedy_run: the whole compiled step run n times in one call (StepPlan.greedy_run), where
+        step_logits would run it (`_whole`); n kept within the context and the cache."""
+        n = min(n, self.n_ctx - cache.length, cache.k.shape[3] - cache.length)
+        if n < 1 or self.step is None or not self._whole():
+            return None
+        run = self.step.greedy_run(token, cache, n, eos)
+        if run is not None:
+            cache.length += run.top_ids.shape[0]
+        return run
+
+    def _whole(self) -> bool:
+        """Whether the whole step may run compiled: the products in the kernels' form (int8, or the form
+        chosen), and neither `body` nor `head` replaced on the instance."""
+        return ((self.int8 or self.products.form == "kernel") and "body" not in self.__dict__
+                and "head" not in self.__dict__)
+
+    @torch.inference_mode()
     def _whole_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
                     record: bool) -> tuple[torch.Tensor, tuple | None] | None:
-        if (cache.length + 1 > self.n_ctx or not (self.int8 or self.products.form == "kernel")
-                or "body" in self.__dict__ or "head" in self.__dict__):
+        if cache.length + 1 > self.n_ctx or not self._whole():
             return None
         mask = pos = None
         if attention_mask is not None:

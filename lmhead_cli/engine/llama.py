@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmhead_cli.engine.base import (Components, Engine, LayerTaps, TieNames, WholeSteps, capture_components,
-                                    linearise_norm, position_ids)
+from lmhead_cli.engine.base import (Components, Engine, GreedyRun, LayerTaps, TieNames, WholeSteps,
+                                    capture_components, linearise_norm, position_ids)
 from lmhead_cli.engine.cache_rows import RowSteps
 from lmhead_cli.engine.lean import HALF, KVCache, _mask, join_kv_caches
 from lmhead_cli.engine.llama_fields import LlamaShape, rope_inv_freq
@@ -283,15 +283,21 @@ class LeanLlama(RowSteps, WholeSteps, Engine):
             cache.length += ids.shape[1]
         return self.llama.model.norm(x)
 
+    def _step_plan(self) -> LlamaStepPlan | None:
+        """The compiled step's plan (made at the first step), None where it cannot run this engine's steps."""
+        if self._plan is None:
+            m = self.llama
+            self._plan = LlamaStepPlan(m.model.layers, self.shape, m.model.norm, m.lm_head, m.model.embed_tokens)
+        if not self._plan.ready or self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        return self._plan
+
     def _compiled_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
                        whole: bool = False, record: bool = False):
         """One new position's pass through every layer in the compiled step (engine/llama_step.py), the
         residual stream (B, 1, D) before the final norm; with `whole`, on to the logits and records
         (LlamaStepPlan.logits). None where it does not apply."""
-        if self._plan is None:
-            m = self.llama
-            self._plan = LlamaStepPlan(m.model.layers, self.shape, m.model.norm, m.lm_head, m.model.embed_tokens)
-        if not self._plan.ready or self.dtype != torch.float32 or self.device.type != "cpu":
+        if self._step_plan() is None:
             return None
         past = cache.length
         if attention_mask is None:
@@ -320,6 +326,18 @@ class LeanLlama(RowSteps, WholeSteps, Engine):
             return Engine.last_logits(self, ids, cache, attention_mask), None
         cache.length += 1
         return out
+
+    @torch.inference_mode()
+    def greedy_run(self, token: int, cache: KVCache, n: int, eos: int | None) -> GreedyRun | None:
+        """Engine.greedy_run: the whole compiled step run n times in one call (LlamaStepPlan.greedy_run),
+        where step_logits would run it (one row, the engine as built); n kept within the context and the cache."""
+        n = min(n, self.n_ctx - cache.length, cache.k.shape[3] - cache.length)
+        if n < 1 or "body" in self.__dict__ or "head" in self.__dict__ or self._step_plan() is None:
+            return None
+        run = self._plan.greedy_run(token, cache, n, eos, self._rope_rows(cache.length + n, self.device))
+        if run is not None:
+            cache.length += run.top_ids.shape[0]
+        return run
 
     @torch.inference_mode()
     def residuals(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

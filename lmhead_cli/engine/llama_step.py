@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from lmhead_cli.engine import kernels
-from lmhead_cli.engine.step import MAX_ROWS, fits, hook_dicts, turned_off
+from lmhead_cli.engine.step import MAX_ROWS, fits, greedy_run, hook_dicts, turned_off
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -196,15 +196,11 @@ class LlamaStepPlan:
             self.model.head_rounded = int(now.get(self.model.head_type, False))
             self.arithmetic = now
 
-    def _takes(self, rows: torch.Tensor, dtype: torch.dtype, cache, mask: torch.Tensor | None, rope: torch.Tensor,
-               hooks: list[dict]):
-        """The kernels where the step applies to these rows (x (B, 1, D) float32, or token ids (B, 1) int64;
-        see the class), else None."""
+    def _takes(self, B: int, cache, mask: torch.Tensor | None, rope: torch.Tensor, hooks: list[dict]):
+        """The kernels where the step applies to B rows of one new position (see the class), else None."""
         fast = kernels.load()
-        B, T = rows.shape[0], rows.shape[1]
-        if (not self.ready or fast is None or turned_off() or cache is None or T != 1 or not 1 <= B <= MAX_ROWS
-                or rows.dtype != dtype or not rows.is_cpu or hooked(hooks) or not fits(cache, B, mask)
-                or rope.dtype != torch.float32 or not rope.is_contiguous()):
+        if (not self.ready or fast is None or turned_off() or cache is None or not 1 <= B <= MAX_ROWS
+                or hooked(hooks) or not fits(cache, B, mask) or rope.dtype != torch.float32 or not rope.is_contiguous()):
             return None
         self._round()
         self.model.rope, self.model.rope_len = rope.data_ptr(), rope.shape[1]
@@ -218,10 +214,12 @@ class LlamaStepPlan:
         then `out`'s pointers: (its status, h or None); None where the step does not apply (`_takes`).
         MemoryError where the C call could not allocate its buffers."""
         rows = x if ids is None else ids
-        fast = self._takes(rows, torch.float32 if ids is None else torch.int64, cache, mask, rope, hooks)
+        B = rows.shape[0]
+        if rows.shape[1] != 1 or rows.dtype != (torch.float32 if ids is None else torch.int64) or not rows.is_cpu:
+            return None
+        fast = self._takes(B, cache, mask, rope, hooks)
         if fast is None:
             return None
-        B = rows.shape[0]
         if ids is None:
             h = x.reshape(B, x.shape[-1]).contiguous().clone()
             lead = (h.data_ptr(),) if function == "lmhead_llama_step" else (h.data_ptr(), None)
@@ -249,6 +247,14 @@ class LlamaStepPlan:
         again) where the step does not apply."""
         done = self._call("lmhead_llama_step", x, cache, mask, pos, rope, self.hooks)
         return done[1].view(x.shape) if done is not None and done[0] == 0 else None
+
+    def greedy_run(self, token: int, cache, n: int, eos: int | None, rope: torch.Tensor):
+        """Engine.greedy_run over the whole step from token ids (`logits`'s with ids, one row, no mask),
+        rope covering the run's positions; the cache's length not advanced. None where it does not apply."""
+        if not (self.has_head and self.embeds):
+            return None
+        fast = self._takes(1, cache, None, rope, self.whole_ids)
+        return None if fast is None else greedy_run(fast, self.model, True, token, cache, n, eos, self.model.V)
 
     def logits(self, x: torch.Tensor | None, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
                rope: torch.Tensor, record: bool = False, ids: torch.Tensor | None = None

@@ -115,6 +115,30 @@ def fits(cache, B: int, mask: torch.Tensor | None, T: int = 1) -> bool:
                                   and mask.stride(-1) == 1 and (T == 1 or mask.stride(0) == T * mask.stride(2)))))
 
 
+def greedy_run(fast, model: ctypes.Structure, llama: bool, token: int, cache, n: int, eos: int | None, V: int):
+    """n whole steps of one row in one compiled call (csrc/llama_step.c lmhead_greedy_run) over `model`
+    (an lmhead_llama where `llama`, else GPT-2's lmhead_model), whose plan has checked that it takes
+    them: Engine.greedy_run's GreedyRun, the cache's length not advanced (the caller's), or None where
+    the first step was not taken. The caller keeps n within the cache, the context and the positions
+    (RoPE's table); fits(cache, n) is checked here."""
+    from lmhead_cli.engine.base import GreedyRun
+
+    if not fits(cache, 1, None, n):
+        return None
+    z = torch.empty(2, V, dtype=torch.float32)  # the steps' logits, in turn
+    top_id, top = torch.empty(n, dtype=torch.int64), torch.empty(n, 3, dtype=torch.float32)
+    k, v = cache.k, cache.v
+    m = fast.lib.lmhead_greedy_run(ctypes.addressof(model), int(llama), token, n, -1 if eos is None else eos,
+                                   k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), cache.length,
+                                   z.data_ptr(), top_id.data_ptr(), top.data_ptr(), torch.get_num_threads())
+    if m == -1:
+        raise MemoryError("the compiled decoding step could not allocate its buffers")
+    if m < 1:
+        return None
+    last = (m - 1) % 2
+    return GreedyRun(top_id[:m], top[:m].T, z[last:last + 1])
+
+
 class StepPlan:
     """The blocks' weight pointers for csrc/step.c, made once per engine (a few hundred pointers), and
     the modules whose hooks send a step back to torch; with the embeddings, ln_f and the head (`model`,
@@ -197,6 +221,14 @@ class StepPlan:
         if status < 0:
             raise MemoryError("the compiled decoding step could not allocate its buffers")
         return z, ((top_id, top) if record and status == 0 else None)
+
+    def greedy_run(self, token: int, cache, n: int, eos: int | None):
+        """Engine.greedy_run over this plan's whole step (`logits`'s, for one row and no mask: the same
+        conditions), the cache's length not advanced; None where it does not apply."""
+        fast = kernels.load()
+        if self.model is None or fast is None or turned_off() or self.hooked(self.whole):
+            return None
+        return greedy_run(fast, self.model, False, token, cache, n, eos, self.V)
 
     def _groups(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, pos: torch.Tensor | None,
                 record: bool) -> tuple[torch.Tensor, tuple | None] | None:

@@ -166,6 +166,12 @@ class ThreadChooser:
     def deciding(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def settled(self) -> bool:
+        """Whether the next call is only watched: no warm-up and no trial to run (a trial compares calls of
+        the same work, one against one)."""
+        return not (self._pending or self._warm_up)
+
     def _start_trial(self) -> None:
         self._pending = self._settings * self.trials  # alternating: drift hits all alike
         self._rounds = self.trials
@@ -253,8 +259,9 @@ class ThreadChooser:
         # whether the trial's calls on more threads had their cores: only then is losing them a change
         self._had_cores = not self._lacked_cores()
 
-    def run(self, fn: Callable[[], T], units: float = 1.0) -> T:
-        """fn(), timed per unit when the setting is being chosen or watched."""
+    def run(self, fn: Callable[[], T], units: float | Callable[[T], float] = 1.0) -> T:
+        """fn(), timed per unit when the setting is being chosen or watched; `units` a number, or a function
+        of fn's result."""
         if not self._settings:
             return fn()
 
@@ -270,7 +277,7 @@ class ThreadChooser:
         start, cpu = time.perf_counter(), time.process_time()
         out = fn()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        per_unit = wall / max(units, 1e-9)
+        per_unit = wall / max(units(out) if callable(units) else units, 1e-9)
         if self._pending:
             setting = self._pending.pop(0)
             self._timed.setdefault(setting, []).append(per_unit)

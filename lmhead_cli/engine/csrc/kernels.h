@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define LMHEAD_KERNELS_ABI 21 /* raised when a signature, a structure or a name below changes */
+#define LMHEAD_KERNELS_ABI 22 /* raised when a signature, a structure or a name below changes */
 #define LMHEAD_MAX_ROWS 4 /* the most rows of x the int8 and bfloat16 products take (kernels.c's MAX_ROWS) */
 #define LMHEAD_F32_MAX_ROWS 16 /* the most rows lmhead_f32_matvec takes (more than 4 in one pass of the rows) */
 #define LMHEAD_GGUF_MAX_ROWS 16 /* the rows of x lmhead_gguf_matvec takes together (a decoding step's; more in tiles of this) */
@@ -183,4 +183,7 @@ int LMHEAD_VARIANT(lmhead_decode)(const lmhead_model *m, const int64_t *ids, con
                                   float *kc, float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
                                   const float *mask, int64_t msb, float *logits, int64_t *top_id, float *top,
                                   int threads);
+int LMHEAD_VARIANT(lmhead_greedy_run)(const void *m, int llama, int64_t id, int64_t n, int64_t eos, float *kc,
+                                      float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
+                                      float *logits, int64_t *top_id, float *top, int threads);
 #endif

@@ -199,3 +199,33 @@ int LMHEAD_VARIANT(lmhead_llama_decode)(const lmhead_llama *m, float *x, const i
     free(h), free(own);
     return !status && top_id ? step_record(logits, B, m->V, top_id, top, threads) : status;
 }
+
+/* One row's greedy run: up to n whole steps in one call, from token `id` at position `past`, each next
+   token the top-1 of the step before (its greedy record's top_id): what a decoding loop does in n calls,
+   without its Python between them (a few hundred microseconds a step once a step's weights have evicted
+   the interpreter's objects from every cache). `llama`: m is an lmhead_llama (lmhead_llama_decode's
+   step), else GPT-2's lmhead_model (lmhead_decode's). One row, no mask. Step i writes the cache at
+   past + i, its logits to row i % 2 of logits (2, V) and its record to top_id[i] and top[3 i .. 3 i + 2]
+   (the top-1's log p, the entropy, its logit). The run stops after a step whose top-1 is `eos` (-1:
+   none), or whose record a logit that is not finite spoilt (top_id[i] = -1, its logits whole). Returns
+   the steps run (1 .. n: a step after the first that fails ends the run before it, the cache then partly
+   written at its position, past the steps run), or the first step's code (-1 no memory, -2 not taken). */
+int LMHEAD_VARIANT(lmhead_greedy_run)(const void *m, int llama, int64_t id, int64_t n, int64_t eos, float *kc,
+                                      float *vc, int64_t csl, int64_t csb, int64_t csh, int64_t past,
+                                      float *logits, int64_t *top_id, float *top, int threads) {
+    const int64_t V = llama ? ((const lmhead_llama *)m)->V : ((const lmhead_model *)m)->V;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t token = i ? top_id[i - 1] : id;
+        float *z = logits + (i % 2) * V;
+        int status = llama ? LMHEAD_VARIANT(lmhead_llama_decode)((const lmhead_llama *)m, NULL, &token, 1, NULL, kc,
+                                                                 vc, csl, csb, csh, past + i, NULL, 0, z, top_id + i,
+                                                                 top + 3 * i, threads)
+                           : LMHEAD_VARIANT(lmhead_decode)((const lmhead_model *)m, &token, NULL, 1, kc, vc, csl,
+                                                           csb, csh, past + i, NULL, 0, z, top_id + i, top + 3 * i,
+                                                           threads);
+        if (status < 0) return i ? (int)i : status;
+        if (status > 0) top_id[i] = -1;
+        if (status > 0 || top_id[i] == eos) return (int)(i + 1);
+    }
+    return (int)n;
+}
