@@ -157,3 +157,47 @@ def test_a_kernel_with_huge_pages_set_to_never_gets_no_copy(tmp_path, monkeypatc
     setting.write_text("always [madvise] never\n")
     monkeypatch.setattr(pages, "THP_SETTING", setting)
     assert pages.supported() == hasattr(__import__("mmap").mmap, "madvise")
+
+
+@linux
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_K", True)])
+def test_a_gguf_llama_s_blocks_and_stacks_are_packed_and_give_the_same_steps(tmp_path, qtype, tied, monkeypatch):
+    """A GGUF Llama's matrices, read from the file into the C heap, and the projections its engine
+    stacks (q/k/v, gate/up) are copied onto one mapping of 2 MiB pages (loading/llama.py): each stack's
+    parts still views of it, a tied head still the embedding's blocks, every block in the one mapping,
+    on huge pages where the kernel gives them; the steps and a greedy run give the same logits and
+    tokens, bit for bit. Mutants: blocks left out of the pack (engine/pages.py `_weights`); a tied
+    table rebound twice."""
+    import lmhead_cli
+    from helpers import write_gguf
+    from test_llama_engine import build
+
+    from lmhead_cli.engine.quant import Blocks
+
+    _, model = build(tmp_path / "llama", "llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                     num_key_value_heads=2, tie_word_embeddings=tied)
+    path = tmp_path / f"llama-{qtype}.gguf"
+    write_gguf(model, path, qtype)
+    monkeypatch.setenv(pages.ENV, "0")
+    plain = lmhead_cli.load(str(path), device="cpu").loaded
+    monkeypatch.delenv(pages.ENV)
+    packed = lmhead_cli.load(str(path), device="cpu").loaded
+    llama = packed.engine.llama
+    blocks = [m.weight for m in llama.modules() if isinstance(getattr(m, "weight", None), Blocks)]
+    assert len({b.data.untyped_storage().data_ptr() for b in blocks}) == 1  # one mapping: every block in it
+    assert (llama.lm_head.weight is llama.model.embed_tokens.weight) == tied
+    attn = llama.model.layers[0].self_attn
+    q, stack = attn.q_proj.weight.data, attn.qkv.weight.data
+    assert q.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr() and q.data_ptr() == stack.data_ptr()
+    if _thp_setting() in ("always", "madvise"):
+        assert _anon_huge_kb(stack) > 0
+    ids = (1, 464, 8251, 319, 262, 3084)
+    assert torch.equal(_logits(plain, ids), _logits(packed, ids))
+    runs = []
+    for loaded in (plain, packed):
+        cache = loaded.engine.new_cache(1, 16)
+        with torch.inference_mode():
+            loaded.engine.body(torch.tensor([ids]), cache)
+            run = loaded.engine.greedy_run(ids[-1], cache, 8, None)
+        runs.append((run.top_ids, run.figures, run.logits))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -27,3 +27,20 @@ def fix_mmap_threshold() -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES))
     except (OSError, AttributeError, TypeError):
         return False
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def release_free_memory() -> bool:
+    """Hand the C heap's free memory back to the OS (glibc's malloc_trim): buffers below the mmap threshold
+    come from the heap, and freeing them does not lower the process's resident memory until this runs.
+    False where there is no glibc."""
+    try:
+        libc = _libc()
+        return bool(libc and libc.malloc_trim(0))
+    except (OSError, AttributeError, TypeError):
+        return False

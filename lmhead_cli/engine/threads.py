@@ -168,9 +168,9 @@ class ThreadChooser:
 
     @property
     def settled(self) -> bool:
-        """Whether the next call is only watched: no warm-up and no trial to run (a trial compares calls of
-        the same work, one against one)."""
-        return not (self._pending or self._warm_up)
+        """Whether the next call is only watched: no trial to run, its warm-up included (a trial compares
+        calls of the same work, one against one)."""
+        return not self._pending
 
     def _start_trial(self) -> None:
         self._pending = self._settings * self.trials  # alternating: drift hits all alike

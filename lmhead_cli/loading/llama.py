@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lmhead_cli.engine import pages
 from lmhead_cli.engine.llama import LeanLlama, Llama
 from lmhead_cli.errors import CorruptCheckpoint
 
@@ -69,7 +70,10 @@ def build_llama(config: dict, state: dict, files: list[Path], device: torch.devi
         if not isinstance(head, Blocks):
             model.lm_head.weight = head  # assign=True replaced embed_tokens' Parameter: tie again
     model.inv_freq = _inv_freq(config)  # built on the meta device with the rest
-    return LeanLlama(config, model.to(device).eval())
+    engine = LeanLlama(config, model.to(device).eval())  # its projections stacked (fused)
+    if files:  # a GGUF's blocks (read, not mapped), and the stacks: onto 2 MiB pages (engine/pages.py)
+        pages.pack(engine.llama)
+    return engine
 
 
 def full_config(config: dict, path) -> dict:
