@@ -381,7 +381,28 @@ class Engine(ABC):
 
 class WholeSteps:
     """For an engine whose step_logits runs a decoding step token to logits in one compiled call (LeanGPT2,
-    LeanLlama): last_logits sends it one new position of a few rows with a cache."""
+    LeanLlama): last_logits sends it one new position of a few rows with a cache; greedy_run runs several
+    of those steps in one call (`_greedy_run`, the engine's plan), where the engine is as built."""
+
+    def _as_built(self) -> bool:
+        """Neither `body` nor `head` replaced on the instance: a caller that wraps them (a reading) must see
+        every step run through them, so the compiled whole step stands aside."""
+        return "body" not in self.__dict__ and "head" not in self.__dict__
+
+    def greedy_run(self, token: int, cache: Any, n: int, eos: int | None) -> GreedyRun | None:
+        """Engine.greedy_run: the whole compiled step run up to n times in one call (`_greedy_run`), n kept
+        within the context and the cache (preallocated: its keys (L, B, K, T_max, hd)), the cache's length
+        advanced by the steps run; None where the engine is not as built or its plan does not take it."""
+        n = min(n, min(self.n_ctx, cache.k.shape[3]) - cache.length)
+        run = self._greedy_run(token, cache, n, eos) if n >= 1 and self._as_built() else None
+        if run is not None:
+            cache.length += run.top_ids.shape[0]
+        return run
+
+    def _greedy_run(self, token: int, cache: Any, n: int, eos: int | None) -> GreedyRun | None:
+        """n steps (n fits) in the engine's compiled plan, the cache's length left to greedy_run; None where
+        the plan does not take them."""
+        return None
 
     def last_logits(self, ids: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
                     lengths: torch.Tensor | None = None) -> torch.Tensor:

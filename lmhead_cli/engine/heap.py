@@ -19,20 +19,20 @@ THRESHOLD_BYTES = 128 * 1024
 
 
 @functools.cache
-def fix_mmap_threshold() -> bool:
-    """Pin glibc's mmap threshold at 128 KiB for this process; False where there is no glibc (macOS, musl)."""
+def _libc():
+    """The C library, loaded once; None where none is found."""
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES))
-    except (OSError, AttributeError, TypeError):
-        return False
+    return ctypes.CDLL(name) if name else None
 
 
 @functools.cache
-def _libc():
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
+def fix_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold at 128 KiB for this process; False where there is no glibc (macOS, musl)."""
+    try:
+        libc = _libc()
+        return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES))
+    except (OSError, AttributeError, TypeError):
+        return False
 
 
 def release_free_memory() -> bool:

@@ -371,22 +371,14 @@ class LeanGPT2(RowSteps, WholeSteps, Engine):
         return out if out is not None else (Engine.last_logits(self, ids, cache, attention_mask), None)
 
     @torch.inference_mode()
-    def greedy_run(self, token: int, cache: KVCache, n: int, eos: int | None) -> GreedyRun | None:
-        """Engine.greedy_run: the whole compiled step run n times in one call (StepPlan.greedy_run), where
-        step_logits would run it (`_whole`); n kept within the context and the cache."""
-        n = min(n, self.n_ctx - cache.length, cache.k.shape[3] - cache.length)
-        if n < 1 or self.step is None or not self._whole():
-            return None
-        run = self.step.greedy_run(token, cache, n, eos)
-        if run is not None:
-            cache.length += run.top_ids.shape[0]
-        return run
+    def _greedy_run(self, token: int, cache: KVCache, n: int, eos: int | None) -> GreedyRun | None:
+        """WholeSteps._greedy_run: StepPlan.greedy_run, where step_logits would run the whole step (`_whole`)."""
+        return self.step.greedy_run(token, cache, n, eos) if self.step is not None and self._whole() else None
 
     def _whole(self) -> bool:
         """Whether the whole step may run compiled: the products in the kernels' form (int8, or the form
-        chosen), and neither `body` nor `head` replaced on the instance."""
-        return ((self.int8 or self.products.form == "kernel") and "body" not in self.__dict__
-                and "head" not in self.__dict__)
+        chosen), and the engine as built (WholeSteps._as_built)."""
+        return (self.int8 or self.products.form == "kernel") and self._as_built()
 
     @torch.inference_mode()
     def _whole_step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,

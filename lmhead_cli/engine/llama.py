@@ -319,8 +319,7 @@ class LeanLlama(RowSteps, WholeSteps, Engine):
         replaced on the instance: a caller that wraps them sees every step); else the modules, and no
         record."""
         out = None
-        if (ids.shape[1] == 1 and cache.length + 1 <= self.n_ctx and "body" not in self.__dict__
-                and "head" not in self.__dict__):
+        if ids.shape[1] == 1 and cache.length + 1 <= self.n_ctx and self._as_built():
             out = self._compiled_step(ids, cache, attention_mask, whole=True, record=record)
         if out is None:
             return Engine.last_logits(self, ids, cache, attention_mask), None
@@ -328,16 +327,12 @@ class LeanLlama(RowSteps, WholeSteps, Engine):
         return out
 
     @torch.inference_mode()
-    def greedy_run(self, token: int, cache: KVCache, n: int, eos: int | None) -> GreedyRun | None:
-        """Engine.greedy_run: the whole compiled step run n times in one call (LlamaStepPlan.greedy_run),
-        where step_logits would run it (one row, the engine as built); n kept within the context and the cache."""
-        n = min(n, self.n_ctx - cache.length, cache.k.shape[3] - cache.length)
-        if n < 1 or "body" in self.__dict__ or "head" in self.__dict__ or self._step_plan() is None:
+    def _greedy_run(self, token: int, cache: KVCache, n: int, eos: int | None) -> GreedyRun | None:
+        """WholeSteps._greedy_run: LlamaStepPlan.greedy_run, RoPE's table covering the run's positions."""
+        plan = self._step_plan()
+        if plan is None:
             return None
-        run = self._plan.greedy_run(token, cache, n, eos, self._rope_rows(cache.length + n, self.device))
-        if run is not None:
-            cache.length += run.top_ids.shape[0]
-        return run
+        return plan.greedy_run(token, cache, n, eos, self._rope_rows(cache.length + n, self.device))
 
     @torch.inference_mode()
     def residuals(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

@@ -1,9 +1,9 @@
 """Weights kept as a GGUF file's own quantised blocks, and the products over them.
 
-`Blocks` holds one matrix as the file stores it: a (rows, bytes per row) uint8 tensor, a view of the
-file mapped copy-on-write (so its pages are the page cache's until something writes them, and
-nothing does), with the block type (Q8_0, Q4_0, Q4_K, Q6_K, ... as gguf.GGMLQuantizationType
-numbers them). The matrix is never dequantised whole on the hot path: `QuantLinear` multiplies a
+`Blocks` holds one matrix as the file stores it: a (rows, bytes per row) uint8 tensor, read from the
+file (loading/gguf.py: read, not mapped) and then packed with the engine's stacked projections onto
+2 MiB pages where Linux gives them (engine/pages.py), with the block type (Q8_0, Q4_0, Q4_K, Q6_K,
+... as gguf.GGMLQuantizationType numbers them). The matrix is never dequantised whole on the hot path: `QuantLinear` multiplies a
 chunk of rows at a time (at most CHUNK_VALUES float32 values dequantised at once, whatever the
 matrix's size), `QuantEmbedding` dequantises only the rows it looks up.
 
